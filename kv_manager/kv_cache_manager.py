@@ -1,0 +1,148 @@
+"""The scheduler's view of one executor's KV cache: per-request block tables and prefix reuse."""
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from kv_manager.block_pool import BlockPool, KVBlock
+from kv_manager.prefix_hash import BlockHash, chain_hashes
+
+
+@dataclass(slots=True)
+class PrefixHit:
+    """Leading full blocks of a prompt already in the cache, and the tokens they cover."""
+
+    blocks: list[KVBlock] = field(default_factory=list)
+    num_tokens: int = 0
+
+
+@dataclass(slots=True)
+class CacheStats:
+    num_blocks: int
+    num_free_blocks: int
+    queried_tokens: int
+    hit_tokens: int
+
+    @property
+    def usage(self) -> float:
+        return 1.0 - self.num_free_blocks / self.num_blocks
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hit_tokens / self.queried_tokens if self.queried_tokens else 0.0
+
+
+@dataclass(slots=True)
+class _RequestBlocks:
+    blocks: list[KVBlock] = field(default_factory=list)
+    hashes: list[BlockHash] = field(default_factory=list)
+    num_registered: int = 0
+    extra_key: bytes = b""
+
+
+class KVCacheManager:
+    """Hands out block ids for requests' tokens and reuses blocks whose content is cached."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        if block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {block_size}")
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.pool = BlockPool(num_blocks)
+        self._requests: dict[str, _RequestBlocks] = {}
+        self._queried_tokens = 0
+        self._hit_tokens = 0
+
+    def find_cached_prefix(
+        self, token_ids: Sequence[int], extra_key: bytes = b""
+    ) -> PrefixHit:
+        """The longest run of leading full blocks found in the cache. It never covers every
+        token: the last one must be computed to produce the logits of the next."""
+        if not self.enable_prefix_caching:
+            return PrefixHit()
+        max_blocks = (len(token_ids) - 1) // self.block_size
+        hit = PrefixHit()
+        for block_hash in chain_hashes(token_ids[: max_blocks * self.block_size], self.block_size, extra_key):
+            block = self.pool.lookup(block_hash)
+            if block is None:
+                break
+            hit.blocks.append(block)
+        hit.num_tokens = len(hit.blocks) * self.block_size
+        return hit
+
+    def allocate_slots(
+        self,
+        request_id: str,
+        token_ids: Sequence[int],
+        num_computed_tokens: int,
+        num_new_tokens: int,
+        prefix_hit: PrefixHit | None = None,
+        num_lookahead_tokens: int = 0,
+        extra_key: bytes = b"",
+    ) -> list[int] | None:
+        """Makes room for num_new_tokens after num_computed_tokens (which include prefix_hit's).
+
+        Returns the ids of blocks appended to the request's table, or None, changing nothing,
+        when the pool cannot hold them. token_ids are the tokens known so far; full blocks of
+        them that this step computes are entered in the prefix cache.
+        """
+        entry = self._requests.get(request_id)
+        hit = prefix_hit or PrefixHit()
+        if entry is not None and hit.blocks:
+            raise ValueError(f"request {request_id} already holds blocks; a prefix hit is for admission only")
+        held = len(entry.blocks) if entry else 0
+        needed = -(-(num_computed_tokens + num_new_tokens + num_lookahead_tokens) // self.block_size)
+        num_new_blocks = max(0, needed - held - len(hit.blocks))
+        revived = sum(1 for b in hit.blocks if b.ref_count == 0)
+        if num_new_blocks + revived > self.pool.num_free:
+            return None
+
+        if entry is None:
+            entry = self._requests[request_id] = _RequestBlocks(extra_key=extra_key)
+        if prefix_hit is not None:
+            self._queried_tokens += len(token_ids)
+            self._hit_tokens += hit.num_tokens
+        self.pool.acquire(hit.blocks)
+        entry.blocks.extend(hit.blocks)
+        new_blocks = self.pool.allocate(num_new_blocks)
+        entry.blocks.extend(new_blocks)
+        if self.enable_prefix_caching:
+            num_known = min(len(token_ids), num_computed_tokens + num_new_tokens)
+            self._register_full_blocks(entry, token_ids, num_known // self.block_size)
+        return [b.block_id for b in new_blocks]
+
+    def free(self, request_id: str) -> None:
+        """Releases every block of the request (finished, aborted or preempted). Idempotent."""
+        entry = self._requests.pop(request_id, None)
+        if entry is not None:
+            self.pool.release(reversed(entry.blocks))
+
+    def block_ids(self, request_id: str) -> list[int]:
+        entry = self._requests.get(request_id)
+        return [b.block_id for b in entry.blocks] if entry else []
+
+    def holds(self, request_id: str) -> bool:
+        return request_id in self._requests
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free
+
+    def stats(self) -> CacheStats:
+        return CacheStats(
+            num_blocks=self.pool.num_blocks,
+            num_free_blocks=self.pool.num_free,
+            queried_tokens=self._queried_tokens,
+            hit_tokens=self._hit_tokens,
+        )
+
+    def _register_full_blocks(
+        self, entry: _RequestBlocks, token_ids: Sequence[int], num_full: int
+    ) -> None:
+        if num_full <= entry.num_registered:
+            return
+        entry.hashes = chain_hashes(
+            token_ids[: num_full * self.block_size], self.block_size, entry.extra_key, entry.hashes
+        )
+        for index in range(entry.num_registered, num_full):
+            self.pool.register(entry.blocks[index], entry.hashes[index])
+        entry.num_registered = num_full

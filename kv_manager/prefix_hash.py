@@ -1,0 +1,41 @@
+"""Content hashes of full KV blocks, chained so a block's hash names its whole prefix."""
+
+import hashlib
+from array import array
+from collections.abc import Sequence
+
+BlockHash = bytes
+
+ROOT_HASH: BlockHash = b""
+
+
+def hash_block_tokens(
+    parent: BlockHash, token_ids: Sequence[int], extra_key: bytes = b""
+) -> BlockHash:
+    """Hash of one full block given its parent's hash (ROOT_HASH for the first block).
+
+    A cryptographic digest rather than Python's hash(): two prompts that collide would silently
+    share KV and produce wrong text, and 64-bit tuple hashes collide often enough at scale. The
+    extra key (a cache salt, say) keeps tenants from sharing blocks.
+    """
+    digest = hashlib.blake2b(digest_size=16)
+    digest.update(parent)
+    digest.update(len(extra_key).to_bytes(4, "little"))
+    digest.update(extra_key)
+    digest.update(array("I", token_ids).tobytes())
+    return digest.digest()
+
+
+def chain_hashes(
+    token_ids: Sequence[int],
+    block_size: int,
+    extra_key: bytes = b"",
+    known: Sequence[BlockHash] = (),
+) -> list[BlockHash]:
+    """Hashes of every full block of token_ids, reusing the already computed leading ones."""
+    hashes = list(known)
+    parent = hashes[-1] if hashes else ROOT_HASH
+    for start in range(len(hashes) * block_size, len(token_ids) - block_size + 1, block_size):
+        parent = hash_block_tokens(parent, token_ids[start : start + block_size], extra_key)
+        hashes.append(parent)
+    return hashes

@@ -1,0 +1,75 @@
+"""Behaviour of the KV cache manager that a scheduler relies on, case by case."""
+
+import pytest
+
+from kv_manager import KVCacheManager
+
+
+def admit(kv: KVCacheManager, request_id: str, tokens: list[int], salt: bytes = b"") -> int:
+    hit = kv.find_cached_prefix(tokens, salt)
+    assert kv.allocate_slots(
+        request_id, tokens, hit.num_tokens, len(tokens) - hit.num_tokens, hit, extra_key=salt
+    ) is not None
+    return hit.num_tokens
+
+
+def test_shared_prefix_reuses_blocks_and_counts_hits() -> None:
+    kv = KVCacheManager(num_blocks=8, block_size=4)
+    assert admit(kv, "a", list(range(10))) == 0
+    assert admit(kv, "b", list(range(8)) + [99, 98, 97]) == 8
+    assert kv.block_ids("b")[:2] == kv.block_ids("a")[:2]
+    assert kv.stats().hit_tokens == 8 and kv.stats().queried_tokens == 21
+
+
+def test_whole_prompt_hit_leaves_last_block_to_compute() -> None:
+    kv = KVCacheManager(num_blocks=8, block_size=4)
+    admit(kv, "a", list(range(8)))
+    assert admit(kv, "b", list(range(8))) == 4
+
+
+def test_freed_blocks_stay_cached_until_evicted_least_recently_used() -> None:
+    kv = KVCacheManager(num_blocks=4, block_size=2)
+    admit(kv, "old", [1, 2, 3])
+    admit(kv, "new", [7, 8, 9])
+    kv.free("old")
+    kv.free("new")
+    # "old" freed first, so its blocks go first; "new"'s full block survives.
+    admit(kv, "filler", [5, 5, 5])
+    assert kv.find_cached_prefix([1, 2, 3]).num_tokens == 0
+    assert kv.find_cached_prefix([7, 8, 9]).num_tokens == 2
+
+
+def test_cache_salt_isolates_tenants() -> None:
+    kv = KVCacheManager(num_blocks=8, block_size=4)
+    admit(kv, "a", list(range(9)), salt=b"tenant-a")
+    assert kv.find_cached_prefix(list(range(9)), b"tenant-b").num_tokens == 0
+    assert kv.find_cached_prefix(list(range(9)), b"tenant-a").num_tokens == 8
+
+
+def test_allocation_that_does_not_fit_changes_nothing() -> None:
+    kv = KVCacheManager(num_blocks=3, block_size=4)
+    admit(kv, "a", list(range(8)))
+    assert kv.allocate_slots("b", list(range(20, 29)), 0, 9) is None
+    assert not kv.holds("b") and kv.num_free_blocks == 1
+    assert kv.allocate_slots("a", list(range(8)), 8, 1, num_lookahead_tokens=4) is None
+    assert kv.block_ids("a") == [0, 1]
+
+
+def test_lookahead_reserves_slots_ahead() -> None:
+    kv = KVCacheManager(num_blocks=4, block_size=4)
+    assert kv.allocate_slots("a", [1, 2, 3], 0, 3, num_lookahead_tokens=2) == [0, 1]
+
+
+def test_disabled_prefix_caching_never_hits() -> None:
+    kv = KVCacheManager(num_blocks=8, block_size=4, enable_prefix_caching=False)
+    admit(kv, "a", list(range(9)))
+    assert admit(kv, "b", list(range(9))) == 0
+
+
+def test_releasing_more_than_acquired_is_refused() -> None:
+    kv = KVCacheManager(num_blocks=2, block_size=4)
+    admit(kv, "a", [1])
+    block = kv.pool.blocks[kv.block_ids("a")[0]]
+    kv.free("a")
+    with pytest.raises(ValueError, match="released more often"):
+        kv.pool.release([block])
