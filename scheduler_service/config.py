@@ -1,0 +1,27 @@
+"""Limits and policies of one scheduler, fixed at start."""
+
+from dataclasses import dataclass
+
+from scheduler_service.policy import Policy, StepMode
+
+
+@dataclass(slots=True, frozen=True)
+class SchedulerConfig:
+    # From the executor's Describe.
+    num_kv_blocks: int
+    block_size: int
+    max_model_len: int
+    # Most requests holding KV blocks at once.
+    max_num_seqs: int = 256
+    # Most tokens computed in one step (decodes count one each).
+    max_num_batched_tokens: int = 2048
+    policy: Policy = Policy.FCFS
+    mode: StepMode = StepMode.MIXED
+    # Split prompts longer than the step's remaining budget across steps.
+    enable_chunked_prefill: bool = True
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("num_kv_blocks", "block_size", "max_model_len", "max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")

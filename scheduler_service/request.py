@@ -1,0 +1,81 @@
+"""One generation request as the scheduler tracks it."""
+
+import enum
+from dataclasses import dataclass, field
+
+from scheduler_service.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(enum.Enum):
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    priority: int = 0
+    cache_salt: bytes = b""
+    arrival_time: float = 0.0
+    # Tie-breaker among equal priorities: arrival order, set by the scheduler.
+    arrival_index: int = 0
+    # Prompt followed by every output token received so far.
+    token_ids: list[int] = field(default_factory=list)
+    # Tokens whose KV the executor has (or will have, once the steps in flight run).
+    num_computed_tokens: int = 0
+    # Tokens scheduled to be sampled whose values have not come back yet: with pipelining the
+    # next step is planned before the last result arrives.
+    num_pending_outputs: int = 0
+    # Tokens to compute before the first sample of this admission (the prompt, or prompt and
+    # earlier output when resuming after preemption).
+    prefill_target: int = 0
+    # Prompt tokens served from the prefix cache at first admission.
+    num_cached_tokens: int = 0
+    num_preemptions: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: FinishReason | None = None
+    stop_reason: str | None = None
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finish_time: float | None = None
+
+    def __post_init__(self) -> None:
+        if not self.token_ids:
+            self.token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[len(self.prompt_token_ids) :]
+
+    @property
+    def in_prefill(self) -> bool:
+        return self.num_computed_tokens < self.prefill_target
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return self.num_tokens + self.num_pending_outputs - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED

@@ -1,0 +1,50 @@
+"""Sampling and stop settings of one request, validated once at arrival."""
+
+from dataclasses import dataclass
+
+
+@dataclass(slots=True, frozen=True)
+class SamplingParams:
+    max_tokens: int | None = None
+    min_tokens: int = 0
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+
+    def problems(self, vocab_size: int, max_logprobs: int) -> list[str]:
+        """Every way these settings are invalid, each as a sentence for the client."""
+        found = []
+        if self.max_tokens is not None and self.max_tokens < 1:
+            found.append(f"max_tokens must be at least 1, got {self.max_tokens}")
+        if self.temperature < 0 or self.temperature != self.temperature:
+            found.append(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            found.append(f"top_p must be in (0, 1], got {self.top_p}")
+        if not 0 <= self.min_p <= 1:
+            found.append(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.top_k < 0:
+            found.append(f"top_k must be >= 0, got {self.top_k}")
+        if self.repetition_penalty <= 0:
+            found.append(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not -2 <= value <= 2:
+                found.append(f"{name} must be in [-2, 2], got {value}")
+        if self.logprobs is not None and self.logprobs > max_logprobs:
+            found.append(f"logprobs must be at most {max_logprobs}, got {self.logprobs}")
+        bad_ids = [t for t in self.stop_token_ids if t >= vocab_size]
+        if bad_ids:
+            found.append(f"stop_token_ids {bad_ids} are outside the vocabulary of {vocab_size}")
+        if any(not s for s in self.stop):
+            found.append("stop strings must not be empty")
+        return found

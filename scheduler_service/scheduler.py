@@ -1,0 +1,272 @@
+"""The step planner: which requests run this step, how many tokens each computes, which blocks
+they use; and the bookkeeping when the step's tokens come back."""
+
+import itertools
+import time
+from collections.abc import Callable, Collection
+
+from kv_manager import KVCacheManager, PrefixHit
+from scheduler_service.config import SchedulerConfig
+from scheduler_service.errors import RejectKind, RequestRejected
+from scheduler_service.policy import StepMode, pick_victim
+from scheduler_service.request import FinishReason, Request, RequestStatus
+from scheduler_service.request_queue import WaitingQueue
+from scheduler_service.step_plan import (
+    ContinuingRequestPlan,
+    NewRequestPlan,
+    RequestUpdate,
+    StepOutput,
+    StepPlan,
+)
+from scheduler_service.stop_checker import check_stop, may_sample_more
+
+
+class Scheduler:
+    """Owns the waiting and running queues and the KV block pool of one executor."""
+
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        eos_token_ids: Collection[int] = (),
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.config = config
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.clock = clock
+        self.kv = KVCacheManager(config.num_kv_blocks, config.block_size, config.enable_prefix_caching)
+        self.waiting = WaitingQueue(config.policy)
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+        self.num_steps = 0
+        self._arrivals = itertools.count()
+        self._step_ids = itertools.count(1)
+        # Requests the executor holds state for, and those to tell it to drop in the next plan.
+        self._on_executor: set[str] = set()
+        self._to_drop: list[str] = []
+        # step id -> request id -> preemption count when its sample was scheduled: a sample
+        # that comes back after its request was preempted or finished is stale and dropped.
+        self._in_flight: dict[int, dict[str, int]] = {}
+
+    # ---- arrivals and departures -------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise RequestRejected(RejectKind.DUPLICATE, f"request id {request.request_id!r} is already in flight")
+        if not request.prompt_token_ids:
+            raise RequestRejected(RejectKind.INVALID, "the prompt is empty")
+        if request.num_prompt_tokens >= self.config.max_model_len:
+            raise RequestRejected(
+                RejectKind.TOO_LARGE,
+                f"prompt of {request.num_prompt_tokens} tokens leaves no room to generate under "
+                f"the maximum model length of {self.config.max_model_len}",
+            )
+        blocks = -(-(request.num_prompt_tokens + 1) // self.config.block_size)
+        if blocks > self.config.num_kv_blocks:
+            raise RequestRejected(
+                RejectKind.TOO_LARGE,
+                f"prompt of {request.num_prompt_tokens} tokens needs {blocks} KV blocks; the "
+                f"cache holds {self.config.num_kv_blocks}",
+            )
+        request.arrival_index = next(self._arrivals)
+        request.arrival_time = request.arrival_time or self.clock()
+        request.status = RequestStatus.WAITING
+        self.requests[request.request_id] = request
+        self.waiting.add(request)
+
+    def abort(self, request_id: str) -> bool:
+        request = self.requests.get(request_id)
+        if request is None:
+            return False
+        self.finish(request, FinishReason.ABORT)
+        return True
+
+    def finish(self, request: Request, reason: FinishReason, stop_reason: str | None = None) -> None:
+        """Ends a request (also for stop strings, which the service layer detects)."""
+        if request.status is RequestStatus.WAITING:
+            self.waiting.remove(request)
+        elif request.status is RequestStatus.RUNNING:
+            self.running.remove(request)
+        request.status = RequestStatus.FINISHED
+        request.finish_reason, request.stop_reason = reason, stop_reason
+        request.finish_time = self.clock()
+        request.num_pending_outputs = 0
+        self.kv.free(request.request_id)
+        self._forget_on_executor(request.request_id)
+        del self.requests[request.request_id]
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    # ---- planning ----------------------------------------------------------------------------
+
+    def schedule(self) -> StepPlan:
+        budget = self.config.max_num_batched_tokens
+        scheduled: dict[Request, int] = {}
+        new_blocks: dict[str, list[int]] = {}
+        admitted: list[Request] = []
+        mode = self.config.mode
+        preempted = False
+        if mode is StepMode.MIXED:
+            budget, preempted = self._schedule_running(budget, scheduled, new_blocks, prefill=True, decode=True)
+            if not preempted:
+                budget = self._admit_waiting(budget, scheduled, admitted)
+        elif mode is StepMode.PREFILL_FIRST:
+            budget, preempted = self._schedule_running(budget, scheduled, new_blocks, prefill=True, decode=False)
+            if not preempted:
+                budget = self._admit_waiting(budget, scheduled, admitted)
+            if not scheduled:
+                self._schedule_running(budget, scheduled, new_blocks, prefill=False, decode=True)
+        else:
+            was_idle = not self.running
+            self._schedule_running(budget, scheduled, new_blocks, prefill=True, decode=True)
+            if was_idle:
+                self._admit_waiting(budget, scheduled, admitted)
+        return self._build_plan(scheduled, new_blocks, admitted)
+
+    def _schedule_running(
+        self,
+        budget: int,
+        scheduled: dict[Request, int],
+        new_blocks: dict[str, list[int]],
+        prefill: bool,
+        decode: bool,
+    ) -> tuple[int, bool]:
+        preempted = False
+        for request in list(self.running):
+            if budget <= 0:
+                break
+            if request.status is not RequestStatus.RUNNING or request in scheduled:
+                continue
+            if not (prefill if request.in_prefill else decode):
+                continue
+            if not request.in_prefill and not may_sample_more(request, self.config.max_model_len):
+                continue
+            num_new = min(request.num_uncomputed_tokens, budget)
+            while (ids := self._allocate(request, num_new)) is None:
+                victim = pick_victim(self.running, self.config.policy)
+                budget += scheduled.pop(victim, 0)
+                new_blocks.pop(victim.request_id, None)
+                self._preempt(victim)
+                preempted = True
+                if victim is request:
+                    break
+            if ids is not None:
+                scheduled[request] = num_new
+                new_blocks[request.request_id] = ids
+                budget -= num_new
+        return budget, preempted
+
+    def _admit_waiting(self, budget: int, scheduled: dict[Request, int], admitted: list[Request]) -> int:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting.peek()
+            hit = self.kv.find_cached_prefix(request.token_ids, request.cache_salt)
+            num_new = request.num_tokens - hit.num_tokens
+            if num_new > budget and not self.config.enable_chunked_prefill:
+                break
+            num_new = min(num_new, budget)
+            if self._allocate(request, num_new, hit) is None:
+                break
+            self.waiting.pop()
+            now = self.clock()
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = now
+                request.num_cached_tokens = hit.num_tokens
+            request.status = RequestStatus.RUNNING
+            request.num_computed_tokens = hit.num_tokens
+            request.prefill_target = request.num_tokens
+            self.running.append(request)
+            admitted.append(request)
+            scheduled[request] = num_new
+            budget -= num_new
+        return budget
+
+    def _allocate(self, request: Request, num_new: int, hit: PrefixHit | None = None) -> list[int] | None:
+        return self.kv.allocate_slots(
+            request.request_id,
+            request.token_ids,
+            hit.num_tokens if hit else request.num_computed_tokens,
+            num_new,
+            hit,
+            extra_key=request.cache_salt,
+        )
+
+    def _preempt(self, request: Request) -> None:
+        """Recompute preemption: the blocks go, the tokens stay, the request waits at the head."""
+        self.running.remove(request)
+        self.kv.free(request.request_id)
+        self._forget_on_executor(request.request_id)
+        request.status = RequestStatus.WAITING
+        request.num_computed_tokens = 0
+        request.num_pending_outputs = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.push_front(request)
+
+    def _forget_on_executor(self, request_id: str) -> None:
+        if request_id in self._on_executor:
+            self._on_executor.discard(request_id)
+            self._to_drop.append(request_id)
+
+    def _build_plan(
+        self, scheduled: dict[Request, int], new_blocks: dict[str, list[int]], admitted: list[Request]
+    ) -> StepPlan:
+        plan = StepPlan(step_id=next(self._step_ids), dropped_request_ids=self._to_drop)
+        self._to_drop = []
+        fresh = set(admitted)
+        sampled: dict[str, int] = {}
+        for request, num_new in scheduled.items():
+            if request in fresh:
+                plan.new_requests.append(
+                    NewRequestPlan(
+                        request.request_id,
+                        list(request.token_ids),
+                        self.kv.block_ids(request.request_id),
+                        request.num_computed_tokens,
+                        num_new,
+                        request.sampling,
+                    )
+                )
+                self._on_executor.add(request.request_id)
+            else:
+                plan.continuing_requests.append(
+                    ContinuingRequestPlan(request.request_id, num_new, new_blocks[request.request_id])
+                )
+            request.num_computed_tokens += num_new
+            if request.num_computed_tokens == request.num_tokens + request.num_pending_outputs:
+                request.num_pending_outputs += 1
+                sampled[request.request_id] = request.num_preemptions
+        if sampled:
+            self._in_flight[plan.step_id] = sampled
+        if plan.has_work:
+            self.num_steps += 1
+        return plan
+
+    # ---- results -----------------------------------------------------------------------------
+
+    def update(self, output: StepOutput) -> list[RequestUpdate]:
+        """Appends the step's sampled tokens, finishes requests that hit a stop condition."""
+        updates = []
+        for request_id, epoch in self._in_flight.pop(output.step_id, {}).items():
+            request = self.requests.get(request_id)
+            if request is None or request.num_preemptions != epoch:
+                continue
+            if request_id in output.rejected or not output.sampled.get(request_id):
+                error = output.rejected.get(request_id, "the executor returned no token")
+                self.finish(request, FinishReason.ABORT)
+                updates.append(RequestUpdate(request_id, [], [], True, error))
+                continue
+            request.num_pending_outputs -= 1
+            update = RequestUpdate(request_id, [], output.logprobs.get(request_id, []), False)
+            for token in output.sampled[request_id]:
+                request.token_ids.append(token)
+                update.new_token_ids.append(token)
+                if request.first_token_time is None:
+                    request.first_token_time = self.clock()
+                stop = check_stop(request, self.eos_token_ids, self.config.max_model_len)
+                if stop is not None:
+                    self.finish(request, *stop)
+                    update.finished = True
+                    break
+            updates.append(update)
+        return updates

@@ -1,0 +1,102 @@
+"""A simulated executor: the real executor's bookkeeping with a deterministic stand-in for the
+model, so the scheduler runs end to end in tests and policy benchmarks without torch.
+
+It keeps a shadow KV cache (which token sits in which slot) and checks every plan against it the
+way the attention would depend on it: a request's cached slots must hold exactly its tokens. A
+scheduler that hands out a wrong block, a stale prefix hit or too few slots fails loudly here.
+"""
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from scheduler_service.step_plan import StepOutput, StepPlan
+
+TokenFn = Callable[[str, Sequence[int]], int]
+
+
+def default_next_token(request_id: str, token_ids: Sequence[int]) -> int:
+    """Depends only on the sequence, so recomputing after preemption yields the same tokens."""
+    return (sum(token_ids[-4:]) * 31 + len(token_ids)) % 1000 + 3
+
+
+class PlanMismatch(AssertionError):
+    """The plan contradicts what the executor holds: a scheduler bug."""
+
+
+@dataclass(slots=True)
+class _SimRequest:
+    token_ids: list[int]
+    block_ids: list[int]
+    num_computed: int
+
+
+@dataclass(slots=True)
+class SimulatedExecutor:
+    num_blocks: int
+    block_size: int
+    next_token: TokenFn = default_next_token
+    # Modelled cost of a step: fixed overhead plus a cost per scheduled token, in seconds.
+    step_overhead_s: float = 0.002
+    per_token_s: float = 0.0001
+    elapsed_s: float = 0.0
+    slots: dict[int, int] = field(default_factory=dict)
+    requests: dict[str, _SimRequest] = field(default_factory=dict)
+    last_step_id: int = 0
+    # Check before each step that every slot a request attends over still holds its token.
+    verify_kv: bool = True
+
+    def execute(self, plan: StepPlan) -> StepOutput:
+        if plan.step_id <= self.last_step_id:
+            raise PlanMismatch(f"step {plan.step_id} after step {self.last_step_id}")
+        self.last_step_id = plan.step_id
+        for request_id in plan.dropped_request_ids:
+            self.requests.pop(request_id, None)
+        work: list[tuple[str, int]] = []
+        for new in plan.new_requests:
+            if new.request_id in self.requests:
+                raise PlanMismatch(f"{new.request_id} is new but already held")
+            state = _SimRequest(list(new.token_ids), list(new.block_ids), new.num_computed_tokens)
+            self.requests[new.request_id] = state
+            self._check_cached(new.request_id, state)
+            work.append((new.request_id, new.num_scheduled_tokens))
+        for cont in plan.continuing_requests:
+            state = self.requests.get(cont.request_id)
+            if state is None:
+                raise PlanMismatch(f"{cont.request_id} continues but is not held")
+            state.block_ids.extend(cont.new_block_ids)
+            if self.verify_kv:
+                self._check_cached(cont.request_id, state)
+            work.append((cont.request_id, cont.num_scheduled_tokens))
+        output = StepOutput(step_id=plan.step_id)
+        for request_id, num_tokens in work:
+            state = self.requests[request_id]
+            end = state.num_computed + num_tokens
+            if end > len(state.token_ids):
+                raise PlanMismatch(f"{request_id} computes to {end} but knows {len(state.token_ids)} tokens")
+            if end > len(state.block_ids) * self.block_size:
+                raise PlanMismatch(f"{request_id} computes to {end} with {len(state.block_ids)} blocks")
+            for position in range(state.num_computed, end):
+                self.slots[self._slot(state, position)] = state.token_ids[position]
+            state.num_computed = end
+            if end == len(state.token_ids):
+                token = self.next_token(request_id, state.token_ids)
+                state.token_ids.append(token)
+                output.sampled[request_id] = [token]
+        output.forward_time_s = self.step_overhead_s + self.per_token_s * plan.num_scheduled_tokens
+        self.elapsed_s += output.forward_time_s
+        return output
+
+    def _slot(self, state: _SimRequest, position: int) -> int:
+        block_id = state.block_ids[position // self.block_size]
+        if not 0 <= block_id < self.num_blocks:
+            raise PlanMismatch(f"block {block_id} outside the pool of {self.num_blocks}")
+        return block_id * self.block_size + position % self.block_size
+
+    def _check_cached(self, request_id: str, state: _SimRequest) -> None:
+        for position in range(state.num_computed):
+            stored = self.slots.get(self._slot(state, position))
+            if stored != state.token_ids[position]:
+                raise PlanMismatch(
+                    f"{request_id}: cached slot for position {position} holds {stored}, "
+                    f"not {state.token_ids[position]}"
+                )

@@ -1,0 +1,82 @@
+"""What travels between the planner and an executor for one step, as plain records.
+
+The plan is a diff: a request the executor has not seen arrives whole, a continuing one carries
+only its token count and new blocks, so a plan's size follows the step's work, not the length of
+the conversations. The protobuf form is built by plan_codec.
+"""
+
+from dataclasses import dataclass, field
+
+from scheduler_service.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class NewRequestPlan:
+    request_id: str
+    token_ids: list[int]
+    block_ids: list[int]
+    num_computed_tokens: int
+    num_scheduled_tokens: int
+    sampling: SamplingParams
+
+
+@dataclass(slots=True)
+class ContinuingRequestPlan:
+    request_id: str
+    num_scheduled_tokens: int
+    new_block_ids: list[int]
+
+
+@dataclass(slots=True)
+class StepPlan:
+    step_id: int
+    new_requests: list[NewRequestPlan] = field(default_factory=list)
+    continuing_requests: list[ContinuingRequestPlan] = field(default_factory=list)
+    dropped_request_ids: list[str] = field(default_factory=list)
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        return sum(r.num_scheduled_tokens for r in self.new_requests) + sum(
+            r.num_scheduled_tokens for r in self.continuing_requests
+        )
+
+    @property
+    def scheduled_request_ids(self) -> list[str]:
+        return [r.request_id for r in self.new_requests] + [
+            r.request_id for r in self.continuing_requests
+        ]
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.new_requests or self.continuing_requests)
+
+
+@dataclass(slots=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top_token_ids: list[int] = field(default_factory=list)
+    top_logprobs: list[float] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class StepOutput:
+    """An executor's answer to one plan."""
+
+    step_id: int
+    sampled: dict[str, list[int]] = field(default_factory=dict)
+    logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)
+    # request id -> why the executor refused its entry.
+    rejected: dict[str, str] = field(default_factory=dict)
+    forward_time_s: float = 0.0
+
+
+@dataclass(slots=True)
+class RequestUpdate:
+    """What one request gained from a step, for streaming to its client."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[TokenLogprob]
+    finished: bool
+    error: str | None = None

@@ -1,0 +1,56 @@
+"""Drives a Scheduler against the SimulatedExecutor and records each step as one line."""
+
+from dataclasses import dataclass, field
+
+from scheduler_service.config import SchedulerConfig
+from scheduler_service.request import Request
+from scheduler_service.sampling_params import SamplingParams
+from scheduler_service.scheduler import Scheduler
+from scheduler_service.sim_executor import SimulatedExecutor
+from scheduler_service.step_plan import StepPlan
+
+
+def make_request(index: int, prompt_len: int, max_tokens: int, priority: int = 0) -> Request:
+    """Distinct prompts per index, so no two requests share cached blocks by accident."""
+    prompt = list(range(100 * index + 1, 100 * index + prompt_len + 1))
+    sampling = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    return Request(f"r{index}", prompt, sampling, priority=priority)
+
+
+def describe_step(plan: StepPlan, scheduler: Scheduler) -> str:
+    """'r0:5 r1:1 | W: r2 | R: r0 r1': scheduled tokens per request, then the queues after."""
+    work = [f"{r.request_id}:{r.num_scheduled_tokens}" for r in plan.new_requests]
+    work += [f"{r.request_id}:{r.num_scheduled_tokens}" for r in plan.continuing_requests]
+    waiting = " ".join(r.request_id for r in scheduler.waiting)
+    running = " ".join(r.request_id for r in scheduler.running)
+    return f"{' '.join(work)} | W: {waiting} | R: {running}".replace("  ", " ").strip()
+
+
+@dataclass
+class Run:
+    scheduler: Scheduler
+    executor: SimulatedExecutor
+    lines: list[str] = field(default_factory=list)
+    plans: list[StepPlan] = field(default_factory=list)
+    outputs: dict[str, list[int]] = field(default_factory=dict)
+    finished_at: dict[str, int] = field(default_factory=dict)
+
+
+def run(config: SchedulerConfig, arrivals: dict[int, list[Request]], max_steps: int = 500) -> Run:
+    """Adds arrivals[n] before planning step n (1-based) and runs until every request finished."""
+    result = Run(Scheduler(config), SimulatedExecutor(config.num_kv_blocks, config.block_size))
+    step = 0
+    while result.scheduler.has_unfinished() or any(s > step for s in arrivals):
+        step += 1
+        assert step <= max_steps, "scheduler did not finish"
+        for request in arrivals.get(step, []):
+            result.scheduler.add_request(request)
+        plan = result.scheduler.schedule()
+        updates = result.scheduler.update(result.executor.execute(plan))
+        for update in updates:
+            result.outputs.setdefault(update.request_id, []).extend(update.new_token_ids)
+            if update.finished:
+                result.finished_at[update.request_id] = step
+        result.plans.append(plan)
+        result.lines.append(describe_step(plan, result.scheduler))
+    return result
