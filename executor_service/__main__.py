@@ -1,0 +1,70 @@
+"""Command line: python -m executor_service --model DIR --port PORT [options]."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+from pathlib import Path
+
+from executor_service.server import serve
+from executor_service.settings import DEFAULT_BLOCK_SIZE, ExecutorSettings, parse_size
+from executor_service.startup import build_executor
+
+logger = logging.getLogger("executor_service")
+
+
+def parse_args(argv: list[str] | None) -> ExecutorSettings:
+    parser = argparse.ArgumentParser(
+        prog="python -m executor_service", description="Serve the splitserve Executor API."
+    )
+    parser.add_argument("--model", type=Path, required=True, help="local Hugging Face model folder")
+    parser.add_argument("--port", type=int, required=True, help="0 picks a free port")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    parser.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE)
+    budget = parser.add_mutually_exclusive_group()
+    budget.add_argument("--num-kv-blocks", type=int, default=None)
+    budget.add_argument("--kv-cache-memory", type=parse_size, default=None, help="e.g. 512MiB, 2GiB")
+    parser.add_argument("--max-model-len", type=int, default=None, help="cap below the model's own")
+    parser.add_argument("--max-logprobs", type=int, default=20)
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    args = parser.parse_args(argv)
+    if args.block_size <= 0:
+        parser.error("--block-size must be > 0")
+    if args.num_kv_blocks is not None and args.num_kv_blocks <= 0:
+        parser.error("--num-kv-blocks must be > 0")
+    return ExecutorSettings(
+        model_dir=args.model,
+        host=args.host,
+        port=args.port,
+        device=args.device,
+        dtype=args.dtype,
+        block_size=args.block_size,
+        num_kv_blocks=args.num_kv_blocks,
+        kv_cache_bytes=args.kv_cache_memory,
+        max_model_len=args.max_model_len,
+        max_logprobs=args.max_logprobs,
+        threads=args.threads,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(
+        level=logging.INFO,
+        stream=sys.stderr,
+        format="%(asctime)s level=%(levelname)s logger=%(name)s %(message)s",
+    )
+    settings = parse_args(argv)
+    logger.info("event=executor_starting model=%s port=%d", settings.model_dir, settings.port)
+    executor = build_executor(settings)
+    asyncio.run(serve(executor, settings.host, settings.port))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,32 @@
+"""One forward pass of the flattened step, with logits only at the positions that are sampled."""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+
+from executor_service.model_loader import LoadedModel
+from executor_service.paged_attention import STEP_KWARG
+from executor_service.plan_inputs import StepInputs
+
+
+def accepts_logits_to_keep(loaded: LoadedModel) -> bool:
+    return "logits_to_keep" in inspect.signature(loaded.model.forward).parameters
+
+
+@torch.inference_mode()
+def compute_logits(loaded: LoadedModel, inputs: StepInputs, use_logits_to_keep: bool) -> torch.Tensor:
+    """[sampled rows, vocab] logits; [0, vocab] when the step samples nothing."""
+    model = loaded.model
+    common = {
+        "input_ids": inputs.input_ids,
+        "position_ids": inputs.position_ids,
+        "use_cache": False,
+        STEP_KWARG: inputs.attention,
+    }
+    if use_logits_to_keep:
+        # Passing the model's own head keeps model-specific logit scaling or softcapping intact.
+        return model(**common, logits_to_keep=inputs.logits_indices).logits[0]
+    hidden = model.base_model(**common).last_hidden_state[0]
+    return model.get_output_embeddings()(hidden[inputs.logits_indices])

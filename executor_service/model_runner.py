@@ -1,0 +1,166 @@
+"""Runs one step plan: applies its diffs to the request states, one forward, sampling, result.
+
+Called from a single worker thread, so plans run strictly in order and never concurrently.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from executor_service.forward import accepts_logits_to_keep, compute_logits
+from executor_service.kv_cache import PagedKVCache
+from executor_service.model_loader import LoadedModel
+from executor_service.plan_inputs import ScheduledWork, build_step_inputs
+from executor_service.request_state import RequestState, make_generator
+from executor_service.sampler import SampleResult, SamplingRow, sample
+from executor_service.sampling_params import SamplingParams
+from executor_service.validation import Limits, check_continuing, check_new
+from protos.splitserve.executor.v1 import executor_pb2
+
+logger = logging.getLogger(__name__)
+
+INVALID_ARGUMENT = 3
+
+
+@dataclass(slots=True)
+class _Admitted:
+    """The plan after validation: work to run in plan order, and refused entries."""
+
+    work: list[ScheduledWork]
+    rejected: list[executor_pb2.RejectedRequest]
+
+
+class ModelRunner:
+    def __init__(
+        self, loaded: LoadedModel, kv_cache: PagedKVCache, limits: Limits, backend: str
+    ) -> None:
+        self.loaded = loaded
+        self.kv_cache = kv_cache
+        self.limits = limits
+        self.backend = backend
+        self.requests: dict[str, RequestState] = {}
+        self._use_logits_to_keep = accepts_logits_to_keep(loaded)
+        # Unseeded draws share this generator; seeded requests own theirs.
+        self._generator = torch.Generator(device=loaded.device)
+        self._generator.seed()
+
+    def execute(self, plan: executor_pb2.StepPlan) -> executor_pb2.StepResult:
+        started = time.perf_counter()
+        for request_id in plan.dropped_request_ids:
+            # Unknown ids are fine: the scheduler pipelines and may drop what is already gone.
+            self.requests.pop(request_id, None)
+        admitted = self._admit(plan)
+        result = executor_pb2.StepResult(step_id=plan.step_id, rejected=admitted.rejected)
+        if admitted.work:
+            forward_started = time.perf_counter()
+            inputs = build_step_inputs(
+                admitted.work, self.kv_cache, self.backend, self.loaded.device
+            )
+            logits = compute_logits(self.loaded, inputs, self._use_logits_to_keep)
+            sampled = sample(logits, [_sampling_row(s) for s in inputs.sampled], self._generator)
+            result.forward_time_s = time.perf_counter() - forward_started
+            self._advance(admitted.work, inputs.sampled, sampled, result)
+        result.step_time_s = time.perf_counter() - started
+        return result
+
+    def _admit(self, plan: executor_pb2.StepPlan) -> _Admitted:
+        admitted = _Admitted(work=[], rejected=[])
+        scheduled: set[str] = set()
+        for entry in plan.new_requests:
+            problem = check_new(entry, self.limits)
+            if problem is None and entry.request_id in scheduled:
+                problem = "request scheduled twice in one plan"
+            if problem is not None:
+                self._reject(admitted, entry.request_id, problem)
+                continue
+            if entry.request_id in self.requests:
+                logger.info("event=request_rebuilt request_id=%s", entry.request_id)
+            state = _new_state(entry, self.loaded.device)
+            self.requests[entry.request_id] = state
+            scheduled.add(entry.request_id)
+            admitted.work.append(ScheduledWork(state, entry.num_scheduled_tokens))
+        for entry in plan.continuing_requests:
+            state = self.requests.get(entry.request_id)
+            problem = check_continuing(entry, state, self.limits)
+            if problem is None and entry.request_id in scheduled:
+                problem = "request scheduled twice in one plan"
+            if problem is not None or state is None:
+                self._reject(admitted, entry.request_id, problem or "unknown request id")
+                continue
+            state.block_ids.extend(entry.new_block_ids)
+            state.token_ids.extend(entry.appended_token_ids)
+            scheduled.add(entry.request_id)
+            admitted.work.append(ScheduledWork(state, entry.num_scheduled_tokens))
+        return admitted
+
+    def _reject(self, admitted: _Admitted, request_id: str, problem: str) -> None:
+        # A request that was scheduled earlier in this plan keeps running; any other state of
+        # that id goes, so the scheduler rebuilds it from a fresh NewRequest.
+        if not any(w.state.request_id == request_id for w in admitted.work):
+            self.requests.pop(request_id, None)
+        logger.warning("event=entry_rejected request_id=%s problem=%r", request_id, problem)
+        admitted.rejected.append(
+            executor_pb2.RejectedRequest(
+                request_id=request_id,
+                code=INVALID_ARGUMENT,
+                message=f"request {request_id!r}: {problem}",
+            )
+        )
+
+    def _advance(
+        self,
+        work: list[ScheduledWork],
+        sampled_states: list[RequestState],
+        sampled: SampleResult,
+        result: executor_pb2.StepResult,
+    ) -> None:
+        by_id = {
+            state.request_id: (token, logprobs)
+            for state, token, logprobs in zip(
+                sampled_states, sampled.token_ids, sampled.logprobs, strict=True
+            )
+        }
+        for item in work:
+            state = item.state
+            state.num_computed_tokens += item.num_tokens
+            output = result.outputs.add(request_id=state.request_id)
+            if state.request_id not in by_id:
+                continue
+            token, logprobs = by_id[state.request_id]
+            state.token_ids.append(token)
+            output.token_ids.append(token)
+            if logprobs is not None:
+                output.logprobs.add(
+                    token_id=token,
+                    logprob=logprobs.token_logprob,
+                    top_token_ids=logprobs.top_token_ids,
+                    top_logprobs=logprobs.top_logprobs,
+                )
+
+
+def _new_state(entry: executor_pb2.NewRequest, device: torch.device) -> RequestState:
+    params = SamplingParams.from_proto(entry.sampling)
+    return RequestState(
+        request_id=entry.request_id,
+        token_ids=list(entry.token_ids),
+        # The plan does not say which of a rebuilt request's tokens were generated, so after a
+        # preemption they all count as prompt for the presence and frequency penalties.
+        num_prompt_tokens=len(entry.token_ids),
+        block_ids=list(entry.block_ids),
+        num_computed_tokens=entry.num_computed_tokens,
+        sampling=params,
+        generator=make_generator(params.seed, device),
+    )
+
+
+def _sampling_row(state: RequestState) -> SamplingRow:
+    return SamplingRow(
+        params=state.sampling,
+        generator=state.generator,
+        prompt_token_ids=state.prompt_token_ids,
+        output_token_ids=state.output_token_ids,
+    )

@@ -1,0 +1,71 @@
+"""A request's sampling settings, read from the proto with its 'zero means off' defaults."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from protos.splitserve.executor.v1 import executor_pb2
+
+
+@dataclass(slots=True, frozen=True)
+class SamplingParams:
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    num_logprobs: int = 0
+    want_logprobs: bool = False
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def has_penalties(self) -> bool:
+        return (
+            self.repetition_penalty != 1.0
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+        )
+
+    @classmethod
+    def from_proto(cls, config: executor_pb2.SamplerConfig) -> SamplingParams:
+        return cls(
+            temperature=config.temperature,
+            top_k=config.top_k,
+            top_p=config.top_p or 1.0,
+            min_p=config.min_p,
+            seed=config.seed if config.has_seed else None,
+            repetition_penalty=config.repetition_penalty or 1.0,
+            presence_penalty=config.presence_penalty,
+            frequency_penalty=config.frequency_penalty,
+            num_logprobs=config.num_logprobs,
+            want_logprobs=config.want_logprobs,
+        )
+
+
+def sampling_problem(config: executor_pb2.SamplerConfig, max_logprobs: int) -> str | None:
+    """What is wrong with a SamplerConfig, or None when it is usable."""
+    checks = (
+        ("temperature", _in_range(config.temperature, 0, math.inf), ">= 0"),
+        ("top_p", _in_range(config.top_p, 0, 1), "in (0, 1]"),
+        ("min_p", _in_range(config.min_p, 0, 1), "in [0, 1]"),
+        ("repetition_penalty", _in_range(config.repetition_penalty, 0, math.inf), "> 0"),
+        ("presence_penalty", _in_range(config.presence_penalty, -2, 2), "in [-2, 2]"),
+        ("frequency_penalty", _in_range(config.frequency_penalty, -2, 2), "in [-2, 2]"),
+        ("num_logprobs", config.num_logprobs <= max_logprobs, f"<= {max_logprobs}"),
+    )
+    for name, ok, expected in checks:
+        if not ok:
+            return f"sampling.{name} must be {expected}, got {getattr(config, name)}"
+    return None
+
+
+def _in_range(value: float, low: float, high: float) -> bool:
+    # The proto's zero defaults mean "off", so zero is in range wherever it has a meaning.
+    return not math.isnan(value) and low <= value <= high and value != math.inf

@@ -1,0 +1,134 @@
+"""The Executor gRPC service (grpc.aio), with the standard health and reflection services."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from executor_service.startup import Executor
+from protos.splitserve.executor.v1 import executor_pb2, executor_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+SERVICE_NAME = executor_pb2.DESCRIPTOR.services_by_name["Executor"].full_name
+# Seconds in-flight calls get to finish after SIGTERM.
+SHUTDOWN_GRACE_S = 5.0
+
+
+@dataclass(slots=True, frozen=True)
+class _StreamError:
+    code: grpc.StatusCode
+    message: str
+
+
+class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
+    """Request state lives in the runner, shared by every stream; one worker thread runs all
+    plans in arrival order, which keeps the event loop free for Describe and health checks."""
+
+    def __init__(self, executor: Executor, worker: ThreadPoolExecutor) -> None:
+        self._executor = executor
+        self._worker = worker
+
+    async def Describe(
+        self, request: executor_pb2.DescribeRequest, context: grpc.aio.ServicerContext
+    ) -> executor_pb2.ExecutorInfo:
+        return self._executor.info
+
+    async def Execute(
+        self,
+        request_iterator: AsyncIterator[executor_pb2.StepPlan],
+        context: grpc.aio.ServicerContext,
+    ) -> AsyncIterator[executor_pb2.StepResult]:
+        pending: asyncio.Queue[asyncio.Future[executor_pb2.StepResult] | _StreamError | None]
+        pending = asyncio.Queue()
+        reader = asyncio.create_task(self._read_plans(request_iterator, pending))
+        try:
+            while (item := await pending.get()) is not None:
+                if isinstance(item, _StreamError):
+                    await context.abort(item.code, item.message)
+                    return
+                try:
+                    result = await item
+                except Exception:
+                    logger.exception("event=step_failed")
+                    await context.abort(grpc.StatusCode.INTERNAL, "the executor failed a step")
+                    return
+                yield result
+        finally:
+            reader.cancel()
+
+    async def _read_plans(
+        self,
+        plans: AsyncIterator[executor_pb2.StepPlan],
+        pending: asyncio.Queue[asyncio.Future[executor_pb2.StepResult] | _StreamError | None],
+    ) -> None:
+        """Hands each plan to the worker as soon as it arrives, so plan N+1 queues behind plan N
+        instead of waiting for result N to be sent."""
+        loop = asyncio.get_running_loop()
+        last_step: int | None = None
+        try:
+            async for plan in plans:
+                if last_step is not None and plan.step_id <= last_step:
+                    message = f"step_id {plan.step_id} does not increase past {last_step}"
+                    logger.warning("event=stream_rejected problem=%r", message)
+                    await pending.put(_StreamError(grpc.StatusCode.INVALID_ARGUMENT, message))
+                    return
+                last_step = plan.step_id
+                await pending.put(
+                    loop.run_in_executor(self._worker, self._executor.runner.execute, plan)
+                )
+        finally:
+            await pending.put(None)
+
+
+async def serve(executor: Executor, host: str, port: int) -> None:
+    """Serves until SIGTERM or SIGINT, then drains in-flight calls and stops."""
+    worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="executor-step")
+    server = grpc.aio.server(
+        options=[("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
+    )
+    executor_pb2_grpc.add_ExecutorServicer_to_server(ExecutorServicer(executor, worker), server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
+    )
+    bound_port = server.add_insecure_port(f"{host}:{port}")
+    if bound_port == 0:
+        raise RuntimeError(f"could not bind {host}:{port}")
+    await server.start()
+    for service in ("", SERVICE_NAME):
+        await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+    info = executor.info
+    logger.info(
+        "event=executor_ready address=%s:%d port=%d model=%s device=%s dtype=%s blocks=%d "
+        "block_size=%d backend=%s incarnation=%s",
+        host,
+        bound_port,
+        bound_port,
+        info.model_id,
+        info.device,
+        info.dtype,
+        info.num_kv_blocks,
+        info.block_size,
+        info.attention_backend,
+        info.incarnation_id,
+    )
+    await stop.wait()
+    logger.info("event=executor_stopping grace_s=%.1f", SHUTDOWN_GRACE_S)
+    await health_servicer.enter_graceful_shutdown()
+    await server.stop(SHUTDOWN_GRACE_S)
+    worker.shutdown(wait=True, cancel_futures=True)
+    logger.info("event=executor_stopped")

@@ -1,0 +1,56 @@
+"""Executor settings as parsed from the command line."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+# On CPU there is nothing to profile: the KV budget is a configured size, and 1 GiB holds ~23k
+# tokens of the default 135M model without crowding a laptop.
+DEFAULT_CPU_KV_BYTES = 1 << 30
+DEFAULT_BLOCK_SIZE = 16
+DEFAULT_MAX_LOGPROBS = 20
+# Share of total accelerator memory the process may fill (weights, activations and KV together).
+DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
+# Tokens of the profiling forward on CUDA: the activation peak of a step this large is reserved.
+DEFAULT_PROFILE_TOKENS = 2048
+
+_SIZE_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1000,
+    "kb": 1000,
+    "kib": 1 << 10,
+    "m": 1000**2,
+    "mb": 1000**2,
+    "mib": 1 << 20,
+    "g": 1000**3,
+    "gb": 1000**3,
+    "gib": 1 << 30,
+}
+
+
+@dataclass(slots=True, frozen=True)
+class ExecutorSettings:
+    model_dir: Path
+    host: str = "127.0.0.1"
+    port: int = 0
+    device: str = "auto"
+    dtype: str = "auto"
+    block_size: int = DEFAULT_BLOCK_SIZE
+    num_kv_blocks: int | None = None
+    kv_cache_bytes: int | None = None
+    max_model_len: int | None = None
+    max_logprobs: int = DEFAULT_MAX_LOGPROBS
+    threads: int | None = None
+    gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION
+    profile_tokens: int = DEFAULT_PROFILE_TOKENS
+
+
+def parse_size(text: str) -> int:
+    """Bytes in a size such as '512MiB', '2GB' or '1048576'."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
+    if match is None or match.group(2).lower() not in _SIZE_UNITS:
+        raise ValueError(f"not a size: {text!r} (e.g. 512MiB, 2GiB, 1000000)")
+    return int(float(match.group(1)) * _SIZE_UNITS[match.group(2).lower()])

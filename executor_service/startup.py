@@ -1,0 +1,67 @@
+"""Builds a ready ModelRunner and the ExecutorInfo it is described by, from settings."""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from dataclasses import dataclass
+
+import torch
+
+from executor_service.kv_budget import decide_num_blocks
+from executor_service.kv_cache import KVCacheShape, PagedKVCache
+from executor_service.model_loader import dtype_name, load_model
+from executor_service.model_runner import ModelRunner
+from executor_service.paged_attention import select_backend
+from executor_service.settings import ExecutorSettings
+from executor_service.validation import Limits
+from protos.splitserve.executor.v1 import executor_pb2
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class Executor:
+    runner: ModelRunner
+    info: executor_pb2.ExecutorInfo
+
+
+def build_executor(settings: ExecutorSettings) -> Executor:
+    if settings.threads is not None:
+        torch.set_num_threads(settings.threads)
+    loaded = load_model(settings.model_dir, settings.device, settings.dtype)
+    backend = select_backend(loaded.device)
+    shape = KVCacheShape(
+        num_layers=loaded.num_layers,
+        num_kv_heads=loaded.num_kv_heads,
+        head_dim=loaded.head_dim,
+        block_size=settings.block_size,
+        dtype=loaded.dtype,
+    )
+    num_blocks = decide_num_blocks(loaded, shape, settings, backend)
+    kv_cache = PagedKVCache(shape, num_blocks, loaded.device)
+    # A request longer than the whole cache could never be scheduled, so the cache bounds it too.
+    limits_len = [loaded.max_model_len, num_blocks * settings.block_size]
+    if settings.max_model_len is not None:
+        limits_len.append(settings.max_model_len)
+    limits = Limits(
+        vocab_size=loaded.vocab_size,
+        num_kv_blocks=num_blocks,
+        block_size=settings.block_size,
+        max_model_len=min(limits_len),
+        max_logprobs=min(settings.max_logprobs, loaded.vocab_size),
+    )
+    info = executor_pb2.ExecutorInfo(
+        model_id=loaded.model_id,
+        vocab_size=loaded.vocab_size,
+        eos_token_ids=loaded.eos_token_ids,
+        max_model_len=limits.max_model_len,
+        block_size=settings.block_size,
+        num_kv_blocks=num_blocks,
+        dtype=dtype_name(loaded.dtype),
+        device=str(loaded.device),
+        incarnation_id=uuid.uuid4().hex,
+        max_logprobs=limits.max_logprobs,
+        attention_backend=backend,
+    )
+    return Executor(runner=ModelRunner(loaded, kv_cache, limits, backend), info=info)

@@ -1,0 +1,100 @@
+"""Checks of one plan entry against the executor's limits and state, touching nothing.
+
+Each check returns a message naming the problem, or None when the entry can run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from executor_service.request_state import RequestState
+from executor_service.sampling_params import sampling_problem
+from protos.splitserve.executor.v1 import executor_pb2
+
+
+@dataclass(slots=True, frozen=True)
+class Limits:
+    vocab_size: int
+    num_kv_blocks: int
+    block_size: int
+    max_model_len: int
+    max_logprobs: int
+
+
+def check_new(entry: executor_pb2.NewRequest, limits: Limits) -> str | None:
+    num_tokens = len(entry.token_ids)
+    end = entry.num_computed_tokens + entry.num_scheduled_tokens
+    problem = (
+        _id_problem(entry.request_id)
+        or _tokens_problem(entry.token_ids, limits)
+        or _blocks_problem(entry.block_ids, limits)
+        or sampling_problem(entry.sampling, limits.max_logprobs)
+    )
+    if problem:
+        return problem
+    if num_tokens == 0:
+        return "token_ids is empty"
+    if num_tokens > limits.max_model_len:
+        return f"{num_tokens} tokens exceed max_model_len {limits.max_model_len}"
+    if len(set(entry.block_ids)) != len(entry.block_ids):
+        return "block_ids repeats a block"
+    if entry.num_computed_tokens % limits.block_size:
+        return (
+            f"num_computed_tokens {entry.num_computed_tokens} is not a multiple of "
+            f"block_size {limits.block_size}"
+        )
+    if entry.num_scheduled_tokens == 0:
+        return "num_scheduled_tokens must be > 0"
+    if end > num_tokens:
+        return f"computing up to token {end} but only {num_tokens} tokens are known"
+    return _capacity_problem(end, len(entry.block_ids), limits)
+
+
+def check_continuing(
+    entry: executor_pb2.ContinuingRequest, state: RequestState | None, limits: Limits
+) -> str | None:
+    if state is None:
+        return "unknown request id"
+    problem = _tokens_problem(entry.appended_token_ids, limits) or _blocks_problem(
+        entry.new_block_ids, limits
+    )
+    if problem:
+        return problem
+    block_ids = [*state.block_ids, *entry.new_block_ids]
+    if len(set(block_ids)) != len(block_ids):
+        return "new_block_ids repeats a block of the request"
+    num_tokens = len(state.token_ids) + len(entry.appended_token_ids)
+    if num_tokens > limits.max_model_len:
+        return f"{num_tokens} tokens exceed max_model_len {limits.max_model_len}"
+    if entry.num_scheduled_tokens == 0:
+        return "num_scheduled_tokens must be > 0"
+    end = state.num_computed_tokens + entry.num_scheduled_tokens
+    if end > num_tokens:
+        return f"computing up to token {end} but only {num_tokens} tokens are known"
+    return _capacity_problem(end, len(block_ids), limits)
+
+
+def _id_problem(request_id: str) -> str | None:
+    return None if request_id else "request_id is empty"
+
+
+def _tokens_problem(token_ids: Iterable[int], limits: Limits) -> str | None:
+    bad = [t for t in token_ids if t >= limits.vocab_size]
+    if bad:
+        return f"token id {bad[0]} outside the vocab [0, {limits.vocab_size})"
+    return None
+
+
+def _blocks_problem(block_ids: Iterable[int], limits: Limits) -> str | None:
+    bad = [b for b in block_ids if b >= limits.num_kv_blocks]
+    if bad:
+        return f"block id {bad[0]} outside the pool [0, {limits.num_kv_blocks})"
+    return None
+
+
+def _capacity_problem(end: int, num_blocks: int, limits: Limits) -> str | None:
+    capacity = num_blocks * limits.block_size
+    if end > capacity:
+        return f"{end} tokens do not fit in {num_blocks} blocks ({capacity} slots)"
+    return None
