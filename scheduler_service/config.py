@@ -21,6 +21,12 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     enable_prefix_caching: bool = True
 
+    @property
+    def max_seq_len(self) -> int:
+        """Most tokens one request may hold: the model's limit, or the whole KV cache if that is
+        smaller (a request that outgrew the cache would preempt itself forever)."""
+        return min(self.max_model_len, self.num_kv_blocks * self.block_size)
+
     def __post_init__(self) -> None:
         for name in ("num_kv_blocks", "block_size", "max_model_len", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) < 1:

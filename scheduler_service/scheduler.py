@@ -61,12 +61,11 @@ class Scheduler:
                 f"prompt of {request.num_prompt_tokens} tokens leaves no room to generate under "
                 f"the maximum model length of {self.config.max_model_len}",
             )
-        blocks = -(-(request.num_prompt_tokens + 1) // self.config.block_size)
-        if blocks > self.config.num_kv_blocks:
+        if request.num_prompt_tokens >= self.config.max_seq_len:
             raise RequestRejected(
                 RejectKind.TOO_LARGE,
-                f"prompt of {request.num_prompt_tokens} tokens needs {blocks} KV blocks; the "
-                f"cache holds {self.config.num_kv_blocks}",
+                f"prompt of {request.num_prompt_tokens} tokens leaves no room to generate in a KV "
+                f"cache of {self.config.num_kv_blocks} blocks x {self.config.block_size} tokens",
             )
         request.arrival_index = next(self._arrivals)
         request.arrival_time = request.arrival_time or self.clock()
@@ -140,7 +139,7 @@ class Scheduler:
                 continue
             if not (prefill if request.in_prefill else decode):
                 continue
-            if not request.in_prefill and not may_sample_more(request, self.config.max_model_len):
+            if not request.in_prefill and not may_sample_more(request, self.config.max_seq_len):
                 continue
             num_new = min(request.num_uncomputed_tokens, budget)
             while (ids := self._allocate(request, num_new)) is None:
@@ -263,7 +262,7 @@ class Scheduler:
                 update.new_token_ids.append(token)
                 if request.first_token_time is None:
                     request.first_token_time = self.clock()
-                stop = check_stop(request, self.eos_token_ids, self.config.max_model_len)
+                stop = check_stop(request, self.eos_token_ids, self.config.max_seq_len)
                 if stop is not None:
                     self.finish(request, *stop)
                     update.finished = True

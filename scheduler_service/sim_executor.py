@@ -42,7 +42,7 @@ class SimulatedExecutor:
     slots: dict[int, int] = field(default_factory=dict)
     requests: dict[str, _SimRequest] = field(default_factory=dict)
     last_step_id: int = 0
-    # Check before each step that every slot a request attends over still holds its token.
+    # Check at each step that every slot a request attends over holds that request's token.
     verify_kv: bool = True
 
     def execute(self, plan: StepPlan) -> StepOutput:
@@ -57,17 +57,15 @@ class SimulatedExecutor:
                 raise PlanMismatch(f"{new.request_id} is new but already held")
             state = _SimRequest(list(new.token_ids), list(new.block_ids), new.num_computed_tokens)
             self.requests[new.request_id] = state
-            self._check_cached(new.request_id, state)
             work.append((new.request_id, new.num_scheduled_tokens))
         for cont in plan.continuing_requests:
             state = self.requests.get(cont.request_id)
             if state is None:
                 raise PlanMismatch(f"{cont.request_id} continues but is not held")
             state.block_ids.extend(cont.new_block_ids)
-            if self.verify_kv:
-                self._check_cached(cont.request_id, state)
             work.append((cont.request_id, cont.num_scheduled_tokens))
-        output = StepOutput(step_id=plan.step_id)
+        # Like each attention layer: the whole step's K/V is written before anyone attends, so
+        # a request may read blocks that another request of the same step fills.
         for request_id, num_tokens in work:
             state = self.requests[request_id]
             end = state.num_computed + num_tokens
@@ -78,7 +76,12 @@ class SimulatedExecutor:
             for position in range(state.num_computed, end):
                 self.slots[self._slot(state, position)] = state.token_ids[position]
             state.num_computed = end
-            if end == len(state.token_ids):
+        output = StepOutput(step_id=plan.step_id)
+        for request_id, _ in work:
+            state = self.requests[request_id]
+            if self.verify_kv:
+                self._check_cached(request_id, state)
+            if state.num_computed == len(state.token_ids):
                 token = self.next_token(request_id, state.token_ids)
                 state.token_ids.append(token)
                 output.sampled[request_id] = [token]

@@ -1,0 +1,190 @@
+"""Scheduler behaviour beyond the seed scenarios: chunking, prefix hits, priorities, stops,
+aborts, pipelining, and a fuzz of random workloads against the simulated executor."""
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from scheduler_service.config import SchedulerConfig
+from scheduler_service.errors import RejectKind, RequestRejected
+from scheduler_service.policy import Policy, StepMode
+from scheduler_service.request import FinishReason, Request
+from scheduler_service.sampling_params import SamplingParams
+from scheduler_service.scheduler import Scheduler
+from scheduler_service.sim_executor import SimulatedExecutor, default_next_token
+from tests.sched_harness import make_request, run
+
+
+def config(**overrides: object) -> SchedulerConfig:
+    base: dict[str, object] = dict(num_kv_blocks=64, block_size=4, max_model_len=512)
+    base.update(overrides)
+    return SchedulerConfig(**base)  # type: ignore[arg-type]
+
+
+def expected_output(prompt: list[int], count: int) -> list[int]:
+    tokens = list(prompt)
+    for _ in range(count):
+        tokens.append(default_next_token("", tokens))
+    return tokens[len(prompt) :]
+
+
+def test_long_prompt_is_chunked_under_the_token_budget_beside_decodes() -> None:
+    result = run(
+        config(max_num_batched_tokens=16),
+        {1: [make_request(0, 6, 4)], 2: [make_request(1, 40, 2)]},
+    )
+    assert result.lines[:5] == [
+        "r0:6 | W: | R: r0",
+        "r1:15 r0:1 | W: | R: r0 r1",                 # r0's decode, then r1's first chunk fills up
+        "r0:1 r1:15 | W: | R: r0 r1",
+        "r0:1 r1:10 | W: | R: r1",                    # r1's last chunk samples its first token
+        "r1:1 | W: | R:",
+    ]
+    assert all(p.num_scheduled_tokens <= 16 for p in result.plans)
+    assert result.outputs["r1"] == expected_output(list(range(101, 141)), 2)
+
+
+def test_prefix_hits_count_as_computed_and_are_reported() -> None:
+    shared = list(range(1, 13))
+    first = Request("a", shared + [50], SamplingParams(max_tokens=2, ignore_eos=True))
+    second = Request("b", shared + [60, 61], SamplingParams(max_tokens=2, ignore_eos=True))
+    result = run(config(), {1: [first], 4: [second]})
+    new_b = next(n for p in result.plans for n in p.new_requests if n.request_id == "b")
+    assert new_b.num_computed_tokens == 12 and new_b.num_scheduled_tokens == 2
+    assert second.num_cached_tokens == 12
+    assert result.outputs["b"] == expected_output(shared + [60, 61], 2)
+
+
+def test_priority_policy_admits_by_priority_and_preempts_only_lower_ranks() -> None:
+    cfg = config(num_kv_blocks=6, block_size=4, max_num_seqs=2, policy=Policy.PRIORITY)
+    low = make_request(0, 4, 12, priority=5)
+    high = make_request(1, 4, 12, priority=0)
+    mid = make_request(2, 4, 3, priority=1)
+    result = run(cfg, {1: [low], 2: [mid, high]})
+    # high and mid outrank low: they run first once admitted, and low is the one preempted.
+    assert result.finished_at["r2"] < result.finished_at["r0"]
+    assert result.finished_at["r1"] < result.finished_at["r0"]
+    assert low.num_preemptions >= 1 and high.num_preemptions == 0
+    assert {k: len(v) for k, v in result.outputs.items()} == {"r0": 12, "r1": 12, "r2": 3}
+
+
+def test_stop_conditions() -> None:
+    eos = default_next_token("", [1, 2, 3])
+    scheduler = Scheduler(config(max_model_len=8), eos_token_ids=[eos])
+    executor = SimulatedExecutor(64, 4)
+    cases = {
+        "eos": Request("eos", [1, 2, 3], SamplingParams()),
+        "ignore": Request("ignore", [1, 2, 3], SamplingParams(ignore_eos=True, max_tokens=2)),
+        "stop-id": Request("stop-id", [1, 2, 3], SamplingParams(stop_token_ids=(eos,), ignore_eos=True)),
+        "min": Request("min", [1, 2, 3], SamplingParams(min_tokens=2, max_tokens=3)),
+        "model-len": Request("model-len", [7, 7, 7], SamplingParams(ignore_eos=True)),
+    }
+    for request in cases.values():
+        scheduler.add_request(request)
+    while scheduler.has_unfinished():
+        scheduler.update(executor.execute(scheduler.schedule()))
+    assert (cases["eos"].finish_reason, cases["eos"].num_output_tokens) == (FinishReason.STOP, 1)
+    assert (cases["ignore"].finish_reason, cases["ignore"].num_output_tokens) == (FinishReason.LENGTH, 2)
+    assert (cases["stop-id"].finish_reason, cases["stop-id"].stop_reason) == (FinishReason.STOP, str(eos))
+    assert cases["min"].num_output_tokens == 3
+    assert (cases["model-len"].finish_reason, cases["model-len"].num_tokens) == (FinishReason.LENGTH, 8)
+    assert scheduler.kv.num_free_blocks == 64
+
+
+def test_rejections_name_the_problem() -> None:
+    scheduler = Scheduler(config(num_kv_blocks=2, block_size=4, max_model_len=100))
+    with pytest.raises(RequestRejected, match="KV cache of 2 blocks x 4 tokens") as too_big:
+        scheduler.add_request(Request("big", list(range(9))))
+    assert too_big.value.kind is RejectKind.TOO_LARGE
+    with pytest.raises(RequestRejected, match="empty"):
+        scheduler.add_request(Request("empty", []))
+    scheduler.add_request(Request("x", [1]))
+    with pytest.raises(RequestRejected, match="already in flight"):
+        scheduler.add_request(Request("x", [1]))
+
+
+def test_abort_frees_blocks_at_once_and_tells_the_executor() -> None:
+    scheduler = Scheduler(config())
+    executor = SimulatedExecutor(64, 4)
+    for i in range(3):
+        scheduler.add_request(make_request(i, 9, 50))
+    scheduler.update(executor.execute(scheduler.schedule()))
+    assert scheduler.abort("r1") and not scheduler.abort("r1")
+    assert scheduler.kv.num_free_blocks == 64 - 2 * 3
+    plan = scheduler.schedule()
+    assert plan.dropped_request_ids == ["r1"] and "r1" not in plan.scheduled_request_ids
+    executor.execute(plan)
+    assert "r1" not in executor.requests
+
+
+def test_pipelined_planning_gives_the_same_tokens() -> None:
+    """Plan N+1 goes out before result N returns, as the engine loop does."""
+    requests = {i: make_request(i, 3 + 7 * i, 5 + i) for i in range(6)}
+    scheduler = Scheduler(config(num_kv_blocks=12, max_num_batched_tokens=20))
+    executor = SimulatedExecutor(12, 4)
+    for request in requests.values():
+        scheduler.add_request(request)
+    in_flight = [executor.execute(scheduler.schedule())]
+    while scheduler.has_unfinished():
+        in_flight.append(executor.execute(scheduler.schedule()))
+        scheduler.update(in_flight.pop(0))
+    for i, request in requests.items():
+        assert request.output_token_ids == expected_output(request.prompt_token_ids, 5 + i)
+    assert scheduler.num_preemptions > 0 and scheduler.kv.num_free_blocks == 12
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    specs=st.lists(
+        st.tuples(st.integers(1, 30), st.integers(1, 12), st.integers(0, 3), st.integers(1, 6)),
+        min_size=1,
+        max_size=12,
+    ),
+    num_blocks=st.integers(8, 24),
+    block_size=st.sampled_from([2, 4, 8]),
+    budget=st.integers(4, 64),
+    max_num_seqs=st.integers(1, 6),
+    policy=st.sampled_from(list(Policy)),
+    mode=st.sampled_from(list(StepMode)),
+    pipelined=st.booleans(),
+    aborts=st.sets(st.integers(0, 11), max_size=3),
+)
+def test_random_workloads_finish_with_the_right_tokens_and_free_every_block(
+    specs, num_blocks, block_size, budget, max_num_seqs, policy, mode, pipelined, aborts
+) -> None:
+    cfg = SchedulerConfig(
+        num_kv_blocks=num_blocks, block_size=block_size, max_model_len=256,
+        max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, policy=policy, mode=mode,
+    )
+    scheduler = Scheduler(cfg)
+    executor = SimulatedExecutor(num_blocks, block_size)
+    requests: list[Request] = []
+    for index, (prompt_len, max_tokens, priority, stem) in enumerate(specs):
+        # Requests share stems so prefix hits, revivals and evictions all happen.
+        prompt = [stem] * min(prompt_len, 8) + list(range(index * 50, index * 50 + prompt_len - 8))
+        request = Request(f"q{index}", prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True), priority)
+        try:
+            scheduler.add_request(request)
+            requests.append(request)
+        except RequestRejected:
+            assert len(prompt) >= num_blocks * block_size
+    in_flight = []
+    for step in range(2000):
+        if not scheduler.has_unfinished():
+            break
+        if step == 3:
+            for index in aborts:
+                scheduler.abort(f"q{index}")
+        plan = scheduler.schedule()
+        assert plan.num_scheduled_tokens <= budget
+        assert len(scheduler.running) <= max_num_seqs
+        in_flight.append(executor.execute(plan))
+        if not pipelined or len(in_flight) == 2 or not plan.has_work:
+            scheduler.update(in_flight.pop(0))
+    assert not scheduler.has_unfinished(), "a request starved"
+    for request in requests:
+        if request.finish_reason is FinishReason.ABORT:
+            continue
+        expected = min(request.sampling.max_tokens, num_blocks * block_size - request.num_prompt_tokens)
+        assert request.output_token_ids == expected_output(request.prompt_token_ids, expected)
+    assert scheduler.kv.num_free_blocks == num_blocks
