@@ -26,7 +26,8 @@ if _version_not_supported:
 
 
 class ExecutorStub:
-    """Missing associated documentation comment in .proto file."""
+    """The accelerator side: one forward pass per step plan.
+    """
 
     def __init__(self, channel):
         """Constructor.
@@ -47,7 +48,8 @@ class ExecutorStub:
 
 
 class ExecutorServicer:
-    """Missing associated documentation comment in .proto file."""
+    """The accelerator side: one forward pass per step plan.
+    """
 
     def Describe(self, request, context):
         """What this executor serves and how much KV memory it holds.
@@ -91,7 +93,8 @@ def add_ExecutorServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class Executor:
-    """Missing associated documentation comment in .proto file."""
+    """The accelerator side: one forward pass per step plan.
+    """
 
     @staticmethod
     def Describe(request,

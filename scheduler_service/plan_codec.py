@@ -1,0 +1,60 @@
+"""Step plans and results between the planner's plain records and the executor protocol."""
+
+from protos.splitserve.executor.v1 import executor_pb2 as pb
+from scheduler_service.sampling_params import SamplingParams
+from scheduler_service.step_plan import StepOutput, StepPlan, TokenLogprob
+
+
+def sampler_config(params: SamplingParams) -> pb.SamplerConfig:
+    config = pb.SamplerConfig(
+        temperature=params.temperature,
+        top_k=params.top_k,
+        top_p=params.top_p,
+        min_p=params.min_p,
+        repetition_penalty=params.repetition_penalty,
+        presence_penalty=params.presence_penalty,
+        frequency_penalty=params.frequency_penalty,
+    )
+    if params.seed is not None:
+        config.has_seed, config.seed = True, params.seed
+    if params.logprobs is not None:
+        config.want_logprobs, config.num_logprobs = True, params.logprobs
+    return config
+
+
+def plan_to_proto(plan: StepPlan) -> pb.StepPlan:
+    message = pb.StepPlan(step_id=plan.step_id, dropped_request_ids=plan.dropped_request_ids)
+    for new in plan.new_requests:
+        message.new_requests.append(
+            pb.NewRequest(
+                request_id=new.request_id,
+                token_ids=new.token_ids,
+                block_ids=new.block_ids,
+                num_computed_tokens=new.num_computed_tokens,
+                num_scheduled_tokens=new.num_scheduled_tokens,
+                sampling=sampler_config(new.sampling),
+            )
+        )
+    for cont in plan.continuing_requests:
+        message.continuing_requests.append(
+            pb.ContinuingRequest(
+                request_id=cont.request_id,
+                num_scheduled_tokens=cont.num_scheduled_tokens,
+                new_block_ids=cont.new_block_ids,
+            )
+        )
+    return message
+
+
+def output_from_proto(result: pb.StepResult) -> StepOutput:
+    output = StepOutput(step_id=result.step_id, forward_time_s=result.forward_time_s)
+    for item in result.outputs:
+        output.sampled[item.request_id] = list(item.token_ids)
+        if item.logprobs:
+            output.logprobs[item.request_id] = [
+                TokenLogprob(lp.token_id, lp.logprob, list(lp.top_token_ids), list(lp.top_logprobs))
+                for lp in item.logprobs
+            ]
+    for rejected in result.rejected:
+        output.rejected[rejected.request_id] = rejected.message
+    return output
