@@ -1,0 +1,175 @@
+"""asyncio client for the splitserve Generation service (grpc.aio); mirrors clients.Client."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from types import TracebackType
+from typing import TypeVar, Unpack
+
+import grpc
+import grpc.aio
+
+from clients.errors import SplitserveError
+from clients.request_builder import (
+    ChatMessage,
+    GenerateOptions,
+    build_generate_request,
+    build_tokenize_request,
+)
+from clients.results import (
+    GenerationDelta,
+    GenerationResult,
+    ResultAssembler,
+    TokenizeResult,
+    delta_from_response,
+    tokenize_result,
+)
+from protos.splitserve.v1 import generation_pb2 as pb
+from protos.splitserve.v1 import generation_pb2_grpc as pb_grpc
+
+logger = logging.getLogger(__name__)
+
+Req = TypeVar("Req")
+Resp = TypeVar("Resp")
+Metadata = Sequence[tuple[str, str]]
+
+
+class AsyncDeltaStream(AsyncIterator[GenerationDelta]):
+    """The deltas of one Generate call; the last one has finish_reason set."""
+
+    def __init__(self, call: grpc.aio.UnaryStreamCall) -> None:
+        self._call = call
+        self._responses = call.__aiter__()
+
+    def __aiter__(self) -> AsyncDeltaStream:
+        return self
+
+    async def __anext__(self) -> GenerationDelta:
+        try:
+            return delta_from_response(await self._responses.__anext__())
+        except grpc.RpcError as error:
+            raise SplitserveError.from_rpc_error(error) from None
+
+    def __del__(self) -> None:
+        # grpc frees (and so cancels) an abandoned call only when its reference cycles are
+        # collected; a loop left early must abort the request on the server at once.
+        self.cancel()
+
+    def cancel(self) -> bool:
+        """Cancels the call (the server aborts the request); False if it had already ended."""
+        cancelled = self._call.cancel()
+        if cancelled:
+            logger.debug("cancelled a Generate call")
+        return cancelled
+
+    async def __aenter__(self) -> AsyncDeltaStream:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.cancel()
+
+
+class AsyncClient:
+    """One grpc.aio channel to a scheduler service; create and use it inside one event loop.
+
+    Arguments as for clients.Client.
+    """
+
+    def __init__(
+        self,
+        address: str,
+        *,
+        timeout: float | None = None,
+        credentials: grpc.ChannelCredentials | None = None,
+        metadata: Metadata | None = None,
+    ) -> None:
+        self._timeout = timeout
+        self._metadata = tuple(metadata) if metadata else None
+        if credentials is None:
+            self._channel = grpc.aio.insecure_channel(address)
+        else:
+            self._channel = grpc.aio.secure_channel(address, credentials)
+        self._stub = pb_grpc.GenerationStub(self._channel)
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def generate(
+        self,
+        prompt: str | None = None,
+        *,
+        prompt_token_ids: Sequence[int] | None = None,
+        messages: Sequence[ChatMessage] | None = None,
+        **options: Unpack[GenerateOptions],
+    ) -> GenerationResult:
+        """Runs one request to the end and returns its whole output."""
+        assembler = ResultAssembler(want_logprobs=options.get("logprobs") is not None)
+        async for delta in self.stream(
+            prompt, prompt_token_ids=prompt_token_ids, messages=messages, **options
+        ):
+            assembler.add(delta)
+        return assembler.result()
+
+    def stream(
+        self,
+        prompt: str | None = None,
+        *,
+        prompt_token_ids: Sequence[int] | None = None,
+        messages: Sequence[ChatMessage] | None = None,
+        **options: Unpack[GenerateOptions],
+    ) -> AsyncDeltaStream:
+        """Starts one request; async-iterate the result for its output as it is generated.
+
+        Bad arguments raise ValueError here. Leaving the loop early cancels the call, so the
+        server aborts the request and frees its memory: at once under `async with`, else when
+        the stream is dropped.
+        """
+        request = build_generate_request(
+            prompt, prompt_token_ids=prompt_token_ids, messages=messages, **options
+        )
+        call = self._stub.Generate(request, timeout=self._timeout, metadata=self._metadata)
+        return AsyncDeltaStream(call)
+
+    async def abort(self, request_id: str) -> bool:
+        """Aborts a request by id; False when none with that id was in flight."""
+        response = await self._unary(self._stub.Abort, pb.AbortRequest(request_id=request_id))
+        return response.found
+
+    async def tokenize(
+        self,
+        text: str | None = None,
+        messages: Sequence[ChatMessage] | None = None,
+        *,
+        add_generation_prompt: bool = True,
+    ) -> TokenizeResult:
+        request = build_tokenize_request(text, messages, add_generation_prompt)
+        return tokenize_result(await self._unary(self._stub.Tokenize, request))
+
+    async def model_info(self) -> pb.ModelInfo:
+        return await self._unary(self._stub.GetModelInfo, pb.GetModelInfoRequest())
+
+    async def server_status(self) -> pb.ServerStatus:
+        return await self._unary(self._stub.GetServerStatus, pb.GetServerStatusRequest())
+
+    async def _unary(self, method: Callable[..., Awaitable[Resp]], request: Req) -> Resp:
+        try:
+            return await method(request, timeout=self._timeout, metadata=self._metadata)
+        except grpc.RpcError as error:
+            raise SplitserveError.from_rpc_error(error) from None

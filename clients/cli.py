@@ -1,0 +1,121 @@
+"""Command-line client: `python -m clients generate|tokenize|status --server HOST:PORT ...`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from collections.abc import Sequence
+
+from google.protobuf import json_format
+from google.protobuf.message import Message
+
+from clients.errors import SplitserveError
+from clients.request_builder import GenerateOptions
+from clients.sync_client import Client
+
+logger = logging.getLogger("clients.cli")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m clients", description=__doc__)
+    parser.add_argument("-v", "--verbose", action="store_true", help="log to stderr")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    generate = commands.add_parser("generate", help="stream the answer to a prompt")
+    _add_server(generate)
+    generate.add_argument("prompt")
+    generate.add_argument("--chat", action="store_true", help="send the prompt as a user turn")
+    generate.add_argument("--max-tokens", type=int)
+    generate.add_argument("--temperature", type=float)
+    generate.add_argument("--top-p", type=float)
+    generate.add_argument("--top-k", type=int)
+    generate.add_argument("--seed", type=int)
+    generate.add_argument("--stop", action="append", help="stop string (repeatable)")
+
+    tokenize = commands.add_parser("tokenize", help="print the token ids of a text")
+    _add_server(tokenize)
+    tokenize.add_argument("text")
+    tokenize.add_argument("--chat", action="store_true", help="tokenize as a user turn")
+
+    status = commands.add_parser("status", help="print the model and the server's state")
+    _add_server(status)
+    return parser
+
+
+def _add_server(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--server", required=True, metavar="HOST:PORT")
+    parser.add_argument("--timeout", type=float, help="deadline per call, in seconds")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING,
+        stream=sys.stderr,
+        format="%(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        with Client(args.server, timeout=args.timeout) as client:
+            if args.command == "generate":
+                return _generate(client, args)
+            if args.command == "tokenize":
+                return _tokenize(client, args)
+            return _status(client)
+    except SplitserveError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        # Leaving the stream loop already cancelled the call, so the server aborted it.
+        return 130
+
+
+def _generate(client: Client, args: argparse.Namespace) -> int:
+    options: GenerateOptions = {
+        "max_tokens": args.max_tokens,
+        "temperature": args.temperature,
+        "top_p": args.top_p,
+        "top_k": args.top_k,
+        "seed": args.seed,
+        "stop": args.stop,
+    }
+    if args.chat:
+        deltas = client.stream(messages=[("user", args.prompt)], **options)
+    else:
+        deltas = client.stream(args.prompt, **options)
+    for delta in deltas:
+        sys.stdout.write(delta.text)
+        sys.stdout.flush()
+        if delta.finish_reason is not None:
+            logger.info(
+                "finish_reason=%s stop_reason=%s usage=%s timings=%s",
+                delta.finish_reason,
+                delta.stop_reason,
+                delta.usage,
+                delta.timings,
+            )
+    sys.stdout.write("\n")
+    return 0
+
+
+def _tokenize(client: Client, args: argparse.Namespace) -> int:
+    if args.chat:
+        result = client.tokenize(messages=[("user", args.text)])
+    else:
+        result = client.tokenize(args.text)
+    print(json.dumps({"token_ids": result.token_ids, "tokens": result.tokens}, ensure_ascii=False))
+    return 0
+
+
+def _status(client: Client) -> int:
+    report = {
+        "model": _as_dict(client.model_info()),
+        "server": _as_dict(client.server_status()),
+    }
+    print(json.dumps(report, indent=2))
+    return 0
+
+
+def _as_dict(message: Message) -> dict[str, object]:
+    return json_format.MessageToDict(message, always_print_fields_with_no_presence=True)

@@ -1,0 +1,158 @@
+"""Keyword arguments -> request messages; shared by the sync and asyncio clients."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import TypedDict, TypeVar
+
+from protos.splitserve.v1 import generation_pb2 as pb
+
+T = TypeVar("T")
+R = TypeVar("R")
+# A chat turn as (role, content) or {"role": ..., "content": ...}.
+ChatMessage = tuple[str, str] | Mapping[str, str]
+
+
+class GenerateOptions(TypedDict, total=False):
+    """The keyword arguments of generate() and stream() besides the prompt.
+
+    Sampling values left out (or None) stay unset in the request, so the server's defaults
+    apply.
+    """
+
+    max_tokens: int | None
+    temperature: float | None
+    top_p: float | None
+    top_k: int | None
+    min_p: float | None
+    seed: int | None
+    repetition_penalty: float | None
+    presence_penalty: float | None
+    frequency_penalty: float | None
+    stop: str | Sequence[str] | None
+    stop_token_ids: Sequence[int] | None
+    ignore_eos: bool | None
+    logprobs: int | None
+    min_tokens: int | None
+    skip_special_tokens: bool | None
+    add_generation_prompt: bool
+    priority: int
+    request_id: str | None
+    cache_salt: str | None
+
+
+def build_generate_request(
+    prompt: str | None = None,
+    *,
+    prompt_token_ids: Sequence[int] | None = None,
+    messages: Sequence[ChatMessage] | None = None,
+    max_tokens: int | None = None,
+    temperature: float | None = None,
+    top_p: float | None = None,
+    top_k: int | None = None,
+    min_p: float | None = None,
+    seed: int | None = None,
+    repetition_penalty: float | None = None,
+    presence_penalty: float | None = None,
+    frequency_penalty: float | None = None,
+    stop: str | Sequence[str] | None = None,
+    stop_token_ids: Sequence[int] | None = None,
+    ignore_eos: bool | None = None,
+    logprobs: int | None = None,
+    min_tokens: int | None = None,
+    skip_special_tokens: bool | None = None,
+    add_generation_prompt: bool = True,
+    priority: int = 0,
+    request_id: str | None = None,
+    cache_salt: str | None = None,
+) -> pb.GenerateRequest:
+    """Builds a GenerateRequest; raises ValueError for a bad combination or value.
+
+    Exactly one of prompt (text), prompt_token_ids and messages (a chat, rendered with the
+    model's template; add_generation_prompt appends the assistant prefix) must be given.
+    skip_special_tokens=False asks for the text of special tokens too.
+    """
+    prompts = {"prompt": prompt, "prompt_token_ids": prompt_token_ids, "messages": messages}
+    given = [name for name, value in prompts.items() if value is not None]
+    if len(given) != 1:
+        raise ValueError(
+            "exactly one of prompt, prompt_token_ids and messages must be given, got "
+            + (", ".join(given) or "none")
+        )
+    request = pb.GenerateRequest()
+    _checked("priority", lambda v: setattr(request, "priority", v), priority)
+    request.request_id = request_id or ""
+    request.cache_salt = cache_salt or ""
+    if prompt is not None:
+        request.text = prompt
+    elif prompt_token_ids is not None:
+        _checked("prompt_token_ids", request.token_ids.ids.extend, list(prompt_token_ids))
+    elif messages is not None:
+        request.chat.CopyFrom(chat(messages, add_generation_prompt))
+
+    params = request.sampling
+    scalars = {
+        "max_tokens": max_tokens,
+        "temperature": temperature,
+        "top_p": top_p,
+        "top_k": top_k,
+        "min_p": min_p,
+        "seed": seed,
+        "repetition_penalty": repetition_penalty,
+        "presence_penalty": presence_penalty,
+        "frequency_penalty": frequency_penalty,
+        "ignore_eos": ignore_eos,
+        "logprobs": logprobs,
+        "min_tokens": min_tokens,
+    }
+    for name, value in scalars.items():
+        if value is not None:
+            _checked(name, lambda v, n=name: setattr(params, n, v), value)
+    if skip_special_tokens is not None:
+        # The proto inverts it so that its zero value keeps the common behaviour.
+        params.keep_special_tokens = not skip_special_tokens
+    if stop is not None:
+        _checked("stop", params.stop.extend, [stop] if isinstance(stop, str) else list(stop))
+    if stop_token_ids is not None:
+        _checked("stop_token_ids", params.stop_token_ids.extend, list(stop_token_ids))
+    # Proto3 creates an empty sampling message on first access; keep it present either way so
+    # the server sees "all defaults" explicitly.
+    request.sampling.SetInParent()
+    return request
+
+
+def build_tokenize_request(
+    text: str | None = None,
+    messages: Sequence[ChatMessage] | None = None,
+    add_generation_prompt: bool = True,
+) -> pb.TokenizeRequest:
+    if (text is None) == (messages is None):
+        raise ValueError("exactly one of text and messages must be given")
+    if messages is not None:
+        return pb.TokenizeRequest(chat=chat(messages, add_generation_prompt))
+    return pb.TokenizeRequest(text=text)
+
+
+def chat(messages: Sequence[ChatMessage], add_generation_prompt: bool) -> pb.Chat:
+    if isinstance(messages, (str, bytes)) or not messages:
+        raise ValueError("messages must be a non-empty list of chat turns")
+    return pb.Chat(
+        messages=[_chat_message(turn) for turn in messages],
+        add_generation_prompt=add_generation_prompt,
+    )
+
+
+def _chat_message(turn: ChatMessage) -> pb.ChatMessage:
+    if isinstance(turn, tuple):
+        role, content = turn
+    else:
+        role, content = turn["role"], turn["content"]
+    return pb.ChatMessage(role=role, content=content)
+
+
+def _checked(name: str, apply: Callable[[T], R], value: T) -> R:
+    """Runs a protobuf assignment, naming the argument when protobuf rejects its value."""
+    try:
+        return apply(value)
+    except (TypeError, ValueError) as error:
+        raise ValueError(f"invalid {name}: {value!r} ({error})") from None

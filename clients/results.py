@@ -1,0 +1,141 @@
+"""What the client returns: plain records built from the server's messages."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import grpc
+
+from clients.errors import SplitserveError
+from protos.splitserve.v1 import generation_pb2 as pb
+
+FINISH_REASONS: dict[int, str] = {
+    pb.FINISH_REASON_STOP: "stop",
+    pb.FINISH_REASON_LENGTH: "length",
+    pb.FINISH_REASON_ABORT: "abort",
+}
+
+
+@dataclass(slots=True, frozen=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_prompt_tokens: int
+
+
+@dataclass(slots=True, frozen=True)
+class Timings:
+    queued_s: float
+    time_to_first_token_s: float
+    total_s: float
+    num_preemptions: int
+
+
+@dataclass(slots=True, frozen=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top_token_ids: list[int]
+    top_logprobs: list[float]
+
+
+@dataclass(slots=True, frozen=True)
+class GenerationDelta:
+    """One streamed message: the tokens and text that became known since the previous one."""
+
+    request_id: str
+    token_ids: list[int]
+    text: str
+    logprobs: list[TokenLogprob]
+    # 'stop', 'length' or 'abort' on the last delta, None before it.
+    finish_reason: str | None = None
+    # The stop string or stop token id that ended the request (last delta only).
+    stop_reason: str | None = None
+    usage: Usage | None = None
+    timings: Timings | None = None
+
+
+@dataclass(slots=True, frozen=True)
+class GenerationResult:
+    request_id: str
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+    stop_reason: str | None
+    usage: Usage | None
+    timings: Timings | None
+    # One entry per generated token when logprobs were asked for, else None.
+    logprobs: list[TokenLogprob] | None
+
+
+@dataclass(slots=True, frozen=True)
+class TokenizeResult:
+    token_ids: list[int]
+    # Each token's vocabulary piece, in the same order.
+    tokens: list[str]
+
+
+def delta_from_response(response: pb.GenerateResponse) -> GenerationDelta:
+    usage = timings = None
+    if response.HasField("usage"):
+        u = response.usage
+        usage = Usage(u.prompt_tokens, u.completion_tokens, u.cached_prompt_tokens)
+    if response.HasField("timings"):
+        t = response.timings
+        timings = Timings(t.queued_s, t.time_to_first_token_s, t.total_s, t.num_preemptions)
+    return GenerationDelta(
+        request_id=response.request_id,
+        token_ids=list(response.token_ids),
+        text=response.text,
+        logprobs=[
+            TokenLogprob(lp.token_id, lp.logprob, list(lp.top_token_ids), list(lp.top_logprobs))
+            for lp in response.logprobs
+        ],
+        finish_reason=FINISH_REASONS.get(response.finish_reason),
+        stop_reason=response.stop_reason or None,
+        usage=usage,
+        timings=timings,
+    )
+
+
+def tokenize_result(response: pb.TokenizeResponse) -> TokenizeResult:
+    return TokenizeResult(list(response.token_ids), list(response.tokens))
+
+
+@dataclass(slots=True)
+class ResultAssembler:
+    """Collects a stream's deltas into one GenerationResult."""
+
+    # Whether the request asked for logprobs (an empty output still has a list then).
+    want_logprobs: bool = False
+    request_id: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    text_parts: list[str] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    last: GenerationDelta | None = None
+
+    def add(self, delta: GenerationDelta) -> None:
+        self.request_id = delta.request_id or self.request_id
+        self.token_ids.extend(delta.token_ids)
+        self.text_parts.append(delta.text)
+        self.logprobs.extend(delta.logprobs)
+        self.last = delta
+
+    def result(self) -> GenerationResult:
+        last = self.last
+        if last is None or last.finish_reason is None:
+            # The contract ends every stream with a finish reason; anything else is a broken
+            # server or connection, not a result.
+            raise SplitserveError(
+                grpc.StatusCode.UNKNOWN, "the stream ended without a finish reason"
+            )
+        return GenerationResult(
+            request_id=self.request_id,
+            token_ids=self.token_ids,
+            text="".join(self.text_parts),
+            finish_reason=last.finish_reason,
+            stop_reason=last.stop_reason,
+            usage=last.usage,
+            timings=last.timings,
+            logprobs=self.logprobs if self.want_logprobs else None,
+        )

@@ -1,0 +1,183 @@
+"""Blocking client for the splitserve Generation service."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator, Sequence
+from types import TracebackType
+from typing import Protocol, TypeVar, Unpack
+
+import grpc
+
+from clients.errors import SplitserveError
+from clients.request_builder import (
+    ChatMessage,
+    GenerateOptions,
+    build_generate_request,
+    build_tokenize_request,
+)
+from clients.results import (
+    GenerationDelta,
+    GenerationResult,
+    ResultAssembler,
+    TokenizeResult,
+    delta_from_response,
+    tokenize_result,
+)
+from protos.splitserve.v1 import generation_pb2 as pb
+from protos.splitserve.v1 import generation_pb2_grpc as pb_grpc
+
+logger = logging.getLogger(__name__)
+
+Req = TypeVar("Req")
+Resp = TypeVar("Resp")
+Metadata = Sequence[tuple[str, str]]
+
+
+class StreamingCall(Protocol):
+    """What grpc returns for a server-streaming call, as far as DeltaStream uses it."""
+
+    def __next__(self) -> pb.GenerateResponse: ...
+
+    def cancel(self) -> bool: ...
+
+
+class DeltaStream(Iterator[GenerationDelta]):
+    """The deltas of one Generate call; the last one has finish_reason set."""
+
+    def __init__(self, call: StreamingCall) -> None:
+        self._call = call
+
+    def __iter__(self) -> DeltaStream:
+        return self
+
+    def __next__(self) -> GenerationDelta:
+        try:
+            return delta_from_response(next(self._call))
+        except grpc.RpcError as error:
+            raise SplitserveError.from_rpc_error(error) from None
+
+    def __del__(self) -> None:
+        # grpc frees (and so cancels) an abandoned call only when its reference cycles are
+        # collected; a loop left early must abort the request on the server at once.
+        self.cancel()
+
+    def cancel(self) -> bool:
+        """Cancels the call (the server aborts the request); False if it had already ended."""
+        cancelled = self._call.cancel()
+        if cancelled:
+            logger.debug("cancelled a Generate call")
+        return cancelled
+
+    def __enter__(self) -> DeltaStream:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.cancel()
+
+
+class Client:
+    """One channel to a scheduler service; safe to share between threads.
+
+    timeout: deadline in seconds for each call (for a Generate stream: the whole stream).
+    credentials: grpc.ssl_channel_credentials(...) and the like for TLS; None for plaintext.
+    metadata: (key, value) pairs sent with every call, e.g. an authorization token.
+    """
+
+    def __init__(
+        self,
+        address: str,
+        *,
+        timeout: float | None = None,
+        credentials: grpc.ChannelCredentials | None = None,
+        metadata: Metadata | None = None,
+    ) -> None:
+        self._timeout = timeout
+        self._metadata = tuple(metadata) if metadata else None
+        if credentials is None:
+            self._channel = grpc.insecure_channel(address)
+        else:
+            self._channel = grpc.secure_channel(address, credentials)
+        self._stub = pb_grpc.GenerationStub(self._channel)
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def generate(
+        self,
+        prompt: str | None = None,
+        *,
+        prompt_token_ids: Sequence[int] | None = None,
+        messages: Sequence[ChatMessage] | None = None,
+        **options: Unpack[GenerateOptions],
+    ) -> GenerationResult:
+        """Runs one request to the end and returns its whole output."""
+        assembler = ResultAssembler(want_logprobs=options.get("logprobs") is not None)
+        for delta in self.stream(
+            prompt, prompt_token_ids=prompt_token_ids, messages=messages, **options
+        ):
+            assembler.add(delta)
+        return assembler.result()
+
+    def stream(
+        self,
+        prompt: str | None = None,
+        *,
+        prompt_token_ids: Sequence[int] | None = None,
+        messages: Sequence[ChatMessage] | None = None,
+        **options: Unpack[GenerateOptions],
+    ) -> DeltaStream:
+        """Starts one request; iterate the result for its output as it is generated.
+
+        Bad arguments raise ValueError here. Leaving the loop early cancels the call, so the
+        server aborts the request and frees its memory: at once under `with`, else when the
+        stream is dropped.
+        """
+        request = build_generate_request(
+            prompt, prompt_token_ids=prompt_token_ids, messages=messages, **options
+        )
+        call = self._stub.Generate(request, timeout=self._timeout, metadata=self._metadata)
+        return DeltaStream(call)
+
+    def abort(self, request_id: str) -> bool:
+        """Aborts a request by id; False when none with that id was in flight."""
+        response = self._unary(self._stub.Abort, pb.AbortRequest(request_id=request_id))
+        return response.found
+
+    def tokenize(
+        self,
+        text: str | None = None,
+        messages: Sequence[ChatMessage] | None = None,
+        *,
+        add_generation_prompt: bool = True,
+    ) -> TokenizeResult:
+        request = build_tokenize_request(text, messages, add_generation_prompt)
+        return tokenize_result(self._unary(self._stub.Tokenize, request))
+
+    def model_info(self) -> pb.ModelInfo:
+        return self._unary(self._stub.GetModelInfo, pb.GetModelInfoRequest())
+
+    def server_status(self) -> pb.ServerStatus:
+        return self._unary(self._stub.GetServerStatus, pb.GetServerStatusRequest())
+
+    def _unary(self, method: Callable[..., Resp], request: Req) -> Resp:
+        try:
+            return method(request, timeout=self._timeout, metadata=self._metadata)
+        except grpc.RpcError as error:
+            raise SplitserveError.from_rpc_error(error) from None
