@@ -155,14 +155,19 @@ class FakeGeneration(pb_grpc.GenerationServicer):
         if request.text == "invalid":
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "temperature must be >= 0")
         if request.text in ("endless", "truncated"):
+            ended_by_handler = threading.Event()
+            # Once the client cancels, grpc may never resume this generator, so the cancellation
+            # is seen by the termination callback rather than by the loop below.
+            context.add_callback(lambda: ended_by_handler.is_set() or self.cancelled.set())
             yield pb.GenerateResponse(request_id=request_id, token_ids=[1], text="a")
             deadline = time.monotonic() + 10
             while request.text == "endless" and context.is_active():
                 if time.monotonic() > deadline:
-                    return
+                    break
                 time.sleep(0.01)
             if not context.is_active():
                 self.cancelled.set()
+            ended_by_handler.set()
             return
         want_logprobs = request.sampling.HasField("logprobs")
         for i, (ids, text) in enumerate(FIXED_PIECES):
