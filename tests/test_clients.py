@@ -189,7 +189,8 @@ class FakeGeneration(pb_grpc.GenerationServicer):
     ) -> pb.TokenizeResponse:
         if request.WhichOneof("input") == "chat":
             return pb.TokenizeResponse(token_ids=[len(request.chat.messages)], tokens=["chat"])
-        return pb.TokenizeResponse(token_ids=[ord(c) for c in request.text], tokens=list(request.text))
+        text = request.text
+        return pb.TokenizeResponse(token_ids=[ord(c) for c in text], tokens=list(text))
 
     def GetModelInfo(
         self, request: pb.GetModelInfoRequest, context: grpc.ServicerContext

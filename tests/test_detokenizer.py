@@ -160,7 +160,8 @@ def test_stop_strings_are_caught_across_tokens_and_never_streamed(
     decoded = tokenizer.decode(ids)
     start = data.draw(st.integers(min_value=0, max_value=len(decoded) - 1), label="stop start")
     length = data.draw(st.integers(min_value=1, max_value=6), label="stop length")
-    stops = [decoded[start : start + length], data.draw(st.text(MULTIBYTE_ALPHABET, min_size=1, max_size=4))]
+    decoy = data.draw(st.text(MULTIBYTE_ALPHABET, min_size=1, max_size=4), label="decoy stop")
+    stops = [decoded[start : start + length], decoy]
     position, stop = _first_stop(decoded, stops) or (len(decoded), None)
     expected = decoded[:position]
     detokenizer = IncrementalDetokenizer(tokenizer, [], skip_special_tokens=True, stop=stops)
