@@ -24,7 +24,9 @@ from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 READY_PATTERN = re.compile(r"event=executor_ready address=(\S+):(\d+)")
-DEFAULT_FLAGS: dict[str, object] = {"num_kv_blocks": 1024, "threads": 2}
+# One torch thread: test machines are small and shared, and OpenMP threads that wait for a busy
+# core make every step slower than one thread alone.
+DEFAULT_FLAGS: dict[str, object] = {"num_kv_blocks": 1024, "threads": 1}
 
 
 class ExecutorStartError(RuntimeError):
@@ -43,47 +45,65 @@ def executor_command(model_dir: Path | str, **flags: object) -> list[str]:
     return command
 
 
+class ExecutorProcess:
+    """An executor started in the background; wait_ready() blocks until it serves."""
+
+    def __init__(self, model_dir: Path | str, **flags: object) -> None:
+        self._log = tempfile.NamedTemporaryFile(prefix="executor-", suffix=".log", delete=False)
+        self.log_path = Path(self._log.name)
+        self.process = subprocess.Popen(
+            executor_command(model_dir, **flags),
+            cwd=REPO_ROOT,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+        self.address: str | None = None
+
+    def wait_ready(self, timeout_s: float = 180.0) -> str:
+        deadline = time.monotonic() + timeout_s
+        while self.address is None:
+            text = self.log_path.read_text(errors="replace")
+            match = READY_PATTERN.search(text)
+            if match:
+                self.address = f"{match.group(1)}:{match.group(2)}"
+            elif self.process.poll() is not None:
+                raise ExecutorStartError(
+                    f"executor exited with {self.process.returncode}:\n{text[-4000:]}"
+                )
+            elif time.monotonic() > deadline:
+                raise ExecutorStartError(f"executor not ready after {timeout_s}s:\n{text[-4000:]}")
+            else:
+                time.sleep(0.05)
+        return self.address
+
+    def log_text(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def stop(self, grace_s: float = 15.0) -> int:
+        """SIGTERM, then SIGKILL after grace_s; returns the exit status."""
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout=grace_s)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        return self.process.returncode
+
+    def close(self) -> None:
+        self.stop()
+        self._log.close()
+        self.log_path.unlink(missing_ok=True)
+
+
 @contextmanager
 def start_executor(
     model_dir: Path | str, timeout_s: float = 180.0, **flags: object
 ) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
-    """Yields (address, process); the process is terminated (then killed) on exit."""
-    log = tempfile.NamedTemporaryFile(prefix="executor-", suffix=".log", delete=False)
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    process = subprocess.Popen(
-        executor_command(model_dir, **flags),
-        cwd=REPO_ROOT,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        env=env,
-    )
+    """Yields (address, process) once the executor serves; it is stopped on exit."""
+    executor = ExecutorProcess(model_dir, **flags)
     try:
-        yield wait_until_ready(process, Path(log.name), timeout_s), process
+        yield executor.wait_ready(timeout_s), executor.process
     finally:
-        stop_executor(process)
-        log.close()
-        os.unlink(log.name)
-
-
-def wait_until_ready(process: subprocess.Popen[bytes], log_path: Path, timeout_s: float) -> str:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        text = log_path.read_text(errors="replace")
-        match = READY_PATTERN.search(text)
-        if match:
-            return f"{match.group(1)}:{match.group(2)}"
-        if process.poll() is not None:
-            raise ExecutorStartError(f"executor exited with {process.returncode}:\n{text[-4000:]}")
-        time.sleep(0.1)
-    raise ExecutorStartError(f"executor not ready after {timeout_s}s:\n{log_path.read_text()[-4000:]}")
-
-
-def stop_executor(process: subprocess.Popen[bytes], grace_s: float = 15.0) -> int:
-    if process.poll() is None:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(timeout=grace_s)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-    return process.returncode
+        executor.close()
