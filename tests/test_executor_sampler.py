@@ -1,0 +1,138 @@
+"""The sampler module on fixed logits: distributions, seeds, penalties and logprobs."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from executor_service.sampler import SamplingRow, apply_penalties, sample
+from executor_service.sampling_params import SamplingParams
+
+torch.set_num_threads(1)
+
+LOGITS = torch.tensor([2.0, 1.5, 1.2, 0.9, 0.4, 0.0, -0.3, -0.8, -1.5, -2.0])
+DRAWS = 40_000
+# Chi-square critical value at p = 1e-4 for up to 9 degrees of freedom is ~33.7; with a fixed
+# seed the test is deterministic, the margin only guards against an unlucky seed choice.
+CHI_SQUARE_LIMIT = 34.0
+
+
+def row(params: SamplingParams, generator: torch.Generator | None = None) -> SamplingRow:
+    return SamplingRow(params=params, generator=generator, prompt_token_ids=[], output_token_ids=[])
+
+
+def expected(params: SamplingParams) -> torch.Tensor:
+    """The distribution the settings define, computed from their definitions."""
+    probs = torch.softmax(LOGITS.double() / params.temperature, dim=-1)
+    keep = torch.ones_like(probs, dtype=torch.bool)
+    if params.min_p:
+        keep &= probs >= params.min_p * probs.max()
+    if params.top_k:
+        keep &= probs >= probs.sort(descending=True).values[params.top_k - 1]
+    if params.top_p < 1:
+        order = probs.masked_fill(~keep, 0).sort(descending=True)
+        renormed = order.values / order.values.sum()
+        mass_before = renormed.cumsum(0) - renormed
+        nucleus = torch.zeros_like(keep)
+        nucleus[order.indices[mass_before < params.top_p]] = True
+        keep &= nucleus
+    kept = probs.masked_fill(~keep, 0)
+    return kept / kept.sum()
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=1.0),
+        SamplingParams(temperature=0.7),
+        SamplingParams(temperature=1.5, top_k=3),
+        SamplingParams(temperature=1.0, top_p=0.6),
+        SamplingParams(temperature=1.0, min_p=0.3),
+        SamplingParams(temperature=1.3, top_k=6, top_p=0.9),
+    ],
+    ids=["t1", "t0.7", "topk3", "topp0.6", "minp0.3", "topk6-topp0.9"],
+)
+def test_draws_follow_the_distribution(params: SamplingParams) -> None:
+    generator = torch.Generator().manual_seed(1234)
+    logits = LOGITS.expand(DRAWS, -1).clone()
+    tokens = sample(logits, [row(params)] * DRAWS, generator).token_ids
+    counts = torch.bincount(torch.tensor(tokens), minlength=LOGITS.numel()).double()
+    want = expected(params) * DRAWS
+    support = want > 0
+    assert counts[~support].sum() == 0, "drew a token the settings exclude"
+    chi_square = (((counts - want) ** 2)[support] / want[support]).sum().item()
+    assert chi_square < CHI_SQUARE_LIMIT, (counts.tolist(), want.tolist())
+
+
+def test_greedy_takes_the_argmax_and_ignores_filters() -> None:
+    logits = torch.randn(5, 50, generator=torch.Generator().manual_seed(0))
+    rows = [row(SamplingParams(temperature=0.0, top_k=3, top_p=0.5, min_p=0.5))] * 5
+    assert sample(logits, rows).token_ids == logits.argmax(dim=-1).tolist()
+
+
+def _seeded_tokens(position: int, others: int, steps: int = 20) -> list[int]:
+    """Draws of a seed-42 row placed at `position` among `others` rows with other settings."""
+    mine = torch.Generator().manual_seed(42)
+    shared = torch.Generator().manual_seed(position * 1000 + others)
+    my_logits = torch.Generator().manual_seed(7)
+    other_logits = torch.Generator().manual_seed(8)
+    tokens = []
+    for _ in range(steps):
+        logits = torch.randn(others + 1, 64, generator=other_logits)
+        logits[position] = torch.randn(64, generator=my_logits)
+        rows = [
+            row(SamplingParams(temperature=0.8 + 0.1 * (i % 3), top_k=i % 5), None)
+            for i in range(others + 1)
+        ]
+        rows[position] = row(SamplingParams(temperature=1.0, seed=42), mine)
+        tokens.append(sample(logits, rows, shared).token_ids[position])
+    return tokens
+
+
+def test_seeded_row_ignores_the_rest_of_the_batch() -> None:
+    alone = _seeded_tokens(position=0, others=0)
+    assert _seeded_tokens(position=9, others=16) == alone
+    assert _seeded_tokens(position=16, others=16) == alone
+
+
+def test_penalties_follow_vllm_semantics() -> None:
+    logits = torch.tensor([[2.0, -1.0, 0.5, 3.0, 1.0]])
+    params = SamplingParams(
+        temperature=0.0, repetition_penalty=2.0, presence_penalty=0.5, frequency_penalty=0.25
+    )
+    penalised = apply_penalties(
+        logits, [SamplingRow(params, None, prompt_token_ids=[0, 1], output_token_ids=[3, 3, 2])]
+    )
+    # Token 0 (prompt, positive): /2. Token 1 (prompt, negative): *2. Token 2 (output once):
+    # /2 - 0.5 - 0.25. Token 3 (output twice): /2 - 0.5 - 0.5. Token 4 unseen: unchanged.
+    want = torch.tensor([[1.0, -2.0, 0.25 - 0.75, 1.5 - 1.0, 1.0]])
+    torch.testing.assert_close(penalised, want)
+
+
+def test_penalties_change_the_greedy_choice() -> None:
+    logits = torch.tensor([[3.0, 2.9, 0.0]])
+    params = SamplingParams(temperature=0.0, frequency_penalty=1.0)
+    rows = [SamplingRow(params, None, prompt_token_ids=[], output_token_ids=[0])]
+    assert sample(logits, rows).token_ids == [1]
+
+
+def test_logprobs_are_raw_log_softmax() -> None:
+    logits = torch.randn(3, 40, generator=torch.Generator().manual_seed(3))
+    rows = [
+        row(SamplingParams(temperature=0.0, want_logprobs=True, num_logprobs=5)),
+        row(SamplingParams(temperature=0.5, top_k=2, want_logprobs=True, num_logprobs=0)),
+        row(SamplingParams(temperature=0.0)),
+    ]
+    result = sample(logits, rows, torch.Generator().manual_seed(0))
+    raw = torch.log_softmax(logits, dim=-1)
+    first, second, third = result.logprobs
+    assert third is None
+    assert first is not None and second is not None
+    assert first.top_token_ids == raw[0].topk(5).indices.tolist()
+    assert first.top_logprobs == pytest.approx(raw[0].topk(5).values.tolist(), abs=1e-6)
+    assert first.token_logprob == pytest.approx(raw[0].max().item(), abs=1e-6)
+    assert second.top_token_ids == []
+    assert second.token_logprob == pytest.approx(raw[1, result.token_ids[1]].item(), abs=1e-6)
+    assert math.isfinite(second.token_logprob)

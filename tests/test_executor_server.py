@@ -1,0 +1,96 @@
+"""The executor process as a server: Describe, health, reflection, streams and shutdown."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from executor_driver import PlanStream
+from executor_process import ExecutorProcess, start_executor
+from model_factory import EOS_TOKEN_ID, VOCAB_SIZE, build_model
+from protos.splitserve.executor.v1 import executor_pb2 as pb
+from protos.splitserve.executor.v1 import executor_pb2_grpc as pb_grpc
+
+SERVICE = "splitserve.executor.v1.Executor"
+NUM_BLOCKS = 32
+BLOCK_SIZE = 8
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_model("llama", tmp_path_factory.mktemp("llama"))
+
+
+@pytest.fixture(scope="module")
+def channel(model_dir: Path) -> Iterator[grpc.Channel]:
+    with start_executor(model_dir, num_kv_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE) as (address, _):
+        with grpc.insecure_channel(address) as channel:
+            yield channel
+
+
+def test_describe(channel: grpc.Channel, model_dir: Path) -> None:
+    info = pb_grpc.ExecutorStub(channel).Describe(pb.DescribeRequest())
+    assert info.model_id == str(model_dir)
+    assert info.vocab_size == VOCAB_SIZE
+    assert list(info.eos_token_ids) == [EOS_TOKEN_ID]
+    # The model allows 1024 positions, but the whole cache holds only 256 tokens.
+    assert info.max_model_len == NUM_BLOCKS * BLOCK_SIZE
+    assert (info.block_size, info.num_kv_blocks) == (BLOCK_SIZE, NUM_BLOCKS)
+    assert (info.dtype, info.device, info.attention_backend) == ("float32", "cpu", "sdpa")
+    assert len(info.incarnation_id) == 32
+    assert info.max_logprobs == 20
+
+
+def test_health_and_reflection(channel: grpc.Channel) -> None:
+    health = health_pb2_grpc.HealthStub(channel)
+    for service in ("", SERVICE):
+        response = health.Check(health_pb2.HealthCheckRequest(service=service))
+        assert response.status == health_pb2.HealthCheckResponse.SERVING
+    reflection = reflection_pb2_grpc.ServerReflectionStub(channel)
+    (answer,) = reflection.ServerReflectionInfo(
+        iter([reflection_pb2.ServerReflectionRequest(list_services="")])
+    )
+    names = {s.name for s in answer.list_services_response.service}
+    assert {SERVICE, "grpc.health.v1.Health"} <= names
+
+
+def test_state_outlives_the_stream_and_bad_step_ids_end_it(channel: grpc.Channel) -> None:
+    first = PlanStream(channel)
+    new = pb.NewRequest(request_id="kept", token_ids=[5, 6, 7], block_ids=[0], num_scheduled_tokens=3)
+    assert first.step(pb.StepPlan(step_id=10, new_requests=[new])).outputs[0].token_ids
+    first.send(pb.StepPlan(step_id=10))
+    with pytest.raises(grpc.RpcError) as error:
+        first.receive()
+    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "step_id" in error.value.details()
+
+    # A new stream starts its own step ids and finds the request where the last one left it.
+    second = PlanStream(channel)
+    decode = pb.ContinuingRequest(request_id="kept", num_scheduled_tokens=1)
+    result = second.step(pb.StepPlan(step_id=1, continuing_requests=[decode]))
+    assert not result.rejected and len(result.outputs[0].token_ids) == 1
+    # Describe answers while plans are queued on the stream.
+    for step in range(2, 6):
+        second.send(pb.StepPlan(step_id=step, continuing_requests=[decode]))
+    assert pb_grpc.ExecutorStub(channel).Describe(pb.DescribeRequest()).num_kv_blocks == NUM_BLOCKS
+    assert [second.receive().step_id for _ in range(2, 6)] == [2, 3, 4, 5]
+    second.step(pb.StepPlan(step_id=6, dropped_request_ids=["kept"]))
+    second.close()
+
+
+def test_kv_memory_budget_and_clean_sigterm(model_dir: Path) -> None:
+    # 2 layers x K,V x 16 tokens x 2 KV heads x 16 dims x 4 bytes = 8 KiB per block.
+    executor = ExecutorProcess(model_dir, kv_cache_memory="1MiB", block_size=16)
+    try:
+        with grpc.insecure_channel(executor.wait_ready()) as channel:
+            info = pb_grpc.ExecutorStub(channel).Describe(pb.DescribeRequest())
+        assert info.num_kv_blocks == 128
+        assert executor.stop() == 0
+        assert "event=executor_stopped" in executor.log_text()
+    finally:
+        executor.close()

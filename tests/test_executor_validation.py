@@ -1,0 +1,208 @@
+"""Wrong plan entries, over gRPC: each is rejected with INVALID_ARGUMENT and a message naming the
+request and the problem, its state is dropped, and the other requests of the plan run on as if the
+entry had not been there."""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from executor_driver import PlanStream
+from executor_process import start_executor
+from model_factory import VOCAB_SIZE, build_model
+from protos.splitserve.executor.v1 import executor_pb2 as pb
+
+NUM_BLOCKS = 64
+BLOCK_SIZE = 16
+INVALID_ARGUMENT = 3
+GOOD_PROMPT = list(range(100, 120))
+VICTIM_PROMPT = list(range(200, 216))
+GOOD_STEPS = 4
+
+_ids = itertools.count()
+
+
+@pytest.fixture(scope="module")
+def channel(tmp_path_factory: pytest.TempPathFactory) -> Iterator[grpc.Channel]:
+    model_dir: Path = build_model("llama", tmp_path_factory.mktemp("llama"))
+    with start_executor(model_dir, num_kv_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE) as (address, _):
+        with grpc.insecure_channel(address) as channel:
+            yield channel
+
+
+@pytest.fixture
+def stream(channel: grpc.Channel) -> Iterator[PlanStream]:
+    stream = PlanStream(channel)
+    yield stream
+    stream.close()
+
+
+def good_new(request_id: str) -> pb.NewRequest:
+    return pb.NewRequest(
+        request_id=request_id,
+        token_ids=GOOD_PROMPT,
+        block_ids=[0, 1],
+        num_scheduled_tokens=len(GOOD_PROMPT),
+    )
+
+
+@pytest.fixture(scope="module")
+def clean_tokens(channel: grpc.Channel) -> list[int]:
+    """The good request's tokens when nothing else is in the plans."""
+    stream = PlanStream(channel)
+    request_id = f"clean{next(_ids)}"
+    tokens = list(stream.step(pb.StepPlan(step_id=1, new_requests=[good_new(request_id)])).outputs[0].token_ids)
+    for step in range(2, GOOD_STEPS + 1):
+        result = stream.step(
+            pb.StepPlan(
+                step_id=step,
+                continuing_requests=[pb.ContinuingRequest(request_id=request_id, num_scheduled_tokens=1)],
+            )
+        )
+        tokens.extend(result.outputs[0].token_ids)
+    stream.step(pb.StepPlan(step_id=GOOD_STEPS + 1, dropped_request_ids=[request_id]))
+    stream.close()
+    return tokens
+
+
+def _new(**fields: object) -> Callable[[str, str], pb.StepPlan]:
+    """A bad NewRequest under a fresh id."""
+
+    def make(bad_id: str, victim_id: str) -> pb.StepPlan:
+        entry = {
+            "request_id": bad_id,
+            "token_ids": list(range(300, 310)),
+            "block_ids": [10],
+            "num_scheduled_tokens": 10,
+            **fields,
+        }
+        return pb.StepPlan(new_requests=[pb.NewRequest(**entry)])
+
+    return make
+
+
+def _sampling(**fields: object) -> Callable[[str, str], pb.StepPlan]:
+    return _new(sampling=pb.SamplerConfig(**fields))
+
+
+def _continuing(**fields: object) -> Callable[[str, str], pb.StepPlan]:
+    """A bad ContinuingRequest on the victim (a request the executor holds)."""
+
+    def make(bad_id: str, victim_id: str) -> pb.StepPlan:
+        entry = {"request_id": victim_id, "num_scheduled_tokens": 1, **fields}
+        return pb.StepPlan(continuing_requests=[pb.ContinuingRequest(**entry)])
+
+    return make
+
+
+BAD_ENTRIES: dict[str, tuple[Callable[[str, str], pb.StepPlan], str]] = {
+    "new-block-outside-pool": (_new(block_ids=[NUM_BLOCKS]), "outside the pool"),
+    "new-too-many-tokens-for-blocks": (
+        _new(token_ids=list(range(300, 340)), block_ids=[10, 11], num_scheduled_tokens=40),
+        "do not fit",
+    ),
+    "new-token-outside-vocab": (_new(token_ids=[5, VOCAB_SIZE, 6]), "outside the vocab"),
+    "new-empty-tokens": (_new(token_ids=[], num_scheduled_tokens=1), "empty"),
+    "new-zero-scheduled": (_new(num_scheduled_tokens=0), "num_scheduled_tokens"),
+    "new-scheduled-past-known": (_new(num_scheduled_tokens=11), "only 10 tokens are known"),
+    "new-computed-not-block-multiple": (
+        _new(num_computed_tokens=5, num_scheduled_tokens=5),
+        "multiple of block_size",
+    ),
+    "new-repeated-block": (_new(token_ids=list(range(300, 320)), block_ids=[10, 10], num_scheduled_tokens=20), "repeats"),
+    "negative-temperature": (_sampling(temperature=-0.5), "temperature"),
+    "nan-temperature": (_sampling(temperature=math.nan), "temperature"),
+    "top-p-above-one": (_sampling(temperature=1.0, top_p=1.5), "top_p"),
+    "top-p-negative": (_sampling(temperature=1.0, top_p=-0.1), "top_p"),
+    "min-p-above-one": (_sampling(min_p=2.0), "min_p"),
+    "negative-repetition-penalty": (_sampling(repetition_penalty=-1.0), "repetition_penalty"),
+    "presence-penalty-out-of-range": (_sampling(presence_penalty=3.0), "presence_penalty"),
+    "frequency-penalty-out-of-range": (_sampling(frequency_penalty=-2.5), "frequency_penalty"),
+    "too-many-logprobs": (_sampling(want_logprobs=True, num_logprobs=21), "num_logprobs"),
+    "continuing-unknown-id": (
+        lambda bad_id, victim_id: pb.StepPlan(
+            continuing_requests=[pb.ContinuingRequest(request_id=bad_id, num_scheduled_tokens=1)]
+        ),
+        "unknown request id",
+    ),
+    "continuing-block-outside-pool": (_continuing(new_block_ids=[NUM_BLOCKS + 5]), "outside the pool"),
+    "continuing-token-outside-vocab": (
+        _continuing(appended_token_ids=[VOCAB_SIZE + 1], new_block_ids=[21]),
+        "outside the vocab",
+    ),
+    # The victim's 16 prompt tokens fill its one block; its 17th token needs a new block.
+    "continuing-too-many-tokens-for-blocks": (_continuing(), "do not fit"),
+    "continuing-scheduled-past-known": (_continuing(num_scheduled_tokens=2, new_block_ids=[21]), "only 17 tokens"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_ENTRIES)
+def test_bad_entry_is_rejected_alone(stream: PlanStream, clean_tokens: list[int], case: str) -> None:
+    make_bad, expected_problem = BAD_ENTRIES[case]
+    n = next(_ids)
+    good, victim, bad = f"good{n}", f"victim{n}", f"bad{n}"
+    first = stream.step(
+        pb.StepPlan(
+            step_id=1,
+            new_requests=[
+                good_new(good),
+                pb.NewRequest(request_id=victim, token_ids=VICTIM_PROMPT, block_ids=[20], num_scheduled_tokens=16),
+            ],
+        )
+    )
+    assert not first.rejected
+    tokens = list(first.outputs[0].token_ids)
+
+    plan = make_bad(bad, victim)
+    plan.step_id = 2
+    plan.continuing_requests.insert(0, pb.ContinuingRequest(request_id=good, num_scheduled_tokens=1))
+    result = stream.step(plan)
+    named = plan.new_requests[0].request_id if plan.new_requests else plan.continuing_requests[1].request_id
+    assert [(r.request_id, r.code) for r in result.rejected] == [(named, INVALID_ARGUMENT)]
+    assert named in result.rejected[0].message
+    assert expected_problem in result.rejected[0].message
+    assert [o.request_id for o in result.outputs] == [good]
+    tokens.extend(result.outputs[0].token_ids)
+
+    # The rejected entry's state is gone; the good request carries on untouched.
+    for step in range(3, GOOD_STEPS + 1):
+        result = stream.step(
+            pb.StepPlan(
+                step_id=step,
+                continuing_requests=[
+                    pb.ContinuingRequest(request_id=good, num_scheduled_tokens=1),
+                    pb.ContinuingRequest(request_id=named, num_scheduled_tokens=1, new_block_ids=[22 + step]),
+                ],
+            )
+        )
+        assert [r.request_id for r in result.rejected] == [named]
+        assert "unknown request id" in result.rejected[0].message
+        tokens.extend(result.outputs[0].token_ids)
+    assert tokens == clean_tokens
+    stream.step(pb.StepPlan(step_id=GOOD_STEPS + 1, dropped_request_ids=[good, victim, bad]))
+
+
+def test_dropping_unknown_ids_is_a_no_op(stream: PlanStream, clean_tokens: list[int]) -> None:
+    good = f"good{next(_ids)}"
+    tokens = list(
+        stream.step(
+            pb.StepPlan(step_id=1, new_requests=[good_new(good)], dropped_request_ids=["never-seen"])
+        ).outputs[0].token_ids
+    )
+    for step in range(2, GOOD_STEPS + 1):
+        result = stream.step(
+            pb.StepPlan(
+                step_id=step,
+                dropped_request_ids=["never-seen", f"gone{step}"],
+                continuing_requests=[pb.ContinuingRequest(request_id=good, num_scheduled_tokens=1)],
+            )
+        )
+        assert not result.rejected
+        tokens.extend(result.outputs[0].token_ids)
+    assert tokens == clean_tokens
+    stream.step(pb.StepPlan(step_id=GOOD_STEPS + 1, dropped_request_ids=[good, good]))
