@@ -1,1 +1,1 @@
-"""splitserve executor: model weights, paged KV memory, one forward pass and sampling per step plan."""
+"""splitserve executor: model weights, paged KV memory, a forward pass and sampling per plan."""

@@ -23,11 +23,15 @@ def parse_args(argv: list[str] | None) -> ExecutorSettings:
     parser.add_argument("--port", type=int, required=True, help="0 picks a free port")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
-    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    parser.add_argument(
+        "--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"]
+    )
     parser.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE)
     budget = parser.add_mutually_exclusive_group()
     budget.add_argument("--num-kv-blocks", type=int, default=None)
-    budget.add_argument("--kv-cache-memory", type=parse_size, default=None, help="e.g. 512MiB, 2GiB")
+    budget.add_argument(
+        "--kv-cache-memory", type=parse_size, default=None, help="e.g. 512MiB, 2GiB"
+    )
     parser.add_argument("--max-model-len", type=int, default=None, help="cap below the model's own")
     parser.add_argument("--max-logprobs", type=int, default=20)
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")

@@ -138,10 +138,12 @@ def build_step_attention(
             padded = torch.nn.utils.rnn.pad_sequence(
                 [context_slots[i] for i in decode_rows], batch_first=True
             )
+            starts = [spans[i].token_start for i in decode_rows]
+            lens = [spans[i].context_len for i in decode_rows]
             decodes = DecodeAttention(
-                token_index=torch.tensor([spans[i].token_start for i in decode_rows], device=device),
+                token_index=torch.tensor(starts, device=device),
                 kv_slots=padded.to(device),
-                context_lens=torch.tensor([spans[i].context_len for i in decode_rows], device=device),
+                context_lens=torch.tensor(lens, device=device),
             )
     return StepAttention(
         kv_cache=kv_cache,

@@ -16,7 +16,9 @@ def accepts_logits_to_keep(loaded: LoadedModel) -> bool:
 
 
 @torch.inference_mode()
-def compute_logits(loaded: LoadedModel, inputs: StepInputs, use_logits_to_keep: bool) -> torch.Tensor:
+def compute_logits(
+    loaded: LoadedModel, inputs: StepInputs, use_logits_to_keep: bool
+) -> torch.Tensor:
     """[sampled rows, vocab] logits; [0, vocab] when the step samples nothing."""
     model = loaded.model
     common = {

@@ -61,7 +61,9 @@ def _cuda_budget(
     torch.cuda.empty_cache()
     total = torch.cuda.get_device_properties(device).total_memory
     budget = int(total * settings.gpu_memory_utilization) - peak
-    logger.info("event=cuda_profile tokens=%d peak_bytes=%d total_bytes=%d", num_tokens, peak, total)
+    logger.info(
+        "event=cuda_profile tokens=%d peak_bytes=%d total_bytes=%d", num_tokens, peak, total
+    )
     if budget <= 0:
         raise RuntimeError(f"no memory left for the KV cache after a {num_tokens}-token step")
     return budget

@@ -1,4 +1,4 @@
-"""The paged KV memory: per layer, K and V tensors of [num_blocks * block_size, kv_heads, head_dim]."""
+"""The paged KV memory: per layer, K and V of [num_blocks * block_size, kv_heads, head_dim]."""
 
 from __future__ import annotations
 

@@ -54,22 +54,22 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def load_model(model_dir: Path, device_name: str = "auto", dtype_name_: str = "auto") -> LoadedModel:
+def load_model(model_dir: Path, device: str = "auto", dtype: str = "auto") -> LoadedModel:
     """Loads weights from a local folder only; nothing is ever downloaded."""
     if not (model_dir / "config.json").is_file():
         raise FileNotFoundError(f"{model_dir} holds no config.json")
-    device = resolve_device(device_name)
-    dtype = resolve_dtype(dtype_name_, device)
+    torch_device = resolve_device(device)
+    torch_dtype = resolve_dtype(dtype, torch_device)
     register_paged_attention()
     config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
     model = AutoModelForCausalLM.from_pretrained(
         model_dir,
         config=config,
-        dtype=dtype,
+        dtype=torch_dtype,
         attn_implementation=ATTENTION_NAME,
         local_files_only=True,
     )
-    model.to(device)
+    model.to(torch_device)
     model.eval()
     text_config = config.get_text_config()
     vocab_size = int(model.get_output_embeddings().weight.shape[0])
@@ -78,8 +78,8 @@ def load_model(model_dir: Path, device_name: str = "auto", dtype_name_: str = "a
     loaded = LoadedModel(
         model=model,
         model_id=str(model_dir),
-        device=device,
-        dtype=dtype,
+        device=torch_device,
+        dtype=torch_dtype,
         vocab_size=vocab_size,
         eos_token_ids=_eos_token_ids(model, vocab_size),
         max_model_len=_max_model_len(text_config),
@@ -92,8 +92,8 @@ def load_model(model_dir: Path, device_name: str = "auto", dtype_name_: str = "a
         "kv_heads=%d head_dim=%d max_model_len=%d eos=%s",
         loaded.model_id,
         type(model).__name__,
-        device,
-        dtype_name(dtype),
+        torch_device,
+        dtype_name(torch_dtype),
         vocab_size,
         loaded.num_layers,
         loaded.num_kv_heads,
@@ -107,7 +107,8 @@ def load_model(model_dir: Path, device_name: str = "auto", dtype_name_: str = "a
 def _eos_token_ids(model: PreTrainedModel, vocab_size: int) -> list[int]:
     """EOS ids of the generation config (which falls back to the model config), in vocab only."""
     ids: list[int] = []
-    for source in (model.generation_config.eos_token_id, model.config.get_text_config().eos_token_id):
+    text_config = model.config.get_text_config()
+    for source in (model.generation_config.eos_token_id, text_config.eos_token_id):
         if source is None:
             continue
         for token in [source] if isinstance(source, int) else source:

@@ -55,8 +55,8 @@ def sample(
     if random_rows:
         index = torch.tensor(random_rows, device=logits.device)
         probs = sampling_probs(logits[index], [rows[i].params for i in random_rows])
-        drawn = _exponential_race(probs, [rows[i].generator for i in random_rows], default_generator)
-        tokens[index] = drawn
+        generators = [rows[i].generator for i in random_rows]
+        tokens[index] = _exponential_race(probs, generators, default_generator)
     token_list = tokens.tolist()
     return SampleResult(token_ids=token_list, logprobs=_logprobs(raw_logprobs, rows, tokens))
 

@@ -21,6 +21,8 @@ logger = logging.getLogger(__name__)
 SERVICE_NAME = executor_pb2.DESCRIPTOR.services_by_name["Executor"].full_name
 # Seconds in-flight calls get to finish after SIGTERM.
 SHUTDOWN_GRACE_S = 5.0
+# A plan carries every token of its new requests; long prompts in big batches pass gRPC's 4 MiB.
+MAX_MESSAGE_BYTES = 64 << 20
 
 
 @dataclass(slots=True, frozen=True)
@@ -93,7 +95,10 @@ async def serve(executor: Executor, host: str, port: int) -> None:
     """Serves until SIGTERM or SIGINT, then drains in-flight calls and stops."""
     worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="executor-step")
     server = grpc.aio.server(
-        options=[("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
+        options=[
+            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+        ]
     )
     executor_pb2_grpc.add_ExecutorServicer_to_server(ExecutorServicer(executor, worker), server)
     health_servicer = health.aio.HealthServicer()

@@ -173,7 +173,8 @@ class Driver:
         first = pb.StepPlan(step_id=next(self.step_ids))
         for req in requests:
             req.sent = True
-            req.blocks = self.allocator.take(-(-(len(req.prompt) + req.max_new_tokens) // self.block_size))
+            final_len = len(req.prompt) + req.max_new_tokens
+            req.blocks = self.allocator.take(-(-final_len // self.block_size))
             first.new_requests.add(
                 request_id=req.request_id,
                 token_ids=req.prompt,

@@ -1,6 +1,6 @@
 """Starts a real executor process (python -m executor_service) for tests and waits until ready.
 
-    from executor_process import start_executor
+    from tests.executor_process import start_executor
     with start_executor(model_dir, num_kv_blocks=256) as (address, process):
         channel = grpc.insecure_channel(address)
 

@@ -1,7 +1,9 @@
 """Small random-weight Hugging Face models for tests, saved as local checkpoints.
 
-    from model_factory import build_model
+    from tests.model_factory import build_model
     path = build_model("llama", tmp_path / "llama")   # or "qwen2", "qwen3", "mistral", "gpt2"
+
+(run from the repository root, as `python -m pytest` does, so `tests.` imports resolve.)
 
 Weights are drawn with std 0.2 (instead of the usual 0.02) so greedy decoding is decided by clear
 margins rather than near-ties, which keeps parity tests stable across kernels and batch shapes.
@@ -9,6 +11,7 @@ margins rather than near-ties, which keeps parity tests stable across kernels an
 
 from __future__ import annotations
 
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -74,18 +77,22 @@ def build_config(arch: str = "llama", **overrides: Any) -> PreTrainedConfig:
     return _CONFIGS[arch](**overrides)
 
 
-def build_model(arch: str = "llama", directory: Path | str = ".", seed: int = 0, **overrides: Any) -> Path:
-    """Saves a random-weight model (config, safetensors, generation config) into directory.
+def build_model(
+    arch: str = "llama", directory: Path | str | None = None, seed: int = 0, **overrides: Any
+) -> Path:
+    """Saves a random-weight model (config, safetensors, generation config) into directory (a new
+    temporary folder when None) and returns it. The same arch, seed and overrides give the same
+    weights.
 
     overrides replace config fields, e.g. num_hidden_layers=4 or vocab_size=2000.
     """
-    directory = Path(directory)
+    directory = Path(directory) if directory is not None else Path(tempfile.mkdtemp(prefix=arch))
     config = build_config(arch, **overrides)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     # Norm weights start at one and biases at zero; widen the rest beyond the default init.
     with torch.no_grad():
-        for name, parameter in model.named_parameters():
+        for parameter in model.parameters():
             if parameter.dim() >= 2:
                 parameter.normal_(0.0, INIT_STD)
     model.generation_config = GenerationConfig(

@@ -15,9 +15,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
-from executor_driver import BlockAllocator, Driver, PlanStream, PlannedRequest
-from executor_process import ExecutorProcess
-from model_factory import ARCHITECTURES, build_model
+from tests.executor_driver import BlockAllocator, Driver, PlanStream, PlannedRequest
+from tests.executor_process import ExecutorProcess
+from tests.model_factory import ARCHITECTURES, build_model
 
 BLOCK_SIZE = 16
 NUM_BLOCKS = 1024

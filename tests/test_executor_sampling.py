@@ -11,10 +11,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from executor_driver import BlockAllocator, Driver, PlannedRequest, PlanStream
-from executor_process import start_executor
-from model_factory import build_model
 from protos.splitserve.executor.v1 import executor_pb2 as pb
+from tests.executor_driver import BlockAllocator, Driver, PlannedRequest, PlanStream
+from tests.executor_process import start_executor
+from tests.model_factory import build_model
 
 BLOCK_SIZE = 16
 NUM_BLOCKS = 512
@@ -58,7 +58,9 @@ def crowd(count: int) -> list[PlannedRequest]:
         pb.SamplerConfig(temperature=0.8),
         pb.SamplerConfig(temperature=1.2, top_k=20, has_seed=True, seed=77),
         pb.SamplerConfig(temperature=0.9, min_p=0.1, frequency_penalty=0.5),
-        pb.SamplerConfig(temperature=1.0, repetition_penalty=1.3, want_logprobs=True, num_logprobs=3),
+        pb.SamplerConfig(
+            temperature=1.0, repetition_penalty=1.3, want_logprobs=True, num_logprobs=3
+        ),
         pb.SamplerConfig(temperature=0.7, top_p=0.8, presence_penalty=1.0),
     ]
     return [

@@ -10,11 +10,11 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from executor_driver import PlanStream
-from executor_process import ExecutorProcess, start_executor
-from model_factory import EOS_TOKEN_ID, VOCAB_SIZE, build_model
 from protos.splitserve.executor.v1 import executor_pb2 as pb
 from protos.splitserve.executor.v1 import executor_pb2_grpc as pb_grpc
+from tests.executor_driver import PlanStream
+from tests.executor_process import ExecutorProcess, start_executor
+from tests.model_factory import EOS_TOKEN_ID, VOCAB_SIZE, build_model
 
 SERVICE = "splitserve.executor.v1.Executor"
 NUM_BLOCKS = 32
@@ -61,7 +61,9 @@ def test_health_and_reflection(channel: grpc.Channel) -> None:
 
 def test_state_outlives_the_stream_and_bad_step_ids_end_it(channel: grpc.Channel) -> None:
     first = PlanStream(channel)
-    new = pb.NewRequest(request_id="kept", token_ids=[5, 6, 7], block_ids=[0], num_scheduled_tokens=3)
+    new = pb.NewRequest(
+        request_id="kept", token_ids=[5, 6, 7], block_ids=[0], num_scheduled_tokens=3
+    )
     assert first.step(pb.StepPlan(step_id=10, new_requests=[new])).outputs[0].token_ids
     first.send(pb.StepPlan(step_id=10))
     with pytest.raises(grpc.RpcError) as error:

@@ -12,10 +12,10 @@ from pathlib import Path
 import grpc
 import pytest
 
-from executor_driver import PlanStream
-from executor_process import start_executor
-from model_factory import VOCAB_SIZE, build_model
 from protos.splitserve.executor.v1 import executor_pb2 as pb
+from tests.executor_driver import PlanStream
+from tests.executor_process import start_executor
+from tests.model_factory import VOCAB_SIZE, build_model
 
 NUM_BLOCKS = 64
 BLOCK_SIZE = 16
@@ -56,14 +56,11 @@ def clean_tokens(channel: grpc.Channel) -> list[int]:
     """The good request's tokens when nothing else is in the plans."""
     stream = PlanStream(channel)
     request_id = f"clean{next(_ids)}"
-    tokens = list(stream.step(pb.StepPlan(step_id=1, new_requests=[good_new(request_id)])).outputs[0].token_ids)
+    first = stream.step(pb.StepPlan(step_id=1, new_requests=[good_new(request_id)]))
+    tokens = list(first.outputs[0].token_ids)
+    decode = pb.ContinuingRequest(request_id=request_id, num_scheduled_tokens=1)
     for step in range(2, GOOD_STEPS + 1):
-        result = stream.step(
-            pb.StepPlan(
-                step_id=step,
-                continuing_requests=[pb.ContinuingRequest(request_id=request_id, num_scheduled_tokens=1)],
-            )
-        )
+        result = stream.step(pb.StepPlan(step_id=step, continuing_requests=[decode]))
         tokens.extend(result.outputs[0].token_ids)
     stream.step(pb.StepPlan(step_id=GOOD_STEPS + 1, dropped_request_ids=[request_id]))
     stream.close()
@@ -114,7 +111,10 @@ BAD_ENTRIES: dict[str, tuple[Callable[[str, str], pb.StepPlan], str]] = {
         _new(num_computed_tokens=5, num_scheduled_tokens=5),
         "multiple of block_size",
     ),
-    "new-repeated-block": (_new(token_ids=list(range(300, 320)), block_ids=[10, 10], num_scheduled_tokens=20), "repeats"),
+    "new-repeated-block": (
+        _new(token_ids=list(range(300, 320)), block_ids=[10, 10], num_scheduled_tokens=20),
+        "repeats",
+    ),
     "negative-temperature": (_sampling(temperature=-0.5), "temperature"),
     "nan-temperature": (_sampling(temperature=math.nan), "temperature"),
     "top-p-above-one": (_sampling(temperature=1.0, top_p=1.5), "top_p"),
@@ -130,19 +130,27 @@ BAD_ENTRIES: dict[str, tuple[Callable[[str, str], pb.StepPlan], str]] = {
         ),
         "unknown request id",
     ),
-    "continuing-block-outside-pool": (_continuing(new_block_ids=[NUM_BLOCKS + 5]), "outside the pool"),
+    "continuing-block-outside-pool": (
+        _continuing(new_block_ids=[NUM_BLOCKS + 5]),
+        "outside the pool",
+    ),
     "continuing-token-outside-vocab": (
         _continuing(appended_token_ids=[VOCAB_SIZE + 1], new_block_ids=[21]),
         "outside the vocab",
     ),
     # The victim's 16 prompt tokens fill its one block; its 17th token needs a new block.
     "continuing-too-many-tokens-for-blocks": (_continuing(), "do not fit"),
-    "continuing-scheduled-past-known": (_continuing(num_scheduled_tokens=2, new_block_ids=[21]), "only 17 tokens"),
+    "continuing-scheduled-past-known": (
+        _continuing(num_scheduled_tokens=2, new_block_ids=[21]),
+        "only 17 tokens",
+    ),
 }
 
 
 @pytest.mark.parametrize("case", BAD_ENTRIES)
-def test_bad_entry_is_rejected_alone(stream: PlanStream, clean_tokens: list[int], case: str) -> None:
+def test_bad_entry_is_rejected_alone(
+    stream: PlanStream, clean_tokens: list[int], case: str
+) -> None:
     make_bad, expected_problem = BAD_ENTRIES[case]
     n = next(_ids)
     good, victim, bad = f"good{n}", f"victim{n}", f"bad{n}"
@@ -151,7 +159,12 @@ def test_bad_entry_is_rejected_alone(stream: PlanStream, clean_tokens: list[int]
             step_id=1,
             new_requests=[
                 good_new(good),
-                pb.NewRequest(request_id=victim, token_ids=VICTIM_PROMPT, block_ids=[20], num_scheduled_tokens=16),
+                pb.NewRequest(
+                    request_id=victim,
+                    token_ids=VICTIM_PROMPT,
+                    block_ids=[20],
+                    num_scheduled_tokens=16,
+                ),
             ],
         )
     )
@@ -160,9 +173,10 @@ def test_bad_entry_is_rejected_alone(stream: PlanStream, clean_tokens: list[int]
 
     plan = make_bad(bad, victim)
     plan.step_id = 2
-    plan.continuing_requests.insert(0, pb.ContinuingRequest(request_id=good, num_scheduled_tokens=1))
+    good_decode = pb.ContinuingRequest(request_id=good, num_scheduled_tokens=1)
+    plan.continuing_requests.insert(0, good_decode)
     result = stream.step(plan)
-    named = plan.new_requests[0].request_id if plan.new_requests else plan.continuing_requests[1].request_id
+    named = (plan.new_requests or plan.continuing_requests[1:])[0].request_id
     assert [(r.request_id, r.code) for r in result.rejected] == [(named, INVALID_ARGUMENT)]
     assert named in result.rejected[0].message
     assert expected_problem in result.rejected[0].message
@@ -175,8 +189,10 @@ def test_bad_entry_is_rejected_alone(stream: PlanStream, clean_tokens: list[int]
             pb.StepPlan(
                 step_id=step,
                 continuing_requests=[
-                    pb.ContinuingRequest(request_id=good, num_scheduled_tokens=1),
-                    pb.ContinuingRequest(request_id=named, num_scheduled_tokens=1, new_block_ids=[22 + step]),
+                    good_decode,
+                    pb.ContinuingRequest(
+                        request_id=named, num_scheduled_tokens=1, new_block_ids=[22 + step]
+                    ),
                 ],
             )
         )
@@ -191,7 +207,9 @@ def test_dropping_unknown_ids_is_a_no_op(stream: PlanStream, clean_tokens: list[
     good = f"good{next(_ids)}"
     tokens = list(
         stream.step(
-            pb.StepPlan(step_id=1, new_requests=[good_new(good)], dropped_request_ids=["never-seen"])
+            pb.StepPlan(
+                step_id=1, new_requests=[good_new(good)], dropped_request_ids=["never-seen"]
+            )
         ).outputs[0].token_ids
     )
     for step in range(2, GOOD_STEPS + 1):
