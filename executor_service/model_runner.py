@@ -65,6 +65,17 @@ class ModelRunner:
             result.forward_time_s = time.perf_counter() - forward_started
             self._advance(admitted.work, inputs.sampled, sampled, result)
         result.step_time_s = time.perf_counter() - started
+        logger.debug(
+            "event=step step_id=%d requests=%d tokens=%d sampled=%d rejected=%d "
+            "forward_s=%.4f step_s=%.4f",
+            plan.step_id,
+            len(admitted.work),
+            sum(w.num_tokens for w in admitted.work),
+            len(result.outputs),
+            len(result.rejected),
+            result.forward_time_s,
+            result.step_time_s,
+        )
         return result
 
     def _admit(self, plan: executor_pb2.StepPlan) -> _Admitted:
@@ -160,7 +171,7 @@ def _new_state(entry: executor_pb2.NewRequest, device: torch.device) -> RequestS
 def _sampling_row(state: RequestState) -> SamplingRow:
     return SamplingRow(
         params=state.sampling,
-        generator=state.generator,
+        generator=state.seeded_generator(),
         prompt_token_ids=state.prompt_token_ids,
         output_token_ids=state.output_token_ids,
     )

@@ -105,3 +105,14 @@ def test_logprobs_match_the_reference_model(driver: Driver, model_dir: Path) -> 
     assert list(logprob.top_token_ids) == want.indices.tolist()
     assert list(logprob.top_logprobs) == pytest.approx(want.values.tolist(), abs=1e-4)
     assert logprob.logprob == pytest.approx(want.values[0].item(), abs=1e-4)
+
+
+def test_seeded_request_survives_drop_and_recompute(driver: Driver) -> None:
+    uninterrupted = seeded("whole", seed=99)
+    driver.run([uninterrupted])
+    interrupted = seeded("interrupted", seed=99)
+    for _ in range(10):
+        driver.apply(driver.stream.step(driver.plan([interrupted])), [interrupted])
+    driver.preempt(interrupted)
+    driver.run([interrupted])
+    assert interrupted.output == uninterrupted.output
