@@ -87,6 +87,9 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
                 await pending.put(
                     loop.run_in_executor(self._worker, self._executor.runner.execute, plan)
                 )
+        except grpc.RpcError as error:
+            # The caller went away mid-stream; the plans it did send still run in order.
+            logger.info("event=stream_broken error=%r", error)
         finally:
             await pending.put(None)
 
