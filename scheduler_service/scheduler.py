@@ -3,6 +3,7 @@ they use; and the bookkeeping when the step's tokens come back."""
 
 import itertools
 import time
+from dataclasses import replace
 from collections.abc import Callable, Collection
 
 from kv_manager import KVCacheManager, PrefixHit
@@ -57,7 +58,7 @@ class Scheduler:
             raise RequestRejected(RejectKind.INVALID, "the prompt is empty")
         if request.num_prompt_tokens >= self.config.max_model_len:
             raise RequestRejected(
-                RejectKind.TOO_LARGE,
+                RejectKind.INVALID,
                 f"prompt of {request.num_prompt_tokens} tokens leaves no room to generate under "
                 f"the maximum model length of {self.config.max_model_len}",
             )
@@ -96,6 +97,22 @@ class Scheduler:
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)
+
+    def reset_executor(self, num_kv_blocks: int, block_size: int, max_model_len: int) -> list[Request]:
+        """The executor lost its state (it restarted or was replaced): every running request goes
+        back to waiting with the tokens it has, to be recomputed; the block pool starts empty,
+        sized for the executor as it is now. Returns the requests sent back."""
+        requeued = sorted(self.running, key=lambda r: r.arrival_index, reverse=True)
+        for request in requeued:
+            self._preempt(request)
+        self.config = replace(
+            self.config, num_kv_blocks=num_kv_blocks, block_size=block_size, max_model_len=max_model_len
+        )
+        self.kv = KVCacheManager(num_kv_blocks, block_size, self.config.enable_prefix_caching)
+        self._on_executor.clear()
+        self._to_drop = []
+        self._in_flight.clear()
+        return requeued
 
     # ---- planning ----------------------------------------------------------------------------
 

@@ -1,0 +1,188 @@
+"""The engine loop: plan, send, receive, update, with the next plan on the wire before the last
+result returns, so the executor never waits for the scheduler."""
+
+import asyncio
+import logging
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from protos.splitserve.executor.v1 import executor_pb2
+from scheduler_service.config import SchedulerConfig
+from scheduler_service.errors import RejectKind, RequestRejected
+from scheduler_service.executor_link import ExecutorLink, ExecutorLost
+from scheduler_service.metrics import SchedulerMetrics
+from scheduler_service.output_stream import OutputStream
+from scheduler_service.plan_codec import output_from_proto, plan_to_proto
+from scheduler_service.policy import Policy, StepMode
+from scheduler_service.request import FinishReason, Request
+from scheduler_service.scheduler import Scheduler
+from scheduler_service.step_plan import RequestUpdate
+from scheduler_service.text_processor import TextProcessor
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True, frozen=True)
+class EngineOptions:
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    policy: Policy = Policy.FCFS
+    mode: StepMode = StepMode.MIXED
+    # Requests allowed to wait before new ones are refused with RESOURCE_EXHAUSTED.
+    max_waiting: int = 10_000
+    # Plans on the wire at once: 2 lets the executor start step N+1 as soon as step N ends.
+    pipeline_depth: int = 2
+
+
+class EngineUnavailable(Exception):
+    """No executor has been reached yet."""
+
+
+class Engine:
+    def __init__(
+        self,
+        link: ExecutorLink,
+        text: TextProcessor | None,
+        options: EngineOptions,
+        metrics: SchedulerMetrics,
+        on_executor_state: Callable[[bool], None] = lambda up: None,
+    ) -> None:
+        self.link = link
+        self.text = text
+        self.options = options
+        self.metrics = metrics
+        self.on_executor_state = on_executor_state
+        self.info: executor_pb2.ExecutorInfo | None = None
+        self.scheduler: Scheduler | None = None
+        self.executor_up = False
+        self.streams: dict[str, OutputStream] = {}
+        self._wake = asyncio.Event()
+        self._preemptions_seen = 0
+
+    async def connect(self) -> None:
+        info = await self.link.connect()
+        self.info = info
+        eos = set(info.eos_token_ids) | set(self.text.eos_token_ids if self.text else ())
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                num_kv_blocks=info.num_kv_blocks,
+                block_size=info.block_size,
+                max_model_len=info.max_model_len,
+                max_num_seqs=self.options.max_num_seqs,
+                max_num_batched_tokens=self.options.max_num_batched_tokens,
+                policy=self.options.policy,
+                mode=self.options.mode,
+            ),
+            eos_token_ids=eos,
+        )
+        self._set_executor_up(True)
+
+    def submit(self, request: Request) -> OutputStream:
+        scheduler = self._require_scheduler()
+        if len(scheduler.waiting) >= self.options.max_waiting:
+            raise RequestRejected(
+                RejectKind.TOO_LARGE, f"{len(scheduler.waiting)} requests are already waiting; retry later"
+            )
+        scheduler.add_request(request)
+        stream = self.streams[request.request_id] = OutputStream(request, self.text)
+        self._wake.set()
+        return stream
+
+    def abort(self, request_id: str) -> bool:
+        stream = self.streams.pop(request_id, None)
+        if stream is None or self.scheduler is None:
+            return False
+        self.scheduler.abort(request_id)
+        self._finished(stream)
+        self._wake.set()
+        return True
+
+    def abort_all(self) -> None:
+        for request_id in list(self.streams):
+            self.abort(request_id)
+
+    async def run(self) -> None:
+        """Runs until cancelled. A lost executor is reconnected; its requests are recomputed."""
+        while True:
+            try:
+                await self._drive()
+            except ExecutorLost as lost:
+                logger.warning("event=executor_lost address=%s reason=%s", self.link.address, lost)
+                self._set_executor_up(False)
+                info = await self.link.connect()
+                self.info = info
+                scheduler = self._require_scheduler()
+                self._preemptions_seen -= scheduler.num_preemptions
+                requeued = scheduler.reset_executor(
+                    info.num_kv_blocks, info.block_size, info.max_model_len
+                )
+                self._preemptions_seen += scheduler.num_preemptions
+                logger.info("event=requests_requeued count=%d", len(requeued))
+                self._set_executor_up(True)
+
+    async def _drive(self) -> None:
+        scheduler = self._require_scheduler()
+        in_flight: deque[int] = deque()
+        while True:
+            while len(in_flight) < self.options.pipeline_depth:
+                plan = scheduler.schedule()
+                if not plan.has_work and not plan.dropped_request_ids:
+                    break
+                await self.link.send(plan_to_proto(plan))
+                in_flight.append(plan.step_id)
+            self._observe_queues(scheduler)
+            if not in_flight:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            result = output_from_proto(await self.link.receive())
+            in_flight.popleft()
+            self.metrics.step_time.observe(result.forward_time_s)
+            for update in scheduler.update(result):
+                self._deliver(update)
+
+    def _deliver(self, update: RequestUpdate) -> None:
+        stream = self.streams.get(update.request_id)
+        if stream is None:
+            return
+        if update.error is not None:
+            logger.error("event=request_failed request_id=%s reason=%s", update.request_id, update.error)
+            self.streams.pop(update.request_id)
+            stream.fail(f"the executor refused request {update.request_id}: {update.error}")
+            return
+        self.metrics.generation_tokens.inc(len(update.new_token_ids))
+        message, stop_string = stream.add_tokens(update.new_token_ids, update.new_logprobs)
+        finished = update.finished
+        if stop_string is not None and not finished:
+            self._require_scheduler().finish(stream.request, FinishReason.STOP, stop_string)
+            finished = True
+        elif stop_string is not None:
+            stream.request.finish_reason, stream.request.stop_reason = FinishReason.STOP, stop_string
+        if finished:
+            self.streams.pop(update.request_id)
+            stream.close(message)
+            self.metrics.request_finished(stream.request)
+        else:
+            stream.queue.put_nowait(message)
+
+    def _finished(self, stream: OutputStream) -> None:
+        stream.close()
+        self.metrics.request_finished(stream.request)
+
+    def _observe_queues(self, scheduler: Scheduler) -> None:
+        self.metrics.running.set(len(scheduler.running))
+        self.metrics.waiting.set(len(scheduler.waiting))
+        self.metrics.kv_usage.set(scheduler.kv.stats().usage)
+        self.metrics.preemptions.inc(scheduler.num_preemptions - self._preemptions_seen)
+        self._preemptions_seen = scheduler.num_preemptions
+
+    def _set_executor_up(self, up: bool) -> None:
+        self.executor_up = up
+        self.metrics.executors_up.set(1 if up else 0)
+        self.on_executor_state(up)
+
+    def _require_scheduler(self) -> Scheduler:
+        if self.scheduler is None:
+            raise EngineUnavailable(f"the executor at {self.link.address} has not been reached yet")
+        return self.scheduler

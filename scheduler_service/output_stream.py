@@ -1,0 +1,98 @@
+"""One request's way back to its client: token updates become GenerateResponse messages."""
+
+import asyncio
+
+from protos.splitserve.v1 import generation_pb2 as pb
+from scheduler_service.detokenizer import IncrementalDetokenizer
+from scheduler_service.request import FinishReason, Request
+from scheduler_service.step_plan import TokenLogprob
+from scheduler_service.text_processor import TextProcessor
+
+FINISH_REASONS = {
+    FinishReason.STOP: pb.FINISH_REASON_STOP,
+    FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
+    FinishReason.ABORT: pb.FINISH_REASON_ABORT,
+}
+
+
+class StreamFailed(Exception):
+    """Ends a client's stream with an error status instead of a final message."""
+
+
+class OutputStream:
+    """Messages for one Generate call, queued for the servicer that streams them."""
+
+    def __init__(self, request: Request, text: TextProcessor | None) -> None:
+        self.request = request
+        self.queue: asyncio.Queue[pb.GenerateResponse | StreamFailed | None] = asyncio.Queue()
+        self.closed = False
+        self._detokenizer = (
+            IncrementalDetokenizer(
+                text.tokenizer,
+                request.prompt_token_ids,
+                request.sampling.skip_special_tokens,
+                request.sampling.stop,
+            )
+            if text is not None
+            else None
+        )
+
+    def add_tokens(self, token_ids: list[int], logprobs: list[TokenLogprob]) -> tuple[pb.GenerateResponse, str | None]:
+        """The message for newly sampled tokens and the stop string they completed, if any."""
+        message = pb.GenerateResponse(request_id=self.request.request_id, token_ids=token_ids)
+        for lp in logprobs:
+            message.logprobs.append(
+                pb.TokenLogprob(
+                    token_id=lp.token_id,
+                    logprob=lp.logprob,
+                    top_token_ids=lp.top_token_ids,
+                    top_logprobs=lp.top_logprobs,
+                )
+            )
+        if self._detokenizer is None:
+            return message, None
+        step = self._detokenizer.push(token_ids)
+        message.text = step.text_delta
+        return message, step.stop_string
+
+    def close(self, message: pb.GenerateResponse | None = None) -> None:
+        """Sends the last message (built here if not given) with finish reason, usage, timings."""
+        if self.closed:
+            return
+        request = self.request
+        if message is None:
+            message = pb.GenerateResponse(request_id=request.request_id)
+        if self._detokenizer is not None and request.finish_reason is not FinishReason.ABORT and not self._detokenizer.stopped:
+            message.text += self._detokenizer.flush()
+        message.finish_reason = FINISH_REASONS[request.finish_reason or FinishReason.ABORT]
+        message.stop_reason = request.stop_reason or ""
+        message.usage.CopyFrom(
+            pb.Usage(
+                prompt_tokens=request.num_prompt_tokens,
+                completion_tokens=request.num_output_tokens,
+                cached_prompt_tokens=request.num_cached_tokens,
+            )
+        )
+        message.timings.CopyFrom(timings(request))
+        self.queue.put_nowait(message)
+        self.queue.put_nowait(None)
+        self.closed = True
+
+    def fail(self, message: str) -> None:
+        if not self.closed:
+            self.queue.put_nowait(StreamFailed(message))
+            self.closed = True
+
+
+def timings(request: Request) -> pb.Timings:
+    arrival = request.arrival_time
+
+    def since_arrival(moment: float | None) -> float:
+        return moment - arrival if moment is not None else 0.0
+
+    return pb.Timings(
+        queued_s=since_arrival(request.first_scheduled_time),
+        time_to_first_token_s=since_arrival(request.first_token_time),
+        total_s=since_arrival(request.finish_time),
+        num_preemptions=request.num_preemptions,
+    )

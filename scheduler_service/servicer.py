@@ -1,0 +1,120 @@
+"""The client-facing Generation service."""
+
+import logging
+from collections.abc import AsyncIterator
+
+import grpc
+
+from protos.splitserve.executor.v1 import executor_pb2
+from protos.splitserve.v1 import generation_pb2 as pb
+from protos.splitserve.v1 import generation_pb2_grpc
+from scheduler_service.engine import Engine, EngineUnavailable
+from scheduler_service.errors import RejectKind, RequestRejected
+from scheduler_service.output_stream import StreamFailed
+from scheduler_service.request_intake import IntakeError, build_request, prompt_token_ids
+
+logger = logging.getLogger(__name__)
+
+REJECT_CODES = {
+    RejectKind.INVALID: grpc.StatusCode.INVALID_ARGUMENT,
+    RejectKind.TOO_LARGE: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    RejectKind.DUPLICATE: grpc.StatusCode.ALREADY_EXISTS,
+}
+
+
+class GenerationServicer(generation_pb2_grpc.GenerationServicer):
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+
+    async def Generate(
+        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        info = await self._require_info(context)
+        try:
+            scheduled = build_request(request, self.engine.text, info.vocab_size, info.max_logprobs)
+            stream = self.engine.submit(scheduled)
+        except IntakeError as error:
+            await context.abort(error.code, error.message)
+        except RequestRejected as rejected:
+            await context.abort(REJECT_CODES[rejected.kind], str(rejected))
+        except EngineUnavailable as error:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(error))
+        logger.info(
+            "event=request_received request_id=%s prompt_tokens=%d priority=%d",
+            scheduled.request_id, scheduled.num_prompt_tokens, scheduled.priority,
+        )
+        try:
+            while (item := await stream.queue.get()) is not None:
+                if isinstance(item, StreamFailed):
+                    await context.abort(grpc.StatusCode.INTERNAL, str(item))
+                yield item
+        finally:
+            if self.engine.abort(scheduled.request_id):
+                logger.info("event=request_cancelled request_id=%s", scheduled.request_id)
+        request_done = stream.request
+        logger.info(
+            "event=request_finished request_id=%s reason=%s completion_tokens=%d",
+            request_done.request_id,
+            request_done.finish_reason.value if request_done.finish_reason else "abort",
+            request_done.num_output_tokens,
+        )
+
+    async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
+        return pb.AbortResponse(found=self.engine.abort(request.request_id))
+
+    async def Tokenize(self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext) -> pb.TokenizeResponse:
+        try:
+            ids = prompt_token_ids(request, self.engine.text, "input")
+        except IntakeError as error:
+            await context.abort(error.code, error.message)
+        pieces = self.engine.text.token_pieces(ids) if self.engine.text else []
+        return pb.TokenizeResponse(token_ids=ids, tokens=pieces)
+
+    async def GetModelInfo(self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext) -> pb.ModelInfo:
+        info = await self._require_info(context)
+        text = self.engine.text
+        scheduler = self.engine.scheduler
+        return pb.ModelInfo(
+            model_id=info.model_id,
+            vocab_size=info.vocab_size,
+            max_model_len=scheduler.config.max_seq_len if scheduler else info.max_model_len,
+            eos_token_ids=sorted(scheduler.eos_token_ids) if scheduler else info.eos_token_ids,
+            has_tokenizer=text is not None,
+            has_chat_template=bool(text and text.has_chat_template),
+            block_size=info.block_size,
+            max_logprobs=info.max_logprobs,
+        )
+
+    async def GetServerStatus(
+        self, request: pb.GetServerStatusRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ServerStatus:
+        engine = self.engine
+        scheduler = engine.scheduler
+        status = pb.ServerStatus(policy=engine.options.policy.value, mode=engine.options.mode.value)
+        executor = pb.ExecutorStatus(
+            address=engine.link.address,
+            state=pb.EXECUTOR_STATE_UP if engine.executor_up else pb.EXECUTOR_STATE_DOWN,
+            incarnation_id=engine.info.incarnation_id if engine.info else "",
+        )
+        if scheduler is not None:
+            stats = scheduler.kv.stats()
+            status.num_waiting = len(scheduler.waiting)
+            status.num_running = len(scheduler.running)
+            status.kv_blocks_total = stats.num_blocks
+            status.kv_blocks_free = stats.num_free_blocks
+            status.prefix_cache_hit_rate = stats.hit_rate
+            status.num_preemptions = scheduler.num_preemptions
+            status.num_steps = scheduler.num_steps
+            executor.kv_blocks_total = stats.num_blocks
+            executor.kv_blocks_free = stats.num_free_blocks
+            executor.num_running = len(scheduler.running)
+        status.executors.append(executor)
+        return status
+
+    async def _require_info(self, context: grpc.aio.ServicerContext) -> executor_pb2.ExecutorInfo:
+        if self.engine.info is None:
+            await context.abort(
+                grpc.StatusCode.UNAVAILABLE,
+                f"the executor at {self.engine.link.address} has not been reached yet",
+            )
+        return self.engine.info

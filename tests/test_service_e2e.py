@@ -1,0 +1,155 @@
+"""The whole service over real processes: an executor on a random-weight Llama, the scheduler
+in front of it, and many concurrent client streams. Outputs must equal transformers' generate."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from clients import AsyncClient, Client
+from tests.executor_process import start_executor
+from tests.model_factory import build_model
+from tests.scheduler_process import start_scheduler
+
+BLOCK_SIZE = 16
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_model("llama", tmp_path_factory.mktemp("e2e") / "llama", seed=7)
+
+
+class Reference:
+    """transformers generate, greedy, EOS not ending generation (the requests set ignore_eos)."""
+
+    def __init__(self, model_dir: Path) -> None:
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        self.model.generation_config.eos_token_id = None
+        self.cache: dict[tuple[tuple[int, ...], int], list[int]] = {}
+
+    def __call__(self, prompt: list[int], max_tokens: int) -> list[int]:
+        key = (tuple(prompt), max_tokens)
+        if key not in self.cache:
+            with torch.inference_mode():
+                out = self.model.generate(
+                    torch.tensor([prompt]), max_new_tokens=max_tokens, do_sample=False, pad_token_id=0
+                )
+            self.cache[key] = out[0, len(prompt) :].tolist()
+        return self.cache[key]
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir: Path) -> Reference:
+    return Reference(model_dir)
+
+
+def workload(count: int, seed: int) -> list[tuple[list[int], int]]:
+    rng = random.Random(seed)
+    return [
+        ([rng.randrange(3, 1000) for _ in range(rng.choice([1, 5, 17, 40, 90, 160, 230]))], rng.randrange(8, 33))
+        for _ in range(count)
+    ]
+
+
+async def stream_all(address: str, jobs: list[tuple[list[int], int]]) -> list[list[int]]:
+    async with AsyncClient(address) as client:
+
+        async def one(prompt: list[int], max_tokens: int) -> list[int]:
+            tokens: list[int] = []
+            async for delta in client.stream(
+                prompt_token_ids=prompt, max_tokens=max_tokens, temperature=0, ignore_eos=True
+            ):
+                tokens.extend(delta.token_ids)
+                if delta.finish_reason is not None:
+                    assert delta.finish_reason == "length" and delta.usage is not None
+                    assert delta.usage.completion_tokens == max_tokens
+            return tokens
+
+        return await asyncio.gather(*(one(p, m) for p, m in jobs))
+
+
+@pytest.fixture(scope="module")
+def executor(model_dir: Path) -> Iterator[str]:
+    with start_executor(model_dir, num_kv_blocks=512, block_size=BLOCK_SIZE) as (address, _):
+        yield address
+
+
+def test_32_concurrent_streams_match_transformers_and_free_every_block(executor: str, reference: Reference) -> None:
+    jobs = workload(32, seed=1)
+    with start_scheduler(executor, max_num_seqs=16, max_num_batched_tokens=256) as address:
+        outputs = asyncio.run(stream_all(address, jobs))
+        with Client(address) as client:
+            status = client.server_status()
+    for (prompt, max_tokens), output in zip(jobs, outputs, strict=True):
+        assert output == reference(prompt, max_tokens)
+    assert status.kv_blocks_free == status.kv_blocks_total == 512
+    assert status.num_running == status.num_waiting == 0
+
+
+def test_outputs_survive_preemption_in_a_small_kv_pool(model_dir: Path, reference: Reference) -> None:
+    jobs = workload(32, seed=2)
+    with start_executor(model_dir, num_kv_blocks=40, block_size=BLOCK_SIZE) as (executor_address, _):
+        with start_scheduler(executor_address, max_num_seqs=32, max_num_batched_tokens=512) as address:
+            outputs = asyncio.run(stream_all(address, jobs))
+            with Client(address) as client:
+                status = client.server_status()
+    assert status.num_preemptions > 0, "the pool was meant to be too small for the batch"
+    for (prompt, max_tokens), output in zip(jobs, outputs, strict=True):
+        assert output == reference(prompt, max_tokens)
+    assert status.kv_blocks_free == status.kv_blocks_total == 40
+
+
+def test_cancelled_streams_free_their_blocks_at_once(executor: str, reference: Reference) -> None:
+    keep = [(prompt, 64) for prompt, _ in workload(22, seed=3)]
+    cancel = [(prompt, 500) for prompt, _ in workload(10, seed=4)]
+
+    async def scenario(address: str) -> tuple[list[list[int]], int]:
+        cancelled = asyncio.Event()
+        cancelled_count = 0
+        async with AsyncClient(address) as client:
+
+            async def cancel_midway(prompt: list[int], max_tokens: int) -> None:
+                nonlocal cancelled_count
+                received = 0
+                async with client.stream(prompt_token_ids=prompt, max_tokens=max_tokens, temperature=0, ignore_eos=True) as deltas:
+                    async for delta in deltas:
+                        received += len(delta.token_ids)
+                        if received >= 4:
+                            break
+                cancelled_count += 1
+                if cancelled_count == len(cancel):
+                    cancelled.set()
+
+            async def run_to_end(prompt: list[int], max_tokens: int) -> list[int]:
+                result = await client.generate(prompt_token_ids=prompt, max_tokens=max_tokens, temperature=0, ignore_eos=True)
+                return result.token_ids
+
+            async def watch() -> int:
+                await cancelled.wait()
+                deadline = time.monotonic() + 5
+                while True:
+                    status = await client.server_status()
+                    in_flight = status.num_running + status.num_waiting
+                    if in_flight <= len(keep) or time.monotonic() > deadline:
+                        return in_flight
+
+            tasks = [run_to_end(p, m) for p, m in keep]
+            results = await asyncio.gather(*tasks, *(cancel_midway(p, m) for p, m in cancel), watch())
+            return results[: len(keep)], results[-1]
+
+    with start_scheduler(executor, max_num_seqs=32, max_num_batched_tokens=512) as address:
+        outputs, in_flight_after_cancel = asyncio.run(scenario(address))
+        with Client(address) as client:
+            status = client.server_status()
+    assert in_flight_after_cancel <= len(keep), "cancelled requests still hold their places"
+    for (prompt, max_tokens), output in zip(keep, outputs, strict=True):
+        assert output == reference(prompt, max_tokens)
+    assert status.kv_blocks_free == status.kv_blocks_total
