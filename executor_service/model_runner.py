@@ -158,9 +158,8 @@ def _new_state(entry: executor_pb2.NewRequest, device: torch.device) -> RequestS
     return RequestState(
         request_id=entry.request_id,
         token_ids=list(entry.token_ids),
-        # The plan does not say which of a rebuilt request's tokens were generated, so after a
-        # preemption they all count as prompt for the presence and frequency penalties.
-        num_prompt_tokens=len(entry.token_ids),
+        # Older schedulers leave it 0: then every token counts as prompt.
+        num_prompt_tokens=entry.num_prompt_tokens or len(entry.token_ids),
         block_ids=list(entry.block_ids),
         num_computed_tokens=entry.num_computed_tokens,
         sampling=params,

@@ -37,6 +37,8 @@ def check_new(entry: executor_pb2.NewRequest, limits: Limits) -> str | None:
         return "token_ids is empty"
     if num_tokens > limits.max_model_len:
         return f"{num_tokens} tokens exceed max_model_len {limits.max_model_len}"
+    if entry.num_prompt_tokens > num_tokens:
+        return f"num_prompt_tokens {entry.num_prompt_tokens} exceeds the {num_tokens} token_ids"
     if len(set(entry.block_ids)) != len(entry.block_ids):
         return "block_ids repeats a block"
     if entry.num_computed_tokens % limits.block_size:

@@ -33,6 +33,7 @@ def plan_to_proto(plan: StepPlan) -> pb.StepPlan:
                 num_computed_tokens=new.num_computed_tokens,
                 num_scheduled_tokens=new.num_scheduled_tokens,
                 sampling=sampler_config(new.sampling),
+                num_prompt_tokens=new.num_prompt_tokens,
             )
         )
     for cont in plan.continuing_requests:

@@ -241,6 +241,7 @@ class Scheduler:
                         request.num_computed_tokens,
                         num_new,
                         request.sampling,
+                        request.num_prompt_tokens,
                     )
                 )
                 self._on_executor.add(request.request_id)

@@ -18,6 +18,7 @@ class NewRequestPlan:
     num_computed_tokens: int
     num_scheduled_tokens: int
     sampling: SamplingParams
+    num_prompt_tokens: int
 
 
 @dataclass(slots=True)

@@ -105,6 +105,7 @@ BAD_ENTRIES: dict[str, tuple[Callable[[str, str], pb.StepPlan], str]] = {
     ),
     "new-token-outside-vocab": (_new(token_ids=[5, VOCAB_SIZE, 6]), "outside the vocab"),
     "new-empty-tokens": (_new(token_ids=[], num_scheduled_tokens=1), "empty"),
+    "new-prompt-longer-than-tokens": (_new(num_prompt_tokens=11), "num_prompt_tokens 11 exceeds"),
     "new-zero-scheduled": (_new(num_scheduled_tokens=0), "num_scheduled_tokens"),
     "new-scheduled-past-known": (_new(num_scheduled_tokens=11), "only 10 tokens are known"),
     "new-computed-not-block-multiple": (

@@ -63,6 +63,9 @@ def test_block_shortage_preempts_the_tail_back_to_the_head_of_waiting() -> None:
     ]
     assert result.scheduler.num_preemptions == 2
     assert result.plans[6].dropped_request_ids == ["r2", "r1"]
+    # Resumed as a new request: prompt and the tokens generated so far, the prompt marked.
+    resumed = result.plans[10].new_requests[0]
+    assert (resumed.request_id, len(resumed.token_ids), resumed.num_prompt_tokens) == ("r2", 11, 5)
     assert {rid: len(tokens) for rid, tokens in result.outputs.items()} == {"r0": 8, "r1": 8, "r2": 8}
     assert result.scheduler.kv.num_free_blocks == 3
 

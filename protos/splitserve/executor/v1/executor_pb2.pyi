@@ -63,20 +63,22 @@ class SamplerConfig(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., min_p: _Optional[float] = ..., has_seed: _Optional[bool] = ..., seed: _Optional[int] = ..., repetition_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., num_logprobs: _Optional[int] = ..., want_logprobs: _Optional[bool] = ...) -> None: ...
 
 class NewRequest(_message.Message):
-    __slots__ = ("request_id", "token_ids", "block_ids", "num_computed_tokens", "num_scheduled_tokens", "sampling")
+    __slots__ = ("request_id", "token_ids", "block_ids", "num_computed_tokens", "num_scheduled_tokens", "sampling", "num_prompt_tokens")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_SCHEDULED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     block_ids: _containers.RepeatedScalarFieldContainer[int]
     num_computed_tokens: int
     num_scheduled_tokens: int
     sampling: SamplerConfig
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[int] = ..., num_scheduled_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplerConfig, _Mapping]] = ...) -> None: ...
+    num_prompt_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[int] = ..., num_scheduled_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplerConfig, _Mapping]] = ..., num_prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class ContinuingRequest(_message.Message):
     __slots__ = ("request_id", "num_scheduled_tokens", "new_block_ids", "appended_token_ids")
