@@ -1,0 +1,82 @@
+"""Text in, text out, with the real default model (SmolLM2-135M-Instruct): chat template,
+incremental detokenization, stop strings that are never streamed in part, Tokenize, model info,
+and the Prometheus endpoint."""
+
+from __future__ import annotations
+
+import socket
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from clients import Client
+from tests.executor_process import start_executor
+from tests.scheduler_process import start_scheduler
+
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def service(prepared_model: Path) -> Iterator[tuple[str, int]]:
+    metrics_port = free_port()
+    with start_executor(prepared_model, num_kv_blocks=256, block_size=16, threads=2) as (executor, _):
+        with start_scheduler(executor, tokenizer=prepared_model, metrics_port=metrics_port) as address:
+            yield address, metrics_port
+
+
+def test_chat_answer_streams_as_text(service: tuple[str, int]) -> None:
+    address, _ = service
+    with Client(address) as client:
+        result = client.generate(messages=QUESTION, max_tokens=32, temperature=0)
+        deltas = list(client.stream(messages=QUESTION, max_tokens=32, temperature=0))
+    assert result.text.strip() == "The capital of France is Paris."
+    assert result.finish_reason == "stop"  # the model's EOS, <|im_end|>, not shown as text
+    assert "".join(d.text for d in deltas) == result.text
+    assert [t for d in deltas for t in d.token_ids] == result.token_ids
+    assert result.usage.completion_tokens == len(result.token_ids)
+
+
+def test_stop_string_is_never_streamed_even_in_part(service: tuple[str, int]) -> None:
+    address, _ = service
+    with Client(address) as client:
+        deltas = list(client.stream(messages=QUESTION, max_tokens=32, temperature=0, stop=["Paris"]))
+    text = "".join(d.text for d in deltas)
+    assert text.strip() == "The capital of France is"
+    assert not any("P" in d.text for d in deltas)
+    assert deltas[-1].finish_reason == "stop" and deltas[-1].stop_reason == "Paris"
+
+
+def test_tokenize_and_model_info_describe_the_served_model(service: tuple[str, int]) -> None:
+    address, _ = service
+    with Client(address) as client:
+        tokens = client.tokenize(messages=QUESTION)
+        info = client.model_info()
+        shared_prefix = client.generate(messages=QUESTION, max_tokens=4, temperature=0)
+    assert "assistant" in "".join(tokens.tokens)
+    assert info.has_tokenizer and info.has_chat_template and 2 in info.eos_token_ids
+    assert info.vocab_size == 49152
+    # The same chat was answered before: its full prompt blocks come from the prefix cache.
+    assert shared_prefix.usage.cached_prompt_tokens >= 16
+
+
+def test_metrics_endpoint_counts_requests_and_tokens(service: tuple[str, int]) -> None:
+    address, metrics_port = service
+    with Client(address) as client:
+        client.generate(prompt="Hello", max_tokens=3, temperature=0, ignore_eos=True)
+    body = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
+    samples = {
+        line.split(" ")[0]: float(line.split(" ")[1])
+        for line in body.splitlines()
+        if line and not line.startswith("#")
+    }
+    assert samples["splitserve:generation_tokens_total"] >= 3
+    assert samples['splitserve:request_success_total{finished_reason="length"}'] >= 1
+    assert samples["splitserve:executors_up"] == 1
