@@ -16,6 +16,7 @@ service logs to its own file, whose tail is shown if it dies.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import logging
 import os
 import re
@@ -27,7 +28,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
@@ -47,7 +48,11 @@ DEFAULT_METRICS_PORT = 9400
 READY_TIMEOUT_S = 300.0
 # The executor drains in-flight calls for 5 s on SIGTERM; a little more before SIGKILL.
 STOP_GRACE_S = 10.0
+# A stuck system fails a question instead of hanging `--once` (and the tests) forever.
+ASK_TIMEOUT_S = 120.0
 POLL_S = 0.05
+# linux/prctl.h
+PR_SET_PDEATHSIG = 1
 LOG_TAIL_LINES = 40
 EXECUTOR_READY = re.compile(r"event=executor_ready address=\S+ port=(\d+)")
 SCHEDULER_READY = re.compile(r"event=scheduler_ready address=\S+ port=(\d+)")
@@ -199,6 +204,8 @@ class Launcher:
             "64",
             "--temperature",
             "0",
+            "--timeout",
+            str(ASK_TIMEOUT_S),
             self.options.question,
         ]
         print(f"\n> {self.options.question}", flush=True)
@@ -230,6 +237,7 @@ class Launcher:
             stderr=subprocess.STDOUT if log_path is not None else None,
             env=child_environment(name, self.options),
             start_new_session=new_session,
+            preexec_fn=die_with_parent_hook() if new_session else None,
         )
         child = Child(name, process, log_path)
         self.children.append(child)
@@ -261,6 +269,21 @@ class Launcher:
                 status = child.process.wait()
             logger.info("event=child_stopped name=%s status=%d", child.name, status)
         self.children.clear()
+
+
+def die_with_parent_hook() -> Callable[[], None] | None:
+    """On Linux, a child in its own session gets SIGTERM when the launcher dies, even by
+    SIGKILL; otherwise a killed launcher would leave servers holding the default ports."""
+    if not sys.platform.startswith("linux"):
+        return None
+    # Looked up before the fork: the hook runs between fork and exec and should do no more than
+    # one system call.
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+
+    def hook() -> None:
+        prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+    return hook
 
 
 def is_serving(stub: health_pb2_grpc.HealthStub) -> bool:

@@ -1,0 +1,155 @@
+"""`make run`'s launcher, run for real: prepared model, executor, scheduler, CLI client.
+
+Every run uses port 0 for both services and the metrics endpoint, so tests never race for the
+fixed default ports (or for a `make run` the developer has open).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from executor_service.prepare_model import COMPLETE_MARKER
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+CHILD_PID = re.compile(r"event=child_started name=(\w+) pid=(\d+)")
+# The last line of the banner printed once both services serve.
+BANNER_END = re.compile(r"grpcurl -plaintext \S+ describe")
+
+
+def launcher_command(cache_dir: Path, log_dir: Path, *extra: str) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "scheduler_service.launch",
+        "--port",
+        "0",
+        "--executor-port",
+        "0",
+        "--metrics-port",
+        "0",
+        "--threads",
+        "1",
+        "--cache-dir",
+        str(cache_dir),
+        "--log-dir",
+        str(log_dir),
+        *extra,
+    ]
+
+
+def child_pids(stderr: str) -> dict[str, int]:
+    return {name: int(pid) for name, pid in CHILD_PID.findall(stderr)}
+
+
+def is_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def forward_lines(process: subprocess.Popen[str], lines: queue.Queue[str]) -> None:
+    assert process.stdout is not None
+    for line in process.stdout:
+        lines.put(line)
+
+
+def test_once_answers_the_question(prepared_model: Path, tmp_path: Path) -> None:
+    started = time.monotonic()
+    result = subprocess.run(
+        launcher_command(prepared_model, tmp_path, "--once"),
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    # Greedy SmolLM2-135M-Instruct: "The capital of France is Paris."
+    assert "Paris" in result.stdout, result.stdout
+    pids = child_pids(result.stderr)
+    assert set(pids) == {"executor", "scheduler"}
+    assert not any(is_alive(pid) for pid in pids.values())
+    assert (tmp_path / "executor.log").is_file() and (tmp_path / "scheduler.log").is_file()
+    print(f"launcher --once took {time.monotonic() - started:.1f} s")
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["sigint", "sigterm"])
+def test_signal_stops_both_services_and_exits_zero(
+    prepared_model: Path, tmp_path: Path, signum: signal.Signals
+) -> None:
+    stderr_path = tmp_path / "launcher.err"
+    with stderr_path.open("w") as stderr_file:
+        process = subprocess.Popen(
+            launcher_command(prepared_model, tmp_path, "--question", "Say hello."),
+            cwd=REPO_ROOT,
+            stdout=subprocess.PIPE,
+            stderr=stderr_file,
+            text=True,
+        )
+    lines: queue.Queue[str] = queue.Queue()
+    reader = threading.Thread(target=forward_lines, args=(process, lines))
+    reader.start()
+    stdout = ""
+    try:
+        deadline = time.monotonic() + 180
+        while not BANNER_END.search(stdout):
+            assert time.monotonic() < deadline and process.poll() is None, stdout
+            try:
+                stdout += lines.get(timeout=0.5)
+            except queue.Empty:
+                continue
+        assert "splitserve is running" in stdout
+        # The banner tells users what to run against the services it names.
+        address = re.search(r"scheduler\s+(127\.0\.0\.1:\d+)", stdout)
+        assert address is not None, stdout
+        assert f"--server {address.group(1)}" in stdout
+        assert "grpcurl -plaintext" in stdout
+        process.send_signal(signum)
+        process.wait(timeout=60)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+        reader.join()
+    stderr = stderr_path.read_text()
+    assert process.returncode == 0, stderr[-4000:]
+    pids = child_pids(stderr)
+    assert set(pids) == {"executor", "scheduler"}
+    assert not any(is_alive(pid) for pid in pids.values())
+    # Both services shut down on their own SIGTERM, within the grace period.
+    assert "event=child_killed" not in stderr
+    assert re.search(r"event=child_stopped name=executor status=0", stderr), stderr[-4000:]
+    assert re.search(r"event=child_stopped name=scheduler status=0", stderr), stderr[-4000:]
+
+
+def test_service_dying_during_start_shows_its_log(tmp_path: Path) -> None:
+    # A folder marked prepared whose config is not a model: prepare_model trusts the marker,
+    # and the executor fails while loading it.
+    broken = tmp_path / "broken-model"
+    broken.mkdir()
+    (broken / COMPLETE_MARKER).write_text("test\n")
+    (broken / "config.json").write_text(json.dumps({"model_type": "no-such-architecture"}))
+    result = subprocess.run(
+        launcher_command(broken, tmp_path / "logs", "--once"),
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 1
+    assert "event=child_failed" in result.stderr
+    assert f"last lines of {tmp_path / 'logs' / 'executor.log'}" in result.stderr
+    # The scheduler is never started without a ready executor.
+    assert set(child_pids(result.stderr)) == {"executor"}
