@@ -82,8 +82,8 @@ class KVCacheManager:
         """Makes room for num_new_tokens after num_computed_tokens (which include prefix_hit's).
 
         Returns the ids of blocks appended to the request's table, or None, changing nothing,
-        when the pool cannot hold them. token_ids are the tokens known so far; full blocks of
-        them that this step computes are entered in the prefix cache.
+        when the pool cannot hold them. The new blocks enter the prefix cache only once their
+        content exists: see cache_computed.
         """
         entry = self._requests.get(request_id)
         hit = prefix_hit or PrefixHit()
@@ -105,10 +105,19 @@ class KVCacheManager:
         entry.blocks.extend(hit.blocks)
         new_blocks = self.pool.allocate(num_new_blocks)
         entry.blocks.extend(new_blocks)
-        if self.enable_prefix_caching:
-            num_known = min(len(token_ids), num_computed_tokens + num_new_tokens)
-            self._register_full_blocks(entry, token_ids, num_known // self.block_size)
         return [b.block_id for b in new_blocks]
+
+    def cache_computed(self, request_id: str, token_ids: Sequence[int], num_computed_tokens: int) -> None:
+        """Enters the request's full blocks up to num_computed_tokens into the prefix cache.
+
+        Called once the executor has written them: a block registered earlier could be handed to
+        another request before (or without) its content being computed.
+        """
+        entry = self._requests.get(request_id)
+        if entry is None or not self.enable_prefix_caching:
+            return
+        num_full = min(len(token_ids), num_computed_tokens) // self.block_size
+        self._register_full_blocks(entry, token_ids, min(num_full, len(entry.blocks)))
 
     def free(self, request_id: str) -> None:
         """Releases every block of the request (finished, aborted or preempted). Idempotent."""

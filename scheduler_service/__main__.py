@@ -59,8 +59,7 @@ def main(argv: list[str] | None = None) -> int:
         ),
     )
     logger.info("event=scheduler_starting port=%d executor=%s tokenizer=%s", args.port, args.executor, args.tokenizer)
-    asyncio.run(serve(settings))
-    return 0
+    return asyncio.run(serve(settings))
 
 
 if __name__ == "__main__":

@@ -53,8 +53,12 @@ class IncrementalDetokenizer:
         prompt_token_ids: Sequence[int],
         skip_special_tokens: bool,
         stop: Sequence[str] = (),
+        min_tokens: int = 0,
     ) -> None:
         self._tokenizer = tokenizer
+        # Stop strings apply from this many output tokens on (vLLM's min_tokens semantics).
+        self._min_tokens = min_tokens
+        self._num_tokens = 0
         self._skip_special_tokens = skip_special_tokens
         # The prompt's last tokens are the first window's context: the first output token must
         # decode as it would following the prompt (e.g. keep its leading space).
@@ -81,7 +85,9 @@ class IncrementalDetokenizer:
                 break
             # Stop strings are checked token by token so that the outcome does not depend on
             # how the tokens were grouped into pushes.
-            step = self._release(self._push_token(token_id))
+            self._num_tokens += 1
+            text = self._push_token(token_id)
+            step = self._release(text) if self._num_tokens >= self._min_tokens else DetokenizerStep(text)
             released.append(step.text_delta)
             if step.stop_string is not None:
                 return DetokenizerStep("".join(released), step.stop_string)

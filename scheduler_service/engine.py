@@ -7,7 +7,10 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import grpc
+
 from protos.splitserve.executor.v1 import executor_pb2
+from protos.splitserve.v1 import generation_pb2 as pb
 from scheduler_service.config import SchedulerConfig
 from scheduler_service.errors import RejectKind, RequestRejected
 from scheduler_service.executor_link import ExecutorLink, ExecutorLost
@@ -16,11 +19,20 @@ from scheduler_service.output_stream import OutputStream
 from scheduler_service.plan_codec import output_from_proto, plan_to_proto
 from scheduler_service.policy import Policy, StepMode
 from scheduler_service.request import FinishReason, Request
-from scheduler_service.scheduler import Scheduler
+from scheduler_service.scheduler import ExecutorReset, Scheduler
 from scheduler_service.step_plan import RequestUpdate
 from scheduler_service.text_processor import TextProcessor
 
 logger = logging.getLogger(__name__)
+
+# A request whose executor is lost this many times while it runs is failed rather than retried:
+# it may be what brings the executor down.
+MAX_EXECUTOR_LOSSES = 3
+
+
+def status_code(code: int) -> grpc.StatusCode:
+    """The grpc.StatusCode of a google.rpc.Code value (INTERNAL when unknown)."""
+    return next((c for c in grpc.StatusCode if c.value[0] == code), grpc.StatusCode.INTERNAL)
 
 
 @dataclass(slots=True, frozen=True)
@@ -90,11 +102,10 @@ class Engine:
         return stream
 
     def abort(self, request_id: str) -> bool:
-        stream = self.streams.pop(request_id, None)
-        if stream is None or self.scheduler is None:
+        if request_id not in self.streams or self.scheduler is None:
             return False
         self.scheduler.abort(request_id)
-        self._finished(stream)
+        self._close(request_id)
         self._wake.set()
         return True
 
@@ -114,12 +125,26 @@ class Engine:
                 self.info = info
                 scheduler = self._require_scheduler()
                 self._preemptions_seen -= scheduler.num_preemptions
-                requeued = scheduler.reset_executor(
-                    info.num_kv_blocks, info.block_size, info.max_model_len
-                )
+                reset = scheduler.reset_executor(info.num_kv_blocks, info.block_size, info.max_model_len)
                 self._preemptions_seen += scheduler.num_preemptions
-                logger.info("event=requests_requeued count=%d", len(requeued))
+                self._settle_after_reset(scheduler, reset)
                 self._set_executor_up(True)
+
+    def _settle_after_reset(self, scheduler: Scheduler, reset: ExecutorReset) -> None:
+        for request in reset.finished:
+            self._close(request.request_id)
+        for request in reset.requeued:
+            if request.num_executor_losses >= MAX_EXECUTOR_LOSSES:
+                scheduler.finish(request, FinishReason.ABORT)
+                self._fail(
+                    request,
+                    grpc.StatusCode.UNAVAILABLE,
+                    f"the executor was lost {request.num_executor_losses} times while running "
+                    f"request {request.request_id}; giving up on it",
+                )
+        logger.info(
+            "event=requests_requeued count=%d finished=%d", len(reset.requeued), len(reset.finished)
+        )
 
     async def _drive(self) -> None:
         scheduler = self._require_scheduler()
@@ -129,7 +154,7 @@ class Engine:
                 plan = scheduler.schedule()
                 if not plan.has_work and not plan.dropped_request_ids:
                     break
-                await self.link.send(plan_to_proto(plan))
+                await self.link.send(plan_to_proto(plan, scheduler.eos_token_ids))
                 in_flight.append(plan.step_id)
             self._observe_queues(scheduler)
             if not in_flight:
@@ -147,9 +172,11 @@ class Engine:
         if stream is None:
             return
         if update.error is not None:
-            logger.error("event=request_failed request_id=%s reason=%s", update.request_id, update.error)
-            self.streams.pop(update.request_id)
-            stream.fail(f"the executor refused request {update.request_id}: {update.error}")
+            logger.error(
+                "event=request_refused_by_executor request_id=%s code=%d reason=%s",
+                update.request_id, update.error.code, update.error.message,
+            )
+            self._fail(stream.request, status_code(update.error.code), f"the executor refused request {update.request_id}: {update.error.message}")
             return
         self.metrics.generation_tokens.inc(len(update.new_token_ids))
         message, stop_string = stream.add_tokens(update.new_token_ids, update.new_logprobs)
@@ -160,15 +187,21 @@ class Engine:
         elif stop_string is not None:
             stream.request.finish_reason, stream.request.stop_reason = FinishReason.STOP, stop_string
         if finished:
-            self.streams.pop(update.request_id)
-            stream.close(message)
-            self.metrics.request_finished(stream.request)
+            self._close(update.request_id, message)
         else:
             stream.queue.put_nowait(message)
 
-    def _finished(self, stream: OutputStream) -> None:
-        stream.close()
-        self.metrics.request_finished(stream.request)
+    def _close(self, request_id: str, message: pb.GenerateResponse | None = None) -> None:
+        stream = self.streams.pop(request_id, None)
+        if stream is not None:
+            stream.close(message)
+            self.metrics.request_finished(stream.request)
+
+    def _fail(self, request: Request, code: grpc.StatusCode, message: str) -> None:
+        stream = self.streams.pop(request.request_id, None)
+        if stream is not None:
+            stream.fail(code, message)
+            self.metrics.request_finished(request)
 
     def _observe_queues(self, scheduler: Scheduler) -> None:
         self.metrics.running.set(len(scheduler.running))

@@ -109,17 +109,17 @@ class Launcher:
 
     def run(self) -> int:
         model_dir = self.prepare_model()
-        executor_port = self.start_service(
+        _, executor_port = self.start_service(
             "executor", executor_command(self.options, model_dir), EXECUTOR_READY
         )
         executor_address = f"{self.options.connect_host}:{executor_port}"
-        port = self.start_service(
+        scheduler, port = self.start_service(
             "scheduler",
             scheduler_command(self.options, model_dir, executor_address),
             SCHEDULER_READY,
         )
         address = f"{self.options.connect_host}:{port}"
-        self.wait_serving(self.children[-1], address)
+        self.wait_serving(scheduler, address)
         status = self.ask(address)
         if self.options.once:
             return status
@@ -148,8 +148,11 @@ class Launcher:
         logger.info("event=model_prepared path=%s", model_dir)
         return model_dir
 
-    def start_service(self, name: str, command: list[str], ready: re.Pattern[str]) -> int:
-        """Starts a service logging to its own file and returns the port from its ready line."""
+    def start_service(
+        self, name: str, command: list[str], ready: re.Pattern[str]
+    ) -> tuple[Child, int]:
+        """Starts a service logging to its own file; returns it and the port of its ready
+        line."""
         log_path = self.options.log_dir / f"{name}.log"
         with log_path.open("wb") as log:
             # Its own session: Ctrl-C reaches only the launcher, which then stops the services
@@ -169,7 +172,7 @@ class Launcher:
             if match:
                 port = int(match.group(1))
                 logger.info("event=child_ready name=%s port=%d", name, port)
-                return port
+                return child, port
             if child.process.poll() is not None:
                 raise ChildFailed(child, f"exited with status {child.process.returncode}")
             if time.monotonic() > deadline:

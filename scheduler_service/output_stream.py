@@ -2,6 +2,8 @@
 
 import asyncio
 
+import grpc
+
 from protos.splitserve.v1 import generation_pb2 as pb
 from scheduler_service.detokenizer import IncrementalDetokenizer
 from scheduler_service.request import FinishReason, Request
@@ -18,6 +20,10 @@ FINISH_REASONS = {
 class StreamFailed(Exception):
     """Ends a client's stream with an error status instead of a final message."""
 
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
 
 class OutputStream:
     """Messages for one Generate call, queued for the servicer that streams them."""
@@ -32,6 +38,7 @@ class OutputStream:
                 request.prompt_token_ids,
                 request.sampling.skip_special_tokens,
                 request.sampling.stop,
+                request.sampling.min_tokens,
             )
             if text is not None
             else None
@@ -78,9 +85,9 @@ class OutputStream:
         self.queue.put_nowait(None)
         self.closed = True
 
-    def fail(self, message: str) -> None:
+    def fail(self, code: grpc.StatusCode, message: str) -> None:
         if not self.closed:
-            self.queue.put_nowait(StreamFailed(message))
+            self.queue.put_nowait(StreamFailed(code, message))
             self.closed = True
 
 

@@ -1,11 +1,15 @@
 """Step plans and results between the planner's plain records and the executor protocol."""
 
+from collections.abc import Collection
+
 from protos.splitserve.executor.v1 import executor_pb2 as pb
 from scheduler_service.sampling_params import SamplingParams
-from scheduler_service.step_plan import StepOutput, StepPlan, TokenLogprob
+from scheduler_service.step_plan import Rejection, StepOutput, StepPlan, TokenLogprob
 
 
-def sampler_config(params: SamplingParams) -> pb.SamplerConfig:
+def sampler_config(params: SamplingParams, eos_token_ids: Collection[int] = ()) -> pb.SamplerConfig:
+    """The executor's share of a request's settings; stop conditions other than the masking
+    that min_tokens needs stay with the scheduler."""
     config = pb.SamplerConfig(
         temperature=params.temperature,
         top_k=params.top_k,
@@ -19,10 +23,14 @@ def sampler_config(params: SamplingParams) -> pb.SamplerConfig:
         config.has_seed, config.seed = True, params.seed
     if params.logprobs is not None:
         config.want_logprobs, config.num_logprobs = True, params.logprobs
+    if params.min_tokens:
+        config.min_tokens = params.min_tokens
+        ending = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
+        config.min_tokens_stop_ids.extend(sorted(ending))
     return config
 
 
-def plan_to_proto(plan: StepPlan) -> pb.StepPlan:
+def plan_to_proto(plan: StepPlan, eos_token_ids: Collection[int] = ()) -> pb.StepPlan:
     message = pb.StepPlan(step_id=plan.step_id, dropped_request_ids=plan.dropped_request_ids)
     for new in plan.new_requests:
         message.new_requests.append(
@@ -32,7 +40,7 @@ def plan_to_proto(plan: StepPlan) -> pb.StepPlan:
                 block_ids=new.block_ids,
                 num_computed_tokens=new.num_computed_tokens,
                 num_scheduled_tokens=new.num_scheduled_tokens,
-                sampling=sampler_config(new.sampling),
+                sampling=sampler_config(new.sampling, eos_token_ids),
                 num_prompt_tokens=new.num_prompt_tokens,
             )
         )
@@ -57,5 +65,5 @@ def output_from_proto(result: pb.StepResult) -> StepOutput:
                 for lp in item.logprobs
             ]
     for rejected in result.rejected:
-        output.rejected[rejected.request_id] = rejected.message
+        output.rejected[rejected.request_id] = Rejection(rejected.code, rejected.message)
     return output

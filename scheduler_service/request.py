@@ -41,6 +41,9 @@ class Request:
     # Prompt tokens served from the prefix cache at first admission.
     num_cached_tokens: int = 0
     num_preemptions: int = 0
+    # Times an executor was lost while this request ran on it: a request that keeps taking its
+    # executor down is given up on rather than retried forever.
+    num_executor_losses: int = 0
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
     stop_reason: str | None = None

@@ -1,5 +1,6 @@
 """Sampling and stop settings of one request, validated once at arrival."""
 
+import math
 from dataclasses import dataclass
 
 
@@ -24,9 +25,14 @@ class SamplingParams:
     def problems(self, vocab_size: int, max_logprobs: int) -> list[str]:
         """Every way these settings are invalid, each as a sentence for the client."""
         found = []
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
+            if not math.isfinite(getattr(self, name)):
+                found.append(f"{name} must be a finite number, got {getattr(self, name)}")
+        if found:
+            return found
         if self.max_tokens is not None and self.max_tokens < 1:
             found.append(f"max_tokens must be at least 1, got {self.max_tokens}")
-        if self.temperature < 0 or self.temperature != self.temperature:
+        if self.temperature < 0:
             found.append(f"temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             found.append(f"top_p must be in (0, 1], got {self.top_p}")

@@ -3,8 +3,8 @@ they use; and the bookkeeping when the step's tokens come back."""
 
 import itertools
 import time
-from dataclasses import replace
 from collections.abc import Callable, Collection
+from dataclasses import dataclass, replace
 
 from kv_manager import KVCacheManager, PrefixHit
 from scheduler_service.config import SchedulerConfig
@@ -15,11 +15,37 @@ from scheduler_service.request_queue import WaitingQueue
 from scheduler_service.step_plan import (
     ContinuingRequestPlan,
     NewRequestPlan,
+    Rejection,
     RequestUpdate,
     StepOutput,
     StepPlan,
 )
 from scheduler_service.stop_checker import check_stop, may_sample_more
+
+# google.rpc.Code INTERNAL: the executor answered, but not for every request it was given.
+INTERNAL = 13
+
+
+@dataclass(slots=True, frozen=True)
+class ExecutorReset:
+    """What a lost executor did to the requests it ran."""
+
+    requeued: list[Request]
+    # Finished with LENGTH: they no longer fit the replacement executor's length.
+    finished: list[Request]
+
+
+@dataclass(slots=True, frozen=True)
+class _InFlight:
+    """A request's part in a plan not yet answered."""
+
+    request: Request
+    # Its preemption count when planned: a preempted request's old outputs are stale.
+    epoch: int
+    # Tokens computed once the step has run.
+    num_computed_tokens: int
+    # Whether the step samples a token for it.
+    samples: bool
 
 
 class Scheduler:
@@ -45,9 +71,8 @@ class Scheduler:
         # Requests the executor holds state for, and those to tell it to drop in the next plan.
         self._on_executor: set[str] = set()
         self._to_drop: list[str] = []
-        # step id -> request id -> preemption count when its sample was scheduled: a sample
-        # that comes back after its request was preempted or finished is stale and dropped.
-        self._in_flight: dict[int, dict[str, int]] = {}
+        # step id -> request id -> what that step does for the request, until its result is in.
+        self._in_flight: dict[int, dict[str, _InFlight]] = {}
 
     # ---- arrivals and departures -------------------------------------------------------------
 
@@ -98,12 +123,13 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.requests)
 
-    def reset_executor(self, num_kv_blocks: int, block_size: int, max_model_len: int) -> list[Request]:
+    def reset_executor(self, num_kv_blocks: int, block_size: int, max_model_len: int) -> ExecutorReset:
         """The executor lost its state (it restarted or was replaced): every running request goes
         back to waiting with the tokens it has, to be recomputed; the block pool starts empty,
-        sized for the executor as it is now. Returns the requests sent back."""
+        sized for the executor as it is now. Requests that no longer fit its length finish."""
         requeued = sorted(self.running, key=lambda r: r.arrival_index, reverse=True)
         for request in requeued:
+            request.num_executor_losses += 1
             self._preempt(request)
         self.config = replace(
             self.config, num_kv_blocks=num_kv_blocks, block_size=block_size, max_model_len=max_model_len
@@ -112,7 +138,10 @@ class Scheduler:
         self._on_executor.clear()
         self._to_drop = []
         self._in_flight.clear()
-        return requeued
+        too_long = [r for r in self.waiting if r.num_tokens >= self.config.max_seq_len]
+        for request in too_long:
+            self.finish(request, FinishReason.LENGTH)
+        return ExecutorReset([r for r in requeued if not r.is_finished], too_long)
 
     # ---- planning ----------------------------------------------------------------------------
 
@@ -230,7 +259,7 @@ class Scheduler:
         plan = StepPlan(step_id=next(self._step_ids), dropped_request_ids=self._to_drop)
         self._to_drop = []
         fresh = set(admitted)
-        sampled: dict[str, int] = {}
+        in_flight: dict[str, _InFlight] = {}
         for request, num_new in scheduled.items():
             if request in fresh:
                 plan.new_requests.append(
@@ -250,11 +279,14 @@ class Scheduler:
                     ContinuingRequestPlan(request.request_id, num_new, new_blocks[request.request_id])
                 )
             request.num_computed_tokens += num_new
-            if request.num_computed_tokens == request.num_tokens + request.num_pending_outputs:
+            samples = request.num_computed_tokens == request.num_tokens + request.num_pending_outputs
+            if samples:
                 request.num_pending_outputs += 1
-                sampled[request.request_id] = request.num_preemptions
-        if sampled:
-            self._in_flight[plan.step_id] = sampled
+            in_flight[request.request_id] = _InFlight(
+                request, request.num_preemptions, request.num_computed_tokens, samples
+            )
+        if in_flight:
+            self._in_flight[plan.step_id] = in_flight
         if plan.has_work:
             self.num_steps += 1
         return plan
@@ -262,28 +294,37 @@ class Scheduler:
     # ---- results -----------------------------------------------------------------------------
 
     def update(self, output: StepOutput) -> list[RequestUpdate]:
-        """Appends the step's sampled tokens, finishes requests that hit a stop condition."""
+        """Appends the step's sampled tokens, finishes requests that hit a stop condition, and
+        enters the blocks the step filled into the prefix cache (only now: a block whose step
+        was refused or lost must never be found by another request)."""
         updates = []
-        for request_id, epoch in self._in_flight.pop(output.step_id, {}).items():
-            request = self.requests.get(request_id)
-            if request is None or request.num_preemptions != epoch:
+        for request_id, sent in self._in_flight.pop(output.step_id, {}).items():
+            request = sent.request
+            # The request may have finished, been preempted, or even been replaced by a new
+            # request under the same id since this step was planned: its output is stale then.
+            if self.requests.get(request_id) is not request or request.num_preemptions != sent.epoch:
                 continue
-            if request_id in output.rejected or not output.sampled.get(request_id):
-                error = output.rejected.get(request_id, "the executor returned no token")
+            if request_id in output.rejected or (sent.samples and not output.sampled.get(request_id)):
+                error = output.rejected.get(request_id, Rejection(INTERNAL, "the executor returned no token"))
                 self.finish(request, FinishReason.ABORT)
                 updates.append(RequestUpdate(request_id, [], [], True, error))
                 continue
-            request.num_pending_outputs -= 1
-            update = RequestUpdate(request_id, [], output.logprobs.get(request_id, []), False)
-            for token in output.sampled[request_id]:
-                request.token_ids.append(token)
-                update.new_token_ids.append(token)
-                if request.first_token_time is None:
-                    request.first_token_time = self.clock()
-                stop = check_stop(request, self.eos_token_ids, self.config.max_seq_len)
-                if stop is not None:
-                    self.finish(request, *stop)
-                    update.finished = True
-                    break
-            updates.append(update)
+            self.kv.cache_computed(request_id, request.token_ids, sent.num_computed_tokens)
+            if sent.samples:
+                updates.append(self._append_tokens(request, output))
         return updates
+
+    def _append_tokens(self, request: Request, output: StepOutput) -> RequestUpdate:
+        request.num_pending_outputs -= 1
+        update = RequestUpdate(request.request_id, [], output.logprobs.get(request.request_id, []), False)
+        for token in output.sampled[request.request_id]:
+            request.token_ids.append(token)
+            update.new_token_ids.append(token)
+            if request.first_token_time is None:
+                request.first_token_time = self.clock()
+            stop = check_stop(request, self.eos_token_ids, self.config.max_seq_len)
+            if stop is not None:
+                self.finish(request, *stop)
+                update.finished = True
+                break
+        return update

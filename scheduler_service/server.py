@@ -33,14 +33,21 @@ class ServerSettings:
     metrics_port: int | None = None
 
 
-async def serve(settings: ServerSettings) -> None:
+async def serve(settings: ServerSettings) -> int:
+    """Serves until SIGTERM/SIGINT (exit status 0) or until the engine fails (1)."""
     metrics = SchedulerMetrics()
     health_servicer = health.aio.HealthServicer()
+
+    # Health updates run as tasks (the engine reports from synchronous code); held here so
+    # they are not garbage-collected before they run.
+    health_updates: set[asyncio.Task[None]] = set()
 
     def report_executor(up: bool) -> None:
         status = health_pb2.HealthCheckResponse.SERVING if up else health_pb2.HealthCheckResponse.NOT_SERVING
         for name in ("", SERVICE_NAME):
-            asyncio.get_running_loop().create_task(health_servicer.set(name, status))
+            task = asyncio.get_running_loop().create_task(health_servicer.set(name, status))
+            health_updates.add(task)
+            task.add_done_callback(health_updates.discard)
 
     engine = Engine(ExecutorLink(settings.executor_address), settings.text, settings.options, metrics, report_executor)
     server = grpc.aio.server(
@@ -79,7 +86,8 @@ async def serve(settings: ServerSettings) -> None:
     runner = asyncio.create_task(connect_then_run())
     waiter = asyncio.create_task(stop.wait())
     await asyncio.wait({runner, waiter}, return_when=asyncio.FIRST_COMPLETED)
-    if runner.done() and runner.exception() is not None:
+    failed = runner.done() and runner.exception() is not None
+    if failed:
         logger.error("event=engine_failed error=%r", runner.exception())
     logger.info("event=scheduler_stopping")
     engine.abort_all()
@@ -88,3 +96,4 @@ async def serve(settings: ServerSettings) -> None:
     waiter.cancel()
     await engine.link.close()
     logger.info("event=scheduler_stopped")
+    return 1 if failed else 0

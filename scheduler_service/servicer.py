@@ -43,14 +43,16 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             "event=request_received request_id=%s prompt_tokens=%d priority=%d",
             scheduled.request_id, scheduled.num_prompt_tokens, scheduled.priority,
         )
+        # A cancelled call may never resume this handler (grpc can drop it while a message is
+        # being sent), so the call's end, not only the handler's finally, frees the request.
+        context.add_done_callback(lambda _: self._abort_if_running(scheduled.request_id))
         try:
             while (item := await stream.queue.get()) is not None:
                 if isinstance(item, StreamFailed):
-                    await context.abort(grpc.StatusCode.INTERNAL, str(item))
+                    await context.abort(item.code, str(item))
                 yield item
         finally:
-            if self.engine.abort(scheduled.request_id):
-                logger.info("event=request_cancelled request_id=%s", scheduled.request_id)
+            self._abort_if_running(scheduled.request_id)
         request_done = stream.request
         logger.info(
             "event=request_finished request_id=%s reason=%s completion_tokens=%d",
@@ -58,6 +60,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             request_done.finish_reason.value if request_done.finish_reason else "abort",
             request_done.num_output_tokens,
         )
+
+    def _abort_if_running(self, request_id: str) -> None:
+        if self.engine.abort(request_id):
+            logger.info("event=request_cancelled request_id=%s", request_id)
 
     async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
         return pb.AbortResponse(found=self.engine.abort(request.request_id))

@@ -60,6 +60,14 @@ class TokenLogprob:
     top_logprobs: list[float] = field(default_factory=list)
 
 
+@dataclass(slots=True, frozen=True)
+class Rejection:
+    """Why the executor refused a plan entry: a google.rpc.Code value and a message."""
+
+    code: int
+    message: str
+
+
 @dataclass(slots=True)
 class StepOutput:
     """An executor's answer to one plan."""
@@ -67,8 +75,7 @@ class StepOutput:
     step_id: int
     sampled: dict[str, list[int]] = field(default_factory=dict)
     logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)
-    # request id -> why the executor refused its entry.
-    rejected: dict[str, str] = field(default_factory=dict)
+    rejected: dict[str, Rejection] = field(default_factory=dict)
     forward_time_s: float = 0.0
 
 
@@ -80,4 +87,4 @@ class RequestUpdate:
     new_token_ids: list[int]
     new_logprobs: list[TokenLogprob]
     finished: bool
-    error: str | None = None
+    error: Rejection | None = None

@@ -194,6 +194,16 @@ def test_stop_string_split_over_tokens(gpt2: PreTrainedTokenizerBase) -> None:
     assert detokenizer.flush() == ""
 
 
+def test_stop_strings_apply_only_from_min_tokens_on(gpt2: PreTrainedTokenizerBase) -> None:
+    ids = gpt2.encode("cat and cat and dog")
+    detokenizer = IncrementalDetokenizer(gpt2, [], skip_special_tokens=True, stop=["cat"], min_tokens=2)
+    steps = [detokenizer.push([token_id]) for token_id in ids]
+
+    # The first "cat" falls within the first two tokens and is output; the second one stops.
+    assert "".join(step.text_delta for step in steps) == "cat and "
+    assert [step.stop_string for step in steps].count("cat") == 1
+
+
 def test_held_back_text_is_released_when_the_stop_string_does_not_follow(
     gpt2: PreTrainedTokenizerBase,
 ) -> None:

@@ -10,6 +10,7 @@ def admit(kv: KVCacheManager, request_id: str, tokens: list[int], salt: bytes = 
     assert kv.allocate_slots(
         request_id, tokens, hit.num_tokens, len(tokens) - hit.num_tokens, hit, extra_key=salt
     ) is not None
+    kv.cache_computed(request_id, tokens, len(tokens))
     return hit.num_tokens
 
 
@@ -19,6 +20,18 @@ def test_shared_prefix_reuses_blocks_and_counts_hits() -> None:
     assert admit(kv, "b", list(range(8)) + [99, 98, 97]) == 8
     assert kv.block_ids("b")[:2] == kv.block_ids("a")[:2]
     assert kv.stats().hit_tokens == 8 and kv.stats().queried_tokens == 21
+
+
+def test_blocks_are_found_only_once_their_content_is_computed() -> None:
+    kv = KVCacheManager(num_blocks=8, block_size=4)
+    tokens = list(range(9))
+    assert kv.allocate_slots("a", tokens, 0, 9) is not None
+    assert kv.find_cached_prefix(tokens).num_tokens == 0, "the step filling them has not run"
+    kv.cache_computed("a", tokens, 5)
+    assert kv.find_cached_prefix(tokens).num_tokens == 4
+    kv.free("a")
+    kv.cache_computed("a", tokens, 9)
+    assert kv.find_cached_prefix(tokens).num_tokens == 4, "a freed request registers nothing"
 
 
 def test_whole_prompt_hit_leaves_last_block_to_compute() -> None:

@@ -53,8 +53,8 @@ class KVManagerMachine(RuleBasedStateMachine):
         self.next_id += 1
 
     @precondition(lambda self: any(not r.admitted for r in self.requests.values()))
-    @rule(data=st.data(), chunk=st.integers(1, 16))
-    def admit(self, data: st.DataObject, chunk: int) -> None:
+    @rule(data=st.data(), chunk=st.integers(1, 16), commit=st.booleans())
+    def admit(self, data: st.DataObject, chunk: int, commit: bool) -> None:
         waiting = sorted(k for k, r in self.requests.items() if not r.admitted)
         request_id = data.draw(st.sampled_from(waiting))
         req = self.requests[request_id]
@@ -74,10 +74,12 @@ class KVManagerMachine(RuleBasedStateMachine):
         req.admitted, req.computed = True, hit.num_tokens
         self._write(request_id, req, req.computed, req.computed + num_new)
         req.computed += num_new
+        if commit:
+            self.kv.cache_computed(request_id, req.tokens, req.computed)
 
     @precondition(lambda self: any(r.admitted for r in self.requests.values()))
-    @rule(data=st.data(), chunk=st.integers(1, 8), decoded=st.integers(0, 3))
-    def step(self, data: st.DataObject, chunk: int, decoded: int) -> None:
+    @rule(data=st.data(), chunk=st.integers(1, 8), decoded=st.integers(0, 3), commit=st.booleans())
+    def step(self, data: st.DataObject, chunk: int, decoded: int, commit: bool) -> None:
         running = sorted(k for k, r in self.requests.items() if r.admitted)
         request_id = data.draw(st.sampled_from(running))
         req = self.requests[request_id]
@@ -88,6 +90,9 @@ class KVManagerMachine(RuleBasedStateMachine):
             return
         self._write(request_id, req, req.computed, req.computed + num_new)
         req.computed += num_new
+        # Results come back late, or (pipelined) after the next step was planned.
+        if commit:
+            self.kv.cache_computed(request_id, req.tokens, req.computed)
 
     @precondition(lambda self: any(r.admitted for r in self.requests.values()))
     @rule(data=st.data(), preempt=st.booleans())

@@ -12,6 +12,7 @@ from scheduler_service.request import FinishReason, Request
 from scheduler_service.sampling_params import SamplingParams
 from scheduler_service.scheduler import Scheduler
 from scheduler_service.sim_executor import SimulatedExecutor, default_next_token
+from scheduler_service.step_plan import Rejection
 from tests.sched_harness import make_request, run
 
 
@@ -117,6 +118,38 @@ def test_abort_frees_blocks_at_once_and_tells_the_executor() -> None:
     assert "r1" not in executor.requests
 
 
+def test_a_refused_entry_ends_its_request_and_leaves_nothing_in_the_prefix_cache() -> None:
+    scheduler = Scheduler(config())
+    executor = SimulatedExecutor(64, 4)
+    prompt = list(range(1, 14))
+    scheduler.add_request(Request("bad", prompt, SamplingParams(max_tokens=3)))
+    plan = scheduler.schedule()
+    output = executor.execute(plan)
+    output.sampled.pop("bad")
+    output.rejected["bad"] = Rejection(3, "temperature must be finite")
+    [update] = scheduler.update(output)
+    assert update.finished and update.error == Rejection(3, "temperature must be finite")
+    assert scheduler.kv.num_free_blocks == 64
+    # The refused step never wrote those blocks: a request with the same prompt computes it all.
+    assert scheduler.kv.find_cached_prefix(prompt).num_tokens == 0
+
+
+def test_a_late_result_never_reaches_a_new_request_that_reuses_the_id() -> None:
+    scheduler = Scheduler(config())
+    executor = SimulatedExecutor(64, 4)
+    first = Request("same", [5, 6, 7], SamplingParams(max_tokens=20, ignore_eos=True))
+    scheduler.add_request(first)
+    in_flight = [executor.execute(scheduler.schedule()), executor.execute(scheduler.schedule())]
+    scheduler.finish(first, FinishReason.STOP, "a stop string")
+    second = Request("same", [9, 9, 9], SamplingParams(max_tokens=2, ignore_eos=True))
+    scheduler.add_request(second)
+    assert scheduler.update(in_flight.pop(0)) == [] and scheduler.update(in_flight.pop(0)) == []
+    assert second.num_tokens == 3 and second.num_pending_outputs == 0
+    while scheduler.has_unfinished():
+        scheduler.update(executor.execute(scheduler.schedule()))
+    assert second.output_token_ids == expected_output([9, 9, 9], 2)
+
+
 def test_pipelined_planning_gives_the_same_tokens() -> None:
     """Plan N+1 goes out before result N returns, as the engine loop does."""
     requests = {i: make_request(i, 3 + 7 * i, 5 + i) for i in range(6)}
@@ -148,9 +181,10 @@ def test_pipelined_planning_gives_the_same_tokens() -> None:
     mode=st.sampled_from(list(StepMode)),
     pipelined=st.booleans(),
     aborts=st.sets(st.integers(0, 11), max_size=3),
+    stopped=st.sets(st.integers(0, 11), max_size=3),
 )
 def test_random_workloads_finish_with_the_right_tokens_and_free_every_block(
-    specs, num_blocks, block_size, budget, max_num_seqs, policy, mode, pipelined, aborts
+    specs, num_blocks, block_size, budget, max_num_seqs, policy, mode, pipelined, aborts, stopped
 ) -> None:
     cfg = SchedulerConfig(
         num_kv_blocks=num_blocks, block_size=block_size, max_model_len=256,
@@ -175,6 +209,16 @@ def test_random_workloads_finish_with_the_right_tokens_and_free_every_block(
         if step == 3:
             for index in aborts:
                 scheduler.abort(f"q{index}")
+        if step == 5:
+            # A stop string ends a request from outside the planner, mid-pipeline; a new request
+            # takes over its id at once.
+            for index in stopped:
+                old = scheduler.requests.get(f"q{index}")
+                if old is not None:
+                    scheduler.finish(old, FinishReason.STOP, "stop string")
+                    fresh = Request(f"q{index}", [7, index, 7], SamplingParams(max_tokens=4, ignore_eos=True))
+                    scheduler.add_request(fresh)
+                    requests.append(fresh)
         plan = scheduler.schedule()
         assert plan.num_scheduled_tokens <= budget
         assert len(scheduler.running) <= max_num_seqs
@@ -183,8 +227,10 @@ def test_random_workloads_finish_with_the_right_tokens_and_free_every_block(
             scheduler.update(in_flight.pop(0))
     assert not scheduler.has_unfinished(), "a request starved"
     for request in requests:
-        if request.finish_reason is FinishReason.ABORT:
-            continue
         expected = min(request.sampling.max_tokens, num_blocks * block_size - request.num_prompt_tokens)
-        assert request.output_token_ids == expected_output(request.prompt_token_ids, expected)
+        reference = expected_output(request.prompt_token_ids, expected)
+        if request.finish_reason is FinishReason.LENGTH:
+            assert request.output_token_ids == reference
+        else:
+            assert request.output_token_ids == reference[: request.num_output_tokens]
     assert scheduler.kv.num_free_blocks == num_blocks

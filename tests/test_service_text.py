@@ -59,11 +59,12 @@ def test_tokenize_and_model_info_describe_the_served_model(service: tuple[str, i
     with Client(address) as client:
         tokens = client.tokenize(messages=QUESTION)
         info = client.model_info()
+        client.generate(messages=QUESTION, max_tokens=4, temperature=0)
         shared_prefix = client.generate(messages=QUESTION, max_tokens=4, temperature=0)
     assert "assistant" in "".join(tokens.tokens)
     assert info.has_tokenizer and info.has_chat_template and 2 in info.eos_token_ids
     assert info.vocab_size == 49152
-    # The same chat was answered before: its full prompt blocks come from the prefix cache.
+    # The same chat was just answered: its full prompt blocks come from the prefix cache.
     assert shared_prefix.usage.cached_prompt_tokens >= 16
 
 
