@@ -1,0 +1,64 @@
+"""The engine keeps the executor busy: plan N+1 is on the wire before result N is read."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from protos.splitserve.executor.v1 import executor_pb2 as pb
+from scheduler_service.engine import Engine, EngineOptions
+from scheduler_service.executor_link import ExecutorLink
+from scheduler_service.metrics import SchedulerMetrics
+from scheduler_service.request import Request
+from scheduler_service.sampling_params import SamplingParams
+from tests.executor_process import start_executor
+from tests.model_factory import build_model
+
+
+class RecordingLink(ExecutorLink):
+    """The real link to a real executor, noting the order of sends and reads."""
+
+    def __init__(self, address: str) -> None:
+        super().__init__(address)
+        self.events: list[tuple[str, int]] = []
+
+    async def send(self, plan: pb.StepPlan) -> None:
+        self.events.append(("sent", plan.step_id))
+        await super().send(plan)
+
+    async def receive(self) -> pb.StepResult:
+        result = await super().receive()
+        self.events.append(("read", result.step_id))
+        return result
+
+
+def test_next_plan_is_sent_before_the_last_result_is_read(tmp_path: Path) -> None:
+    model_dir = build_model("llama", tmp_path / "llama")
+
+    async def scenario(address: str) -> list[tuple[str, int]]:
+        link = RecordingLink(address)
+        engine = Engine(link, None, EngineOptions(), SchedulerMetrics())
+        await engine.connect()
+        runner = asyncio.create_task(engine.run())
+        streams = [
+            engine.submit(Request(f"r{i}", [5 + i] * (3 + i), SamplingParams(max_tokens=12, ignore_eos=True)))
+            for i in range(4)
+        ]
+        for stream in streams:
+            while await stream.queue.get() is not None:
+                pass
+        runner.cancel()
+        await link.close()
+        return link.events
+
+    with start_executor(model_dir, num_kv_blocks=64, block_size=16) as (address, _):
+        events = asyncio.run(scenario(address))
+    reads = [step for kind, step in events if kind == "read"]
+    assert len(reads) >= 12
+    for step in reads[:-1]:
+        sent_next = events.index(("sent", step + 1)) if ("sent", step + 1) in events else None
+        assert sent_next is not None and sent_next < events.index(("read", step)), (
+            f"step {step + 1} was planned only after result {step} was read: the executor idled"
+        )
