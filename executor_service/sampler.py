@@ -1,6 +1,6 @@
 """Vectorised sampling over the rows of a step that produce a token.
 
-Order follows vLLM: penalties on the raw logits, then greedy rows take the argmax and the others go
+Order follows vLLM: min-tokens masking and penalties on the raw logits, then greedy rows take the argmax and the others go
 through temperature, min-p, top-k and top-p before a draw. Draws use the exponential race
 (argmax of p / Exp(1) noise), and a seeded row draws its noise from its own generator, so its tokens
 do not depend on what else is in the batch.
@@ -48,6 +48,7 @@ def sample(
     raw_logprobs = (
         torch.log_softmax(logits, dim=-1) if any(r.params.want_logprobs for r in rows) else None
     )
+    logits = mask_min_tokens_stop_ids(logits, rows)
     if any(r.params.has_penalties for r in rows):
         logits = apply_penalties(logits, rows)
     tokens = logits.argmax(dim=-1)
@@ -92,6 +93,23 @@ def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor)
     outside[:, -1] = False
     ascending = ascending.masked_fill(outside, float("-inf"))
     return torch.empty_like(logits).scatter_(1, order, ascending)
+
+
+def mask_min_tokens_stop_ids(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """-inf on the stop ids of every row that has fewer output tokens than its min_tokens, so
+    neither greedy nor a draw can end the request early."""
+    row_index: list[int] = []
+    token_index: list[int] = []
+    for i, r in enumerate(rows):
+        if r.params.masks_stop_ids(len(r.output_token_ids)):
+            row_index.extend([i] * len(r.params.min_tokens_stop_ids))
+            token_index.extend(r.params.min_tokens_stop_ids)
+    if not row_index:
+        return logits
+    device = logits.device
+    index = (torch.tensor(row_index, device=device), torch.tensor(token_index, device=device))
+    # Out of place: the caller's logits stay as the model produced them.
+    return logits.index_put(index, torch.tensor(float("-inf"), device=device))
 
 
 def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:

@@ -7,6 +7,10 @@ from dataclasses import dataclass
 
 from protos.splitserve.executor.v1 import executor_pb2
 
+# Below this a temperature is greedy, as in vLLM: dividing logits by a denormal such as 1e-38
+# overflows them to inf, and the softmax of infs is NaN.
+SAMPLING_EPS = 1e-5
+
 
 @dataclass(slots=True, frozen=True)
 class SamplingParams:
@@ -20,10 +24,15 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     num_logprobs: int = 0
     want_logprobs: bool = False
+    min_tokens: int = 0
+    min_tokens_stop_ids: tuple[int, ...] = ()
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < SAMPLING_EPS
+
+    def masks_stop_ids(self, num_output_tokens: int) -> bool:
+        return bool(self.min_tokens_stop_ids) and num_output_tokens < self.min_tokens
 
     @property
     def has_penalties(self) -> bool:
@@ -46,11 +55,21 @@ class SamplingParams:
             frequency_penalty=config.frequency_penalty,
             num_logprobs=config.num_logprobs,
             want_logprobs=config.want_logprobs,
+            min_tokens=config.min_tokens,
+            min_tokens_stop_ids=tuple(config.min_tokens_stop_ids),
         )
 
 
-def sampling_problem(config: executor_pb2.SamplerConfig, max_logprobs: int) -> str | None:
+def sampling_problem(
+    config: executor_pb2.SamplerConfig, max_logprobs: int, vocab_size: int
+) -> str | None:
     """What is wrong with a SamplerConfig, or None when it is usable."""
+    bad_stop_ids = [t for t in config.min_tokens_stop_ids if t >= vocab_size]
+    if bad_stop_ids:
+        return (
+            f"sampling.min_tokens_stop_ids holds {bad_stop_ids[0]}, outside the vocab "
+            f"[0, {vocab_size})"
+        )
     checks = (
         ("temperature", _in_range(config.temperature, 0, math.inf), ">= 0"),
         ("top_p", _in_range(config.top_p, 0, 1), "in (0, 1]"),

@@ -29,7 +29,7 @@ def check_new(entry: executor_pb2.NewRequest, limits: Limits) -> str | None:
         _id_problem(entry.request_id)
         or _tokens_problem(entry.token_ids, limits)
         or _blocks_problem(entry.block_ids, limits)
-        or sampling_problem(entry.sampling, limits.max_logprobs)
+        or sampling_problem(entry.sampling, limits.max_logprobs, limits.vocab_size)
     )
     if problem:
         return problem

@@ -136,3 +136,31 @@ def test_logprobs_are_raw_log_softmax() -> None:
     assert second.top_token_ids == []
     assert second.token_logprob == pytest.approx(raw[1, result.token_ids[1]].item(), abs=1e-6)
     assert math.isfinite(second.token_logprob)
+
+
+def _min_tokens_row(outputs: int, temperature: float = 0.0) -> SamplingRow:
+    # Token 0 is LOGITS' argmax and a stop id; token 5 is a second stop id.
+    params = SamplingParams(temperature=temperature, min_tokens=3, min_tokens_stop_ids=(0, 5))
+    return SamplingRow(params, None, prompt_token_ids=[9, 9], output_token_ids=[1] * outputs)
+
+
+def test_min_tokens_masks_stop_ids_until_enough_outputs() -> None:
+    rows = [_min_tokens_row(n) for n in range(5)] + [row(SamplingParams())]
+    logits = LOGITS.expand(len(rows), -1).clone()
+    result = sample(logits, rows)
+    # Outputs 0, 1, 2 may not stop, so they take the runner-up; from 3 outputs on, the argmax.
+    assert result.token_ids == [1, 1, 1, 0, 0, 0]
+    assert torch.equal(logits, LOGITS.expand(len(rows), -1)), "the caller's logits changed"
+
+
+def test_min_tokens_masks_stop_ids_in_draws() -> None:
+    rows = [_min_tokens_row(outputs=2, temperature=1.0)] * 2000
+    tokens = sample(LOGITS.expand(len(rows), -1).clone(), rows, torch.Generator().manual_seed(5))
+    assert not {0, 5} & set(tokens.token_ids)
+
+
+def test_tiny_temperature_is_greedy() -> None:
+    # Divided by 1e-38 these logits overflow float32 to inf, whose softmax is NaN.
+    logits = torch.tensor([[5.0, 6.0, 10.0, -10.0]] * 4)
+    rows = [row(SamplingParams(temperature=t)) for t in (1e-38, 1e-30, 1e-6, 9.9e-6)]
+    assert sample(logits, rows, torch.Generator().manual_seed(0)).token_ids == [2] * 4
