@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -11,10 +12,57 @@ from executor_service.kv_cache import KVCacheShape, PagedKVCache
 from executor_service.model_loader import LoadedModel
 from executor_service.plan_inputs import ScheduledWork, build_step_inputs
 from executor_service.request_state import RequestState
+from executor_service.sampler import SamplingRow, sample
 from executor_service.sampling_params import SamplingParams
 from executor_service.settings import DEFAULT_CPU_KV_BYTES, ExecutorSettings
 
 logger = logging.getLogger(__name__)
+
+# Sequences of the profiled decode step (vLLM's default max_num_seqs): its logits, one row per
+# sequence, and the sampler's copies of them are the decode-time peak a prefill does not show.
+PROFILE_DECODE_SEQS = 256
+# Sampling of the profiled steps: every filter and penalty on, so each of their copies of the
+# logits is counted (num_logprobs is set to the most a request may ask for).
+_PROFILE_SAMPLING = SamplingParams(
+    temperature=1.0, top_k=50, top_p=0.9, min_p=0.05, presence_penalty=0.5, want_logprobs=True
+)
+
+
+@dataclass(slots=True, frozen=True)
+class CudaMemory:
+    """The device after the profiling steps, with their cache freed."""
+
+    total_bytes: int
+    # Free on the device (mem_get_info): other processes' memory is already taken out.
+    free_bytes: int
+    # Held by this process's allocator: the weights and whatever else stays resident.
+    own_bytes: int
+    # Transient memory of the largest profiled step, above what it started with.
+    step_peak_bytes: int
+
+
+def cuda_kv_blocks(
+    memory: CudaMemory, utilization: float, block_bytes: int, gather_bytes_per_block: int
+) -> int:
+    """Blocks that fit both in what is free and under the utilization cap on this process's
+    total, after a step's peak; each block also reserves its share of the attention gather."""
+    under_cap = int(memory.total_bytes * utilization) - memory.own_bytes
+    room = min(memory.free_bytes, under_cap) - memory.step_peak_bytes
+    return max(0, room // (block_bytes + gather_bytes_per_block))
+
+
+def gather_bytes_per_block(shape: KVCacheShape, backend: str, num_heads: int) -> int:
+    """Transient bytes per cache block that attention may need at once.
+
+    Each layer's attention gathers K and V of every context token of the batch out of the pool
+    (key_cache[kv_slots]); when a decode batch spans the whole pool that is one layer's share of
+    every block. The gather is freed before the next layer, so one layer's worth is enough. SDPA's
+    decode path passes a mask, which on CUDA sends grouped-query attention to the math kernel,
+    and that repeats K and V for every query head of a group on top of the gather.
+    """
+    one_layer = shape.bytes_per_block() // shape.num_layers
+    copies = 1 if backend == "flash_attn" else 1 + num_heads // shape.num_kv_heads
+    return one_layer * copies
 
 
 def decide_num_blocks(
@@ -23,48 +71,115 @@ def decide_num_blocks(
     if settings.num_kv_blocks is not None:
         return settings.num_kv_blocks
     if settings.kv_cache_bytes is not None:
-        budget = settings.kv_cache_bytes
+        blocks = shape.blocks_for_budget(settings.kv_cache_bytes)
     elif loaded.device.type == "cuda":
-        budget = _cuda_budget(loaded, shape, settings, backend)
+        blocks = _cuda_blocks(loaded, shape, settings, backend)
     else:
-        budget = DEFAULT_CPU_KV_BYTES
-    blocks = shape.blocks_for_budget(budget)
-    logger.info("event=kv_budget bytes=%d blocks=%d", budget, blocks)
+        blocks = shape.blocks_for_budget(DEFAULT_CPU_KV_BYTES)
+    logger.info("event=kv_budget bytes=%d blocks=%d", blocks * shape.bytes_per_block(), blocks)
     return blocks
 
 
-def _cuda_budget(
+def _cuda_blocks(
     loaded: LoadedModel, shape: KVCacheShape, settings: ExecutorSettings, backend: str
 ) -> int:
-    """Total memory times the utilization share, less the peak of a profiling step (weights and
-    activations of the largest step we plan for)."""
     device = loaded.device
     num_tokens = min(settings.profile_tokens, loaded.max_model_len)
-    num_blocks = -(-num_tokens // shape.block_size)
+    sampling = replace(
+        _PROFILE_SAMPLING, num_logprobs=min(settings.max_logprobs, loaded.vocab_size)
+    )
+    peak = _profile_peak(loaded, shape, num_tokens, sampling, backend)
     torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats(device)
-    cache = PagedKVCache(shape, num_blocks, device)
+    free, total = torch.cuda.mem_get_info(device)
+    memory = CudaMemory(
+        total_bytes=total,
+        free_bytes=free,
+        own_bytes=torch.cuda.memory_reserved(device),
+        step_peak_bytes=peak,
+    )
+    gather = gather_bytes_per_block(shape, backend, loaded.num_heads)
+    blocks = cuda_kv_blocks(
+        memory, settings.gpu_memory_utilization, shape.bytes_per_block(), gather
+    )
+    logger.info(
+        "event=cuda_profile tokens=%d decode_seqs=%d peak_bytes=%d free_bytes=%d "
+        "total_bytes=%d own_bytes=%d gather_bytes_per_block=%d blocks=%d",
+        num_tokens,
+        PROFILE_DECODE_SEQS,
+        peak,
+        free,
+        total,
+        memory.own_bytes,
+        gather,
+        blocks,
+    )
+    if blocks <= 0:
+        raise RuntimeError(f"no memory left for the KV cache after a {num_tokens}-token step")
+    return blocks
+
+
+def _profile_peak(
+    loaded: LoadedModel,
+    shape: KVCacheShape,
+    num_tokens: int,
+    sampling: SamplingParams,
+    backend: str,
+) -> int:
+    """The larger transient peak of a num_tokens prefill and of a PROFILE_DECODE_SEQS decode
+    over num_tokens of context in all, sampled with every filter on."""
+    block_size = shape.block_size
+    context = max(1, num_tokens // PROFILE_DECODE_SEQS)
+    blocks_per_seq = -(-context // block_size)
+    prefill_blocks = -(-num_tokens // block_size)
+    cache = PagedKVCache(
+        shape, max(prefill_blocks, PROFILE_DECODE_SEQS * blocks_per_seq), loaded.device
+    )
+    prefill = [
+        _profile_work("prefill", num_tokens, range(prefill_blocks), num_tokens, sampling)
+    ]
+    decode = [
+        _profile_work(
+            f"decode{i}", context, range(i * blocks_per_seq, (i + 1) * blocks_per_seq), 1, sampling
+        )
+        for i in range(PROFILE_DECODE_SEQS)
+    ]
+    peak = max(_step_peak(loaded, cache, work, backend) for work in (prefill, decode))
+    del cache
+    return peak
+
+
+def _profile_work(
+    request_id: str,
+    num_tokens: int,
+    block_ids: range,
+    num_scheduled: int,
+    sampling: SamplingParams,
+) -> ScheduledWork:
     state = RequestState(
-        request_id="profile",
+        request_id=request_id,
         token_ids=[0] * num_tokens,
         num_prompt_tokens=num_tokens,
-        block_ids=list(range(num_blocks)),
-        num_computed_tokens=0,
-        sampling=SamplingParams(),
+        block_ids=list(block_ids),
+        num_computed_tokens=num_tokens - num_scheduled,
+        sampling=sampling,
         generator=None,
     )
-    inputs = build_step_inputs([ScheduledWork(state, num_tokens)], cache, backend, device)
-    compute_logits(loaded, inputs, accepts_logits_to_keep(loaded))
-    torch.cuda.synchronize(device)
-    peak = torch.cuda.max_memory_allocated(device)
-    del inputs, cache
-    torch.cuda.empty_cache()
-    total = torch.cuda.get_device_properties(device).total_memory
-    budget = int(total * settings.gpu_memory_utilization) - peak
-    logger.info(
-        "event=cuda_profile tokens=%d peak_bytes=%d total_bytes=%d", num_tokens, peak, total
-    )
-    if budget <= 0:
-        raise RuntimeError(f"no memory left for the KV cache after a {num_tokens}-token step")
-    return budget
+    return ScheduledWork(state, num_scheduled)
 
+
+def _step_peak(
+    loaded: LoadedModel, cache: PagedKVCache, work: list[ScheduledWork], backend: str
+) -> int:
+    device = loaded.device
+    torch.cuda.synchronize(device)
+    start = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    inputs = build_step_inputs(work, cache, backend, device)
+    logits = compute_logits(loaded, inputs, accepts_logits_to_keep(loaded))
+    rows = [
+        SamplingRow(s.sampling, None, s.prompt_token_ids, s.output_token_ids)
+        for s in inputs.sampled
+    ]
+    sample(logits, rows, torch.Generator(device=device))
+    torch.cuda.synchronize(device)
+    return torch.cuda.max_memory_allocated(device) - start

@@ -28,6 +28,7 @@ class LoadedModel:
     eos_token_ids: list[int]
     max_model_len: int
     num_layers: int
+    num_heads: int
     num_kv_heads: int
     head_dim: int
 
@@ -84,6 +85,7 @@ def load_model(model_dir: Path, device: str = "auto", dtype: str = "auto") -> Lo
         eos_token_ids=_eos_token_ids(model, vocab_size),
         max_model_len=_max_model_len(text_config),
         num_layers=int(text_config.num_hidden_layers),
+        num_heads=num_heads,
         num_kv_heads=int(getattr(text_config, "num_key_value_heads", None) or num_heads),
         head_dim=int(head_dim),
     )

@@ -26,8 +26,16 @@ def register_paged_attention() -> None:
     AttentionInterface.register(ATTENTION_NAME, paged_attention_forward)
 
 
-def select_backend(device: torch.device) -> str:
-    if device.type == "cuda" and importlib.util.find_spec("flash_attn") is not None:
+# flash-attn kernels exist only for half precision; float32 runs through SDPA.
+FLASH_ATTN_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def select_backend(device: torch.device, dtype: torch.dtype) -> str:
+    if (
+        device.type == "cuda"
+        and dtype in FLASH_ATTN_DTYPES
+        and importlib.util.find_spec("flash_attn") is not None
+    ):
         return "flash_attn"
     return "sdpa"
 

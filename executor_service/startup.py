@@ -30,7 +30,7 @@ def build_executor(settings: ExecutorSettings) -> Executor:
     if settings.threads is not None:
         torch.set_num_threads(settings.threads)
     loaded = load_model(settings.model_dir, settings.device, settings.dtype)
-    backend = select_backend(loaded.device)
+    backend = select_backend(loaded.device, loaded.dtype)
     shape = KVCacheShape(
         num_layers=loaded.num_layers,
         num_kv_heads=loaded.num_kv_heads,

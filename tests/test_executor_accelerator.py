@@ -1,0 +1,67 @@
+"""CUDA-only decisions, tested without a GPU: the attention backend and the KV budget arithmetic."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+from executor_service import paged_attention
+from executor_service.kv_budget import CudaMemory, cuda_kv_blocks, gather_bytes_per_block
+from executor_service.kv_cache import KVCacheShape
+from executor_service.paged_attention import select_backend
+
+GIB = 1 << 30
+CUDA = torch.device("cuda:0")
+
+
+@pytest.fixture
+def flash_attn_installed(monkeypatch: pytest.MonkeyPatch) -> None:
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        paged_attention.importlib.util,
+        "find_spec",
+        lambda name, *args: object() if name == "flash_attn" else real(name, *args),
+    )
+
+
+@pytest.mark.usefixtures("flash_attn_installed")
+def test_flash_attn_only_for_half_precision_on_cuda() -> None:
+    assert select_backend(CUDA, torch.bfloat16) == "flash_attn"
+    assert select_backend(CUDA, torch.float16) == "flash_attn"
+    assert select_backend(CUDA, torch.float32) == "sdpa"
+    assert select_backend(torch.device("cpu"), torch.bfloat16) == "sdpa"
+
+
+def test_without_flash_attn_cuda_uses_sdpa(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(paged_attention.importlib.util, "find_spec", lambda name, *args: None)
+    assert select_backend(CUDA, torch.bfloat16) == "sdpa"
+
+
+def _memory(free: int, own: int = 10 * GIB, peak: int = 2 * GIB) -> CudaMemory:
+    return CudaMemory(total_bytes=80 * GIB, free_bytes=free, own_bytes=own, step_peak_bytes=peak)
+
+
+def test_kv_blocks_come_from_free_memory_when_others_hold_the_rest() -> None:
+    # Another process holds 50 GiB: only the 20 GiB free count, less the step's peak.
+    assert cuda_kv_blocks(_memory(free=20 * GIB), 0.9, GIB, 0) == 18
+
+
+def test_kv_blocks_stay_under_the_utilization_cap() -> None:
+    # 70 GiB free, but 0.5 x 80 GiB allows the process 40 GiB, 10 of which the weights hold.
+    assert cuda_kv_blocks(_memory(free=70 * GIB), 0.5, GIB, 0) == 28
+
+
+def test_kv_blocks_reserve_the_gather_and_never_go_negative() -> None:
+    assert cuda_kv_blocks(_memory(free=20 * GIB), 0.9, GIB, GIB // 2) == 12
+    assert cuda_kv_blocks(_memory(free=GIB), 0.9, GIB, 0) == 0
+
+
+def test_gather_reserve_is_one_layer_and_the_sdpa_gqa_repeat() -> None:
+    shape = KVCacheShape(
+        num_layers=4, num_kv_heads=2, head_dim=8, block_size=16, dtype=torch.float16
+    )
+    one_layer = shape.bytes_per_block() // 4
+    assert gather_bytes_per_block(shape, "flash_attn", num_heads=8) == one_layer
+    assert gather_bytes_per_block(shape, "sdpa", num_heads=8) == 5 * one_layer
