@@ -14,6 +14,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from executor_service.startup import Executor
+from protos.limits import MAX_MESSAGE_BYTES
 from protos.splitserve.executor.v1 import executor_pb2, executor_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -21,8 +22,6 @@ logger = logging.getLogger(__name__)
 SERVICE_NAME = executor_pb2.DESCRIPTOR.services_by_name["Executor"].full_name
 # Seconds in-flight calls get to finish after SIGTERM.
 SHUTDOWN_GRACE_S = 5.0
-# A plan carries every token of its new requests; long prompts in big batches pass gRPC's 4 MiB.
-MAX_MESSAGE_BYTES = 64 << 20
 
 
 @dataclass(slots=True, frozen=True)
