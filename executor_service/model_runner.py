@@ -23,7 +23,9 @@ from protos.splitserve.executor.v1 import executor_pb2
 
 logger = logging.getLogger(__name__)
 
+# google.rpc.Code values of RejectedRequest.code.
 INVALID_ARGUMENT = 3
+INTERNAL = 13
 
 
 @dataclass(slots=True)
@@ -56,14 +58,18 @@ class ModelRunner:
         admitted = self._admit(plan)
         result = executor_pb2.StepResult(step_id=plan.step_id, rejected=admitted.rejected)
         if admitted.work:
-            forward_started = time.perf_counter()
-            inputs = build_step_inputs(
-                admitted.work, self.kv_cache, self.backend, self.loaded.device
-            )
-            logits = compute_logits(self.loaded, inputs, self._use_logits_to_keep)
-            sampled = sample(logits, [_sampling_row(s) for s in inputs.sampled], self._generator)
-            result.forward_time_s = time.perf_counter() - forward_started
-            self._advance(admitted.work, inputs.sampled, sampled, result)
+            try:
+                self._run(admitted.work, result)
+            except Exception:
+                # The forward may have written K/V and advanced some requests and not others:
+                # nothing held here can be trusted, and the scheduler recomputes from its own.
+                logger.exception(
+                    "event=step_failed step_id=%d dropped_requests=%d",
+                    plan.step_id,
+                    len(self.requests),
+                )
+                self.requests.clear()
+                raise
         result.step_time_s = time.perf_counter() - started
         logger.debug(
             "event=step step_id=%d requests=%d tokens=%d sampled=%d rejected=%d "
@@ -78,47 +84,78 @@ class ModelRunner:
         )
         return result
 
+    def drop_all_requests(self) -> None:
+        """Forgets every request, for a scheduler that starts over and resends them all."""
+        logger.info("event=requests_dropped count=%d", len(self.requests))
+        self.requests.clear()
+
+    def _run(self, work: list[ScheduledWork], result: executor_pb2.StepResult) -> None:
+        """The shared part of a step: one forward and one sampling pass for all its work."""
+        forward_started = time.perf_counter()
+        inputs = build_step_inputs(work, self.kv_cache, self.backend, self.loaded.device)
+        logits = compute_logits(self.loaded, inputs, self._use_logits_to_keep)
+        sampled = sample(logits, [_sampling_row(s) for s in inputs.sampled], self._generator)
+        result.forward_time_s = time.perf_counter() - forward_started
+        self._advance(work, inputs.sampled, sampled, result)
+
     def _admit(self, plan: executor_pb2.StepPlan) -> _Admitted:
         admitted = _Admitted(work=[], rejected=[])
         scheduled: set[str] = set()
-        for entry in plan.new_requests:
-            problem = check_new(entry, self.limits)
-            if problem is None and entry.request_id in scheduled:
-                problem = "request scheduled twice in one plan"
-            if problem is not None:
-                self._reject(admitted, entry.request_id, problem)
+        entries = [*plan.new_requests, *plan.continuing_requests]
+        for entry in entries:
+            try:
+                problem = self._admit_entry(entry, admitted, scheduled)
+            except Exception as error:
+                # A bug tripped by one entry must not take the stream (and every other request)
+                # down with it; the scheduler aborts just this request.
+                logger.exception("event=entry_failed request_id=%s", entry.request_id)
+                self._reject(admitted, entry.request_id, INTERNAL, f"executor error: {error!r}")
                 continue
+            if problem is not None:
+                self._reject(admitted, entry.request_id, INVALID_ARGUMENT, problem)
+        return admitted
+
+    def _admit_entry(
+        self,
+        entry: executor_pb2.NewRequest | executor_pb2.ContinuingRequest,
+        admitted: _Admitted,
+        scheduled: set[str],
+    ) -> str | None:
+        """Adds the entry's work to `admitted`, or says what is wrong with it."""
+        if isinstance(entry, executor_pb2.NewRequest):
+            problem = check_new(entry, self.limits)
+            state = None
+        else:
+            state = self.requests.get(entry.request_id)
+            problem = check_continuing(entry, state, self.limits)
+        if problem is None and entry.request_id in scheduled:
+            problem = "request scheduled twice in one plan"
+        if problem is not None:
+            return problem
+        if isinstance(entry, executor_pb2.NewRequest):
             if entry.request_id in self.requests:
                 logger.info("event=request_rebuilt request_id=%s", entry.request_id)
             state = _new_state(entry, self.loaded.device)
             self.requests[entry.request_id] = state
-            scheduled.add(entry.request_id)
-            admitted.work.append(ScheduledWork(state, entry.num_scheduled_tokens))
-        for entry in plan.continuing_requests:
-            state = self.requests.get(entry.request_id)
-            problem = check_continuing(entry, state, self.limits)
-            if problem is None and entry.request_id in scheduled:
-                problem = "request scheduled twice in one plan"
-            if problem is not None or state is None:
-                self._reject(admitted, entry.request_id, problem or "unknown request id")
-                continue
+        else:
+            assert state is not None  # check_continuing refuses an unknown id
             state.block_ids.extend(entry.new_block_ids)
             state.token_ids.extend(entry.appended_token_ids)
-            scheduled.add(entry.request_id)
-            admitted.work.append(ScheduledWork(state, entry.num_scheduled_tokens))
-        return admitted
+        scheduled.add(entry.request_id)
+        admitted.work.append(ScheduledWork(state, entry.num_scheduled_tokens))
+        return None
 
-    def _reject(self, admitted: _Admitted, request_id: str, problem: str) -> None:
+    def _reject(self, admitted: _Admitted, request_id: str, code: int, problem: str) -> None:
         # A request that was scheduled earlier in this plan keeps running; any other state of
         # that id goes, so the scheduler rebuilds it from a fresh NewRequest.
         if not any(w.state.request_id == request_id for w in admitted.work):
             self.requests.pop(request_id, None)
-        logger.warning("event=entry_rejected request_id=%s problem=%r", request_id, problem)
+        logger.warning(
+            "event=entry_rejected request_id=%s code=%d problem=%r", request_id, code, problem
+        )
         admitted.rejected.append(
             executor_pb2.RejectedRequest(
-                request_id=request_id,
-                code=INVALID_ARGUMENT,
-                message=f"request {request_id!r}: {problem}",
+                request_id=request_id, code=code, message=f"request {request_id!r}: {problem}"
             )
         )
 
