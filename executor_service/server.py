@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import signal
+import threading
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -30,13 +32,40 @@ class _StreamError:
     message: str
 
 
+_SUPERSEDED = _StreamError(grpc.StatusCode.ABORTED, "superseded by a newer Execute stream")
+_STEP_FAILED = _StreamError(grpc.StatusCode.INTERNAL, "the executor failed a step")
+
+_Pending = asyncio.Queue[asyncio.Future[executor_pb2.StepResult | None] | _StreamError | None]
+
+
+@dataclass(slots=True)
+class _Stream:
+    """One Execute call: its plans on their way through the worker, and why it ended early."""
+
+    number: int
+    pending: _Pending = field(default_factory=asyncio.Queue)
+    ending: _StreamError | None = None
+    # The worker thread's view of `ending`: plans of an ended stream still queued are skipped.
+    skip_plans: threading.Event = field(default_factory=threading.Event)
+
+    def end(self, error: _StreamError) -> None:
+        if self.ending is None:
+            self.ending = error
+        self.skip_plans.set()
+        # Wakes the call if it waits for a plan.
+        self.pending.put_nowait(error)
+
+
 class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
-    """Request state lives in the runner, shared by every stream; one worker thread runs all
-    plans in arrival order, which keeps the event loop free for Describe and health checks."""
+    """Request state lives in the runner and belongs to one scheduler at a time: a new Execute
+    stream supersedes the active one. One worker thread runs all plans in arrival order, which
+    keeps the event loop free for Describe and health checks."""
 
     def __init__(self, executor: Executor, worker: ThreadPoolExecutor) -> None:
         self._executor = executor
         self._worker = worker
+        self._active: _Stream | None = None
+        self._stream_numbers = itertools.count(1)
 
     async def Describe(
         self, request: executor_pb2.DescribeRequest, context: grpc.aio.ServicerContext
@@ -48,28 +77,56 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
         request_iterator: AsyncIterator[executor_pb2.StepPlan],
         context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[executor_pb2.StepResult]:
-        pending: asyncio.Queue[asyncio.Future[executor_pb2.StepResult] | _StreamError | None]
-        pending = asyncio.Queue()
-        reader = asyncio.create_task(self._read_plans(request_iterator, pending))
+        stream = self._open_stream(context.peer())
+        reader = asyncio.create_task(self._read_plans(request_iterator, stream))
         try:
-            while (item := await pending.get()) is not None:
-                if isinstance(item, _StreamError):
-                    await context.abort(item.code, item.message)
-                    return
+            while (item := await stream.pending.get()) is not None:
+                if stream.ending is not None or isinstance(item, _StreamError):
+                    break
                 try:
                     result = await item
                 except Exception:
-                    logger.exception("event=step_failed")
-                    await context.abort(grpc.StatusCode.INTERNAL, "the executor failed a step")
-                    return
+                    # The runner logged it and dropped every request.
+                    stream.end(_STEP_FAILED)
+                    break
+                if result is None or stream.ending is not None:
+                    break
                 yield result
+            if stream.ending is not None:
+                await context.abort(stream.ending.code, stream.ending.message)
         finally:
             reader.cancel()
+            if self._active is stream:
+                self._active = None
+
+    def _open_stream(self, peer: str) -> _Stream:
+        """Makes a new stream the active one, ending the one it supersedes: the scheduler that
+        opens a stream starts over and resends every request it wants run."""
+        stream = _Stream(number=next(self._stream_numbers))
+        previous, self._active = self._active, stream
+        if previous is not None:
+            previous.end(_SUPERSEDED)
+            logger.info(
+                "event=stream_superseded old_stream=%d new_stream=%d peer=%s",
+                previous.number,
+                stream.number,
+                peer,
+            )
+            # Submitted before any plan of the new stream, so it runs after the old stream's
+            # plan that may be mid-forward and before the new stream's first plan.
+            self._worker.submit(self._executor.runner.drop_all_requests)
+        return stream
+
+    def _run_plan(
+        self, stream: _Stream, plan: executor_pb2.StepPlan
+    ) -> executor_pb2.StepResult | None:
+        """On the worker thread. None for a plan of a stream that ended while it was queued."""
+        if stream.skip_plans.is_set():
+            return None
+        return self._executor.runner.execute(plan)
 
     async def _read_plans(
-        self,
-        plans: AsyncIterator[executor_pb2.StepPlan],
-        pending: asyncio.Queue[asyncio.Future[executor_pb2.StepResult] | _StreamError | None],
+        self, plans: AsyncIterator[executor_pb2.StepPlan], stream: _Stream
     ) -> None:
         """Hands each plan to the worker as soon as it arrives, so plan N+1 queues behind plan N
         instead of waiting for result N to be sent."""
@@ -77,20 +134,22 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
         last_step: int | None = None
         try:
             async for plan in plans:
+                if stream.ending is not None:
+                    return
                 if last_step is not None and plan.step_id <= last_step:
                     message = f"step_id {plan.step_id} does not increase past {last_step}"
                     logger.warning("event=stream_rejected problem=%r", message)
-                    await pending.put(_StreamError(grpc.StatusCode.INVALID_ARGUMENT, message))
+                    stream.end(_StreamError(grpc.StatusCode.INVALID_ARGUMENT, message))
                     return
                 last_step = plan.step_id
-                await pending.put(
-                    loop.run_in_executor(self._worker, self._executor.runner.execute, plan)
+                await stream.pending.put(
+                    loop.run_in_executor(self._worker, self._run_plan, stream, plan)
                 )
         except grpc.RpcError as error:
             # The caller went away mid-stream; the plans it did send still run in order.
             logger.info("event=stream_broken error=%r", error)
         finally:
-            await pending.put(None)
+            await stream.pending.put(None)
 
 
 async def serve(executor: Executor, host: str, port: int) -> None:

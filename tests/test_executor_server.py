@@ -96,3 +96,33 @@ def test_kv_memory_budget_and_clean_sigterm(model_dir: Path) -> None:
         assert "event=executor_stopped" in executor.log_text()
     finally:
         executor.close()
+
+
+def test_a_new_stream_supersedes_the_active_one(channel: grpc.Channel) -> None:
+    prompt = pb.NewRequest(
+        request_id="owned", token_ids=[5, 6, 7], block_ids=[1, 2], num_scheduled_tokens=3
+    )
+    decode = pb.ContinuingRequest(request_id="owned", num_scheduled_tokens=1)
+    old = PlanStream(channel)
+    old_tokens = list(old.step(pb.StepPlan(step_id=1, new_requests=[prompt])).outputs[0].token_ids)
+    # Plans still queued on the old stream when the new one opens must never run after it.
+    for step in range(2, 12):
+        old.send(pb.StepPlan(step_id=step, continuing_requests=[decode]))
+    old_tokens += old.receive().outputs[0].token_ids
+
+    new = PlanStream(channel)
+    refused = new.step(pb.StepPlan(step_id=1, continuing_requests=[decode]))
+    assert [(r.request_id, r.code) for r in refused.rejected] == [("owned", 3)]
+    assert "unknown request id" in refused.rejected[0].message
+    with pytest.raises(grpc.RpcError) as error:
+        old.close()
+    assert error.value.code() == grpc.StatusCode.ABORTED
+    assert "superseded" in error.value.details()
+
+    # The new scheduler rebuilds the request and gets the same greedy tokens: nothing of the
+    # old stream touched it.
+    tokens = list(new.step(pb.StepPlan(step_id=2, new_requests=[prompt])).outputs[0].token_ids)
+    tokens += new.step(pb.StepPlan(step_id=3, continuing_requests=[decode])).outputs[0].token_ids
+    assert tokens == old_tokens
+    new.step(pb.StepPlan(step_id=4, dropped_request_ids=["owned"]))
+    new.close()
