@@ -64,6 +64,10 @@ class Shutdown(Exception):
     """SIGINT or SIGTERM arrived."""
 
 
+class PortTaken(Exception):
+    """A fixed port is already listened on, most likely by an earlier launch still running."""
+
+
 class ChildFailed(Exception):
     def __init__(self, child: Child, problem: str) -> None:
         super().__init__(f"{child.name} {problem}")
@@ -108,6 +112,7 @@ class Launcher:
     children: list[Child] = field(default_factory=list)
 
     def run(self) -> int:
+        self.check_ports()
         model_dir = self.prepare_model()
         _, executor_port = self.start_service(
             "executor", executor_command(self.options, model_dir), EXECUTOR_READY
@@ -126,6 +131,21 @@ class Launcher:
         print_banner(self.options, address, executor_address, self.children)
         self.watch()
         return 0
+
+    def check_ports(self) -> None:
+        """gRPC binds with SO_REUSEPORT, so a second launch would silently share the ports of
+        one still running (and its scheduler could reach the old executor); refuse instead."""
+        options = self.options
+        for flag, port in (
+            ("--port", options.port),
+            ("--executor-port", options.executor_port),
+            ("--metrics-port", options.metrics_port),
+        ):
+            if port and port_taken(options.host, port):
+                raise PortTaken(
+                    f"{options.host}:{port} ({flag}) is already in use; stop what listens "
+                    f"there or pass {flag} 0 for any free port"
+                )
 
     def prepare_model(self) -> Path:
         """Runs prepare_model as a child so the launcher never holds torch's memory; its
@@ -364,6 +384,16 @@ Try:
     )
 
 
+def port_taken(host: str, port: int) -> bool:
+    family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+    try:
+        # create_server sets SO_REUSEADDR, so only a live listener, not TIME_WAIT, counts.
+        socket.create_server((host, port), family=family).close()
+    except OSError:
+        return True
+    return False
+
+
 def free_port(host: str) -> int:
     """A port free right now; the scheduler does not report its metrics port, so the launcher
     picks one to be able to print it."""
@@ -435,6 +465,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Shutdown:
         logger.info("event=shutdown_requested")
         return 0
+    except PortTaken as taken:
+        logger.error("event=port_taken problem=%r", str(taken))
+        print(f"error: {taken}", file=sys.stderr)
+        return 1
     except ChildFailed as failure:
         logger.error("event=child_failed problem=%r log=%s", str(failure), failure.child.log_path)
         tail = failure.child.tail()

@@ -11,6 +11,7 @@ import os
 import queue
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -153,3 +154,16 @@ def test_service_dying_during_start_shows_its_log(tmp_path: Path) -> None:
     assert f"last lines of {tmp_path / 'logs' / 'executor.log'}" in result.stderr
     # The scheduler is never started without a ready executor.
     assert set(child_pids(result.stderr)) == {"executor"}
+
+
+def test_fixed_port_in_use_is_refused_before_anything_starts(tmp_path: Path) -> None:
+    # A listener without SO_REUSEPORT stands in for an earlier launch still serving.
+    with socket.create_server(("127.0.0.1", 0)) as holder:
+        port = holder.getsockname()[1]
+        command = launcher_command(tmp_path / "never-prepared", tmp_path / "logs", "--once")
+        command[command.index("--port") + 1] = str(port)
+        result = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 1
+    assert f"127.0.0.1:{port} (--port) is already in use" in result.stderr
+    assert child_pids(result.stderr) == {}
+    assert not (tmp_path / "never-prepared").exists()
