@@ -1,9 +1,9 @@
 """Vectorised sampling over the rows of a step that produce a token.
 
-Order follows vLLM: min-tokens masking and penalties on the raw logits, then greedy rows take the argmax and the others go
-through temperature, min-p, top-k and top-p before a draw. Draws use the exponential race
-(argmax of p / Exp(1) noise), and a seeded row draws its noise from its own generator, so its tokens
-do not depend on what else is in the batch.
+Order follows vLLM: min-tokens masking and penalties on the raw logits, then greedy rows take
+the argmax and the others go through temperature, min-p, top-k and top-p before a draw. Draws use
+the exponential race (argmax of p / Exp(1) noise), and a seeded row draws its noise from its own
+generator, so its tokens do not depend on what else is in the batch.
 """
 
 from __future__ import annotations
