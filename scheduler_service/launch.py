@@ -36,8 +36,6 @@ from typing import IO
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from executor_service.prepare_model import default_cache_dir
-
 logger = logging.getLogger("scheduler_service.launch")
 
 DEFAULT_QUESTION = "What is the capital of France?"
@@ -76,7 +74,8 @@ class ChildFailed(Exception):
 
 @dataclass(slots=True, frozen=True)
 class LaunchOptions:
-    cache_dir: Path
+    # None leaves the choice to prepare_model ($SPLITSERVE_CACHE or its default folder).
+    cache_dir: Path | None
     host: str
     port: int
     executor_port: int
@@ -149,15 +148,12 @@ class Launcher:
 
     def prepare_model(self) -> Path:
         """Runs prepare_model as a child so the launcher never holds torch's memory; its
-        progress (stderr) shows on the terminal, and its last stdout line is the folder."""
-        command = [
-            sys.executable,
-            "-m",
-            "executor_service.prepare_model",
-            "--cache-dir",
-            str(self.options.cache_dir),
-        ]
-        logger.info("event=model_preparing cache_dir=%s", self.options.cache_dir)
+        progress (stderr) shows on the terminal, and its last stdout line is the folder.
+        Run by name, not imported: the scheduler side imports no executor code."""
+        command = [sys.executable, "-m", "executor_service.prepare_model"]
+        if self.options.cache_dir is not None:
+            command += ["--cache-dir", str(self.options.cache_dir)]
+        logger.info("event=model_preparing cache_dir=%s", self.options.cache_dir or "default")
         child = self.spawn("prepare-model", command, stdout=subprocess.PIPE)
         status = self.wait_exit(child)
         assert child.process.stdout is not None
@@ -437,7 +433,7 @@ def parse_args(argv: Sequence[str] | None) -> LaunchOptions:
     log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="splitserve-logs-"))
     log_dir.mkdir(parents=True, exist_ok=True)
     return LaunchOptions(
-        cache_dir=args.cache_dir or default_cache_dir(),
+        cache_dir=args.cache_dir,
         host=args.host,
         port=args.port,
         executor_port=args.executor_port,
