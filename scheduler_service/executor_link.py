@@ -5,13 +5,12 @@ import logging
 
 import grpc
 
+from protos.limits import MAX_MESSAGE_BYTES
 from protos.splitserve.executor.v1 import executor_pb2 as pb
 from protos.splitserve.executor.v1 import executor_pb2_grpc
 
 logger = logging.getLogger(__name__)
 
-# Plans carry whole prompts of new requests; big batches of long prompts pass gRPC's 4 MiB.
-MAX_MESSAGE_BYTES = 64 << 20
 RETRY_MIN_S = 0.2
 RETRY_MAX_S = 5.0
 DESCRIBE_TIMEOUT_S = 5.0

@@ -10,9 +10,10 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
 
+from protos.limits import MAX_MESSAGE_BYTES
 from protos.splitserve.v1 import generation_pb2, generation_pb2_grpc
 from scheduler_service.engine import Engine, EngineOptions
-from scheduler_service.executor_link import MAX_MESSAGE_BYTES, ExecutorLink
+from scheduler_service.executor_link import ExecutorLink
 from scheduler_service.metrics import SchedulerMetrics
 from scheduler_service.servicer import GenerationServicer
 from scheduler_service.text_processor import TextProcessor
