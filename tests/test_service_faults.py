@@ -4,7 +4,6 @@ disturb other requests; an executor killed mid-generation loses no request and n
 from __future__ import annotations
 
 import asyncio
-import socket
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,6 +17,7 @@ from protos.splitserve.v1.generation_pb2 import EXECUTOR_STATE_UP
 from tests.executor_process import ExecutorProcess, start_executor
 from tests.model_factory import VOCAB_SIZE, build_model
 from tests.scheduler_process import start_scheduler
+from tests.service_process import free_port
 from tests.test_service_e2e import Reference, stream_all, workload
 
 torch.set_num_threads(1)
@@ -83,12 +83,6 @@ def test_a_duplicate_id_is_refused_while_the_first_request_runs_undisturbed(
     tokens, refused = asyncio.run(scenario())
     assert refused is not None and refused.code == grpc.StatusCode.ALREADY_EXISTS
     assert tokens == reference(prompt, 200)
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def test_an_executor_killed_mid_generation_loses_no_request_and_no_token(

@@ -4,7 +4,6 @@ and the Prometheus endpoint."""
 
 from __future__ import annotations
 
-import socket
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,14 +13,9 @@ import pytest
 from clients import Client
 from tests.executor_process import start_executor
 from tests.scheduler_process import start_scheduler
+from tests.service_process import free_port
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

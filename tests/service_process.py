@@ -1,0 +1,78 @@
+"""A service started as a real process for tests: its log goes to a file, and it is ready once
+its ready line appears there (the line carries the bound address, so tests can bind port 0)."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+class ServiceStartError(RuntimeError):
+    pass
+
+
+def free_port() -> int:
+    """A port free right now on 127.0.0.1 (for services that need a fixed one)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+class ServiceProcess:
+    """Starts command in the background; wait_ready() returns HOST:PORT from the ready line."""
+
+    def __init__(self, command: list[str], ready_pattern: re.Pattern[str], name: str) -> None:
+        self.name = name
+        self._ready_pattern = ready_pattern
+        self._log = tempfile.NamedTemporaryFile(prefix=f"{name}-", suffix=".log", delete=False)
+        self.log_path = Path(self._log.name)
+        self.address: str | None = None
+        self.process = subprocess.Popen(
+            command,
+            cwd=REPO_ROOT,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+
+    def wait_ready(self, timeout_s: float = 180.0) -> str:
+        deadline = time.monotonic() + timeout_s
+        while self.address is None:
+            text = self.log_text()
+            match = self._ready_pattern.search(text)
+            if match:
+                self.address = f"{match.group(1)}:{match.group(2)}"
+            elif self.process.poll() is not None:
+                raise ServiceStartError(f"{self.name} exited with {self.process.returncode}:\n{text[-4000:]}")
+            elif time.monotonic() > deadline:
+                raise ServiceStartError(f"{self.name} not ready after {timeout_s}s:\n{text[-4000:]}")
+            else:
+                time.sleep(0.05)
+        return self.address
+
+    def log_text(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def stop(self, grace_s: float = 15.0) -> int:
+        """SIGTERM, then SIGKILL after grace_s; returns the exit status."""
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout=grace_s)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        return self.process.returncode
+
+    def close(self) -> None:
+        self.stop()
+        self._log.close()
+        self.log_path.unlink(missing_ok=True)
