@@ -159,6 +159,8 @@ async def serve(executor: Executor, host: str, port: int) -> None:
         options=[
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+            # A second copy on a taken port must fail to bind, not silently share it.
+            ("grpc.so_reuseport", 0),
         ]
     )
     executor_pb2_grpc.add_ExecutorServicer_to_server(ExecutorServicer(executor, worker), server)

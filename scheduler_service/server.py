@@ -55,6 +55,8 @@ async def serve(settings: ServerSettings) -> int:
         options=[
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+            # A second copy on a taken port must fail to bind, not silently share it.
+            ("grpc.so_reuseport", 0),
         ]
     )
     generation_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(engine), server)

@@ -10,10 +10,10 @@ import pytest
 from executor_service.prepare_model import COMPLETE_MARKER, is_prepared, prepare_model
 
 
-@pytest.fixture(scope="module")
-def prepared(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    # Dequantizing takes ~25 s: do it once for every test of this module.
-    return prepare_model(tmp_path_factory.mktemp("models") / "SmolLM2-135M-Instruct")
+@pytest.fixture
+def prepared(prepared_model: Path) -> Path:
+    """The session's prepared model (tests/conftest.py): its first preparation is the real one."""
+    return prepared_model
 
 
 def test_folder_is_complete(prepared: Path) -> None:
