@@ -1,0 +1,52 @@
+"""Entry point: python -m scheduler_service.launch (see the package docstring)."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+from collections.abc import Sequence
+
+from scheduler_service.launch.children import ChildFailed, Shutdown
+from scheduler_service.launch.launcher import Launcher
+from scheduler_service.launch.options import parse_args
+from scheduler_service.launch.ports import PortTaken
+
+# One logger for the whole launcher: its lines read logger=scheduler_service.launch whichever
+# module wrote them (run with -m, this module's own __name__ is "__main__").
+logger = logging.getLogger("scheduler_service.launch")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    logging.basicConfig(
+        level=logging.INFO,
+        stream=sys.stderr,
+        format="%(asctime)s level=%(levelname)s logger=%(name)s %(message)s",
+    )
+    launcher = Launcher(parse_args(argv))
+    # Only a flag: the launcher acts on it at its next poll, never between two arbitrary lines.
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, lambda _signum, _frame: launcher.children.stop_requested.set())
+    logger.info("event=launcher_starting log_dir=%s", launcher.options.log_dir)
+    try:
+        return launcher.run()
+    except Shutdown:
+        logger.info("event=shutdown_requested")
+        return 0
+    except PortTaken as taken:
+        logger.error("event=port_taken problem=%r", str(taken))
+        print(f"error: {taken}", file=sys.stderr)
+        return 1
+    except ChildFailed as failure:
+        logger.error("event=child_failed problem=%r log=%s", str(failure), failure.child.log_path)
+        tail = failure.child.tail()
+        if tail:
+            print(f"--- last lines of {failure.child.log_path} ---\n{tail}", file=sys.stderr)
+        return 1
+    finally:
+        launcher.children.stop_all()
+        logger.info("event=launcher_stopped")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,39 @@
+"""What the launcher prints for the user on stdout: the question, then where everything
+listens and what to try against it."""
+
+from __future__ import annotations
+
+import shlex
+import sys
+from collections.abc import Sequence
+
+from scheduler_service.launch.children import Child
+from scheduler_service.launch.options import LaunchOptions
+
+
+def print_question(question: str) -> None:
+    print(f"\n> {question}", flush=True)
+
+
+def print_banner(
+    options: LaunchOptions, address: str, executor_address: str, children: Sequence[Child]
+) -> None:
+    python = shlex.quote(sys.executable)
+    logs = ", ".join(str(c.log_path) for c in children if c.log_path is not None)
+    print(
+        f"""
+splitserve is running; Ctrl-C stops it.
+  scheduler  {address}   (client API, grpc.health.v1, reflection)
+  executor   {executor_address}   (executor API, grpc.health.v1, reflection)
+  metrics    http://{options.connect_host}:{options.metrics_port}/metrics
+  logs       {logs}
+
+Try:
+  {python} -m clients generate --server {address} --chat "Write a haiku about the sea"
+  {python} -m clients status --server {address}
+  grpcurl -plaintext {address} list
+  grpcurl -plaintext {address} grpc.health.v1.Health/Check
+  grpcurl -plaintext {executor_address} describe
+""",
+        flush=True,
+    )
