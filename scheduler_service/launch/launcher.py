@@ -63,8 +63,8 @@ class Launcher:
         return 0
 
     def check_ports(self) -> None:
-        """gRPC binds with SO_REUSEPORT, so a second launch would silently share the ports of
-        one still running (and its scheduler could reach the old executor); refuse instead."""
+        """Refuses taken ports before the minute spent preparing and loading the model: the
+        services would only fail to bind them afterwards."""
         options = self.options
         for flag, port in (
             ("--port", options.port),
