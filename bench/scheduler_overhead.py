@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass
 
 from scheduler_service.config import SchedulerConfig
+from scheduler_service.gc_tuning import tune_gc
 from scheduler_service.plan_codec import plan_to_proto
 from scheduler_service.request import Request
 from scheduler_service.sampling_params import SamplingParams
@@ -99,6 +100,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--running", type=int, nargs="+", default=[16, 64, 256, 1024])
     args = parser.parse_args()
+    # The collector settings the scheduler service runs with.
+    tune_gc()
     rows = [measure(n, args.steps) for n in args.running]
     print(f"{WAITING} waiting, prompts of {PROMPT_LEN} tokens, block size {BLOCK_SIZE}, {args.steps} decode steps each")
     print(format_table(rows))

@@ -14,6 +14,7 @@ from protos.limits import MAX_MESSAGE_BYTES
 from protos.splitserve.v1 import generation_pb2, generation_pb2_grpc
 from scheduler_service.engine import Engine, EngineOptions
 from scheduler_service.executor_link import ExecutorLink
+from scheduler_service.gc_tuning import tune_gc
 from scheduler_service.metrics import SchedulerMetrics
 from scheduler_service.servicer import GenerationServicer
 from scheduler_service.text_processor import TextProcessor
@@ -80,6 +81,7 @@ async def serve(settings: ServerSettings) -> int:
 
     async def connect_then_run() -> None:
         await engine.connect()
+        tune_gc()
         logger.info(
             "event=scheduler_ready address=%s:%d port=%d executor=%s metrics_port=%s",
             settings.host, port, port, settings.executor_address, settings.metrics_port,
