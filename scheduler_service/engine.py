@@ -109,6 +109,13 @@ class Engine:
         self._wake.set()
         return True
 
+    def cancel(self, stream: OutputStream) -> bool:
+        """Aborts the request of this stream, if still running; unlike abort(id) it never
+        touches a newer request that reuses the id after this one ended."""
+        if self.streams.get(stream.request.request_id) is not stream:
+            return False
+        return self.abort(stream.request.request_id)
+
     def abort_all(self) -> None:
         for request_id in list(self.streams):
             self.abort(request_id)
@@ -124,9 +131,7 @@ class Engine:
                 info = await self.link.connect()
                 self.info = info
                 scheduler = self._require_scheduler()
-                self._preemptions_seen -= scheduler.num_preemptions
                 reset = scheduler.reset_executor(info.num_kv_blocks, info.block_size, info.max_model_len)
-                self._preemptions_seen += scheduler.num_preemptions
                 self._settle_after_reset(scheduler, reset)
                 self._set_executor_up(True)
 
@@ -176,7 +181,11 @@ class Engine:
                 "event=request_refused_by_executor request_id=%s code=%d reason=%s",
                 update.request_id, update.error.code, update.error.message,
             )
-            self._fail(stream.request, status_code(update.error.code), f"the executor refused request {update.request_id}: {update.error.message}")
+            self._fail(
+                stream.request,
+                status_code(update.error.code),
+                f"the executor refused request {update.request_id}: {update.error.message}",
+            )
             return
         self.metrics.generation_tokens.inc(len(update.new_token_ids))
         message, stop_string = stream.add_tokens(update.new_token_ids, update.new_logprobs)
@@ -207,6 +216,7 @@ class Engine:
         self.metrics.running.set(len(scheduler.running))
         self.metrics.waiting.set(len(scheduler.waiting))
         self.metrics.kv_usage.set(scheduler.kv.stats().usage)
+        # Requests sent back by a lost executor count too: they are recomputed the same way.
         self.metrics.preemptions.inc(scheduler.num_preemptions - self._preemptions_seen)
         self._preemptions_seen = scheduler.num_preemptions
 

@@ -10,7 +10,7 @@ from protos.splitserve.v1 import generation_pb2 as pb
 from protos.splitserve.v1 import generation_pb2_grpc
 from scheduler_service.engine import Engine, EngineUnavailable
 from scheduler_service.errors import RejectKind, RequestRejected
-from scheduler_service.output_stream import StreamFailed
+from scheduler_service.output_stream import OutputStream, StreamFailed
 from scheduler_service.request_intake import IntakeError, build_request, prompt_token_ids
 
 logger = logging.getLogger(__name__)
@@ -45,14 +45,14 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         )
         # A cancelled call may never resume this handler (grpc can drop it while a message is
         # being sent), so the call's end, not only the handler's finally, frees the request.
-        context.add_done_callback(lambda _: self._abort_if_running(scheduled.request_id))
+        context.add_done_callback(lambda _: self._cancel(stream))
         try:
             while (item := await stream.queue.get()) is not None:
                 if isinstance(item, StreamFailed):
                     await context.abort(item.code, str(item))
                 yield item
         finally:
-            self._abort_if_running(scheduled.request_id)
+            self._cancel(stream)
         request_done = stream.request
         logger.info(
             "event=request_finished request_id=%s reason=%s completion_tokens=%d",
@@ -61,9 +61,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             request_done.num_output_tokens,
         )
 
-    def _abort_if_running(self, request_id: str) -> None:
-        if self.engine.abort(request_id):
-            logger.info("event=request_cancelled request_id=%s", request_id)
+    def _cancel(self, stream: OutputStream) -> None:
+        if self.engine.cancel(stream):
+            logger.info("event=request_cancelled request_id=%s", stream.request.request_id)
 
     async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
         return pb.AbortResponse(found=self.engine.abort(request.request_id))
