@@ -1,0 +1,110 @@
+"""Output tokens/s of splitserve end to end against transformers' static batched `generate`, on
+the same random-weight Llama, prompts and CPU threads, measured in one run on one machine.
+
+    python -m bench.throughput [--requests 32] [--new-tokens 128] [--min-prompt 32]
+        [--max-prompt 512] [--hidden 512] [--layers 8] [--heads 8] [--kv-heads 4]
+        [--vocab 32000] [--threads 2] [--seed 0] [--max-num-batched-tokens 2048]
+
+Timings on shared machines are noisy: read the ratios, not the absolute speeds. Greedy outputs
+are compared too; a left-padded static batch may differ from unpadded runs on a rare near-tie.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+import tempfile
+from dataclasses import dataclass, fields
+from pathlib import Path
+from types import FrameType
+
+from bench.throughput_peer import run_transformers
+from bench.throughput_splitserve import run_splitserve
+from bench.throughput_workload import BenchConfig, SystemResult, make_prompts
+from tests.model_factory import build_model
+
+logger = logging.getLogger("bench.throughput")
+
+
+@dataclass(slots=True, frozen=True)
+class BenchResult:
+    config: BenchConfig
+    splitserve: SystemResult
+    transformers: SystemResult
+    # Requests whose splitserve output equals transformers' token for token.
+    matching: int
+
+
+def build_bench_model(config: BenchConfig, directory: Path) -> Path:
+    return build_model(
+        "llama",
+        directory,
+        seed=config.seed,
+        hidden_size=config.hidden,
+        intermediate_size=config.intermediate,
+        num_hidden_layers=config.layers,
+        num_attention_heads=config.heads,
+        num_key_value_heads=config.kv_heads,
+        vocab_size=config.vocab,
+        max_position_embeddings=config.max_model_len,
+    )
+
+
+def run_benchmark(config: BenchConfig) -> BenchResult:
+    """Builds the model, runs splitserve then transformers (never both at once: they share the
+    CPUs), and compares their outputs."""
+    prompts = make_prompts(config)
+    with tempfile.TemporaryDirectory(prefix="bench-throughput-") as tmp:
+        model_dir = build_bench_model(config, Path(tmp) / "llama")
+        ours = run_splitserve(model_dir, prompts, config)
+        peer = run_transformers(model_dir, prompts, config.new_tokens, config.threads)
+    matching = sum(a == b for a, b in zip(ours.outputs, peer.outputs))
+    return BenchResult(config, ours, peer, matching)
+
+
+def format_table(result: BenchResult) -> str:
+    c = result.config
+    lines = [
+        f"{c.requests} requests, prompts {c.min_prompt}-{c.max_prompt} tokens, {c.new_tokens} new tokens; "
+        f"random Llama hidden {c.hidden} x {c.layers} layers, {c.heads}/{c.kv_heads} heads, "
+        f"MLP {c.intermediate}, vocab {c.vocab}; fp32, {c.threads} threads",
+        "| system | wall s | output tok/s | ratio to transformers | TTFT p50 s |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    base = result.transformers.tokens_per_s
+    for r in (result.splitserve, result.transformers):
+        lines.append(
+            f"| {r.system} | {r.wall_s:.2f} | {r.tokens_per_s:.1f} | {r.tokens_per_s / base:.2f} | {r.ttft_p50_s:.2f} |"
+        )
+    lines.append(f"greedy outputs equal to transformers': {result.matching}/{c.requests} requests")
+    return "\n".join(lines)
+
+
+def parse_args(argv: list[str] | None) -> BenchConfig:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    for f in fields(BenchConfig):
+        if f.name != "block_size":
+            parser.add_argument(f"--{f.name.replace('_', '-')}", type=int, default=f.default)
+    return BenchConfig(**vars(parser.parse_args(argv)))
+
+
+def exit_on_sigterm(signum: int, frame: FrameType | None) -> None:
+    # Unwinds through the context managers, so the child services are stopped too.
+    raise SystemExit(128 + signum)
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(
+        level=logging.INFO, stream=sys.stderr, format="%(asctime)s level=%(levelname)s logger=%(name)s %(message)s"
+    )
+    config = parse_args(argv)
+    signal.signal(signal.SIGTERM, exit_on_sigterm)
+    result = run_benchmark(config)
+    print(format_table(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

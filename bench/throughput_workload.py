@@ -1,0 +1,68 @@
+"""The throughput benchmark's inputs and per-system results: plain records shared by both runs."""
+
+from __future__ import annotations
+
+import random
+import statistics
+from dataclasses import dataclass
+
+
+@dataclass(slots=True, frozen=True)
+class BenchConfig:
+    requests: int = 32
+    new_tokens: int = 128
+    min_prompt: int = 32
+    max_prompt: int = 512
+    hidden: int = 512
+    layers: int = 8
+    heads: int = 8
+    kv_heads: int = 4
+    vocab: int = 32000
+    threads: int = 2
+    seed: int = 0
+    # The scheduler's default step budget; longer prefills are chunked, as in production.
+    max_num_batched_tokens: int = 2048
+    block_size: int = 16
+
+    @property
+    def intermediate(self) -> int:
+        # DESIGN names no MLP width for the peer workload; 4x hidden is the usual Llama-ish ratio.
+        return 4 * self.hidden
+
+    @property
+    def max_model_len(self) -> int:
+        return self.max_prompt + self.new_tokens
+
+    @property
+    def num_kv_blocks(self) -> int:
+        # Room for every request at its longest at once, so no preemption muddies the comparison
+        # (the static-batch peer never recomputes either).
+        per_request = -(-self.max_model_len // self.block_size)
+        return self.requests * per_request + 16
+
+
+def make_prompts(config: BenchConfig) -> list[list[int]]:
+    """Random prompts with lengths uniform in [min_prompt, max_prompt]; ids skip 0-2 (special)."""
+    rng = random.Random(config.seed)
+    return [
+        [rng.randrange(3, config.vocab) for _ in range(rng.randint(config.min_prompt, config.max_prompt))]
+        for _ in range(config.requests)
+    ]
+
+
+@dataclass(slots=True, frozen=True)
+class SystemResult:
+    system: str
+    wall_s: float
+    output_tokens: int
+    # Seconds from the first send to each request's first output token.
+    ttft_s: list[float]
+    outputs: list[list[int]]
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.output_tokens / self.wall_s
+
+    @property
+    def ttft_p50_s(self) -> float:
+        return statistics.median(self.ttft_s)
