@@ -57,17 +57,28 @@ class PrefillAttention:
 
 @dataclass(slots=True)
 class DecodeAttention:
-    """All sequences with one new token, attended together over padded context."""
+    """All sequences with one new token, attended together over padded context.
+
+    The gather index addresses each layer's cache viewed as [slots * kv_heads, head_dim] and is
+    ordered [batch, kv_heads, max_context], so one index_select yields K (or V) already in the
+    contiguous head-major layout SDPA wants; gathering whole slots and transposing instead
+    leaves a strided tensor that attention reads twice as slowly, and copying it is slower still.
+    """
 
     token_index: torch.Tensor
-    kv_slots: torch.Tensor
+    gather_index: torch.Tensor
     context_lens: torch.Tensor
+    max_context: int
     masks: dict[int | None, torch.Tensor] = field(default_factory=dict)
+
+    @property
+    def batch_size(self) -> int:
+        return self.token_index.shape[0]
 
     def mask(self, window: int | None) -> torch.Tensor:
         """[batch, 1, 1, max_context] bool (True = attend)."""
         if window not in self.masks:
-            key_pos = torch.arange(self.kv_slots.shape[1], device=self.kv_slots.device)[None, :]
+            key_pos = torch.arange(self.max_context, device=self.context_lens.device)[None, :]
             lens = self.context_lens[:, None]
             allowed = key_pos < lens
             if window is not None:
@@ -103,18 +114,59 @@ def _context_slots(span: SequenceSpan, block_size: int, start: int, end: int) ->
     return blocks * block_size + positions % block_size
 
 
+def _new_token_slots(spans: list[SequenceSpan], block_size: int) -> torch.Tensor:
+    """Cache slot of every new token of the step, in flattened-batch order.
+
+    Plain Python: a decode step has one new token per sequence, and a tensor round trip per
+    sequence cost more than the arithmetic.
+    """
+    slots: list[int] = []
+    for span in spans:
+        blocks = span.block_ids
+        slots.extend(
+            blocks[pos // block_size] * block_size + pos % block_size
+            for pos in range(span.num_cached, span.context_len)
+        )
+    return torch.tensor(slots, dtype=torch.long)
+
+
+def _decode_attention(
+    spans: list[SequenceSpan], block_size: int, num_kv_heads: int, device: torch.device
+) -> DecodeAttention:
+    """One vectorised index for the whole decode batch instead of a slot tensor per sequence."""
+    lens = [s.context_len for s in spans]
+    max_context = max(lens)
+    width = -(-max_context // block_size)
+    table = torch.tensor([_padded_blocks(s.block_ids, width) for s in spans], dtype=torch.long)
+    positions = torch.arange(max_context)
+    slots = table[:, positions // block_size] * block_size + positions % block_size
+    # Row of (slot, kv head) in the cache's [slots, kv_heads, head_dim] layout.
+    heads = torch.arange(num_kv_heads)
+    rows = slots[:, None, :] * num_kv_heads + heads[None, :, None]
+    return DecodeAttention(
+        token_index=torch.tensor([s.token_start for s in spans], device=device),
+        gather_index=rows.flatten().to(device),
+        context_lens=torch.tensor(lens, device=device),
+        max_context=max_context,
+    )
+
+
+def _padded_blocks(block_ids: tuple[int, ...], width: int) -> list[int]:
+    """The first `width` blocks, padded with block 0: padding (like any position past a
+    sequence's context) is masked out, so whatever it reads is dropped."""
+    blocks = list(block_ids[:width])
+    return blocks + [0] * (width - len(blocks))
+
+
 def build_step_attention(
     spans: list[SequenceSpan], kv_cache: PagedKVCache, backend: str, device: torch.device
 ) -> StepAttention:
     block_size = kv_cache.block_size
-    slot_mapping = torch.cat(
-        [_context_slots(s, block_size, s.num_cached, s.context_len) for s in spans]
-    )
-    context_slots = [_context_slots(s, block_size, 0, s.context_len) for s in spans]
     varlen = None
     prefills: list[PrefillAttention] = []
     decodes = None
     if backend == "flash_attn":
+        context_slots = [_context_slots(s, block_size, 0, s.context_len) for s in spans]
         varlen = VarlenAttention(
             kv_slots=torch.cat(context_slots).to(device),
             cu_seqlens_q=_cumulative([s.num_new for s in spans], device),
@@ -123,32 +175,25 @@ def build_step_attention(
             max_seqlen_k=max(s.context_len for s in spans),
         )
     else:
-        decode_rows = [i for i, s in enumerate(spans) if s.num_new == 1]
-        for i, span in enumerate(spans):
+        for span in spans:
             if span.num_new > 1:
                 prefills.append(
                     PrefillAttention(
                         token_start=span.token_start,
                         token_end=span.token_start + span.num_new,
                         num_cached=span.num_cached,
-                        kv_slots=context_slots[i].to(device),
+                        kv_slots=_context_slots(span, block_size, 0, span.context_len).to(device),
                     )
                 )
-        if decode_rows:
-            padded = torch.nn.utils.rnn.pad_sequence(
-                [context_slots[i] for i in decode_rows], batch_first=True
-            )
-            starts = [spans[i].token_start for i in decode_rows]
-            lens = [spans[i].context_len for i in decode_rows]
-            decodes = DecodeAttention(
-                token_index=torch.tensor(starts, device=device),
-                kv_slots=padded.to(device),
-                context_lens=torch.tensor(lens, device=device),
+        decode_spans = [s for s in spans if s.num_new == 1]
+        if decode_spans:
+            decodes = _decode_attention(
+                decode_spans, block_size, kv_cache.shape.num_kv_heads, device
             )
     return StepAttention(
         kv_cache=kv_cache,
         backend=backend,
-        slot_mapping=slot_mapping.to(device),
+        slot_mapping=_new_token_slots(spans, block_size).to(device),
         prefills=prefills,
         decodes=decodes,
         varlen=varlen,

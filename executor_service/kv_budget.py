@@ -56,9 +56,10 @@ def gather_bytes_per_block(shape: KVCacheShape, backend: str, num_heads: int) ->
 
     Each layer's attention gathers K and V of every context token of the batch out of the pool
     (key_cache[kv_slots]); when a decode batch spans the whole pool that is one layer's share of
-    every block. The gather is freed before the next layer, so one layer's worth is enough. SDPA's
-    decode path passes a mask, which on CUDA sends grouped-query attention to the math kernel,
-    and that repeats K and V for every query head of a group on top of the gather.
+    every block. Decode gathers reuse one scratch (PagedKVCache.gather_buffers) and prefill
+    gathers are freed before the next layer, so one layer's worth is enough. SDPA's prefill path
+    may pass a mask, which on CUDA sends grouped-query attention to the math kernel, and that
+    repeats K and V for every query head of a group on top of the gather.
     """
     one_layer = shape.bytes_per_block() // shape.num_layers
     copies = 1 if backend == "flash_attn" else 1 + num_heads // shape.num_kv_heads

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 
 import torch
@@ -43,6 +44,7 @@ class PagedKVCache:
             for _ in range(shape.num_layers)
         ]
         self.values = [torch.zeros_like(k) for k in self.keys]
+        self._gather = GatherScratch(shape.dtype, device, headroom_limit=self.keys[0].numel())
         logger.info(
             "event=kv_cache_allocated blocks=%d block_size=%d bytes=%d device=%s",
             num_blocks,
@@ -57,3 +59,38 @@ class PagedKVCache:
 
     def layer(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.keys[layer_idx], self.values[layer_idx]
+
+    def gather_buffers(self, shape: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Scratch K and V of `shape` for a decode gather, valid until the next call.
+
+        Every layer of a step gathers the same shape and the next step only a little more, so
+        one pair of buffers serves them all: no per-layer allocation of tens of MB (and its page
+        faults on CPU). One layer's gather is already part of the CUDA budget (kv_budget).
+        """
+        return self._gather.take(shape)
+
+
+class GatherScratch:
+    """A pair of flat buffers that only grow, handed out as views of the asked shape."""
+
+    # Headroom on growth: contexts grow by one token a step, so an exact fit would reallocate
+    # on nearly every step.
+    GROWTH = 1.25
+
+    def __init__(self, dtype: torch.dtype, device: torch.device, headroom_limit: int) -> None:
+        self.dtype = dtype
+        self.device = device
+        # Growth headroom never goes past one layer's pool, what the CUDA budget reserves.
+        self.headroom_limit = headroom_limit
+        self.keys = torch.empty(0, dtype=dtype, device=device)
+        self.values = torch.empty(0, dtype=dtype, device=device)
+
+    def take(self, shape: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+        numel = math.prod(shape)
+        if numel > self.keys.numel():
+            capacity = max(numel, min(int(numel * self.GROWTH), self.headroom_limit))
+            # Drop the old pair first so the peak is one pair, not two.
+            self.keys = self.values = torch.empty(0)
+            self.keys = torch.empty(capacity, dtype=self.dtype, device=self.device)
+            self.values = torch.empty(capacity, dtype=self.dtype, device=self.device)
+        return self.keys[:numel].view(shape), self.values[:numel].view(shape)

@@ -16,7 +16,8 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 
-from executor_service.attention_metadata import StepAttention
+from executor_service.attention_metadata import DecodeAttention, StepAttention
+from executor_service.kv_cache import PagedKVCache
 
 ATTENTION_NAME = "splitserve_paged"
 STEP_KWARG = "splitserve_step"
@@ -96,15 +97,35 @@ def _sdpa(
         out[seq.token_start : seq.token_end] = attended.transpose(0, 1)
     decodes = step.decodes
     if decodes is not None:
-        # [batch, heads, 1, dim] against [batch, kv_heads, max_context, dim]
-        queries = q[decodes.token_index].unsqueeze(2)
-        keys = key_cache[decodes.kv_slots].transpose(1, 2)
-        values = value_cache[decodes.kv_slots].transpose(1, 2)
-        attended = F.scaled_dot_product_attention(
-            queries, keys, values, attn_mask=decodes.mask(window), scale=scaling, enable_gqa=True
-        )
-        out[decodes.token_index] = attended.squeeze(2)
+        attended = _sdpa_decode(q, key_cache, value_cache, decodes, step.kv_cache, scaling, window)
+        out[decodes.token_index] = attended
     return out
+
+
+def _sdpa_decode(
+    q: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    decodes: DecodeAttention,
+    kv_cache: PagedKVCache,
+    scaling: float | None,
+    window: int | None,
+) -> torch.Tensor:
+    """[batch, heads, dim] attention of every decode token over its padded context."""
+    batch, kv_heads, dim = decodes.batch_size, key_cache.shape[1], key_cache.shape[2]
+    keys, values = kv_cache.gather_buffers((batch, kv_heads, decodes.max_context, dim))
+    # Row-wise gathers straight into [batch, kv_heads, context, dim] (see DecodeAttention).
+    torch.index_select(key_cache.view(-1, dim), 0, decodes.gather_index, out=keys.view(-1, dim))
+    torch.index_select(
+        value_cache.view(-1, dim), 0, decodes.gather_index, out=values.view(-1, dim)
+    )
+    # Grouped-query attention without repeating K/V: the query heads sharing a KV head (heads
+    # are grouped consecutively, as in transformers' repeat_kv) become that head's query rows.
+    queries = q[decodes.token_index].reshape(batch, kv_heads, -1, dim)
+    attended = F.scaled_dot_product_attention(
+        queries, keys, values, attn_mask=decodes.mask(window), scale=scaling
+    )
+    return attended.view(batch, -1, dim)
 
 
 def _flash_varlen(
