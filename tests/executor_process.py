@@ -18,7 +18,9 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from tests.service_process import ServiceProcess
+import grpc
+
+from tests.service_process import ServiceProcess, cli_flags
 
 READY_PATTERN = re.compile(r"event=executor_ready address=(\S+):(\d+)")
 # One torch thread: test machines are small and shared, and OpenMP threads that wait for a busy
@@ -32,10 +34,7 @@ def executor_command(model_dir: Path | str, **flags: object) -> list[str]:
         merged.pop("num_kv_blocks")
     merged.update(flags)
     command = [sys.executable, "-m", "executor_service", "--model", str(model_dir), "--port", "0"]
-    for name, value in merged.items():
-        if value is not None:
-            command += [f"--{name.replace('_', '-')}", str(value)]
-    return command
+    return command + cli_flags(merged)
 
 
 class ExecutorProcess(ServiceProcess):
@@ -55,3 +54,11 @@ def start_executor(
         yield executor.wait_ready(timeout_s), executor.process
     finally:
         executor.close()
+
+
+@contextmanager
+def executor_channel(model_dir: Path | str, **flags: object) -> Iterator[grpc.Channel]:
+    """A channel to an executor started for the test, closed and stopped on exit."""
+    with start_executor(model_dir, **flags) as (address, _):
+        with grpc.insecure_channel(address) as channel:
+            yield channel

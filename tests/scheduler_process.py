@@ -15,17 +15,14 @@ import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from tests.service_process import ServiceProcess
+from tests.service_process import ServiceProcess, cli_flags
 
 READY_PATTERN = re.compile(r"event=scheduler_ready address=(\S+):(\d+)")
 
 
 def scheduler_command(executor_address: str, **flags: object) -> list[str]:
     command = [sys.executable, "-m", "scheduler_service", "--port", "0", "--executor", executor_address]
-    for name, value in flags.items():
-        if value is not None:
-            command += [f"--{name.replace('_', '-')}", str(value)]
-    return command
+    return command + cli_flags(flags)
 
 
 class SchedulerProcess(ServiceProcess):

@@ -19,6 +19,15 @@ class ServiceStartError(RuntimeError):
     pass
 
 
+def cli_flags(flags: dict[str, object]) -> list[str]:
+    """Keyword flags as command-line options: block_size=16 -> --block-size 16 (None: left out)."""
+    options: list[str] = []
+    for name, value in flags.items():
+        if value is not None:
+            options += [f"--{name.replace('_', '-')}", str(value)]
+    return options
+
+
 def free_port() -> int:
     """A port free right now on 127.0.0.1 (for services that need a fixed one)."""
     with socket.socket() as probe:

@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM
 
 from protos.splitserve.executor.v1 import executor_pb2 as pb
 from tests.executor_driver import BlockAllocator, Driver, PlannedRequest, PlanStream
-from tests.executor_process import start_executor
+from tests.executor_process import executor_channel
 from tests.model_factory import build_model
 
 BLOCK_SIZE = 16
@@ -30,9 +30,8 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def channel(model_dir: Path) -> Iterator[grpc.Channel]:
-    with start_executor(model_dir, num_kv_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE) as (address, _):
-        with grpc.insecure_channel(address) as channel:
-            yield channel
+    with executor_channel(model_dir, num_kv_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE) as channel:
+        yield channel
 
 
 @pytest.fixture

@@ -13,7 +13,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from protos.splitserve.executor.v1 import executor_pb2 as pb
 from protos.splitserve.executor.v1 import executor_pb2_grpc as pb_grpc
 from tests.executor_driver import PlanStream
-from tests.executor_process import ExecutorProcess, start_executor
+from tests.executor_process import ExecutorProcess, executor_channel
 from tests.model_factory import EOS_TOKEN_ID, VOCAB_SIZE, build_model
 
 SERVICE = "splitserve.executor.v1.Executor"
@@ -28,9 +28,8 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def channel(model_dir: Path) -> Iterator[grpc.Channel]:
-    with start_executor(model_dir, num_kv_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE) as (address, _):
-        with grpc.insecure_channel(address) as channel:
-            yield channel
+    with executor_channel(model_dir, num_kv_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE) as channel:
+        yield channel
 
 
 def test_describe(channel: grpc.Channel, model_dir: Path) -> None:

@@ -14,7 +14,7 @@ import pytest
 
 from protos.splitserve.executor.v1 import executor_pb2 as pb
 from tests.executor_driver import PlanStream
-from tests.executor_process import start_executor
+from tests.executor_process import executor_channel
 from tests.model_factory import VOCAB_SIZE, build_model
 
 NUM_BLOCKS = 64
@@ -30,9 +30,8 @@ _ids = itertools.count()
 @pytest.fixture(scope="module")
 def channel(tmp_path_factory: pytest.TempPathFactory) -> Iterator[grpc.Channel]:
     model_dir: Path = build_model("llama", tmp_path_factory.mktemp("llama"))
-    with start_executor(model_dir, num_kv_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE) as (address, _):
-        with grpc.insecure_channel(address) as channel:
-            yield channel
+    with executor_channel(model_dir, num_kv_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE) as channel:
+        yield channel
 
 
 @pytest.fixture
