@@ -8,6 +8,7 @@ import logging
 import sys
 from pathlib import Path
 
+from executor_service.model_support import UnsupportedModel
 from executor_service.server import serve
 from executor_service.settings import DEFAULT_BLOCK_SIZE, ExecutorSettings, parse_size
 from executor_service.startup import build_executor
@@ -36,6 +37,11 @@ def parse_args(argv: list[str] | None) -> ExecutorSettings:
     parser.add_argument("--max-logprobs", type=int, default=20)
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    parser.add_argument(
+        "--trust-remote-code",
+        action="store_true",
+        help="run the modelling code the model folder ships (config.json auto_map)",
+    )
     args = parser.parse_args(argv)
     if args.block_size <= 0:
         parser.error("--block-size must be > 0")
@@ -54,6 +60,7 @@ def parse_args(argv: list[str] | None) -> ExecutorSettings:
         max_logprobs=args.max_logprobs,
         threads=args.threads,
         gpu_memory_utilization=args.gpu_memory_utilization,
+        trust_remote_code=args.trust_remote_code,
     )
 
 
@@ -65,7 +72,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     settings = parse_args(argv)
     logger.info("event=executor_starting model=%s port=%d", settings.model_dir, settings.port)
-    executor = build_executor(settings)
+    try:
+        executor = build_executor(settings)
+    except UnsupportedModel as refusal:
+        # One line that says why, not a traceback: the model is the problem, not the code.
+        logger.error("event=executor_refused model_type=%s reason=%r", refusal.model_type, refusal.reason)
+        return 1
     asyncio.run(serve(executor, settings.host, settings.port))
     return 0
 

@@ -7,7 +7,7 @@ import inspect
 import torch
 
 from executor_service.model_loader import LoadedModel
-from executor_service.paged_attention import STEP_KWARG
+from executor_service.paged_attention import STEP_KWARG, active_step
 from executor_service.plan_inputs import StepInputs
 
 
@@ -19,16 +19,18 @@ def accepts_logits_to_keep(loaded: LoadedModel) -> bool:
 def compute_logits(
     loaded: LoadedModel, inputs: StepInputs, use_logits_to_keep: bool
 ) -> torch.Tensor:
-    """[sampled rows, vocab] logits; [0, vocab] when the step samples nothing."""
-    model = loaded.model
+    """[sampled rows, vocab] logits; [0, vocab] when the step samples nothing.
+
+    Logits always come from the model's own head, so model-specific scaling or final-logit
+    soft-capping stays intact; a model without logits_to_keep pays for the head over every token.
+    """
     common = {
         "input_ids": inputs.input_ids,
         "position_ids": inputs.position_ids,
         "use_cache": False,
         STEP_KWARG: inputs.attention,
     }
-    if use_logits_to_keep:
-        # Passing the model's own head keeps model-specific logit scaling or softcapping intact.
-        return model(**common, logits_to_keep=inputs.logits_indices).logits[0]
-    hidden = model.base_model(**common).last_hidden_state[0]
-    return model.get_output_embeddings()(hidden[inputs.logits_indices])
+    with active_step(inputs.attention):
+        if use_logits_to_keep:
+            return loaded.model(**common, logits_to_keep=inputs.logits_indices).logits[0]
+        return loaded.model(**common).logits[0, inputs.logits_indices]

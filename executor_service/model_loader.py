@@ -7,8 +7,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
+from executor_service.model_support import UnsupportedModel
 from executor_service.paged_attention import ATTENTION_NAME, register_paged_attention
 
 logger = logging.getLogger(__name__)
@@ -22,6 +23,7 @@ _LENGTH_ATTRIBUTES = ("max_position_embeddings", "n_positions", "max_sequence_le
 class LoadedModel:
     model: PreTrainedModel
     model_id: str
+    model_type: str
     device: torch.device
     dtype: torch.dtype
     vocab_size: int
@@ -55,21 +57,27 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def load_model(model_dir: Path, device: str = "auto", dtype: str = "auto") -> LoadedModel:
-    """Loads weights from a local folder only; nothing is ever downloaded."""
+def load_model(
+    model_dir: Path,
+    device: str = "auto",
+    dtype: str = "auto",
+    max_model_len: int | None = None,
+    trust_remote_code: bool = False,
+) -> LoadedModel:
+    """Loads weights from a local folder only; nothing is ever downloaded.
+
+    max_model_len caps the model's own length, and stands in for it when the config names none.
+    trust_remote_code runs the modelling code the folder ships (config.json's auto_map).
+    """
     if not (model_dir / "config.json").is_file():
         raise FileNotFoundError(f"{model_dir} holds no config.json")
     torch_device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, torch_device)
     register_paged_attention()
-    config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
-    model = AutoModelForCausalLM.from_pretrained(
-        model_dir,
-        config=config,
-        dtype=torch_dtype,
-        attn_implementation=ATTENTION_NAME,
-        local_files_only=True,
+    config = AutoConfig.from_pretrained(
+        model_dir, local_files_only=True, trust_remote_code=trust_remote_code
     )
+    model = _instantiate(model_dir, config, torch_dtype, trust_remote_code)
     model.to(torch_device)
     model.eval()
     text_config = config.get_text_config()
@@ -79,20 +87,22 @@ def load_model(model_dir: Path, device: str = "auto", dtype: str = "auto") -> Lo
     loaded = LoadedModel(
         model=model,
         model_id=str(model_dir),
+        model_type=config.model_type,
         device=torch_device,
         dtype=torch_dtype,
         vocab_size=vocab_size,
         eos_token_ids=_eos_token_ids(model, vocab_size),
-        max_model_len=_max_model_len(text_config),
+        max_model_len=_max_model_len(config.model_type, text_config, max_model_len),
         num_layers=int(text_config.num_hidden_layers),
         num_heads=num_heads,
         num_kv_heads=int(getattr(text_config, "num_key_value_heads", None) or num_heads),
         head_dim=int(head_dim),
     )
     logger.info(
-        "event=model_loaded model=%s arch=%s device=%s dtype=%s vocab_size=%d layers=%d "
-        "kv_heads=%d head_dim=%d max_model_len=%d eos=%s",
+        "event=model_loaded model=%s model_type=%s arch=%s device=%s dtype=%s vocab_size=%d "
+        "layers=%d kv_heads=%d head_dim=%d max_model_len=%d eos=%s",
         loaded.model_id,
+        loaded.model_type,
         type(model).__name__,
         torch_device,
         dtype_name(torch_dtype),
@@ -106,11 +116,41 @@ def load_model(model_dir: Path, device: str = "auto", dtype: str = "auto") -> Lo
     return loaded
 
 
+def _instantiate(
+    model_dir: Path, config: PretrainedConfig, dtype: torch.dtype, trust_remote_code: bool
+) -> PreTrainedModel:
+    """The model with our attention, or UnsupportedModel when it cannot take it."""
+    try:
+        return AutoModelForCausalLM.from_pretrained(
+            model_dir,
+            config=config,
+            dtype=dtype,
+            attn_implementation=ATTENTION_NAME,
+            local_files_only=True,
+            trust_remote_code=trust_remote_code,
+        )
+    except KeyError as error:
+        # Models that pick an attention class from a table keyed by implementation name have
+        # no entry for ours: their attention never goes through AttentionInterface.
+        if ATTENTION_NAME not in str(error):
+            raise
+        raise UnsupportedModel(
+            config.model_type,
+            "it picks its attention class by name instead of through transformers' "
+            "AttentionInterface, so paged attention cannot be plugged in",
+        ) from error
+    except ValueError as error:
+        # transformers refuses a custom attention for models that declare they cannot use one.
+        if ATTENTION_NAME not in str(error):
+            raise
+        raise UnsupportedModel(config.model_type, f"transformers refuses custom attention: {error}") from error
+
+
 def _eos_token_ids(model: PreTrainedModel, vocab_size: int) -> list[int]:
     """EOS ids of the generation config (which falls back to the model config), in vocab only."""
     ids: list[int] = []
     text_config = model.config.get_text_config()
-    for source in (model.generation_config.eos_token_id, text_config.eos_token_id):
+    for source in (model.generation_config.eos_token_id, getattr(text_config, "eos_token_id", None)):
         if source is None:
             continue
         for token in [source] if isinstance(source, int) else source:
@@ -125,9 +165,17 @@ def _eos_token_ids(model: PreTrainedModel, vocab_size: int) -> list[int]:
     return [token for token in ids if 0 <= token < vocab_size]
 
 
-def _max_model_len(text_config: object) -> int:
-    for name in _LENGTH_ATTRIBUTES:
-        value = getattr(text_config, name, None)
-        if isinstance(value, int) and value > 0:
-            return value
-    raise ValueError("the model config names no maximum sequence length")
+def _max_model_len(model_type: str, text_config: object, cap: int | None) -> int:
+    own = next(
+        (
+            value
+            for name in _LENGTH_ATTRIBUTES
+            if isinstance(value := getattr(text_config, name, None), int) and value > 0
+        ),
+        None,
+    )
+    if own is None and cap is None:
+        raise UnsupportedModel(
+            model_type, "its config names no maximum sequence length; pass --max-model-len"
+        )
+    return min(length for length in (own, cap) if length is not None)

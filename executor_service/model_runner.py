@@ -60,16 +60,8 @@ class ModelRunner:
         if admitted.work:
             try:
                 self._run(admitted.work, result)
-            except Exception:
-                # The forward may have written K/V and advanced some requests and not others:
-                # nothing held here can be trusted, and the scheduler recomputes from its own.
-                logger.exception(
-                    "event=step_failed step_id=%d dropped_requests=%d",
-                    plan.step_id,
-                    len(self.requests),
-                )
-                self.requests.clear()
-                raise
+            except Exception as error:
+                self._fail_step(plan.step_id, admitted.work, error, result)
         result.step_time_s = time.perf_counter() - started
         logger.debug(
             "event=step step_id=%d requests=%d tokens=%d sampled=%d rejected=%d "
@@ -97,6 +89,27 @@ class ModelRunner:
         sampled = sample(logits, [_sampling_row(s) for s in inputs.sampled], self._generator)
         result.forward_time_s = time.perf_counter() - forward_started
         self._advance(work, inputs.sampled, sampled, result)
+
+    def _fail_step(
+        self,
+        step_id: int,
+        work: list[ScheduledWork],
+        error: Exception,
+        result: executor_pb2.StepResult,
+    ) -> None:
+        """A forward that raised is this step's failure, not the executor's: the step's requests
+        may have been advanced or half-written, so their state goes and the scheduler decides
+        whether to recompute them; every other request keeps its state."""
+        logger.exception(
+            "event=step_failed step_id=%d requests=%d error=%r", step_id, len(work), error
+        )
+        failed = [item.state.request_id for item in work]
+        for request_id in failed:
+            self.requests.pop(request_id, None)
+        del result.outputs[:]
+        result.failure.CopyFrom(
+            executor_pb2.StepFailure(message=f"{type(error).__name__}: {error}", request_ids=failed)
+        )
 
     def _admit(self, plan: executor_pb2.StepPlan) -> _Admitted:
         admitted = _Admitted(work=[], rejected=[])

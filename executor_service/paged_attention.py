@@ -2,29 +2,49 @@
 
 Every layer of the model calls it with post-RoPE query/key/value of the whole flattened step
 ([1, heads, tokens, head_dim]); it writes the new K/V into the paged cache and attends each
-sequence's new queries over that sequence's cached blocks. The step's metadata arrives as the
-`splitserve_step` keyword, which transformers forwards from model(**kwargs) down to attention, so
-no state is held here.
+sequence's new queries over that sequence's cached blocks.
+
+The step's metadata reaches it two ways. transformers forwards extra model(**kwargs) down to
+attention, so it arrives as the `splitserve_step` keyword in most models; some decoder layers do
+not pass keywords on, and for those the forward runs inside `active_step`, a context variable
+that lives for that one call on that one thread, so no state outlives the step.
 """
 
 from __future__ import annotations
 
 import importlib.util
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 
+from executor_service.attention_math import explicit_attention
 from executor_service.attention_metadata import DecodeAttention, StepAttention
 from executor_service.kv_cache import PagedKVCache
 
 ATTENTION_NAME = "splitserve_paged"
 STEP_KWARG = "splitserve_step"
 
+_ACTIVE_STEP: ContextVar[StepAttention | None] = ContextVar("splitserve_active_step", default=None)
+
 
 def register_paged_attention() -> None:
     AttentionInterface.register(ATTENTION_NAME, paged_attention_forward)
+
+
+@contextmanager
+def active_step(step: StepAttention) -> Iterator[None]:
+    """Makes `step` the metadata of every attention call made inside the block."""
+    token = _ACTIVE_STEP.set(step)
+    try:
+        yield
+    finally:
+        _ACTIVE_STEP.reset(token)
 
 
 # flash-attn kernels exist only for half precision; float32 runs through SDPA.
@@ -53,21 +73,45 @@ def paged_attention_forward(
     softcap: float | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    step: StepAttention | None = kwargs.get(STEP_KWARG)
+    step: StepAttention | None = kwargs.get(STEP_KWARG) or _ACTIVE_STEP.get()
     if step is None:
-        raise RuntimeError(f"{ATTENTION_NAME} attention needs the {STEP_KWARG} keyword")
-    if softcap is not None:
-        raise NotImplementedError("attention logit softcapping is not supported")
-    key_cache, value_cache = step.kv_cache.layer(module.layer_idx)
+        raise RuntimeError(f"{ATTENTION_NAME} attention was called outside a step")
+    layer_idx = getattr(module, "layer_idx", None)
+    if layer_idx is None:
+        raise RuntimeError(f"{type(module).__name__} has no layer_idx to find its KV cache by")
+    # GPT-OSS passes its per-head sink logits as s_aux.
+    sinks: torch.Tensor | None = kwargs.get("s_aux")
+    key_cache, value_cache = step.kv_cache.layer(layer_idx)
     # [1, heads, tokens, dim] -> [tokens, heads, dim]: the cache and kernels are token-major.
     q = query[0].transpose(0, 1)
     key_cache.index_copy_(0, step.slot_mapping, key[0].transpose(0, 1).to(key_cache.dtype))
     value_cache.index_copy_(0, step.slot_mapping, value[0].transpose(0, 1).to(value_cache.dtype))
     if step.backend == "flash_attn":
-        out = _flash_varlen(q, key_cache, value_cache, step, scaling, sliding_window)
+        if sinks is not None:
+            raise NotImplementedError(
+                "attention sinks are not supported by the flash_attn backend; "
+                "start the executor with --attention-backend sdpa"
+            )
+        out = _flash_varlen(q, key_cache, value_cache, step, scaling, sliding_window, softcap)
     else:
-        out = _sdpa(q, key_cache, value_cache, step, scaling, sliding_window)
+        shaping = _Shaping(scaling, sliding_window, softcap, sinks)
+        out = _sdpa(q, key_cache, value_cache, step, shaping)
     return out.unsqueeze(0), None
+
+
+@dataclass(slots=True, frozen=True)
+class _Shaping:
+    """A layer's scale, window, soft-cap and sinks, as every sequence of the step uses them."""
+
+    scale: float | None
+    window: int | None
+    softcap: float | None
+    sinks: torch.Tensor | None
+
+    @property
+    def explicit(self) -> bool:
+        """SDPA has neither soft-capping nor sinks."""
+        return self.softcap is not None or self.sinks is not None
 
 
 def _sdpa(
@@ -75,30 +119,35 @@ def _sdpa(
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
     step: StepAttention,
-    scaling: float | None,
-    window: int | None,
+    shaping: _Shaping,
 ) -> torch.Tensor:
-    out = torch.empty_like(q)
+    out = q.new_empty(q.shape[0], q.shape[1], value_cache.shape[2])
     for seq in step.prefills:
         # [heads, new, dim] against [kv_heads, context, dim]
         queries = q[seq.token_start : seq.token_end].transpose(0, 1)
         keys = key_cache[seq.kv_slots].transpose(0, 1)
         values = value_cache[seq.kv_slots].transpose(0, 1)
-        mask = seq.mask(window)
-        attended = F.scaled_dot_product_attention(
-            queries,
-            keys,
-            values,
-            attn_mask=mask,
-            is_causal=mask is None,
-            scale=scaling,
-            enable_gqa=True,
-        )
+        mask = seq.mask(shaping.window)
+        if shaping.explicit:
+            attended = explicit_attention(
+                queries, keys, values, mask, shaping.scale, shaping.softcap, shaping.sinks
+            )
+        else:
+            attended = F.scaled_dot_product_attention(
+                queries,
+                keys,
+                values,
+                attn_mask=mask,
+                is_causal=mask is None,
+                scale=shaping.scale,
+                enable_gqa=True,
+            )
         out[seq.token_start : seq.token_end] = attended.transpose(0, 1)
     decodes = step.decodes
     if decodes is not None:
-        attended = _sdpa_decode(q, key_cache, value_cache, decodes, step.kv_cache, scaling, window)
-        out[decodes.token_index] = attended
+        out[decodes.token_index] = _sdpa_decode(
+            q, key_cache, value_cache, decodes, step.kv_cache, shaping
+        )
     return out
 
 
@@ -108,10 +157,9 @@ def _sdpa_decode(
     value_cache: torch.Tensor,
     decodes: DecodeAttention,
     kv_cache: PagedKVCache,
-    scaling: float | None,
-    window: int | None,
+    shaping: _Shaping,
 ) -> torch.Tensor:
-    """[batch, heads, dim] attention of every decode token over its padded context."""
+    """[batch, heads, value_dim] attention of every decode token over its padded context."""
     batch, kv_heads, dim = decodes.batch_size, key_cache.shape[1], key_cache.shape[2]
     keys, values = kv_cache.gather_buffers((batch, kv_heads, decodes.max_context, dim))
     # Row-wise gathers straight into [batch, kv_heads, context, dim] (see DecodeAttention).
@@ -119,11 +167,24 @@ def _sdpa_decode(
     torch.index_select(
         value_cache.view(-1, dim), 0, decodes.gather_index, out=values.view(-1, dim)
     )
+    mask = decodes.mask(shaping.window)
+    if shaping.explicit:
+        # [batch, heads, 1, dim]; the mask gains the query-group axis explicit_attention adds.
+        attended = explicit_attention(
+            q[decodes.token_index].unsqueeze(2),
+            keys,
+            values,
+            mask.unsqueeze(2),
+            shaping.scale,
+            shaping.softcap,
+            shaping.sinks,
+        )
+        return attended.view(batch, -1, dim)
     # Grouped-query attention without repeating K/V: the query heads sharing a KV head (heads
     # are grouped consecutively, as in transformers' repeat_kv) become that head's query rows.
     queries = q[decodes.token_index].reshape(batch, kv_heads, -1, dim)
     attended = F.scaled_dot_product_attention(
-        queries, keys, values, attn_mask=decodes.mask(window), scale=scaling
+        queries, keys, values, attn_mask=mask, scale=shaping.scale
     )
     return attended.view(batch, -1, dim)
 
@@ -135,6 +196,7 @@ def _flash_varlen(
     step: StepAttention,
     scaling: float | None,
     window: int | None,
+    softcap: float | None,
 ) -> torch.Tensor:
     from flash_attn import flash_attn_varlen_func
 
@@ -154,4 +216,5 @@ def _flash_varlen(
         softmax_scale=scaling,
         causal=True,
         window_size=(window - 1, 0) if window is not None else (-1, -1),
+        softcap=softcap if softcap is not None else 0.0,
     )

@@ -46,6 +46,7 @@ class ExecutorSettings:
     threads: int | None = None
     gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION
     profile_tokens: int = DEFAULT_PROFILE_TOKENS
+    trust_remote_code: bool = False
 
 
 def parse_size(text: str) -> int:

@@ -13,6 +13,7 @@ from executor_service.kv_cache import KVCacheShape, PagedKVCache
 from executor_service.model_loader import dtype_name, load_model
 from executor_service.model_runner import ModelRunner
 from executor_service.paged_attention import select_backend
+from executor_service.self_check import run_self_check
 from executor_service.settings import ExecutorSettings
 from executor_service.validation import Limits
 from protos.splitserve.executor.v1 import executor_pb2
@@ -29,7 +30,13 @@ class Executor:
 def build_executor(settings: ExecutorSettings) -> Executor:
     if settings.threads is not None:
         torch.set_num_threads(settings.threads)
-    loaded = load_model(settings.model_dir, settings.device, settings.dtype)
+    loaded = load_model(
+        settings.model_dir,
+        settings.device,
+        settings.dtype,
+        settings.max_model_len,
+        settings.trust_remote_code,
+    )
     backend = select_backend(loaded.device, loaded.dtype)
     shape = KVCacheShape(
         num_layers=loaded.num_layers,
@@ -40,10 +47,9 @@ def build_executor(settings: ExecutorSettings) -> Executor:
     )
     num_blocks = decide_num_blocks(loaded, shape, settings, backend)
     kv_cache = PagedKVCache(shape, num_blocks, loaded.device)
+    run_self_check(loaded, kv_cache, backend)
     # A request longer than the whole cache could never be scheduled, so the cache bounds it too.
     limits_len = [loaded.max_model_len, num_blocks * settings.block_size]
-    if settings.max_model_len is not None:
-        limits_len.append(settings.max_model_len)
     limits = Limits(
         vocab_size=loaded.vocab_size,
         num_kv_blocks=num_blocks,

@@ -178,14 +178,10 @@ class Engine:
             return
         if update.error is not None:
             logger.error(
-                "event=request_refused_by_executor request_id=%s code=%d reason=%s",
+                "event=request_failed_in_executor request_id=%s code=%d reason=%r",
                 update.request_id, update.error.code, update.error.message,
             )
-            self._fail(
-                stream.request,
-                status_code(update.error.code),
-                f"the executor refused request {update.request_id}: {update.error.message}",
-            )
+            self._fail(stream.request, status_code(update.error.code), update.error.message)
             return
         self.metrics.generation_tokens.inc(len(update.new_token_ids))
         message, stop_string = stream.add_tokens(update.new_token_ids, update.new_logprobs)

@@ -66,4 +66,6 @@ def output_from_proto(result: pb.StepResult) -> StepOutput:
             ]
     for rejected in result.rejected:
         output.rejected[rejected.request_id] = Rejection(rejected.code, rejected.message)
+    if result.HasField("failure"):
+        output.failure = result.failure.message
     return output

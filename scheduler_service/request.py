@@ -44,6 +44,9 @@ class Request:
     # Times an executor was lost while this request ran on it: a request that keeps taking its
     # executor down is given up on rather than retried forever.
     num_executor_losses: int = 0
+    # Set when a step that ran this request failed in the executor: it is recomputed in steps of
+    # its own until it samples again, so a second failure is its own and not a neighbour's.
+    retry_alone: bool = False
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
     stop_reason: str | None = None

@@ -150,6 +150,8 @@ class Scheduler:
         scheduled: dict[Request, int] = {}
         new_blocks: dict[str, list[int]] = {}
         admitted: list[Request] = []
+        if self._schedule_retry_alone(budget, scheduled, new_blocks, admitted):
+            return self._build_plan(scheduled, new_blocks, admitted)
         mode = self.config.mode
         preempted = False
         if mode is StepMode.MIXED:
@@ -169,6 +171,22 @@ class Scheduler:
                 self._admit_waiting(budget, scheduled, admitted)
         return self._build_plan(scheduled, new_blocks, admitted)
 
+    def _schedule_retry_alone(
+        self,
+        budget: int,
+        scheduled: dict[Request, int],
+        new_blocks: dict[str, list[int]],
+        admitted: list[Request],
+    ) -> bool:
+        """Plans a step for a request retried after a failed step, and nothing else, if one is
+        running or heads the waiting queue and fits; the other requests wait one step."""
+        running = next((r for r in self.running if r.retry_alone), None)
+        if running is not None:
+            self._schedule_running(budget, scheduled, new_blocks, True, True, only=running)
+        elif self.waiting and self.waiting.peek().retry_alone:
+            self._admit_waiting(budget, scheduled, admitted)
+        return bool(scheduled)
+
     def _schedule_running(
         self,
         budget: int,
@@ -176,12 +194,15 @@ class Scheduler:
         new_blocks: dict[str, list[int]],
         prefill: bool,
         decode: bool,
+        only: Request | None = None,
     ) -> tuple[int, bool]:
         preempted = False
-        for request in list(self.running):
+        for request in list(self.running) if only is None else [only]:
             if budget <= 0:
                 break
             if request.status is not RequestStatus.RUNNING or request in scheduled:
+                continue
+            if request.retry_alone and request is not only:
                 continue
             if not (prefill if request.in_prefill else decode):
                 continue
@@ -205,6 +226,9 @@ class Scheduler:
     def _admit_waiting(self, budget: int, scheduled: dict[Request, int], admitted: list[Request]) -> int:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting.peek()
+            # A request retried after a failed step runs alone (see Request.retry_alone).
+            if request.retry_alone and scheduled:
+                break
             hit = self.kv.find_cached_prefix(request.token_ids, request.cache_salt)
             num_new = request.num_tokens - hit.num_tokens
             if num_new > budget and not self.config.enable_chunked_prefill:
@@ -224,6 +248,8 @@ class Scheduler:
             admitted.append(request)
             scheduled[request] = num_new
             budget -= num_new
+            if request.retry_alone:
+                break
         return budget
 
     def _allocate(self, request: Request, num_new: int, hit: PrefixHit | None = None) -> list[int] | None:
@@ -296,23 +322,50 @@ class Scheduler:
     def update(self, output: StepOutput) -> list[RequestUpdate]:
         """Appends the step's sampled tokens, finishes requests that hit a stop condition, and
         enters the blocks the step filled into the prefix cache (only now: a block whose step
-        was refused or lost must never be found by another request)."""
+        was refused, failed or lost must never be found by another request)."""
         updates = []
+        failed: list[Request] = []
         for request_id, sent in self._in_flight.pop(output.step_id, {}).items():
             request = sent.request
             # The request may have finished, been preempted, or even been replaced by a new
             # request under the same id since this step was planned: its output is stale then.
             if self.requests.get(request_id) is not request or request.num_preemptions != sent.epoch:
                 continue
-            if request_id in output.rejected or (sent.samples and not output.sampled.get(request_id)):
-                error = output.rejected.get(request_id, Rejection(INTERNAL, "the executor returned no token"))
-                self.finish(request, FinishReason.ABORT)
-                updates.append(RequestUpdate(request_id, [], [], True, error))
-                continue
-            self.kv.cache_computed(request_id, request.token_ids, sent.num_computed_tokens)
-            if sent.samples:
-                updates.append(self._append_tokens(request, output))
+            if request_id in output.rejected:
+                rejection = output.rejected[request_id]
+                message = f"the executor refused request {request_id}: {rejection.message}"
+                updates.append(self._end_in_error(request, Rejection(rejection.code, message)))
+            elif output.failure is not None:
+                failed.append(request)
+            elif sent.samples and not output.sampled.get(request_id):
+                message = f"the executor returned no token for request {request_id}"
+                updates.append(self._end_in_error(request, Rejection(INTERNAL, message)))
+            else:
+                self.kv.cache_computed(request_id, request.token_ids, sent.num_computed_tokens)
+                if sent.samples:
+                    request.retry_alone = False
+                    updates.append(self._append_tokens(request, output))
+        if output.failure is not None:
+            updates += self._step_failed(failed, output.failure)
         return updates
+
+    def _step_failed(self, requests: list[Request], failure: str) -> list[RequestUpdate]:
+        """A failed step is retried once, alone (see Request.retry_alone); a request whose
+        retry fails too is the cause, and ends with the executor's error. The others go back
+        to the head of the queue, in arrival order, to be recomputed."""
+        updates = []
+        for request in sorted(requests, key=lambda r: r.arrival_index, reverse=True):
+            if request.retry_alone:
+                message = f"request {request.request_id} failed in the executor twice: {failure}"
+                updates.append(self._end_in_error(request, Rejection(INTERNAL, message)))
+            else:
+                request.retry_alone = True
+                self._preempt(request)
+        return updates
+
+    def _end_in_error(self, request: Request, error: Rejection) -> RequestUpdate:
+        self.finish(request, FinishReason.ABORT)
+        return RequestUpdate(request.request_id, [], [], True, error)
 
     def _append_tokens(self, request: Request, output: StepOutput) -> RequestUpdate:
         request.num_pending_outputs -= 1

@@ -9,9 +9,11 @@ scheduler that hands out a wrong block, a stale prefix hit or too few slots fail
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from scheduler_service.step_plan import StepOutput, StepPlan
+from scheduler_service.step_plan import Rejection, StepOutput, StepPlan
 
 TokenFn = Callable[[str, Sequence[int]], int]
+# Says why a plan's forward fails, or None when it runs: a fault model for tests and replays.
+FailFn = Callable[[StepPlan], str | None]
 
 
 def default_next_token(request_id: str, token_ids: Sequence[int]) -> int:
@@ -44,6 +46,10 @@ class SimulatedExecutor:
     last_step_id: int = 0
     # Check at each step that every slot a request attends over holds that request's token.
     verify_kv: bool = True
+    fail_step: FailFn | None = None
+    # Requests whose state a failed step dropped: a plan already on its way may still continue
+    # them, which the real executor refuses as unknown rather than treating as a scheduler bug.
+    dropped_by_failure: set[str] = field(default_factory=set)
 
     def execute(self, plan: StepPlan) -> StepOutput:
         if plan.step_id <= self.last_step_id:
@@ -51,8 +57,11 @@ class SimulatedExecutor:
         self.last_step_id = plan.step_id
         for request_id in plan.dropped_request_ids:
             self.requests.pop(request_id, None)
+            self.dropped_by_failure.discard(request_id)
+        output = StepOutput(step_id=plan.step_id)
         work: list[tuple[str, int]] = []
         for new in plan.new_requests:
+            self.dropped_by_failure.discard(new.request_id)
             if new.request_id in self.requests:
                 raise PlanMismatch(f"{new.request_id} is new but already held")
             state = _SimRequest(list(new.token_ids), list(new.block_ids), new.num_computed_tokens)
@@ -60,10 +69,21 @@ class SimulatedExecutor:
             work.append((new.request_id, new.num_scheduled_tokens))
         for cont in plan.continuing_requests:
             state = self.requests.get(cont.request_id)
+            if state is None and cont.request_id in self.dropped_by_failure:
+                output.rejected[cont.request_id] = Rejection(3, "unknown request")
+                continue
             if state is None:
                 raise PlanMismatch(f"{cont.request_id} continues but is not held")
             state.block_ids.extend(cont.new_block_ids)
             work.append((cont.request_id, cont.num_scheduled_tokens))
+        failure = self.fail_step(plan) if self.fail_step is not None else None
+        if failure is not None:
+            # As the real executor does: the step's requests lose their state, the rest keep it.
+            for request_id, _ in work:
+                del self.requests[request_id]
+                self.dropped_by_failure.add(request_id)
+            output.failure = failure
+            return output
         # Like each attention layer: the whole step's K/V is written before anyone attends, so
         # a request may read blocks that another request of the same step fills.
         for request_id, num_tokens in work:
@@ -76,7 +96,6 @@ class SimulatedExecutor:
             for position in range(state.num_computed, end):
                 self.slots[self._slot(state, position)] = state.token_ids[position]
             state.num_computed = end
-        output = StepOutput(step_id=plan.step_id)
         for request_id, _ in work:
             state = self.requests[request_id]
             if self.verify_kv:

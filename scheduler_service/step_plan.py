@@ -77,6 +77,9 @@ class StepOutput:
     logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)
     rejected: dict[str, Rejection] = field(default_factory=dict)
     forward_time_s: float = 0.0
+    # Set when the step's forward raised: no tokens, and the executor dropped the state of
+    # every request the step ran (rejected entries excepted).
+    failure: str | None = None
 
 
 @dataclass(slots=True)
@@ -87,4 +90,5 @@ class RequestUpdate:
     new_token_ids: list[int]
     new_logprobs: list[TokenLogprob]
     finished: bool
+    # Why the request ended in error: a google.rpc.Code value and a message for its client.
     error: Rejection | None = None

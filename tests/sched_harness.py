@@ -6,8 +6,8 @@ from scheduler_service.config import SchedulerConfig
 from scheduler_service.request import Request
 from scheduler_service.sampling_params import SamplingParams
 from scheduler_service.scheduler import Scheduler
-from scheduler_service.sim_executor import SimulatedExecutor
-from scheduler_service.step_plan import StepPlan
+from scheduler_service.sim_executor import FailFn, SimulatedExecutor
+from scheduler_service.step_plan import Rejection, StepPlan
 
 
 def make_request(index: int, prompt_len: int, max_tokens: int, priority: int = 0) -> Request:
@@ -34,11 +34,18 @@ class Run:
     plans: list[StepPlan] = field(default_factory=list)
     outputs: dict[str, list[int]] = field(default_factory=dict)
     finished_at: dict[str, int] = field(default_factory=dict)
+    errors: dict[str, Rejection] = field(default_factory=dict)
 
 
-def run(config: SchedulerConfig, arrivals: dict[int, list[Request]], max_steps: int = 500) -> Run:
+def run(
+    config: SchedulerConfig,
+    arrivals: dict[int, list[Request]],
+    max_steps: int = 500,
+    fail_step: FailFn | None = None,
+) -> Run:
     """Adds arrivals[n] before planning step n (1-based) and runs until every request finished."""
-    result = Run(Scheduler(config), SimulatedExecutor(config.num_kv_blocks, config.block_size))
+    executor = SimulatedExecutor(config.num_kv_blocks, config.block_size, fail_step=fail_step)
+    result = Run(Scheduler(config), executor)
     step = 0
     while result.scheduler.has_unfinished() or any(s > step for s in arrivals):
         step += 1
@@ -51,6 +58,8 @@ def run(config: SchedulerConfig, arrivals: dict[int, list[Request]], max_steps: 
             result.outputs.setdefault(update.request_id, []).extend(update.new_token_ids)
             if update.finished:
                 result.finished_at[update.request_id] = step
+            if update.error is not None:
+                result.errors[update.request_id] = update.error
         result.plans.append(plan)
         result.lines.append(describe_step(plan, result.scheduler))
     return result

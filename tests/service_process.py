@@ -20,11 +20,15 @@ class ServiceStartError(RuntimeError):
 
 
 def cli_flags(flags: dict[str, object]) -> list[str]:
-    """Keyword flags as command-line options: block_size=16 -> --block-size 16 (None: left out)."""
+    """Keyword flags as command-line options: block_size=16 -> --block-size 16, trust_remote_code=True
+    -> --trust-remote-code (None and False: left out)."""
     options: list[str] = []
     for name, value in flags.items():
-        if value is not None:
-            options += [f"--{name.replace('_', '-')}", str(value)]
+        flag = f"--{name.replace('_', '-')}"
+        if value is True:
+            options.append(flag)
+        elif value is not None and value is not False:
+            options += [flag, str(value)]
     return options
 
 

@@ -1,5 +1,6 @@
 """Unexpected exceptions inside a step, on a ModelRunner in this process: one entry's failure is
-that entry's rejection; a failure of the shared forward drops every request and is logged once."""
+that entry's rejection; a failure of the shared forward is reported as the step's failure, drops
+the requests of that step only, and is logged once."""
 
 from __future__ import annotations
 
@@ -56,19 +57,28 @@ def test_an_entry_that_raises_is_rejected_alone(
     runner.execute(pb.StepPlan(step_id=2, dropped_request_ids=["good"]))
 
 
-def test_a_failed_forward_drops_every_request_and_logs_once(
+def test_a_failed_forward_fails_its_step_only_and_logs_once(
     runner: ModelRunner, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    runner.execute(pb.StepPlan(step_id=1, new_requests=[_new("kept", 0), _new("other", 1)]))
+    runner.execute(pb.StepPlan(step_id=1, new_requests=[_new("failed", 0), _new("idle", 1)]))
 
     def broken_forward(*args: object) -> torch.Tensor:
         raise RuntimeError("device fell over")
 
-    monkeypatch.setattr(model_runner, "compute_logits", broken_forward)
-    decode = pb.ContinuingRequest(request_id="kept", num_scheduled_tokens=1)
-    with caplog.at_level(logging.ERROR, logger=model_runner.__name__):
-        with pytest.raises(RuntimeError, match="device fell over"):
-            runner.execute(pb.StepPlan(step_id=2, continuing_requests=[decode]))
-    assert runner.requests == {}
+    with monkeypatch.context() as patch:
+        patch.setattr(model_runner, "compute_logits", broken_forward)
+        decode = pb.ContinuingRequest(request_id="failed", num_scheduled_tokens=1)
+        with caplog.at_level(logging.ERROR, logger=model_runner.__name__):
+            result = runner.execute(pb.StepPlan(step_id=2, continuing_requests=[decode]))
+    assert list(result.failure.request_ids) == ["failed"]
+    assert result.failure.message == "RuntimeError: device fell over"
+    assert not result.outputs
+    # Only the failed step's request lost its state; the other one decodes on.
+    assert set(runner.requests) == {"idle"}
     (record,) = [r for r in caplog.records if r.exc_info]
     assert "event=step_failed" in record.getMessage()
+    after = runner.execute(
+        pb.StepPlan(step_id=3, continuing_requests=[pb.ContinuingRequest(request_id="idle", num_scheduled_tokens=1)])
+    )
+    assert not after.HasField("failure") and len(after.outputs[0].token_ids) == 1
+    runner.execute(pb.StepPlan(step_id=4, dropped_request_ids=["idle"]))

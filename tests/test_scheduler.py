@@ -128,7 +128,9 @@ def test_a_refused_entry_ends_its_request_and_leaves_nothing_in_the_prefix_cache
     output.sampled.pop("bad")
     output.rejected["bad"] = Rejection(3, "temperature must be finite")
     [update] = scheduler.update(output)
-    assert update.finished and update.error == Rejection(3, "temperature must be finite")
+    assert update.finished and update.error == Rejection(
+        3, "the executor refused request bad: temperature must be finite"
+    )
     assert scheduler.kv.num_free_blocks == 64
     # The refused step never wrote those blocks: a request with the same prompt computes it all.
     assert scheduler.kv.find_cached_prefix(prompt).num_tokens == 0
@@ -182,17 +184,22 @@ def test_pipelined_planning_gives_the_same_tokens() -> None:
     pipelined=st.booleans(),
     aborts=st.sets(st.integers(0, 11), max_size=3),
     stopped=st.sets(st.integers(0, 11), max_size=3),
+    failing=st.sets(st.integers(1, 40), max_size=4),
 )
 def test_random_workloads_finish_with_the_right_tokens_and_free_every_block(
-    specs, num_blocks, block_size, budget, max_num_seqs, policy, mode, pipelined, aborts, stopped
+    specs, num_blocks, block_size, budget, max_num_seqs, policy, mode, pipelined, aborts, stopped, failing
 ) -> None:
     cfg = SchedulerConfig(
         num_kv_blocks=num_blocks, block_size=block_size, max_model_len=256,
         max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, policy=policy, mode=mode,
     )
     scheduler = Scheduler(cfg)
-    executor = SimulatedExecutor(num_blocks, block_size)
+    # The executor's forward raises at the steps in `failing`, whatever they hold.
+    executor = SimulatedExecutor(
+        num_blocks, block_size, fail_step=lambda plan: "boom" if plan.step_id in failing else None
+    )
     requests: list[Request] = []
+    errors: dict[str, Rejection] = {}
     for index, (prompt_len, max_tokens, priority, stem) in enumerate(specs):
         # Requests share stems so prefix hits, revivals and evictions all happen.
         prompt = [stem] * min(prompt_len, 8) + list(range(index * 50, index * 50 + prompt_len - 8))
@@ -222,10 +229,17 @@ def test_random_workloads_finish_with_the_right_tokens_and_free_every_block(
         plan = scheduler.schedule()
         assert plan.num_scheduled_tokens <= budget
         assert len(scheduler.running) <= max_num_seqs
+        retried = [i for i in plan.scheduled_request_ids if scheduler.requests[i].retry_alone]
+        assert not retried or plan.scheduled_request_ids == retried, "a retry shares its step"
         in_flight.append(executor.execute(plan))
         if not pipelined or len(in_flight) == 2 or not plan.has_work:
-            scheduler.update(in_flight.pop(0))
+            for update in scheduler.update(in_flight.pop(0)):
+                if update.error is not None:
+                    errors[update.request_id] = update.error
     assert not scheduler.has_unfinished(), "a request starved"
+    # Only a request whose retry failed too ends in error, and each failed step ends one at most.
+    assert len(errors) <= len(failing)
+    assert all(e.code == 13 and "failed in the executor twice: boom" in e.message for e in errors.values())
     for request in requests:
         expected = min(request.sampling.max_tokens, num_blocks * block_size - request.num_prompt_tokens)
         reference = expected_output(request.prompt_token_ids, expected)
@@ -234,3 +248,26 @@ def test_random_workloads_finish_with_the_right_tokens_and_free_every_block(
         else:
             assert request.output_token_ids == reference[: request.num_output_tokens]
     assert scheduler.kv.num_free_blocks == num_blocks
+
+
+def test_a_failed_step_is_retried_alone_and_only_the_request_that_fails_again_ends() -> None:
+    """r1 makes every forward it is part of raise from step 3 on. The three requests of step 3
+    are recomputed one at a time; r1 fails alone and ends with the executor's error, while r0
+    and r2 pass their retries, run together again and finish with the right tokens."""
+    requests = [make_request(i, 5, 8) for i in range(3)]
+    result = run(
+        config(),
+        {1: requests},
+        fail_step=lambda plan: "poisoned" if plan.step_id >= 3 and "r1" in plan.scheduled_request_ids else None,
+    )
+    assert result.errors == {"r1": Rejection(13, "request r1 failed in the executor twice: poisoned")}
+    for request in (requests[0], requests[2]):
+        assert result.outputs[request.request_id] == expected_output(request.prompt_token_ids, 8)
+    # Recomputes start from each request's own cached first block.
+    assert result.lines[2:7] == [
+        "r0:1 r1:1 r2:1 | W: r0 r1 r2 | R:",
+        "r0:3 | W: r1 r2 | R: r0",
+        "r1:3 | W: r2 | R: r0",
+        "r2:3 | W: | R: r0 r2",
+        "r0:1 r2:1 | W: | R: r0 r2",
+    ]

@@ -1,0 +1,166 @@
+"""Start-up self-check: the paged path must reproduce the model's own forward before we serve.
+
+Two sequences go through the real step machinery (input building, paged attention, the model's
+head) over the real KV cache: one prefilled at once, one prefilled in two chunks beside the first
+one's decode, then a few decodes of both. Their logits are compared with one forward of each whole
+sequence through the model's own eager attention, which holds no cache. A model that passes has
+run every kind of step the scheduler will send, so it cannot fail every forward later.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from executor_service.forward import accepts_logits_to_keep, compute_logits
+from executor_service.kv_cache import PagedKVCache
+from executor_service.model_loader import LoadedModel
+from executor_service.model_support import UnsupportedModel
+from executor_service.paged_attention import ATTENTION_NAME
+from executor_service.plan_inputs import ScheduledWork, build_step_inputs
+from executor_service.request_state import RequestState
+from executor_service.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+# Largest accepted logit error, relative to the row's largest reference logit, by compute dtype.
+# float32 kernels agree to ~1e-6 of that; half precision rounds every layer's activations, so
+# its bound is looser. A wrong attention path (a missed mask, K/V read from the wrong slots, a
+# dropped soft-cap) moves logits by a good fraction of their range.
+RELATIVE_TOLERANCE = {torch.float32: 1e-3, torch.float16: 3e-2, torch.bfloat16: 6e-2}
+DECODE_STEPS = 3
+_SEED = 20261130
+
+
+@dataclass(slots=True)
+class _Sequence:
+    name: str
+    # Every token the check feeds, prompt first: decode inputs are fixed, not sampled, so the
+    # comparison does not depend on near-ties.
+    token_ids: list[int]
+    prompt_len: int
+    state: RequestState
+    # Positions whose logits the paged path produced, and those logits.
+    positions: list[int]
+    logits: list[torch.Tensor]
+
+
+def check_tokens(vocab_size: int, count: int) -> list[int]:
+    """The token ids the check feeds (deterministic, so a test can steer clear of them)."""
+    generator = torch.Generator().manual_seed(_SEED)
+    return torch.randint(0, vocab_size, (count,), generator=generator).tolist()
+
+
+def sequence_lengths(
+    block_size: int, num_blocks: int, max_len: int, window: int | None
+) -> tuple[int, int]:
+    """Prompt lengths of the two sequences: past a block boundary, past a short sliding window
+    when the model has one, within the cache and the model's length (at least 2 tokens each,
+    so one can be chunked)."""
+    per_sequence = max(2, min((num_blocks // 2) * block_size, max_len) - DECODE_STEPS - 1)
+    longest = 3 * block_size + 5
+    if window is not None and window < 1024:
+        longest = max(longest, window + block_size + 5)
+    return min(2 * block_size + 3, per_sequence), min(longest, per_sequence)
+
+
+def run_self_check(loaded: LoadedModel, kv_cache: PagedKVCache, backend: str) -> float:
+    """Returns the worst relative logit error; raises UnsupportedModel when the model fails."""
+    model_type = loaded.model_type
+    window = getattr(loaded.model.config.get_text_config(), "sliding_window", None)
+    len_a, len_b = sequence_lengths(
+        kv_cache.block_size, kv_cache.num_blocks, loaded.max_model_len, window
+    )
+    # Each sample appends the next fed token, and the first sequence samples once more.
+    total_a, total_b = len_a + DECODE_STEPS + 1, len_b + DECODE_STEPS + 1
+    blocks_a = -(-total_a // kv_cache.block_size)
+    blocks_b = -(-total_b // kv_cache.block_size)
+    if blocks_a + blocks_b > kv_cache.num_blocks:
+        raise UnsupportedModel(
+            model_type, f"a KV cache of {kv_cache.num_blocks} blocks is too small to check it in"
+        )
+    tokens = check_tokens(loaded.vocab_size, total_a + total_b)
+    a = _sequence("a", tokens[:total_a], len_a, list(range(blocks_a)))
+    b = _sequence("b", tokens[total_a:], len_b, list(range(blocks_a, blocks_a + blocks_b)))
+    half = len_b // 2
+    steps = [[(a, len_a), (b, half)], [(a, 1), (b, len_b - half)]]
+    steps += [[(a, 1), (b, 1)] for _ in range(DECODE_STEPS - 1)]
+    try:
+        for step in steps:
+            _paged_step(loaded, kv_cache, backend, step)
+        worst = max(_compare(loaded, seq) for seq in (a, b))
+    except UnsupportedModel:
+        raise
+    except Exception as error:
+        raise UnsupportedModel(model_type, f"the paged forward raised {error!r}") from error
+    tolerance = RELATIVE_TOLERANCE[loaded.dtype]
+    if worst > tolerance:
+        raise UnsupportedModel(
+            model_type,
+            f"paged attention does not reproduce the model's own forward: relative logit "
+            f"error {worst:.3g} exceeds {tolerance:g}",
+        )
+    logger.info("event=self_check_passed model_type=%s max_relative_error=%.3g", model_type, worst)
+    return worst
+
+
+def _sequence(name: str, token_ids: list[int], prompt_len: int, block_ids: list[int]) -> _Sequence:
+    state = RequestState(
+        request_id=f"self-check-{name}",
+        token_ids=token_ids[:prompt_len],
+        num_prompt_tokens=prompt_len,
+        block_ids=block_ids,
+        num_computed_tokens=0,
+        sampling=SamplingParams(),
+        generator=None,
+    )
+    return _Sequence(name, token_ids, prompt_len, state, [], [])
+
+
+def _paged_step(
+    loaded: LoadedModel,
+    kv_cache: PagedKVCache,
+    backend: str,
+    step: list[tuple[_Sequence, int]],
+) -> None:
+    work = [ScheduledWork(seq.state, count) for seq, count in step]
+    inputs = build_step_inputs(work, kv_cache, backend, loaded.device)
+    logits = compute_logits(loaded, inputs, accepts_logits_to_keep(loaded))
+    sampled = {id(state): row for state, row in zip(inputs.sampled, logits, strict=True)}
+    for seq, count in step:
+        state = seq.state
+        state.num_computed_tokens += count
+        if id(state) in sampled:
+            seq.positions.append(len(state.token_ids) - 1)
+            seq.logits.append(sampled[id(state)].float())
+            # Teacher forcing: the next input is the check's own token, not a sample.
+            state.token_ids.append(seq.token_ids[len(state.token_ids)])
+
+
+def _compare(loaded: LoadedModel, seq: _Sequence) -> float:
+    reference = _reference_logits(loaded, seq.state.token_ids)
+    worst = 0.0
+    for position, paged in zip(seq.positions, seq.logits, strict=True):
+        expected = reference[position]
+        scale = expected.abs().max().clamp_min(1e-6)
+        worst = max(worst, float((paged - expected).abs().max() / scale))
+    return worst
+
+
+@torch.inference_mode()
+def _reference_logits(loaded: LoadedModel, token_ids: list[int]) -> torch.Tensor:
+    """[len(token_ids), vocab] from the model's own eager attention over the whole sequence."""
+    model = loaded.model
+    model.set_attn_implementation("eager")
+    try:
+        if model.config._attn_implementation != "eager":
+            raise UnsupportedModel(
+                loaded.model_type,
+                "its attention does not go through transformers' AttentionInterface",
+            )
+        input_ids = torch.tensor([token_ids], device=loaded.device)
+        return model(input_ids=input_ids, use_cache=False).logits[0].float()
+    finally:
+        model.set_attn_implementation(ATTENTION_NAME)
