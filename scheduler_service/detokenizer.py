@@ -94,7 +94,8 @@ class IncrementalDetokenizer:
         return DetokenizerStep("".join(released))
 
     def flush(self) -> str:
-        """Returns all text still held back; call once when the request ends for another reason.
+        """Returns all text still held back, less an incomplete last character; call once when
+        the request ends for another reason.
 
         Text up to a stop string found only now is returned, the stop string and what follows it
         are not (the request ended anyway, so there is no stop to report).
@@ -105,7 +106,10 @@ class IncrementalDetokenizer:
         self._held = ""
         if self._read < len(self._window):
             window_text = self._decode(self._window)
-            text += window_text[len(self._prefix_text) :]
+            # Held tokens end in a character whose remaining bytes were never generated (a
+            # length or stop limit cut it off): those bytes are no text, so they are dropped
+            # rather than returned as replacement characters, as vLLM does.
+            text += window_text[len(self._prefix_text) :].rstrip(REPLACEMENT_CHAR)
             self._advance(window_text)
         if self._stops:
             position, stop_string = self._find_stop(text)

@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from transformers import AutoTokenizer
 
 from clients import Client
 from tests.executor_process import start_executor
@@ -16,6 +17,10 @@ from tests.scheduler_process import start_scheduler
 from tests.service_process import free_port
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+# SmolLM2 answers this in CJK characters of three UTF-8 bytes, split over two tokens each.
+GREETING = [
+    {"role": "user", "content": 'Translate "good morning" into Chinese, Japanese and Korean.'}
+]
 
 
 @pytest.fixture(scope="module")
@@ -75,3 +80,23 @@ def test_metrics_endpoint_counts_requests_and_tokens(service: tuple[str, int]) -
     assert samples["splitserve:generation_tokens_total"] >= 3
     assert samples['splitserve:request_success_total{finished_reason="length"}'] >= 1
     assert samples["splitserve:executors_up"] == 1
+
+
+def test_a_character_cut_by_max_tokens_is_dropped_not_replaced(
+    service: tuple[str, int], prepared_model: Path
+) -> None:
+    """max_tokens ends the answer inside a character: the text stops before it, with no U+FFFD,
+    whether read whole or streamed (where the deltas add up to the same text)."""
+    address, _ = service
+    tokenizer = AutoTokenizer.from_pretrained(prepared_model)
+    with Client(address) as client:
+        long = client.generate(messages=GREETING, max_tokens=64, temperature=0)
+        cut = next(
+            n for n in range(64, 0, -1) if tokenizer.decode(long.token_ids[:n]).endswith("\ufffd")
+        )
+        result = client.generate(messages=GREETING, max_tokens=cut, temperature=0)
+        deltas = list(client.stream(messages=GREETING, max_tokens=cut, temperature=0))
+    expected = tokenizer.decode(long.token_ids[:cut]).rstrip("\ufffd")
+    assert result.finish_reason == "length" and result.token_ids == long.token_ids[:cut]
+    assert "\ufffd" not in result.text and result.text == expected
+    assert "".join(d.text for d in deltas) == expected
