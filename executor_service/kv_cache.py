@@ -1,4 +1,5 @@
-"""The paged KV memory: per layer, K and V of [num_blocks * block_size, kv_heads, head_dim]."""
+"""The paged KV memory: per layer, K of [num_blocks * block_size, kv_heads, key_dim] and V of
+[num_blocks * block_size, kv_heads, value_dim] (the two differ in multi-head latent attention)."""
 
 from __future__ import annotations
 
@@ -15,14 +16,15 @@ logger = logging.getLogger(__name__)
 class KVCacheShape:
     num_layers: int
     num_kv_heads: int
-    head_dim: int
+    key_dim: int
+    value_dim: int
     block_size: int
     dtype: torch.dtype
 
     def bytes_per_block(self) -> int:
         element = torch.empty((), dtype=self.dtype).element_size()
-        # K and V, every layer.
-        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * element
+        per_token = self.num_kv_heads * (self.key_dim + self.value_dim) * element
+        return self.num_layers * self.block_size * per_token
 
     def blocks_for_budget(self, budget_bytes: int) -> int:
         return max(0, budget_bytes // self.bytes_per_block())
@@ -40,10 +42,13 @@ class PagedKVCache:
         # Zeroed, not empty: padded gathers read unwritten slots, and NaN garbage there would
         # survive a masked softmax as NaN * 0.
         self.keys = [
-            torch.zeros(slots, shape.num_kv_heads, shape.head_dim, dtype=shape.dtype, device=device)
+            torch.zeros(slots, shape.num_kv_heads, shape.key_dim, dtype=shape.dtype, device=device)
             for _ in range(shape.num_layers)
         ]
-        self.values = [torch.zeros_like(k) for k in self.keys]
+        self.values = [
+            torch.zeros(slots, shape.num_kv_heads, shape.value_dim, dtype=shape.dtype, device=device)
+            for _ in range(shape.num_layers)
+        ]
         self._gather = GatherScratch(shape.dtype, device, headroom_limit=self.keys[0].numel())
         logger.info(
             "event=kv_cache_allocated blocks=%d block_size=%d bytes=%d device=%s",
@@ -60,14 +65,16 @@ class PagedKVCache:
     def layer(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.keys[layer_idx], self.values[layer_idx]
 
-    def gather_buffers(self, shape: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Scratch K and V of `shape` for a decode gather, valid until the next call.
+    def gather_buffers(
+        self, key_shape: tuple[int, ...], value_shape: tuple[int, ...]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Scratch K and V of these shapes for a decode gather, valid until the next call.
 
         Every layer of a step gathers the same shape and the next step only a little more, so
         one pair of buffers serves them all: no per-layer allocation of tens of MB (and its page
         faults on CPU). One layer's gather is already part of the CUDA budget (kv_budget).
         """
-        return self._gather.take(shape)
+        return self._gather.take(key_shape, value_shape)
 
 
 class GatherScratch:
@@ -85,12 +92,15 @@ class GatherScratch:
         self.keys = torch.empty(0, dtype=dtype, device=device)
         self.values = torch.empty(0, dtype=dtype, device=device)
 
-    def take(self, shape: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
-        numel = math.prod(shape)
+    def take(
+        self, key_shape: tuple[int, ...], value_shape: tuple[int, ...]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        key_numel, value_numel = math.prod(key_shape), math.prod(value_shape)
+        numel = max(key_numel, value_numel)
         if numel > self.keys.numel():
             capacity = max(numel, min(int(numel * self.GROWTH), self.headroom_limit))
             # Drop the old pair first so the peak is one pair, not two.
             self.keys = self.values = torch.empty(0)
             self.keys = torch.empty(capacity, dtype=self.dtype, device=self.device)
             self.values = torch.empty(capacity, dtype=self.dtype, device=self.device)
-        return self.keys[:numel].view(shape), self.values[:numel].view(shape)
+        return self.keys[:key_numel].view(key_shape), self.values[:value_numel].view(value_shape)

@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
+from executor_service.kv_geometry import probe_kv_geometry
 from executor_service.model_support import UnsupportedModel
 from executor_service.paged_attention import ATTENTION_NAME, register_paged_attention
 
@@ -32,7 +33,8 @@ class LoadedModel:
     num_layers: int
     num_heads: int
     num_kv_heads: int
-    head_dim: int
+    key_dim: int
+    value_dim: int
 
 
 def resolve_device(name: str) -> torch.device:
@@ -82,8 +84,8 @@ def load_model(
     model.eval()
     text_config = config.get_text_config()
     vocab_size = int(model.get_output_embeddings().weight.shape[0])
-    num_heads = int(text_config.num_attention_heads)
-    head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // num_heads
+    num_layers = int(text_config.num_hidden_layers)
+    geometry = probe_kv_geometry(model, config.model_type, num_layers, torch_device)
     loaded = LoadedModel(
         model=model,
         model_id=str(model_dir),
@@ -93,14 +95,15 @@ def load_model(
         vocab_size=vocab_size,
         eos_token_ids=_eos_token_ids(model, vocab_size),
         max_model_len=_max_model_len(config.model_type, text_config, max_model_len),
-        num_layers=int(text_config.num_hidden_layers),
-        num_heads=num_heads,
-        num_kv_heads=int(getattr(text_config, "num_key_value_heads", None) or num_heads),
-        head_dim=int(head_dim),
+        num_layers=num_layers,
+        num_heads=int(text_config.num_attention_heads),
+        num_kv_heads=geometry.num_kv_heads,
+        key_dim=geometry.key_dim,
+        value_dim=geometry.value_dim,
     )
     logger.info(
         "event=model_loaded model=%s model_type=%s arch=%s device=%s dtype=%s vocab_size=%d "
-        "layers=%d kv_heads=%d head_dim=%d max_model_len=%d eos=%s",
+        "layers=%d kv_heads=%d key_dim=%d value_dim=%d max_model_len=%d eos=%s",
         loaded.model_id,
         loaded.model_type,
         type(model).__name__,
@@ -109,7 +112,8 @@ def load_model(
         vocab_size,
         loaded.num_layers,
         loaded.num_kv_heads,
-        loaded.head_dim,
+        loaded.key_dim,
+        loaded.value_dim,
         loaded.max_model_len,
         loaded.eos_token_ids,
     )

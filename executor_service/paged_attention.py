@@ -30,7 +30,17 @@ from executor_service.kv_cache import PagedKVCache
 ATTENTION_NAME = "splitserve_paged"
 STEP_KWARG = "splitserve_step"
 
+@dataclass(slots=True, frozen=True)
+class LayerGeometry:
+    """What one attention layer stores per token: its K/V heads and their widths."""
+
+    num_kv_heads: int
+    key_dim: int
+    value_dim: int
+
+
 _ACTIVE_STEP: ContextVar[StepAttention | None] = ContextVar("splitserve_active_step", default=None)
+_PROBE: ContextVar[dict[int, LayerGeometry] | None] = ContextVar("splitserve_probe", default=None)
 
 
 def register_paged_attention() -> None:
@@ -45,6 +55,17 @@ def active_step(step: StepAttention) -> Iterator[None]:
         yield
     finally:
         _ACTIVE_STEP.reset(token)
+
+
+@contextmanager
+def probing(record: dict[int, LayerGeometry]) -> Iterator[None]:
+    """Inside the block, attention runs without a cache over the tokens it is given and records
+    each layer's K/V geometry in `record`, keyed by layer index."""
+    token = _PROBE.set(record)
+    try:
+        yield
+    finally:
+        _PROBE.reset(token)
 
 
 # flash-attn kernels exist only for half precision; float32 runs through SDPA.
@@ -73,14 +94,19 @@ def paged_attention_forward(
     softcap: float | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    step: StepAttention | None = kwargs.get(STEP_KWARG) or _ACTIVE_STEP.get()
-    if step is None:
-        raise RuntimeError(f"{ATTENTION_NAME} attention was called outside a step")
     layer_idx = getattr(module, "layer_idx", None)
     if layer_idx is None:
         raise RuntimeError(f"{type(module).__name__} has no layer_idx to find its KV cache by")
     # GPT-OSS passes its per-head sink logits as s_aux.
     sinks: torch.Tensor | None = kwargs.get("s_aux")
+    step: StepAttention | None = kwargs.get(STEP_KWARG) or _ACTIVE_STEP.get()
+    if step is None:
+        probe = _PROBE.get()
+        if probe is None:
+            raise RuntimeError(f"{ATTENTION_NAME} attention was called outside a step")
+        probe[layer_idx] = LayerGeometry(key.shape[1], key.shape[3], value.shape[3])
+        attended = explicit_attention(query[0], key[0], value[0], None, scaling, softcap, sinks)
+        return attended.transpose(0, 1).unsqueeze(0), None
     key_cache, value_cache = step.kv_cache.layer(layer_idx)
     # [1, heads, tokens, dim] -> [tokens, heads, dim]: the cache and kernels are token-major.
     q = query[0].transpose(0, 1)
@@ -160,13 +186,16 @@ def _sdpa_decode(
     shaping: _Shaping,
 ) -> torch.Tensor:
     """[batch, heads, value_dim] attention of every decode token over its padded context."""
-    batch, kv_heads, dim = decodes.batch_size, key_cache.shape[1], key_cache.shape[2]
-    keys, values = kv_cache.gather_buffers((batch, kv_heads, decodes.max_context, dim))
-    # Row-wise gathers straight into [batch, kv_heads, context, dim] (see DecodeAttention).
-    torch.index_select(key_cache.view(-1, dim), 0, decodes.gather_index, out=keys.view(-1, dim))
-    torch.index_select(
-        value_cache.view(-1, dim), 0, decodes.gather_index, out=values.view(-1, dim)
+    batch, kv_heads = decodes.batch_size, key_cache.shape[1]
+    key_dim, value_dim = key_cache.shape[2], value_cache.shape[2]
+    keys, values = kv_cache.gather_buffers(
+        (batch, kv_heads, decodes.max_context, key_dim),
+        (batch, kv_heads, decodes.max_context, value_dim),
     )
+    # Row-wise gathers straight into [batch, kv_heads, context, dim] (see DecodeAttention).
+    index = decodes.gather_index
+    torch.index_select(key_cache.view(-1, key_dim), 0, index, out=keys.view(-1, key_dim))
+    torch.index_select(value_cache.view(-1, value_dim), 0, index, out=values.view(-1, value_dim))
     mask = decodes.mask(shaping.window)
     if shaping.explicit:
         # [batch, heads, 1, dim]; the mask gains the query-group axis explicit_attention adds.
@@ -179,14 +208,14 @@ def _sdpa_decode(
             shaping.softcap,
             shaping.sinks,
         )
-        return attended.view(batch, -1, dim)
+        return attended.view(batch, -1, value_dim)
     # Grouped-query attention without repeating K/V: the query heads sharing a KV head (heads
     # are grouped consecutively, as in transformers' repeat_kv) become that head's query rows.
-    queries = q[decodes.token_index].reshape(batch, kv_heads, -1, dim)
+    queries = q[decodes.token_index].reshape(batch, kv_heads, -1, key_dim)
     attended = F.scaled_dot_product_attention(
         queries, keys, values, attn_mask=mask, scale=shaping.scale
     )
-    return attended.view(batch, -1, dim)
+    return attended.view(batch, -1, value_dim)
 
 
 def _flash_varlen(
@@ -203,12 +232,18 @@ def _flash_varlen(
     varlen = step.varlen
     if varlen is None:
         raise RuntimeError("flash_attn backend without varlen metadata")
+    values = value_cache[varlen.kv_slots]
+    value_dim = values.shape[-1]
+    if value_dim < q.shape[-1]:
+        # flash-attn wants one head width; narrower values (latent attention) are zero-padded
+        # and the padding dropped from the output, as transformers does.
+        values = F.pad(values, (0, q.shape[-1] - value_dim))
     # Causal masking in flash-attn aligns the query block to the end of the keys, which is
     # exactly "new tokens follow the cached ones".
-    return flash_attn_varlen_func(
+    out = flash_attn_varlen_func(
         q,
         key_cache[varlen.kv_slots],
-        value_cache[varlen.kv_slots],
+        values,
         cu_seqlens_q=varlen.cu_seqlens_q,
         cu_seqlens_k=varlen.cu_seqlens_k,
         max_seqlen_q=varlen.max_seqlen_q,
@@ -218,3 +253,4 @@ def _flash_varlen(
         window_size=(window - 1, 0) if window is not None else (-1, -1),
         softcap=softcap if softcap is not None else 0.0,
     )
+    return out[..., :value_dim]

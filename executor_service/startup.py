@@ -41,7 +41,8 @@ def build_executor(settings: ExecutorSettings) -> Executor:
     shape = KVCacheShape(
         num_layers=loaded.num_layers,
         num_kv_heads=loaded.num_kv_heads,
-        head_dim=loaded.head_dim,
+        key_dim=loaded.key_dim,
+        value_dim=loaded.value_dim,
         block_size=settings.block_size,
         dtype=loaded.dtype,
     )

@@ -60,7 +60,7 @@ def test_kv_blocks_reserve_the_gather_and_never_go_negative() -> None:
 
 def test_gather_reserve_is_one_layer_and_the_sdpa_gqa_repeat() -> None:
     shape = KVCacheShape(
-        num_layers=4, num_kv_heads=2, head_dim=8, block_size=16, dtype=torch.float16
+        num_layers=4, num_kv_heads=2, key_dim=8, value_dim=8, block_size=16, dtype=torch.float16
     )
     one_layer = shape.bytes_per_block() // 4
     assert gather_bytes_per_block(shape, "flash_attn", num_heads=8) == one_layer
