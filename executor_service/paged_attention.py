@@ -106,7 +106,7 @@ def paged_attention_forward(
             raise RuntimeError(f"{ATTENTION_NAME} attention was called outside a step")
         probe[layer_idx] = LayerGeometry(key.shape[1], key.shape[3], value.shape[3])
         attended = explicit_attention(query[0], key[0], value[0], None, scaling, softcap, sinks)
-        return attended.transpose(0, 1).unsqueeze(0), None
+        return attended.transpose(0, 1).contiguous().unsqueeze(0), None
     key_cache, value_cache = step.kv_cache.layer(layer_idx)
     # [1, heads, tokens, dim] -> [tokens, heads, dim]: the cache and kernels are token-major.
     q = query[0].transpose(0, 1)

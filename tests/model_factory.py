@@ -1,7 +1,7 @@
 """Small random-weight Hugging Face models for tests, saved as local checkpoints.
 
     from tests.model_factory import build_model
-    path = build_model("llama", tmp_path / "llama")   # or "qwen2", "qwen3", "mistral", "gpt2"
+    path = build_model("llama", tmp_path / "llama")   # or any name in ARCHITECTURES
 
 (run from the repository root, as `python -m pytest` does, so `tests.` imports resolve.)
 
@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 from transformers import (
+    AutoConfig,
     AutoModelForCausalLM,
     GenerationConfig,
     GPT2Config,
@@ -47,12 +48,23 @@ _DECODER_DEFAULTS: dict[str, Any] = {
     "initializer_range": INIT_STD,
 }
 
+# Windows short enough that prompts of a few hundred tokens run past them.
+SHORT_WINDOW = 64
+_SLIDING_THEN_GLOBAL = ["sliding_attention", "full_attention"]
+
+
+def _decoder(model_type: str, **fields: Any) -> Callable[..., PreTrainedConfig]:
+    """A tiny config of a registered model type: the shared sizes, then its own fields."""
+    return lambda **kw: AutoConfig.for_model(model_type, **{**_DECODER_DEFAULTS, **fields, **kw})
+
+
 _CONFIGS: dict[str, Callable[..., PreTrainedConfig]] = {
     "llama": lambda **kw: LlamaConfig(**{**_DECODER_DEFAULTS, **kw}),
     "qwen2": lambda **kw: Qwen2Config(**{**_DECODER_DEFAULTS, **kw}),
     "qwen3": lambda **kw: Qwen3Config(**{**_DECODER_DEFAULTS, "head_dim": 16, **kw}),
-    # A short window, so prompts of a few hundred tokens exercise sliding-window attention.
-    "mistral": lambda **kw: MistralConfig(**{**_DECODER_DEFAULTS, "sliding_window": 64, **kw}),
+    "mistral": lambda **kw: MistralConfig(
+        **{**_DECODER_DEFAULTS, "sliding_window": SHORT_WINDOW, **kw}
+    ),
     "gpt2": lambda **kw: GPT2Config(
         **{
             "vocab_size": VOCAB_SIZE,
@@ -66,15 +78,102 @@ _CONFIGS: dict[str, Callable[..., PreTrainedConfig]] = {
             **kw,
         }
     ),
+    # Attention logit and final logit soft-capping, sliding and global layers alternating.
+    "gemma2": _decoder(
+        "gemma2",
+        head_dim=16,
+        query_pre_attn_scalar=16,
+        sliding_window=SHORT_WINDOW,
+        layer_types=_SLIDING_THEN_GLOBAL,
+        attn_logit_softcapping=5.0,
+        final_logit_softcapping=3.0,
+    ),
+    # Sliding and global layers with their own RoPE bases, query-key norms.
+    "gemma3_text": _decoder(
+        "gemma3_text",
+        head_dim=16,
+        query_pre_attn_scalar=16,
+        sliding_window=SHORT_WINDOW,
+        layer_types=_SLIDING_THEN_GLOBAL,
+    ),
+    # Decoder layers that do not pass keyword arguments on to attention.
+    "stablelm": _decoder("stablelm"),
+    "nemotron": _decoder("nemotron", head_dim=16),
+    # Attention sinks, alternating sliding layers, mixture of experts.
+    "gpt_oss": _decoder(
+        "gpt_oss",
+        head_dim=16,
+        sliding_window=SHORT_WINDOW,
+        layer_types=_SLIDING_THEN_GLOBAL,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+    ),
+    # Multi-query attention, named by a flag instead of a head count.
+    "gpt_bigcode": _decoder("gpt_bigcode", n_embd=64, n_layer=2, n_head=4, n_positions=1024),
+    # Multi-head latent attention: keys (nope + rope) wider than values.
+    "deepseek_v3": _decoder(
+        "deepseek_v3",
+        num_key_value_heads=4,
+        q_lora_rank=32,
+        kv_lora_rank=16,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=12,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        n_group=1,
+        topk_group=1,
+        moe_intermediate_size=32,
+        first_k_dense_replace=1,
+    ),
+    "qwen3_moe": _decoder(
+        "qwen3_moe", head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32
+    ),
+    # Fused QKV projection.
+    "phi3": _decoder("phi3", pad_token_id=0),
+    # Parallel residual, partial rotary.
+    "gpt_neox": _decoder("gpt_neox"),
+    # Layers without rotary embeddings among those with.
+    "smollm3": _decoder("smollm3", pad_token_id=0, no_rope_layers=[1, 0]),
+    "olmo2": _decoder("olmo2"),
+    "granite": _decoder("granite"),
 }
 
 ARCHITECTURES = tuple(_CONFIGS)
 
+# Models the executor must refuse at start (README lists why).
+_REFUSED_CONFIGS: dict[str, Callable[..., PreTrainedConfig]] = {
+    # Lightning (linear) attention layers keep a recurrent state, not K/V.
+    "minimax": _decoder(
+        "minimax",
+        head_dim=16,
+        layer_types=["full_attention", "linear_attention"],
+        num_local_experts=4,
+        num_experts_per_tok=2,
+    ),
+    # A state-space model: no attention at all.
+    "mamba": lambda **kw: AutoConfig.for_model(
+        "mamba",
+        **{
+            "vocab_size": VOCAB_SIZE,
+            "hidden_size": 64,
+            "state_size": 8,
+            "num_hidden_layers": 2,
+            "bos_token_id": BOS_TOKEN_ID,
+            "eos_token_id": EOS_TOKEN_ID,
+            "pad_token_id": 0,
+            **kw,
+        },
+    ),
+}
+REFUSED_ARCHITECTURES = tuple(_REFUSED_CONFIGS)
+
 
 def build_config(arch: str = "llama", **overrides: Any) -> PreTrainedConfig:
-    if arch not in _CONFIGS:
-        raise ValueError(f"unknown arch {arch!r}; choose one of {ARCHITECTURES}")
-    return _CONFIGS[arch](**overrides)
+    builders = {**_CONFIGS, **_REFUSED_CONFIGS}
+    if arch not in builders:
+        raise ValueError(f"unknown arch {arch!r}; choose one of {tuple(builders)}")
+    return builders[arch](**overrides)
 
 
 def build_model(

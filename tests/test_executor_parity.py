@@ -1,11 +1,15 @@
 """Greedy tokens of a real executor process equal transformers' generate, per architecture.
 
-One executor process per architecture (module-scoped), driven over gRPC with plans; the reference
-model runs in this process.
+One executor process per architecture (module-scoped), driven over gRPC with plans, then through a
+real scheduler process in front of it; the reference model runs in this process. The
+architectures (tests/model_factory.py) cover sliding windows, soft-capping, attention sinks,
+multi-query and latent attention, mixtures of experts, and decoder layers that do not pass
+keyword arguments on to attention.
 """
 
 from __future__ import annotations
 
+import asyncio
 import random
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,9 +19,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
+from clients import AsyncClient
 from tests.executor_driver import BlockAllocator, Driver, PlanStream, PlannedRequest
 from tests.executor_process import ExecutorProcess
 from tests.model_factory import ARCHITECTURES, build_model
+from tests.scheduler_process import start_scheduler
 
 BLOCK_SIZE = 16
 NUM_BLOCKS = 1024
@@ -117,12 +123,17 @@ def reference(model_dir: Path) -> Reference:
 
 
 @pytest.fixture(scope="module")
-def channel(arch: str, executors: Executors) -> Iterator[grpc.Channel]:
+def executor_address(arch: str, executors: Executors) -> Iterator[str]:
     executor = executors.ready(arch)
-    with grpc.insecure_channel(executor.wait_ready()) as channel:
-        yield channel
+    yield executor.wait_ready()
     # Its work is done; stopping it now frees memory for the architectures still to come.
     assert executor.stop() == 0
+
+
+@pytest.fixture(scope="module")
+def channel(executor_address: str) -> Iterator[grpc.Channel]:
+    with grpc.insecure_channel(executor_address) as channel:
+        yield channel
 
 
 @pytest.fixture
@@ -203,3 +214,28 @@ def test_drop_and_recompute(driver: Driver, reference: Reference) -> None:
     reference.prepare(list(prompts.values()))
     for req in requests:
         assert req.output == reference(prompts[req.request_id]), req.request_id
+
+
+def test_through_the_scheduler(executor_address: str, reference: Reference) -> None:
+    """Concurrent client requests through a scheduler process whose small token budget chunks
+    the long prompts beside the short ones' decodes (it takes the executor over from the
+    driver of the tests above)."""
+    prompts = make_prompts(5)
+
+    async def generate_all(address: str) -> list[list[int]]:
+        async with AsyncClient(address) as client:
+            results = await asyncio.gather(
+                *(
+                    client.generate(
+                        prompt_token_ids=p, max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True
+                    )
+                    for p in prompts
+                )
+            )
+        return [r.token_ids for r in results]
+
+    with start_scheduler(executor_address, max_num_batched_tokens=64) as address:
+        outputs = asyncio.run(generate_all(address))
+    reference.prepare(prompts)
+    for prompt, output in zip(prompts, outputs, strict=True):
+        assert output == reference(prompt), f"prompt of {len(prompt)} tokens"

@@ -1,0 +1,87 @@
+"""A model the executor cannot run correctly is refused at start: the process exits non-zero,
+before it reports ready, with one log line that names the model type and why, and no traceback.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests.executor_process import executor_command
+from tests.model_factory import REFUSED_ARCHITECTURES, build_model
+from tests.service_process import REPO_ROOT
+
+# A Llama whose embedding mixes each token with the one before it: state that lives outside
+# attention, so a decode step (which sees one new token) cannot reproduce the full forward.
+TOKEN_SHIFT_MODEL_CODE = '''
+import torch
+from torch import nn
+from transformers import LlamaForCausalLM
+
+
+class TokenShiftEmbedding(nn.Embedding):
+    def forward(self, input_ids):
+        embedded = super().forward(input_ids)
+        previous = torch.cat([torch.zeros_like(embedded[:, :1]), embedded[:, :-1]], dim=1)
+        return embedded + 0.5 * previous
+
+
+class TokenShiftLlamaForCausalLM(LlamaForCausalLM):
+    def __init__(self, config):
+        super().__init__(config)
+        embed = self.model.embed_tokens
+        self.model.embed_tokens = TokenShiftEmbedding(
+            embed.num_embeddings, embed.embedding_dim, embed.padding_idx
+        )
+'''
+
+
+def _start(model_dir: Path, tmp_path: Path, **flags: object) -> subprocess.CompletedProcess[str]:
+    env_cache = {"HF_MODULES_CACHE": str(tmp_path / "hf_modules")}
+    return subprocess.run(
+        executor_command(model_dir, **flags),
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env={**os.environ, **env_cache},
+    )
+
+
+def _assert_refused(run: subprocess.CompletedProcess[str], model_type: str, reason: str) -> None:
+    log = run.stdout + run.stderr
+    assert run.returncode == 1, log
+    refusals = [line for line in log.splitlines() if "event=executor_refused" in line]
+    assert len(refusals) == 1, log
+    assert f"model_type={model_type} " in refusals[0] and reason in refusals[0], refusals[0]
+    assert "Traceback" not in log and "event=executor_ready" not in log
+
+
+def test_a_model_whose_forward_the_paged_path_cannot_reproduce_fails_the_self_check(
+    tmp_path: Path,
+) -> None:
+    model_dir = build_model("llama", tmp_path / "token_shift")
+    (model_dir / "token_shift.py").write_text(TOKEN_SHIFT_MODEL_CODE)
+    config = json.loads((model_dir / "config.json").read_text())
+    config["auto_map"] = {"AutoModelForCausalLM": "token_shift.TokenShiftLlamaForCausalLM"}
+    (model_dir / "config.json").write_text(json.dumps(config))
+    run = _start(model_dir, tmp_path, trust_remote_code=True)
+    _assert_refused(run, "llama", "paged attention does not reproduce the model's own forward")
+
+
+@pytest.mark.parametrize(
+    ("arch", "reason"),
+    [
+        ("minimax", "1 of its 2 layers (first: layer 1) keep no attention K/V"),
+        ("mamba", "none of its layers calls attention"),
+    ],
+)
+def test_an_architecture_with_state_outside_attention_is_refused(
+    tmp_path: Path, arch: str, reason: str
+) -> None:
+    assert arch in REFUSED_ARCHITECTURES
+    _assert_refused(_start(build_model(arch, tmp_path / arch), tmp_path), arch, reason)
