@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 from executor_service.model_support import UnsupportedModel
+from executor_service.paged_attention import BACKENDS, BackendUnavailable
 from executor_service.server import serve
 from executor_service.settings import DEFAULT_BLOCK_SIZE, ExecutorSettings, parse_size
 from executor_service.startup import build_executor
@@ -38,6 +39,12 @@ def parse_args(argv: list[str] | None) -> ExecutorSettings:
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     parser.add_argument(
+        "--attention-backend",
+        default="auto",
+        choices=["auto", *BACKENDS],
+        help="auto: flash_attn on CUDA in half precision when installed, else sdpa",
+    )
+    parser.add_argument(
         "--trust-remote-code",
         action="store_true",
         help="run the modelling code the model folder ships (config.json auto_map)",
@@ -61,6 +68,7 @@ def parse_args(argv: list[str] | None) -> ExecutorSettings:
         threads=args.threads,
         gpu_memory_utilization=args.gpu_memory_utilization,
         trust_remote_code=args.trust_remote_code,
+        attention_backend=args.attention_backend,
     )
 
 
@@ -77,6 +85,9 @@ def main(argv: list[str] | None = None) -> int:
     except UnsupportedModel as refusal:
         # One line that says why, not a traceback: the model is the problem, not the code.
         logger.error("event=executor_refused model_type=%s reason=%r", refusal.model_type, refusal.reason)
+        return 1
+    except BackendUnavailable as refusal:
+        logger.error("event=executor_refused reason=%r", str(refusal))
         return 1
     asyncio.run(serve(executor, settings.host, settings.port))
     return 0

@@ -72,14 +72,28 @@ def probing(record: dict[int, LayerGeometry]) -> Iterator[None]:
 FLASH_ATTN_DTYPES = (torch.float16, torch.bfloat16)
 
 
-def select_backend(device: torch.device, dtype: torch.dtype) -> str:
-    if (
+BACKENDS = ("sdpa", "flash_attn")
+
+
+class BackendUnavailable(ValueError):
+    """The attention backend asked for cannot run here."""
+
+
+def select_backend(device: torch.device, dtype: torch.dtype, requested: str = "auto") -> str:
+    """flash_attn on CUDA in half precision when installed, else sdpa; `requested` overrides
+    auto, and is refused where flash_attn cannot run."""
+    flash_possible = (
         device.type == "cuda"
         and dtype in FLASH_ATTN_DTYPES
         and importlib.util.find_spec("flash_attn") is not None
-    ):
-        return "flash_attn"
-    return "sdpa"
+    )
+    if requested == "flash_attn" and not flash_possible:
+        raise BackendUnavailable(
+            "flash_attn needs CUDA, float16 or bfloat16, and the flash-attn package"
+        )
+    if requested in BACKENDS:
+        return requested
+    return "flash_attn" if flash_possible else "sdpa"
 
 
 def paged_attention_forward(

@@ -47,6 +47,8 @@ class ExecutorSettings:
     gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION
     profile_tokens: int = DEFAULT_PROFILE_TOKENS
     trust_remote_code: bool = False
+    # "auto", "sdpa" or "flash_attn".
+    attention_backend: str = "auto"
 
 
 def parse_size(text: str) -> int:

@@ -37,7 +37,7 @@ def build_executor(settings: ExecutorSettings) -> Executor:
         settings.max_model_len,
         settings.trust_remote_code,
     )
-    backend = select_backend(loaded.device, loaded.dtype)
+    backend = select_backend(loaded.device, loaded.dtype, settings.attention_backend)
     shape = KVCacheShape(
         num_layers=loaded.num_layers,
         num_kv_heads=loaded.num_kv_heads,

@@ -37,6 +37,14 @@ def test_flash_attn_only_for_half_precision_on_cuda() -> None:
 def test_without_flash_attn_cuda_uses_sdpa(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(paged_attention.importlib.util, "find_spec", lambda name, *args: None)
     assert select_backend(CUDA, torch.bfloat16) == "sdpa"
+    with pytest.raises(ValueError, match="flash_attn needs CUDA"):
+        select_backend(CUDA, torch.bfloat16, "flash_attn")
+
+
+@pytest.mark.usefixtures("flash_attn_installed")
+def test_a_requested_backend_overrides_auto() -> None:
+    assert select_backend(CUDA, torch.bfloat16, "sdpa") == "sdpa"
+    assert select_backend(CUDA, torch.bfloat16, "flash_attn") == "flash_attn"
 
 
 def _memory(free: int, own: int = 10 * GIB, peak: int = 2 * GIB) -> CudaMemory:

@@ -31,6 +31,11 @@ def test_flags_reach_the_settings() -> None:
     assert settings.model_dir == Path("/m")
     assert (settings.port, settings.dtype, settings.device) == (0, "bfloat16", "auto")
     assert (settings.kv_cache_bytes, settings.num_kv_blocks) == (64 << 20, None)
+    assert (settings.trust_remote_code, settings.attention_backend) == (False, "auto")
+    chosen = parse_args(
+        ["--model", "/m", "--port", "0", "--trust-remote-code", "--attention-backend", "sdpa"]
+    )
+    assert (chosen.trust_remote_code, chosen.attention_backend) == (True, "sdpa")
 
 
 def test_block_budget_flags_are_exclusive() -> None:

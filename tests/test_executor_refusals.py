@@ -85,3 +85,10 @@ def test_an_architecture_with_state_outside_attention_is_refused(
 ) -> None:
     assert arch in REFUSED_ARCHITECTURES
     _assert_refused(_start(build_model(arch, tmp_path / arch), tmp_path), arch, reason)
+
+
+def test_a_backend_that_cannot_run_here_is_refused(tmp_path: Path) -> None:
+    run = _start(build_model("llama", tmp_path / "llama"), tmp_path, attention_backend="flash_attn")
+    log = run.stdout + run.stderr
+    assert run.returncode == 1 and "Traceback" not in log
+    assert "event=executor_refused reason='flash_attn needs CUDA" in log
