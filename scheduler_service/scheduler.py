@@ -73,6 +73,9 @@ class Scheduler:
         self._to_drop: list[str] = []
         # step id -> request id -> what that step does for the request, until its result is in.
         self._in_flight: dict[int, dict[str, _InFlight]] = {}
+        # Requests with retry_alone set, in the order their steps failed (a dict keeps the order
+        # and, unlike scanning `running`, costs nothing per step while no step has failed).
+        self._retrying: dict[Request, None] = {}
 
     # ---- arrivals and departures -------------------------------------------------------------
 
@@ -118,6 +121,7 @@ class Scheduler:
         request.num_pending_outputs = 0
         self.kv.free(request.request_id)
         self._forget_on_executor(request.request_id)
+        self._retrying.pop(request, None)
         del self.requests[request.request_id]
 
     def has_unfinished(self) -> bool:
@@ -180,7 +184,9 @@ class Scheduler:
     ) -> bool:
         """Plans a step for a request retried after a failed step, and nothing else, if one is
         running or heads the waiting queue and fits; the other requests wait one step."""
-        running = next((r for r in self.running if r.retry_alone), None)
+        if not self._retrying:
+            return False
+        running = next((r for r in self._retrying if r.status is RequestStatus.RUNNING), None)
         if running is not None:
             self._schedule_running(budget, scheduled, new_blocks, True, True, only=running)
         elif self.waiting and self.waiting.peek().retry_alone:
@@ -343,7 +349,9 @@ class Scheduler:
             else:
                 self.kv.cache_computed(request_id, request.token_ids, sent.num_computed_tokens)
                 if sent.samples:
-                    request.retry_alone = False
+                    if request.retry_alone:
+                        request.retry_alone = False
+                        del self._retrying[request]
                     updates.append(self._append_tokens(request, output))
         if output.failure is not None:
             updates += self._step_failed(failed, output.failure)
@@ -360,6 +368,7 @@ class Scheduler:
                 updates.append(self._end_in_error(request, Rejection(INTERNAL, message)))
             else:
                 request.retry_alone = True
+                self._retrying[request] = None
                 self._preempt(request)
         return updates
 

@@ -1,0 +1,148 @@
+"""Which of transformers' causal-LM architectures the executor serves, and why it refuses the
+others: for every registered model type, a tiny random-weight model is built from the type's own
+default config shrunk to test sizes, and the executor starts on it as it would in production
+(load, K/V geometry probe, start-up self-check against the model's own eager forward).
+
+    python -m bench.architecture_survey [--types llama,gemma2] [--timeout 120] [--out FILE]
+
+Each type runs in a process of its own (a model may exhaust memory or hang). Results are one JSON
+line per type: "served", "refused" (the executor's own reason) or "unbuilt" (no tiny model could
+be made from the shrunk default config: a limit of this survey, not a verdict on the model).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger("bench.architecture_survey")
+
+# Test sizes, applied to whichever of these names a type's config has.
+_SMALL: dict[str, Any] = {
+    "vocab_size": 1024,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "max_position_embeddings": 1024,
+    "n_embd": 64,
+    "n_layer": 2,
+    "n_head": 4,
+    "n_positions": 1024,
+    "n_inner": 128,
+    "d_model": 64,
+    "ffn_dim": 128,
+    "moe_intermediate_size": 32,
+    "num_experts": 4,
+    "n_routed_experts": 4,
+    "num_local_experts": 4,
+    "num_experts_per_tok": 2,
+    "shared_expert_intermediate_size": 32,
+    "n_ctx": 1024,
+    "num_layers": 2,
+    "num_heads": 4,
+    "decoder_layers": 2,
+    "decoder_attention_heads": 4,
+    "decoder_ffn_dim": 128,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "pad_token_id": 0,
+    "tie_word_embeddings": False,
+}
+SHORT_WINDOW = 64
+
+
+def survey_one(model_type: str, folder: Path) -> dict[str, Any]:
+    """Builds the tiny model and starts the executor on it, in this process."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    from executor_service.model_support import UnsupportedModel
+    from executor_service.settings import ExecutorSettings
+    from executor_service.startup import build_executor
+
+    torch.set_num_threads(1)
+    try:
+        config_class = CONFIG_MAPPING[model_type]
+        default = config_class()
+        fields = {k: v for k, v in _SMALL.items() if hasattr(default, k)}
+        if getattr(default, "sliding_window", None):
+            fields["sliding_window"] = SHORT_WINDOW
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config_class(**fields), dtype=torch.float32)
+        with torch.no_grad():
+            for parameter in model.parameters():
+                if parameter.dim() >= 2:
+                    parameter.normal_(0.0, 0.2)
+        model.save_pretrained(folder)
+    except Exception as error:
+        return {"status": "unbuilt", "reason": f"{type(error).__name__}: {error}"[:300]}
+    try:
+        settings = ExecutorSettings(model_dir=folder, device="cpu", dtype="float32", num_kv_blocks=256)
+        build_executor(settings)
+    except UnsupportedModel as refusal:
+        return {"status": "refused", "reason": refusal.reason}
+    except Exception as error:
+        return {"status": "error", "reason": f"{type(error).__name__}: {error}"[:300]}
+    return {"status": "served"}
+
+
+def causal_lm_types() -> list[str]:
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.architecture_survey")
+    parser.add_argument("--types", default="", help="comma-separated model types (default: all)")
+    parser.add_argument("--timeout", type=float, default=120.0, help="seconds per type")
+    parser.add_argument("--out", type=Path, default=None, help="JSON lines file")
+    parser.add_argument("--one", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    if args.one is not None:
+        with tempfile.TemporaryDirectory() as folder:
+            print(json.dumps(survey_one(args.one, Path(folder))))
+        return 0
+    types = [t for t in args.types.split(",") if t] or causal_lm_types()
+    out = args.out.open("w") if args.out is not None else None
+    counts: dict[str, int] = {}
+    for model_type in types:
+        started = time.monotonic()
+        try:
+            run = subprocess.run(
+                [sys.executable, "-m", "bench.architecture_survey", "--one", model_type],
+                capture_output=True,
+                text=True,
+                timeout=args.timeout,
+            )
+            lines = run.stdout.strip().splitlines()
+            result = json.loads(lines[-1]) if run.returncode == 0 and lines else {
+                "status": "error",
+                "reason": f"exit {run.returncode}: {run.stderr.strip().splitlines()[-1:]}",
+            }
+        except subprocess.TimeoutExpired:
+            result = {"status": "error", "reason": f"no result within {args.timeout:.0f} s"}
+        result = {"model_type": model_type, **result, "seconds": round(time.monotonic() - started, 1)}
+        counts[result["status"]] = counts.get(result["status"], 0) + 1
+        logger.info("%s %s %s", model_type, result["status"], result.get("reason", ""))
+        if out is not None:
+            out.write(json.dumps(result) + "\n")
+            out.flush()
+    logger.info("summary %s", " ".join(f"{k}={v}" for k, v in sorted(counts.items())))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
