@@ -12,7 +12,7 @@ import torch
 from transformers import PreTrainedModel
 
 from executor_service.model_support import UnsupportedModel
-from executor_service.paged_attention import LayerGeometry, probing
+from executor_service.paged_attention import LayerGeometry, ProbedLayer, probing
 
 PROBE_TOKENS = 4
 
@@ -21,7 +21,7 @@ def probe_kv_geometry(
     model: PreTrainedModel, model_type: str, num_layers: int, device: torch.device
 ) -> LayerGeometry:
     """The one geometry every layer shares; UnsupportedModel when layers keep other state."""
-    record: dict[int, LayerGeometry] = {}
+    record: dict[int, ProbedLayer] = {}
     positions = torch.arange(PROBE_TOKENS, device=device)[None, :]
     try:
         with torch.inference_mode(), probing(record):
@@ -30,7 +30,12 @@ def probe_kv_geometry(
         raise UnsupportedModel(model_type, f"a forward without cache raised {error!r}") from error
     layers = set(range(num_layers))
     if not record:
-        raise UnsupportedModel(model_type, "none of its layers calls attention through transformers' AttentionInterface")
+        raise UnsupportedModel(
+            model_type,
+            "none of its layers stores attention K/V through transformers' AttentionInterface "
+            "(its layers are recurrent, state-space or convolutional, or its attention bypasses "
+            "the interface)",
+        )
     if set(record) - layers:
         raise UnsupportedModel(
             model_type, f"attention layer indices {sorted(set(record) - layers)} exceed its {num_layers} layers"
@@ -43,7 +48,14 @@ def probe_kv_geometry(
             "attention K/V (recurrent, state-space, convolution or shared-KV layers), which "
             "the paged KV cache cannot hold",
         )
-    geometries = sorted(set(record.values()), key=lambda g: (g.num_kv_heads, g.key_dim, g.value_dim))
+    if not all(layer.causal for layer in record.values()):
+        raise UnsupportedModel(
+            model_type, "its attention is bidirectional (an encoder), not causal"
+        )
+    geometries = sorted(
+        {layer.geometry for layer in record.values()},
+        key=lambda g: (g.num_kv_heads, g.key_dim, g.value_dim),
+    )
     if len(geometries) > 1:
         shown = ", ".join(f"{g.num_kv_heads}x({g.key_dim},{g.value_dim})" for g in geometries)
         raise UnsupportedModel(

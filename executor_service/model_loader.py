@@ -10,7 +10,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
 from executor_service.kv_geometry import probe_kv_geometry
-from executor_service.model_support import UnsupportedModel
+from executor_service.model_support import UnsupportedModel, check_config
 from executor_service.paged_attention import ATTENTION_NAME, register_paged_attention
 
 logger = logging.getLogger(__name__)
@@ -79,6 +79,7 @@ def load_model(
     config = AutoConfig.from_pretrained(
         model_dir, local_files_only=True, trust_remote_code=trust_remote_code
     )
+    check_config(config.model_type, config)
     model = _instantiate(model_dir, config, torch_dtype, trust_remote_code)
     model.to(torch_device)
     model.eval()

@@ -10,3 +10,12 @@ class UnsupportedModel(Exception):
         super().__init__(f"model type {model_type!r} cannot be served: {reason}")
         self.model_type = model_type
         self.reason = reason
+
+
+def check_config(model_type: str, config: object) -> None:
+    """Refuses what the config alone shows the executor cannot serve: attention that is not
+    causal self-attention over the sequence's own tokens."""
+    if getattr(config, "is_encoder_decoder", False):
+        raise UnsupportedModel(
+            model_type, "it is an encoder-decoder model: its decoder attends over encoder states"
+        )

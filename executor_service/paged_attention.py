@@ -39,8 +39,17 @@ class LayerGeometry:
     value_dim: int
 
 
+@dataclass(slots=True, frozen=True)
+class ProbedLayer:
+    """What a probe forward saw of one attention layer."""
+
+    geometry: LayerGeometry
+    # transformers marks bidirectional attention (encoders) with is_causal = False.
+    causal: bool
+
+
 _ACTIVE_STEP: ContextVar[StepAttention | None] = ContextVar("splitserve_active_step", default=None)
-_PROBE: ContextVar[dict[int, LayerGeometry] | None] = ContextVar("splitserve_probe", default=None)
+_PROBE: ContextVar[dict[int, ProbedLayer] | None] = ContextVar("splitserve_probe", default=None)
 
 
 def register_paged_attention() -> None:
@@ -58,9 +67,9 @@ def active_step(step: StepAttention) -> Iterator[None]:
 
 
 @contextmanager
-def probing(record: dict[int, LayerGeometry]) -> Iterator[None]:
+def probing(record: dict[int, ProbedLayer]) -> Iterator[None]:
     """Inside the block, attention runs without a cache over the tokens it is given and records
-    each layer's K/V geometry in `record`, keyed by layer index."""
+    what it sees of each layer in `record`, keyed by layer index."""
     token = _PROBE.set(record)
     try:
         yield
@@ -118,7 +127,8 @@ def paged_attention_forward(
         probe = _PROBE.get()
         if probe is None:
             raise RuntimeError(f"{ATTENTION_NAME} attention was called outside a step")
-        probe[layer_idx] = LayerGeometry(key.shape[1], key.shape[3], value.shape[3])
+        geometry = LayerGeometry(key.shape[1], key.shape[3], value.shape[3])
+        probe[layer_idx] = ProbedLayer(geometry, bool(getattr(module, "is_causal", True)))
         attended = explicit_attention(query[0], key[0], value[0], None, scaling, softcap, sinks)
         return attended.transpose(0, 1).contiguous().unsqueeze(0), None
     key_cache, value_cache = step.kv_cache.layer(layer_idx)

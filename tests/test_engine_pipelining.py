@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
-import pytest
 
 from protos.splitserve.executor.v1 import executor_pb2 as pb
 from scheduler_service.engine import Engine, EngineOptions

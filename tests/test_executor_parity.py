@@ -9,7 +9,6 @@ keyword arguments on to attention.
 
 from __future__ import annotations
 
-import asyncio
 import random
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,9 +18,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
-from clients import AsyncClient
 from tests.executor_driver import BlockAllocator, Driver, PlanStream, PlannedRequest
 from tests.executor_process import ExecutorProcess
+from tests.greedy_client import generate_greedy
 from tests.model_factory import ARCHITECTURES, build_model
 from tests.scheduler_process import start_scheduler
 
@@ -221,21 +220,8 @@ def test_through_the_scheduler(executor_address: str, reference: Reference) -> N
     the long prompts beside the short ones' decodes (it takes the executor over from the
     driver of the tests above)."""
     prompts = make_prompts(5)
-
-    async def generate_all(address: str) -> list[list[int]]:
-        async with AsyncClient(address) as client:
-            results = await asyncio.gather(
-                *(
-                    client.generate(
-                        prompt_token_ids=p, max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True
-                    )
-                    for p in prompts
-                )
-            )
-        return [r.token_ids for r in results]
-
     with start_scheduler(executor_address, max_num_batched_tokens=64) as address:
-        outputs = asyncio.run(generate_all(address))
+        outputs = generate_greedy(address, prompts, NEW_TOKENS)
     reference.prepare(prompts)
     for prompt, output in zip(prompts, outputs, strict=True):
         assert output == reference(prompt), f"prompt of {len(prompt)} tokens"

@@ -77,7 +77,7 @@ def test_a_model_whose_forward_the_paged_path_cannot_reproduce_fails_the_self_ch
     ("arch", "reason"),
     [
         ("minimax", "1 of its 2 layers (first: layer 1) keep no attention K/V"),
-        ("mamba", "none of its layers calls attention"),
+        ("mamba", "none of its layers stores attention K/V"),
     ],
 )
 def test_an_architecture_with_state_outside_attention_is_refused(

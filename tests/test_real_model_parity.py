@@ -5,7 +5,6 @@ teacher forcing (one forward of prompt + output), or tie with it within 1e-3."""
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -13,8 +12,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from clients import AsyncClient
 from tests.executor_process import start_executor
+from tests.greedy_client import generate_greedy
 from tests.scheduler_process import start_scheduler
 from tests.service_process import REPO_ROOT
 
@@ -45,23 +44,10 @@ def service(prepared_model: Path) -> Iterator[str]:
             yield address
 
 
-async def _generate_all(address: str, prompts: list[list[int]]) -> list[list[int]]:
-    async with AsyncClient(address) as client:
-        results = await asyncio.gather(
-            *(
-                client.generate(
-                    prompt_token_ids=p, max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True
-                )
-                for p in prompts
-            )
-        )
-    return [r.token_ids for r in results]
-
-
 def test_every_token_is_transformers_argmax_under_teacher_forcing(
     service: str, prepared_model: Path, prompts: list[list[int]]
 ) -> None:
-    outputs = asyncio.run(_generate_all(service, prompts))
+    outputs = generate_greedy(service, prompts, NEW_TOKENS)
     model = AutoModelForCausalLM.from_pretrained(prepared_model, dtype=torch.float32).eval()
     for prompt, output in zip(prompts, outputs, strict=True):
         assert len(output) == NEW_TOKENS
