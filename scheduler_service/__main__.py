@@ -6,10 +6,10 @@ import logging
 import sys
 from pathlib import Path
 
-from scheduler_service.engine import EngineOptions
-from scheduler_service.policy import Policy, StepMode
-from scheduler_service.server import ServerSettings, serve
-from scheduler_service.text_processor import TextProcessor
+from scheduler_service.service.engine import EngineOptions
+from scheduler_service.core.policy import Policy, StepMode
+from scheduler_service.service.server import ServerSettings, serve
+from scheduler_service.text.tokenizer import TextProcessor
 
 logger = logging.getLogger("scheduler_service")
 

@@ -2,12 +2,12 @@
 
 from dataclasses import dataclass, field
 
-from scheduler_service.config import SchedulerConfig
-from scheduler_service.request import Request
-from scheduler_service.sampling_params import SamplingParams
-from scheduler_service.scheduler import Scheduler
-from scheduler_service.sim_executor import FailFn, SimulatedExecutor
-from scheduler_service.step_plan import Rejection, StepPlan
+from scheduler_service.core.config import SchedulerConfig
+from scheduler_service.core.request import Request
+from scheduler_service.core.sampling_params import SamplingParams
+from scheduler_service.core.scheduler import Scheduler
+from scheduler_service.core.sim_executor import FailFn, SimulatedExecutor
+from scheduler_service.core.step_plan import Rejection, StepPlan
 
 
 def make_request(index: int, prompt_len: int, max_tokens: int, priority: int = 0) -> Request:

@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from scheduler_service.detokenizer import DetokenizerStep, IncrementalDetokenizer
+from scheduler_service.text.detokenizer import DetokenizerStep, IncrementalDetokenizer
 from tests.tokenizer_assets import (
     gpt2_tokenizer_dir,
     qwen3_tokenizer_dir,

@@ -2,17 +2,17 @@
 aborts, pipelining, and a fuzz of random workloads against the simulated executor."""
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from scheduler_service.config import SchedulerConfig
-from scheduler_service.errors import RejectKind, RequestRejected
-from scheduler_service.policy import Policy, StepMode
-from scheduler_service.request import FinishReason, Request
-from scheduler_service.sampling_params import SamplingParams
-from scheduler_service.scheduler import Scheduler
-from scheduler_service.sim_executor import SimulatedExecutor, default_next_token
-from scheduler_service.step_plan import Rejection
+from scheduler_service.core.config import SchedulerConfig
+from scheduler_service.core.errors import RejectKind, RequestRejected
+from scheduler_service.core.policy import Policy, StepMode
+from scheduler_service.core.request import FinishReason, Request
+from scheduler_service.core.sampling_params import SamplingParams
+from scheduler_service.core.scheduler import Scheduler
+from scheduler_service.core.sim_executor import SimulatedExecutor, default_next_token
+from scheduler_service.core.step_plan import Rejection
 from tests.sched_harness import make_request, run
 
 
@@ -185,6 +185,13 @@ def test_pipelined_planning_gives_the_same_tokens() -> None:
     aborts=st.sets(st.integers(0, 11), max_size=3),
     stopped=st.sets(st.integers(0, 11), max_size=3),
     failing=st.sets(st.integers(1, 40), max_size=4),
+)
+# A request retried alone after a failed step that had to preempt itself for blocks was admitted
+# straight back each step, while the decode that would free those blocks never ran.
+@example(
+    specs=[(1, 1, 0, 1), (1, 1, 0, 1), (6, 3, 0, 2), (1, 1, 0, 1), (8, 2, 0, 1)],
+    num_blocks=8, block_size=2, budget=7, max_num_seqs=2, policy=Policy.FCFS,
+    mode=StepMode.PREFILL_FIRST, pipelined=True, aborts={0, 1, 3}, stopped=set(), failing={1, 4},
 )
 def test_random_workloads_finish_with_the_right_tokens_and_free_every_block(
     specs, num_blocks, block_size, budget, max_num_seqs, policy, mode, pipelined, aborts, stopped, failing

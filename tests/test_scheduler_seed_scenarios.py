@@ -4,8 +4,8 @@ Each line: tokens scheduled per request in that step, then the waiting and runni
 the step's results came back. Prompts of request ri are distinct, so no prefix is shared.
 """
 
-from scheduler_service.config import SchedulerConfig
-from scheduler_service.policy import StepMode
+from scheduler_service.core.config import SchedulerConfig
+from scheduler_service.core.policy import StepMode
 from tests.sched_harness import make_request, run
 
 

@@ -8,10 +8,10 @@ import grpc
 from protos.splitserve.executor.v1 import executor_pb2
 from protos.splitserve.v1 import generation_pb2 as pb
 from protos.splitserve.v1 import generation_pb2_grpc
-from scheduler_service.engine import Engine, EngineUnavailable
-from scheduler_service.errors import RejectKind, RequestRejected
-from scheduler_service.output_stream import OutputStream, StreamFailed
-from scheduler_service.request_intake import IntakeError, build_request, prompt_token_ids
+from scheduler_service.service.engine import Engine, EngineUnavailable
+from scheduler_service.core.errors import RejectKind, RequestRejected
+from scheduler_service.service.output_stream import OutputStream, StreamFailed
+from scheduler_service.service.request_intake import IntakeError, build_request, prompt_token_ids
 
 logger = logging.getLogger(__name__)
 

@@ -4,8 +4,8 @@ import heapq
 from collections import deque
 from collections.abc import Iterator
 
-from scheduler_service.policy import Policy, rank
-from scheduler_service.request import Request
+from scheduler_service.core.policy import Policy, rank
+from scheduler_service.core.request import Request
 
 
 class WaitingQueue:

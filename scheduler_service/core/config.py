@@ -2,7 +2,7 @@
 
 from dataclasses import dataclass
 
-from scheduler_service.policy import Policy, StepMode
+from scheduler_service.core.policy import Policy, StepMode
 
 
 @dataclass(slots=True, frozen=True)

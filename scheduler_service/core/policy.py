@@ -3,7 +3,7 @@
 import enum
 from collections.abc import Iterable
 
-from scheduler_service.request import Request
+from scheduler_service.core.request import Request
 
 
 class Policy(enum.Enum):

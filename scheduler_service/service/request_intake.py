@@ -6,9 +6,9 @@ from dataclasses import dataclass
 import grpc
 
 from protos.splitserve.v1 import generation_pb2 as pb
-from scheduler_service.request import Request
-from scheduler_service.sampling_params import SamplingParams
-from scheduler_service.text_processor import TextProcessor
+from scheduler_service.core.request import Request
+from scheduler_service.core.sampling_params import SamplingParams
+from scheduler_service.text.tokenizer import TextProcessor
 
 
 @dataclass(slots=True)

@@ -7,7 +7,7 @@ the conversations. The protobuf form is built by plan_codec.
 
 from dataclasses import dataclass, field
 
-from scheduler_service.sampling_params import SamplingParams
+from scheduler_service.core.sampling_params import SamplingParams
 
 
 @dataclass(slots=True)

@@ -3,7 +3,7 @@
 import enum
 from dataclasses import dataclass, field
 
-from scheduler_service.sampling_params import SamplingParams
+from scheduler_service.core.sampling_params import SamplingParams
 
 
 class RequestStatus(enum.Enum):

@@ -12,12 +12,12 @@ from prometheus_client import start_http_server
 
 from protos.limits import MAX_MESSAGE_BYTES
 from protos.splitserve.v1 import generation_pb2, generation_pb2_grpc
-from scheduler_service.engine import Engine, EngineOptions
-from scheduler_service.executor_link import ExecutorLink
-from scheduler_service.gc_tuning import tune_gc
-from scheduler_service.metrics import SchedulerMetrics
-from scheduler_service.servicer import GenerationServicer
-from scheduler_service.text_processor import TextProcessor
+from scheduler_service.service.engine import Engine, EngineOptions
+from scheduler_service.service.executor_link import ExecutorLink
+from scheduler_service.service.gc_tuning import tune_gc
+from scheduler_service.service.metrics import SchedulerMetrics
+from scheduler_service.service.servicer import GenerationServicer
+from scheduler_service.text.tokenizer import TextProcessor
 
 logger = logging.getLogger(__name__)
 

@@ -9,7 +9,7 @@ scheduler that hands out a wrong block, a stale prefix hit or too few slots fail
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from scheduler_service.step_plan import Rejection, StepOutput, StepPlan
+from scheduler_service.core.step_plan import Rejection, StepOutput, StepPlan
 
 TokenFn = Callable[[str, Sequence[int]], int]
 # Says why a plan's forward fails, or None when it runs: a fault model for tests and replays.

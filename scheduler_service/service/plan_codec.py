@@ -3,8 +3,8 @@
 from collections.abc import Collection
 
 from protos.splitserve.executor.v1 import executor_pb2 as pb
-from scheduler_service.sampling_params import SamplingParams
-from scheduler_service.step_plan import Rejection, StepOutput, StepPlan, TokenLogprob
+from scheduler_service.core.sampling_params import SamplingParams
+from scheduler_service.core.step_plan import Rejection, StepOutput, StepPlan, TokenLogprob
 
 
 def sampler_config(params: SamplingParams, eos_token_ids: Collection[int] = ()) -> pb.SamplerConfig:

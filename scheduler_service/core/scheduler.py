@@ -7,12 +7,12 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass, replace
 
 from kv_manager import KVCacheManager, PrefixHit
-from scheduler_service.config import SchedulerConfig
-from scheduler_service.errors import RejectKind, RequestRejected
-from scheduler_service.policy import StepMode, pick_victim
-from scheduler_service.request import FinishReason, Request, RequestStatus
-from scheduler_service.request_queue import WaitingQueue
-from scheduler_service.step_plan import (
+from scheduler_service.core.config import SchedulerConfig
+from scheduler_service.core.errors import RejectKind, RequestRejected
+from scheduler_service.core.policy import StepMode, pick_victim
+from scheduler_service.core.request import FinishReason, Request, RequestStatus
+from scheduler_service.core.request_queue import WaitingQueue
+from scheduler_service.core.step_plan import (
     ContinuingRequestPlan,
     NewRequestPlan,
     Rejection,
@@ -20,7 +20,7 @@ from scheduler_service.step_plan import (
     StepOutput,
     StepPlan,
 )
-from scheduler_service.stop_checker import check_stop, may_sample_more
+from scheduler_service.core.stop_checker import check_stop, may_sample_more
 
 # google.rpc.Code INTERNAL: the executor answered, but not for every request it was given.
 INTERNAL = 13
@@ -154,24 +154,24 @@ class Scheduler:
         scheduled: dict[Request, int] = {}
         new_blocks: dict[str, list[int]] = {}
         admitted: list[Request] = []
-        if self._schedule_retry_alone(budget, scheduled, new_blocks, admitted):
+        preempted = self._schedule_retry_alone(budget, scheduled, new_blocks, admitted)
+        if scheduled:
             return self._build_plan(scheduled, new_blocks, admitted)
         mode = self.config.mode
-        preempted = False
         if mode is StepMode.MIXED:
-            budget, preempted = self._schedule_running(budget, scheduled, new_blocks, prefill=True, decode=True)
-            if not preempted:
+            budget, running_preempted = self._schedule_running(budget, scheduled, new_blocks, prefill=True, decode=True)
+            if not (preempted or running_preempted):
                 budget = self._admit_waiting(budget, scheduled, admitted)
         elif mode is StepMode.PREFILL_FIRST:
-            budget, preempted = self._schedule_running(budget, scheduled, new_blocks, prefill=True, decode=False)
-            if not preempted:
+            budget, running_preempted = self._schedule_running(budget, scheduled, new_blocks, prefill=True, decode=False)
+            if not (preempted or running_preempted):
                 budget = self._admit_waiting(budget, scheduled, admitted)
             if not scheduled:
                 self._schedule_running(budget, scheduled, new_blocks, prefill=False, decode=True)
         else:
             was_idle = not self.running
             self._schedule_running(budget, scheduled, new_blocks, prefill=True, decode=True)
-            if was_idle:
+            if was_idle and not preempted:
                 self._admit_waiting(budget, scheduled, admitted)
         return self._build_plan(scheduled, new_blocks, admitted)
 
@@ -183,15 +183,19 @@ class Scheduler:
         admitted: list[Request],
     ) -> bool:
         """Plans a step for a request retried after a failed step, and nothing else, if one is
-        running or heads the waiting queue and fits; the other requests wait one step."""
+        running or heads the waiting queue and fits; the other requests wait one step.
+
+        Returns whether it preempted: then nobody is admitted this step, as after any
+        preemption, or a retried request that preempted itself would be admitted straight back
+        and starve the running requests whose blocks it needs."""
         if not self._retrying:
             return False
         running = next((r for r in self._retrying if r.status is RequestStatus.RUNNING), None)
         if running is not None:
-            self._schedule_running(budget, scheduled, new_blocks, True, True, only=running)
-        elif self.waiting and self.waiting.peek().retry_alone:
+            return self._schedule_running(budget, scheduled, new_blocks, True, True, only=running)[1]
+        if self.waiting and self.waiting.peek().retry_alone:
             self._admit_waiting(budget, scheduled, admitted)
-        return bool(scheduled)
+        return False
 
     def _schedule_running(
         self,

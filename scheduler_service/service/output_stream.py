@@ -5,10 +5,10 @@ import asyncio
 import grpc
 
 from protos.splitserve.v1 import generation_pb2 as pb
-from scheduler_service.detokenizer import IncrementalDetokenizer
-from scheduler_service.request import FinishReason, Request
-from scheduler_service.step_plan import TokenLogprob
-from scheduler_service.text_processor import TextProcessor
+from scheduler_service.text.detokenizer import IncrementalDetokenizer
+from scheduler_service.core.request import FinishReason, Request
+from scheduler_service.core.step_plan import TokenLogprob
+from scheduler_service.text.tokenizer import TextProcessor
 
 FINISH_REASONS = {
     FinishReason.STOP: pb.FINISH_REASON_STOP,

@@ -2,7 +2,7 @@
 
 from collections.abc import Container
 
-from scheduler_service.request import FinishReason, Request
+from scheduler_service.core.request import FinishReason, Request
 
 
 def check_stop(
