@@ -19,13 +19,11 @@ from executor_service.request_state import RequestState, make_generator
 from executor_service.sampler import SampleResult, SamplingRow, sample
 from executor_service.sampling_params import SamplingParams
 from executor_service.validation import Limits, check_continuing, check_new
+from protos import rpc_codes
 from protos.splitserve.executor.v1 import executor_pb2
 
 logger = logging.getLogger(__name__)
 
-# google.rpc.Code values of RejectedRequest.code.
-INVALID_ARGUMENT = 3
-INTERNAL = 13
 
 
 @dataclass(slots=True)
@@ -122,10 +120,12 @@ class ModelRunner:
                 # A bug tripped by one entry must not take the stream (and every other request)
                 # down with it; the scheduler aborts just this request.
                 logger.exception("event=entry_failed request_id=%s", entry.request_id)
-                self._reject(admitted, entry.request_id, INTERNAL, f"executor error: {error!r}")
+                self._reject(
+                    admitted, entry.request_id, rpc_codes.INTERNAL, f"executor error: {error!r}"
+                )
                 continue
             if problem is not None:
-                self._reject(admitted, entry.request_id, INVALID_ARGUMENT, problem)
+                self._reject(admitted, entry.request_id, rpc_codes.INVALID_ARGUMENT, problem)
         return admitted
 
     def _admit_entry(

@@ -7,7 +7,8 @@ from scheduler_service.core.request import Request
 from scheduler_service.core.sampling_params import SamplingParams
 from scheduler_service.core.scheduler import Scheduler
 from scheduler_service.core.sim_executor import FailFn, SimulatedExecutor
-from scheduler_service.core.step_plan import Rejection, StepPlan
+from scheduler_service.core.errors import RequestError
+from scheduler_service.core.step_plan import StepPlan
 
 
 def make_request(index: int, prompt_len: int, max_tokens: int, priority: int = 0) -> Request:
@@ -34,7 +35,7 @@ class Run:
     plans: list[StepPlan] = field(default_factory=list)
     outputs: dict[str, list[int]] = field(default_factory=dict)
     finished_at: dict[str, int] = field(default_factory=dict)
-    errors: dict[str, Rejection] = field(default_factory=dict)
+    errors: dict[str, RequestError] = field(default_factory=dict)
 
 
 def run(

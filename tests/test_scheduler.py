@@ -6,13 +6,12 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from scheduler_service.core.config import SchedulerConfig
-from scheduler_service.core.errors import RejectKind, RequestRejected
+from scheduler_service.core.errors import ErrorKind, RequestError, RequestRejected
 from scheduler_service.core.policy import Policy, StepMode
 from scheduler_service.core.request import FinishReason, Request
 from scheduler_service.core.sampling_params import SamplingParams
 from scheduler_service.core.scheduler import Scheduler
 from scheduler_service.core.sim_executor import SimulatedExecutor, default_next_token
-from scheduler_service.core.step_plan import Rejection
 from tests.sched_harness import make_request, run
 
 
@@ -96,7 +95,7 @@ def test_rejections_name_the_problem() -> None:
     scheduler = Scheduler(config(num_kv_blocks=2, block_size=4, max_model_len=100))
     with pytest.raises(RequestRejected, match="KV cache of 2 blocks x 4 tokens") as too_big:
         scheduler.add_request(Request("big", list(range(9))))
-    assert too_big.value.kind is RejectKind.TOO_LARGE
+    assert too_big.value.kind is ErrorKind.TOO_LARGE
     with pytest.raises(RequestRejected, match="empty"):
         scheduler.add_request(Request("empty", []))
     scheduler.add_request(Request("x", [1]))
@@ -126,10 +125,10 @@ def test_a_refused_entry_ends_its_request_and_leaves_nothing_in_the_prefix_cache
     plan = scheduler.schedule()
     output = executor.execute(plan)
     output.sampled.pop("bad")
-    output.rejected["bad"] = Rejection(3, "temperature must be finite")
+    output.rejected["bad"] = RequestError(ErrorKind.INVALID, "temperature must be finite")
     [update] = scheduler.update(output)
-    assert update.finished and update.error == Rejection(
-        3, "the executor refused request bad: temperature must be finite"
+    assert update.finished and update.error == RequestError(
+        ErrorKind.INVALID, "the executor refused request bad: temperature must be finite"
     )
     assert scheduler.kv.num_free_blocks == 64
     # The refused step never wrote those blocks: a request with the same prompt computes it all.
@@ -206,7 +205,7 @@ def test_random_workloads_finish_with_the_right_tokens_and_free_every_block(
         num_blocks, block_size, fail_step=lambda plan: "boom" if plan.step_id in failing else None
     )
     requests: list[Request] = []
-    errors: dict[str, Rejection] = {}
+    errors: dict[str, RequestError] = {}
     for index, (prompt_len, max_tokens, priority, stem) in enumerate(specs):
         # Requests share stems so prefix hits, revivals and evictions all happen.
         prompt = [stem] * min(prompt_len, 8) + list(range(index * 50, index * 50 + prompt_len - 8))
@@ -246,7 +245,10 @@ def test_random_workloads_finish_with_the_right_tokens_and_free_every_block(
     assert not scheduler.has_unfinished(), "a request starved"
     # Only a request whose retry failed too ends in error, and each failed step ends one at most.
     assert len(errors) <= len(failing)
-    assert all(e.code == 13 and "failed in the executor twice: boom" in e.message for e in errors.values())
+    assert all(
+        e.kind is ErrorKind.INTERNAL and "failed in the executor twice: boom" in e.message
+        for e in errors.values()
+    )
     for request in requests:
         expected = min(request.sampling.max_tokens, num_blocks * block_size - request.num_prompt_tokens)
         reference = expected_output(request.prompt_token_ids, expected)
@@ -267,7 +269,9 @@ def test_a_failed_step_is_retried_alone_and_only_the_request_that_fails_again_en
         {1: requests},
         fail_step=lambda plan: "poisoned" if plan.step_id >= 3 and "r1" in plan.scheduled_request_ids else None,
     )
-    assert result.errors == {"r1": Rejection(13, "request r1 failed in the executor twice: poisoned")}
+    assert result.errors == {
+        "r1": RequestError(ErrorKind.INTERNAL, "request r1 failed in the executor twice: poisoned")
+    }
     for request in (requests[0], requests[2]):
         assert result.outputs[request.request_id] == expected_output(request.prompt_token_ids, 8)
     # Recomputes start from each request's own cached first block.

@@ -8,22 +8,19 @@ from dataclasses import dataclass, replace
 
 from kv_manager import KVCacheManager, PrefixHit
 from scheduler_service.core.config import SchedulerConfig
-from scheduler_service.core.errors import RejectKind, RequestRejected
+from scheduler_service.core.errors import ErrorKind, RequestError, RequestRejected
 from scheduler_service.core.policy import StepMode, pick_victim
 from scheduler_service.core.request import FinishReason, Request, RequestStatus
 from scheduler_service.core.request_queue import WaitingQueue
 from scheduler_service.core.step_plan import (
     ContinuingRequestPlan,
     NewRequestPlan,
-    Rejection,
     RequestUpdate,
     StepOutput,
     StepPlan,
 )
 from scheduler_service.core.stop_checker import check_stop, may_sample_more
 
-# google.rpc.Code INTERNAL: the executor answered, but not for every request it was given.
-INTERNAL = 13
 
 
 @dataclass(slots=True, frozen=True)
@@ -81,18 +78,18 @@ class Scheduler:
 
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
-            raise RequestRejected(RejectKind.DUPLICATE, f"request id {request.request_id!r} is already in flight")
+            raise RequestRejected(ErrorKind.DUPLICATE, f"request id {request.request_id!r} is already in flight")
         if not request.prompt_token_ids:
-            raise RequestRejected(RejectKind.INVALID, "the prompt is empty")
+            raise RequestRejected(ErrorKind.INVALID, "the prompt is empty")
         if request.num_prompt_tokens >= self.config.max_model_len:
             raise RequestRejected(
-                RejectKind.INVALID,
+                ErrorKind.INVALID,
                 f"prompt of {request.num_prompt_tokens} tokens leaves no room to generate under "
                 f"the maximum model length of {self.config.max_model_len}",
             )
         if request.num_prompt_tokens >= self.config.max_seq_len:
             raise RequestRejected(
-                RejectKind.TOO_LARGE,
+                ErrorKind.TOO_LARGE,
                 f"prompt of {request.num_prompt_tokens} tokens leaves no room to generate in a KV "
                 f"cache of {self.config.num_kv_blocks} blocks x {self.config.block_size} tokens",
             )
@@ -344,12 +341,12 @@ class Scheduler:
             if request_id in output.rejected:
                 rejection = output.rejected[request_id]
                 message = f"the executor refused request {request_id}: {rejection.message}"
-                updates.append(self._end_in_error(request, Rejection(rejection.code, message)))
+                updates.append(self._end_in_error(request, RequestError(rejection.kind, message)))
             elif output.failure is not None:
                 failed.append(request)
             elif sent.samples and not output.sampled.get(request_id):
                 message = f"the executor returned no token for request {request_id}"
-                updates.append(self._end_in_error(request, Rejection(INTERNAL, message)))
+                updates.append(self._end_in_error(request, RequestError(ErrorKind.INTERNAL, message)))
             else:
                 self.kv.cache_computed(request_id, request.token_ids, sent.num_computed_tokens)
                 if sent.samples:
@@ -369,14 +366,14 @@ class Scheduler:
         for request in sorted(requests, key=lambda r: r.arrival_index, reverse=True):
             if request.retry_alone:
                 message = f"request {request.request_id} failed in the executor twice: {failure}"
-                updates.append(self._end_in_error(request, Rejection(INTERNAL, message)))
+                updates.append(self._end_in_error(request, RequestError(ErrorKind.INTERNAL, message)))
             else:
                 request.retry_alone = True
                 self._retrying[request] = None
                 self._preempt(request)
         return updates
 
-    def _end_in_error(self, request: Request, error: Rejection) -> RequestUpdate:
+    def _end_in_error(self, request: Request, error: RequestError) -> RequestUpdate:
         self.finish(request, FinishReason.ABORT)
         return RequestUpdate(request.request_id, [], [], True, error)
 

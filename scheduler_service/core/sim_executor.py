@@ -9,7 +9,8 @@ scheduler that hands out a wrong block, a stale prefix hit or too few slots fail
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from scheduler_service.core.step_plan import Rejection, StepOutput, StepPlan
+from scheduler_service.core.errors import ErrorKind, RequestError
+from scheduler_service.core.step_plan import StepOutput, StepPlan
 
 TokenFn = Callable[[str, Sequence[int]], int]
 # Says why a plan's forward fails, or None when it runs: a fault model for tests and replays.
@@ -70,7 +71,7 @@ class SimulatedExecutor:
         for cont in plan.continuing_requests:
             state = self.requests.get(cont.request_id)
             if state is None and cont.request_id in self.dropped_by_failure:
-                output.rejected[cont.request_id] = Rejection(3, "unknown request")
+                output.rejected[cont.request_id] = RequestError(ErrorKind.INVALID, "unknown request")
                 continue
             if state is None:
                 raise PlanMismatch(f"{cont.request_id} continues but is not held")

@@ -7,6 +7,7 @@ the conversations. The protobuf form is built by plan_codec.
 
 from dataclasses import dataclass, field
 
+from scheduler_service.core.errors import RequestError
 from scheduler_service.core.sampling_params import SamplingParams
 
 
@@ -60,14 +61,6 @@ class TokenLogprob:
     top_logprobs: list[float] = field(default_factory=list)
 
 
-@dataclass(slots=True, frozen=True)
-class Rejection:
-    """Why the executor refused a plan entry: a google.rpc.Code value and a message."""
-
-    code: int
-    message: str
-
-
 @dataclass(slots=True)
 class StepOutput:
     """An executor's answer to one plan."""
@@ -75,7 +68,7 @@ class StepOutput:
     step_id: int
     sampled: dict[str, list[int]] = field(default_factory=dict)
     logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)
-    rejected: dict[str, Rejection] = field(default_factory=dict)
+    rejected: dict[str, RequestError] = field(default_factory=dict)
     forward_time_s: float = 0.0
     # Set when the step's forward raised: no tokens, and the executor dropped the state of
     # every request the step ran (rejected entries excepted).
@@ -91,4 +84,4 @@ class RequestUpdate:
     new_logprobs: list[TokenLogprob]
     finished: bool
     # Why the request ended in error: a google.rpc.Code value and a message for its client.
-    error: Rejection | None = None
+    error: RequestError | None = None

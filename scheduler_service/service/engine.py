@@ -7,12 +7,10 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import grpc
-
 from protos.splitserve.executor.v1 import executor_pb2
 from protos.splitserve.v1 import generation_pb2 as pb
 from scheduler_service.core.config import SchedulerConfig
-from scheduler_service.core.errors import RejectKind, RequestRejected
+from scheduler_service.core.errors import ErrorKind, RequestError, RequestRejected
 from scheduler_service.service.executor_link import ExecutorLink, ExecutorLost
 from scheduler_service.service.metrics import SchedulerMetrics
 from scheduler_service.service.output_stream import OutputStream
@@ -30,11 +28,6 @@ logger = logging.getLogger(__name__)
 MAX_EXECUTOR_LOSSES = 3
 
 
-def status_code(code: int) -> grpc.StatusCode:
-    """The grpc.StatusCode of a google.rpc.Code value (INTERNAL when unknown)."""
-    return next((c for c in grpc.StatusCode if c.value[0] == code), grpc.StatusCode.INTERNAL)
-
-
 @dataclass(slots=True, frozen=True)
 class EngineOptions:
     max_num_seqs: int = 256
@@ -47,8 +40,11 @@ class EngineOptions:
     pipeline_depth: int = 2
 
 
-class EngineUnavailable(Exception):
+class EngineUnavailable(RequestRejected):
     """No executor has been reached yet."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(ErrorKind.UNAVAILABLE, message)
 
 
 class Engine:
@@ -94,7 +90,7 @@ class Engine:
         scheduler = self._require_scheduler()
         if len(scheduler.waiting) >= self.options.max_waiting:
             raise RequestRejected(
-                RejectKind.TOO_LARGE, f"{len(scheduler.waiting)} requests are already waiting; retry later"
+                ErrorKind.OVERLOADED, f"{len(scheduler.waiting)} requests are already waiting; retry later"
             )
         scheduler.add_request(request)
         stream = self.streams[request.request_id] = OutputStream(request, self.text)
@@ -141,12 +137,11 @@ class Engine:
         for request in reset.requeued:
             if request.num_executor_losses >= MAX_EXECUTOR_LOSSES:
                 scheduler.finish(request, FinishReason.ABORT)
-                self._fail(
-                    request,
-                    grpc.StatusCode.UNAVAILABLE,
+                message = (
                     f"the executor was lost {request.num_executor_losses} times while running "
-                    f"request {request.request_id}; giving up on it",
+                    f"request {request.request_id}; giving up on it"
                 )
+                self._fail(request, RequestError(ErrorKind.UNAVAILABLE, message))
         logger.info(
             "event=requests_requeued count=%d finished=%d", len(reset.requeued), len(reset.finished)
         )
@@ -178,10 +173,10 @@ class Engine:
             return
         if update.error is not None:
             logger.error(
-                "event=request_failed_in_executor request_id=%s code=%d reason=%r",
-                update.request_id, update.error.code, update.error.message,
+                "event=request_failed_in_executor request_id=%s kind=%s reason=%r",
+                update.request_id, update.error.kind.value, update.error.message,
             )
-            self._fail(stream.request, status_code(update.error.code), update.error.message)
+            self._fail(stream.request, update.error)
             return
         self.metrics.generation_tokens.inc(len(update.new_token_ids))
         message, stop_string = stream.add_tokens(update.new_token_ids, update.new_logprobs)
@@ -202,10 +197,10 @@ class Engine:
             stream.close(message)
             self.metrics.request_finished(stream.request)
 
-    def _fail(self, request: Request, code: grpc.StatusCode, message: str) -> None:
+    def _fail(self, request: Request, error: RequestError) -> None:
         stream = self.streams.pop(request.request_id, None)
         if stream is not None:
-            stream.fail(code, message)
+            stream.fail(error)
             self.metrics.request_finished(request)
 
     def _observe_queues(self, scheduler: Scheduler) -> None:

@@ -2,9 +2,8 @@
 
 import asyncio
 
-import grpc
-
 from protos.splitserve.v1 import generation_pb2 as pb
+from scheduler_service.core.errors import RequestError
 from scheduler_service.text.detokenizer import IncrementalDetokenizer
 from scheduler_service.core.request import FinishReason, Request
 from scheduler_service.core.step_plan import TokenLogprob
@@ -17,20 +16,13 @@ FINISH_REASONS = {
 }
 
 
-class StreamFailed(Exception):
-    """Ends a client's stream with an error status instead of a final message."""
-
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-
-
 class OutputStream:
     """Messages for one Generate call, queued for the servicer that streams them."""
 
     def __init__(self, request: Request, text: TextProcessor | None) -> None:
         self.request = request
-        self.queue: asyncio.Queue[pb.GenerateResponse | StreamFailed | None] = asyncio.Queue()
+        # Messages to send; an error ends the stream with that error's status, None ends it.
+        self.queue: asyncio.Queue[pb.GenerateResponse | RequestError | None] = asyncio.Queue()
         self.closed = False
         self._detokenizer = (
             IncrementalDetokenizer(
@@ -85,9 +77,9 @@ class OutputStream:
         self.queue.put_nowait(None)
         self.closed = True
 
-    def fail(self, code: grpc.StatusCode, message: str) -> None:
+    def fail(self, error: RequestError) -> None:
         if not self.closed:
-            self.queue.put_nowait(StreamFailed(code, message))
+            self.queue.put_nowait(error)
             self.closed = True
 
 

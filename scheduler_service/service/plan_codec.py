@@ -4,7 +4,13 @@ from collections.abc import Collection
 
 from protos.splitserve.executor.v1 import executor_pb2 as pb
 from scheduler_service.core.sampling_params import SamplingParams
-from scheduler_service.core.step_plan import Rejection, StepOutput, StepPlan, TokenLogprob
+from protos import rpc_codes
+from scheduler_service.core.errors import ErrorKind, RequestError
+from scheduler_service.core.step_plan import StepOutput, StepPlan, TokenLogprob
+
+
+# An entry the executor refused is wrong (INVALID_ARGUMENT) or tripped it (INTERNAL).
+_REJECTION_KINDS = {rpc_codes.INVALID_ARGUMENT: ErrorKind.INVALID, rpc_codes.INTERNAL: ErrorKind.INTERNAL}
 
 
 def sampler_config(params: SamplingParams, eos_token_ids: Collection[int] = ()) -> pb.SamplerConfig:
@@ -65,7 +71,8 @@ def output_from_proto(result: pb.StepResult) -> StepOutput:
                 for lp in item.logprobs
             ]
     for rejected in result.rejected:
-        output.rejected[rejected.request_id] = Rejection(rejected.code, rejected.message)
+        kind = _REJECTION_KINDS.get(rejected.code, ErrorKind.INTERNAL)
+        output.rejected[rejected.request_id] = RequestError(kind, rejected.message)
     if result.HasField("failure"):
         output.failure = result.failure.message
     return output

@@ -1,20 +1,12 @@
 """Turns a client's GenerateRequest into a scheduler Request, or says exactly what is wrong."""
 
 import uuid
-from dataclasses import dataclass
-
-import grpc
 
 from protos.splitserve.v1 import generation_pb2 as pb
+from scheduler_service.core.errors import ErrorKind, RequestRejected
 from scheduler_service.core.request import Request
 from scheduler_service.core.sampling_params import SamplingParams
 from scheduler_service.text.tokenizer import TextProcessor
-
-
-@dataclass(slots=True)
-class IntakeError(Exception):
-    code: grpc.StatusCode
-    message: str
 
 
 def sampling_from_proto(message: pb.SamplingParams) -> SamplingParams:
@@ -46,21 +38,21 @@ def prompt_token_ids(
     """Token ids of the request's prompt (field names the oneof: 'prompt' or 'input')."""
     kind = message.WhichOneof(field)
     if kind is None:
-        raise IntakeError(grpc.StatusCode.INVALID_ARGUMENT, "no prompt: set one of text, token_ids or chat")
+        raise RequestRejected(ErrorKind.INVALID, "no prompt: set one of text, token_ids or chat")
     if kind == "token_ids":
         return list(message.token_ids.ids)
     if text is None:
-        raise IntakeError(
-            grpc.StatusCode.FAILED_PRECONDITION,
+        raise RequestRejected(
+            ErrorKind.UNSUPPORTED,
             f"this server has no tokenizer (start it with --tokenizer); send token_ids instead of {kind}",
         )
     if kind == "text":
         return text.encode(message.text)
     if not text.has_chat_template:
-        raise IntakeError(grpc.StatusCode.FAILED_PRECONDITION, "the tokenizer has no chat template; send text")
+        raise RequestRejected(ErrorKind.UNSUPPORTED, "the tokenizer has no chat template; send text")
     turns = [(m.role, m.content) for m in message.chat.messages]
     if not turns:
-        raise IntakeError(grpc.StatusCode.INVALID_ARGUMENT, "chat has no messages")
+        raise RequestRejected(ErrorKind.INVALID, "chat has no messages")
     return text.encode_chat(turns, add_generation_prompt=message.chat.add_generation_prompt)
 
 
@@ -72,11 +64,11 @@ def build_request(
 ) -> Request:
     token_ids = prompt_token_ids(message, text, "prompt")
     if not token_ids:
-        raise IntakeError(grpc.StatusCode.INVALID_ARGUMENT, "the prompt is empty")
+        raise RequestRejected(ErrorKind.INVALID, "the prompt is empty")
     outside = sorted({t for t in token_ids if t >= vocab_size})
     if outside:
-        raise IntakeError(
-            grpc.StatusCode.INVALID_ARGUMENT,
+        raise RequestRejected(
+            ErrorKind.INVALID,
             f"prompt token ids {outside[:10]} are outside the vocabulary of {vocab_size}",
         )
     sampling = sampling_from_proto(message.sampling)
@@ -84,7 +76,7 @@ def build_request(
     if sampling.stop and text is None:
         problems.append("stop strings need a tokenizer (start the server with --tokenizer)")
     if problems:
-        raise IntakeError(grpc.StatusCode.INVALID_ARGUMENT, "; ".join(problems))
+        raise RequestRejected(ErrorKind.INVALID, "; ".join(problems))
     return Request(
         request_id=message.request_id or uuid.uuid4().hex,
         prompt_token_ids=token_ids,

@@ -8,17 +8,22 @@ import grpc
 from protos.splitserve.executor.v1 import executor_pb2
 from protos.splitserve.v1 import generation_pb2 as pb
 from protos.splitserve.v1 import generation_pb2_grpc
-from scheduler_service.service.engine import Engine, EngineUnavailable
-from scheduler_service.core.errors import RejectKind, RequestRejected
-from scheduler_service.service.output_stream import OutputStream, StreamFailed
-from scheduler_service.service.request_intake import IntakeError, build_request, prompt_token_ids
+from scheduler_service.service.engine import Engine
+from scheduler_service.core.errors import ErrorKind, RequestError, RequestRejected
+from scheduler_service.service.output_stream import OutputStream
+from scheduler_service.service.request_intake import build_request, prompt_token_ids
 
 logger = logging.getLogger(__name__)
 
-REJECT_CODES = {
-    RejectKind.INVALID: grpc.StatusCode.INVALID_ARGUMENT,
-    RejectKind.TOO_LARGE: grpc.StatusCode.RESOURCE_EXHAUSTED,
-    RejectKind.DUPLICATE: grpc.StatusCode.ALREADY_EXISTS,
+# The one place the scheduler turns what went wrong into a status a client can act on.
+STATUS_CODES = {
+    ErrorKind.INVALID: grpc.StatusCode.INVALID_ARGUMENT,
+    ErrorKind.UNSUPPORTED: grpc.StatusCode.FAILED_PRECONDITION,
+    ErrorKind.TOO_LARGE: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    ErrorKind.OVERLOADED: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    ErrorKind.DUPLICATE: grpc.StatusCode.ALREADY_EXISTS,
+    ErrorKind.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
+    ErrorKind.INTERNAL: grpc.StatusCode.INTERNAL,
 }
 
 
@@ -33,12 +38,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         try:
             scheduled = build_request(request, self.engine.text, info.vocab_size, info.max_logprobs)
             stream = self.engine.submit(scheduled)
-        except IntakeError as error:
-            await context.abort(error.code, error.message)
         except RequestRejected as rejected:
-            await context.abort(REJECT_CODES[rejected.kind], str(rejected))
-        except EngineUnavailable as error:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(error))
+            await context.abort(STATUS_CODES[rejected.kind], str(rejected))
         logger.info(
             "event=request_received request_id=%s prompt_tokens=%d priority=%d",
             scheduled.request_id, scheduled.num_prompt_tokens, scheduled.priority,
@@ -48,8 +49,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         context.add_done_callback(lambda _: self._cancel(stream))
         try:
             while (item := await stream.queue.get()) is not None:
-                if isinstance(item, StreamFailed):
-                    await context.abort(item.code, str(item))
+                if isinstance(item, RequestError):
+                    await context.abort(STATUS_CODES[item.kind], item.message)
                 yield item
         finally:
             self._cancel(stream)
@@ -71,8 +72,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     async def Tokenize(self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext) -> pb.TokenizeResponse:
         try:
             ids = prompt_token_ids(request, self.engine.text, "input")
-        except IntakeError as error:
-            await context.abort(error.code, error.message)
+        except RequestRejected as rejected:
+            await context.abort(STATUS_CODES[rejected.kind], str(rejected))
         pieces = self.engine.text.token_pieces(ids) if self.engine.text else []
         return pb.TokenizeResponse(token_ids=ids, tokens=pieces)
 
@@ -120,7 +121,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     async def _require_info(self, context: grpc.aio.ServicerContext) -> executor_pb2.ExecutorInfo:
         if self.engine.info is None:
             await context.abort(
-                grpc.StatusCode.UNAVAILABLE,
+                STATUS_CODES[ErrorKind.UNAVAILABLE],
                 f"the executor at {self.engine.link.address} has not been reached yet",
             )
         return self.engine.info
