@@ -13,7 +13,7 @@ from executor_service.model_loader import LoadedModel
 from executor_service.plan_inputs import ScheduledWork, build_step_inputs
 from executor_service.request_state import RequestState
 from executor_service.sampler import SamplingRow, sample
-from executor_service.sampling_params import SamplingParams
+from executor_service.sampler_settings import SamplerSettings
 from executor_service.settings import DEFAULT_CPU_KV_BYTES, ExecutorSettings
 
 logger = logging.getLogger(__name__)
@@ -23,7 +23,7 @@ logger = logging.getLogger(__name__)
 PROFILE_DECODE_SEQS = 256
 # Sampling of the profiled steps: every filter and penalty on, so each of their copies of the
 # logits is counted (num_logprobs is set to the most a request may ask for).
-_PROFILE_SAMPLING = SamplingParams(
+_PROFILE_SAMPLING = SamplerSettings(
     temperature=1.0, top_k=50, top_p=0.9, min_p=0.05, presence_penalty=0.5, want_logprobs=True
 )
 
@@ -123,7 +123,7 @@ def _profile_peak(
     loaded: LoadedModel,
     shape: KVCacheShape,
     num_tokens: int,
-    sampling: SamplingParams,
+    sampling: SamplerSettings,
     backend: str,
 ) -> int:
     """The larger transient peak of a num_tokens prefill and of a PROFILE_DECODE_SEQS decode
@@ -154,7 +154,7 @@ def _profile_work(
     num_tokens: int,
     block_ids: range,
     num_scheduled: int,
-    sampling: SamplingParams,
+    sampling: SamplerSettings,
 ) -> ScheduledWork:
     state = RequestState(
         request_id=request_id,

@@ -17,7 +17,7 @@ from executor_service.model_loader import LoadedModel
 from executor_service.plan_inputs import ScheduledWork, build_step_inputs
 from executor_service.request_state import RequestState, make_generator
 from executor_service.sampler import SampleResult, SamplingRow, sample
-from executor_service.sampling_params import SamplingParams
+from executor_service.sampler_settings import SamplerSettings
 from executor_service.validation import Limits, check_continuing, check_new
 from protos import rpc_codes
 from protos.splitserve.executor.v1 import executor_pb2
@@ -204,7 +204,7 @@ class ModelRunner:
 
 
 def _new_state(entry: executor_pb2.NewRequest, device: torch.device) -> RequestState:
-    params = SamplingParams.from_proto(entry.sampling)
+    params = SamplerSettings.from_proto(entry.sampling)
     return RequestState(
         request_id=entry.request_id,
         token_ids=list(entry.token_ids),

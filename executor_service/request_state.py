@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from executor_service.sampling_params import SamplingParams
+from executor_service.sampler_settings import SamplerSettings
 
 
 @dataclass(slots=True)
@@ -18,7 +18,7 @@ class RequestState:
     num_prompt_tokens: int
     block_ids: list[int]
     num_computed_tokens: int
-    sampling: SamplingParams
+    sampling: SamplerSettings
     # The request's own generator when seeded, so its draws ignore the rest of the batch.
     generator: torch.Generator | None
 

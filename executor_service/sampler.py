@@ -12,12 +12,12 @@ from dataclasses import dataclass
 
 import torch
 
-from executor_service.sampling_params import SamplingParams
+from executor_service.sampler_settings import SamplerSettings
 
 
 @dataclass(slots=True)
 class SamplingRow:
-    params: SamplingParams
+    params: SamplerSettings
     generator: torch.Generator | None
     prompt_token_ids: list[int]
     output_token_ids: list[int]
@@ -62,7 +62,7 @@ def sample(
     return SampleResult(token_ids=token_list, logprobs=_logprobs(raw_logprobs, rows, tokens))
 
 
-def sampling_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+def sampling_probs(logits: torch.Tensor, params: list[SamplerSettings]) -> torch.Tensor:
     """The distribution a non-greedy row draws from: temperature, then min-p, top-k, top-p."""
     device = logits.device
     temperature = torch.tensor([p.temperature for p in params], device=device)

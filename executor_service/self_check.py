@@ -21,7 +21,7 @@ from executor_service.model_support import UnsupportedModel
 from executor_service.paged_attention import ATTENTION_NAME
 from executor_service.plan_inputs import ScheduledWork, build_step_inputs
 from executor_service.request_state import RequestState
-from executor_service.sampling_params import SamplingParams
+from executor_service.sampler_settings import SamplerSettings
 
 logger = logging.getLogger(__name__)
 
@@ -113,7 +113,7 @@ def _sequence(name: str, token_ids: list[int], prompt_len: int, block_ids: list[
         num_prompt_tokens=prompt_len,
         block_ids=block_ids,
         num_computed_tokens=0,
-        sampling=SamplingParams(),
+        sampling=SamplerSettings(),
         generator=None,
     )
     return _Sequence(name, token_ids, prompt_len, state, [], [])

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from executor_service.sampler import SamplingRow, apply_penalties, sample
-from executor_service.sampling_params import SamplingParams
+from executor_service.sampler_settings import SamplerSettings
 
 torch.set_num_threads(1)
 
@@ -19,11 +19,11 @@ DRAWS = 40_000
 CHI_SQUARE_LIMIT = 34.0
 
 
-def row(params: SamplingParams, generator: torch.Generator | None = None) -> SamplingRow:
+def row(params: SamplerSettings, generator: torch.Generator | None = None) -> SamplingRow:
     return SamplingRow(params=params, generator=generator, prompt_token_ids=[], output_token_ids=[])
 
 
-def expected(params: SamplingParams) -> torch.Tensor:
+def expected(params: SamplerSettings) -> torch.Tensor:
     """The distribution the settings define, computed from their definitions."""
     probs = torch.softmax(LOGITS.double() / params.temperature, dim=-1)
     keep = torch.ones_like(probs, dtype=torch.bool)
@@ -45,16 +45,16 @@ def expected(params: SamplingParams) -> torch.Tensor:
 @pytest.mark.parametrize(
     "params",
     [
-        SamplingParams(temperature=1.0),
-        SamplingParams(temperature=0.7),
-        SamplingParams(temperature=1.5, top_k=3),
-        SamplingParams(temperature=1.0, top_p=0.6),
-        SamplingParams(temperature=1.0, min_p=0.3),
-        SamplingParams(temperature=1.3, top_k=6, top_p=0.9),
+        SamplerSettings(temperature=1.0),
+        SamplerSettings(temperature=0.7),
+        SamplerSettings(temperature=1.5, top_k=3),
+        SamplerSettings(temperature=1.0, top_p=0.6),
+        SamplerSettings(temperature=1.0, min_p=0.3),
+        SamplerSettings(temperature=1.3, top_k=6, top_p=0.9),
     ],
     ids=["t1", "t0.7", "topk3", "topp0.6", "minp0.3", "topk6-topp0.9"],
 )
-def test_draws_follow_the_distribution(params: SamplingParams) -> None:
+def test_draws_follow_the_distribution(params: SamplerSettings) -> None:
     generator = torch.Generator().manual_seed(1234)
     logits = LOGITS.expand(DRAWS, -1).clone()
     tokens = sample(logits, [row(params)] * DRAWS, generator).token_ids
@@ -68,7 +68,7 @@ def test_draws_follow_the_distribution(params: SamplingParams) -> None:
 
 def test_greedy_takes_the_argmax_and_ignores_filters() -> None:
     logits = torch.randn(5, 50, generator=torch.Generator().manual_seed(0))
-    rows = [row(SamplingParams(temperature=0.0, top_k=3, top_p=0.5, min_p=0.5))] * 5
+    rows = [row(SamplerSettings(temperature=0.0, top_k=3, top_p=0.5, min_p=0.5))] * 5
     assert sample(logits, rows).token_ids == logits.argmax(dim=-1).tolist()
 
 
@@ -83,10 +83,10 @@ def _seeded_tokens(position: int, others: int, steps: int = 20) -> list[int]:
         logits = torch.randn(others + 1, 64, generator=other_logits)
         logits[position] = torch.randn(64, generator=my_logits)
         rows = [
-            row(SamplingParams(temperature=0.8 + 0.1 * (i % 3), top_k=i % 5), None)
+            row(SamplerSettings(temperature=0.8 + 0.1 * (i % 3), top_k=i % 5), None)
             for i in range(others + 1)
         ]
-        rows[position] = row(SamplingParams(temperature=1.0, seed=42), mine)
+        rows[position] = row(SamplerSettings(temperature=1.0, seed=42), mine)
         tokens.append(sample(logits, rows, shared).token_ids[position])
     return tokens
 
@@ -99,7 +99,7 @@ def test_seeded_row_ignores_the_rest_of_the_batch() -> None:
 
 def test_penalties_follow_vllm_semantics() -> None:
     logits = torch.tensor([[2.0, -1.0, 0.5, 3.0, 1.0]])
-    params = SamplingParams(
+    params = SamplerSettings(
         temperature=0.0, repetition_penalty=2.0, presence_penalty=0.5, frequency_penalty=0.25
     )
     penalised = apply_penalties(
@@ -113,7 +113,7 @@ def test_penalties_follow_vllm_semantics() -> None:
 
 def test_penalties_change_the_greedy_choice() -> None:
     logits = torch.tensor([[3.0, 2.9, 0.0]])
-    params = SamplingParams(temperature=0.0, frequency_penalty=1.0)
+    params = SamplerSettings(temperature=0.0, frequency_penalty=1.0)
     rows = [SamplingRow(params, None, prompt_token_ids=[], output_token_ids=[0])]
     assert sample(logits, rows).token_ids == [1]
 
@@ -121,9 +121,9 @@ def test_penalties_change_the_greedy_choice() -> None:
 def test_logprobs_are_raw_log_softmax() -> None:
     logits = torch.randn(3, 40, generator=torch.Generator().manual_seed(3))
     rows = [
-        row(SamplingParams(temperature=0.0, want_logprobs=True, num_logprobs=5)),
-        row(SamplingParams(temperature=0.5, top_k=2, want_logprobs=True, num_logprobs=0)),
-        row(SamplingParams(temperature=0.0)),
+        row(SamplerSettings(temperature=0.0, want_logprobs=True, num_logprobs=5)),
+        row(SamplerSettings(temperature=0.5, top_k=2, want_logprobs=True, num_logprobs=0)),
+        row(SamplerSettings(temperature=0.0)),
     ]
     result = sample(logits, rows, torch.Generator().manual_seed(0))
     raw = torch.log_softmax(logits, dim=-1)
@@ -140,12 +140,12 @@ def test_logprobs_are_raw_log_softmax() -> None:
 
 def _min_tokens_row(outputs: int, temperature: float = 0.0) -> SamplingRow:
     # Token 0 is LOGITS' argmax and a stop id; token 5 is a second stop id.
-    params = SamplingParams(temperature=temperature, min_tokens=3, min_tokens_stop_ids=(0, 5))
+    params = SamplerSettings(temperature=temperature, min_tokens=3, min_tokens_stop_ids=(0, 5))
     return SamplingRow(params, None, prompt_token_ids=[9, 9], output_token_ids=[1] * outputs)
 
 
 def test_min_tokens_masks_stop_ids_until_enough_outputs() -> None:
-    rows = [_min_tokens_row(n) for n in range(5)] + [row(SamplingParams())]
+    rows = [_min_tokens_row(n) for n in range(5)] + [row(SamplerSettings())]
     logits = LOGITS.expand(len(rows), -1).clone()
     result = sample(logits, rows)
     # Outputs 0, 1, 2 may not stop, so they take the runner-up; from 3 outputs on, the argmax.
@@ -162,5 +162,5 @@ def test_min_tokens_masks_stop_ids_in_draws() -> None:
 def test_tiny_temperature_is_greedy() -> None:
     # Divided by 1e-38 these logits overflow float32 to inf, whose softmax is NaN.
     logits = torch.tensor([[5.0, 6.0, 10.0, -10.0]] * 4)
-    rows = [row(SamplingParams(temperature=t)) for t in (1e-38, 1e-30, 1e-6, 9.9e-6)]
+    rows = [row(SamplerSettings(temperature=t)) for t in (1e-38, 1e-30, 1e-6, 9.9e-6)]
     assert sample(logits, rows, torch.Generator().manual_seed(0)).token_ids == [2] * 4

@@ -1,7 +1,8 @@
 """Sampling and stop settings of one request, validated once at arrival."""
 
-import math
 from dataclasses import dataclass
+
+from protos.sampling_ranges import SAMPLING_RANGES, range_problems
 
 
 @dataclass(slots=True, frozen=True)
@@ -24,28 +25,11 @@ class SamplingParams:
 
     def problems(self, vocab_size: int, max_logprobs: int) -> list[str]:
         """Every way these settings are invalid, each as a sentence for the client."""
-        found = []
-        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
-            if not math.isfinite(getattr(self, name)):
-                found.append(f"{name} must be a finite number, got {getattr(self, name)}")
-        if found:
-            return found
+        found = range_problems({name: getattr(self, name) for name in SAMPLING_RANGES})
         if self.max_tokens is not None and self.max_tokens < 1:
             found.append(f"max_tokens must be at least 1, got {self.max_tokens}")
-        if self.temperature < 0:
-            found.append(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            found.append(f"top_p must be in (0, 1], got {self.top_p}")
-        if not 0 <= self.min_p <= 1:
-            found.append(f"min_p must be in [0, 1], got {self.min_p}")
         if self.top_k < 0:
             found.append(f"top_k must be >= 0, got {self.top_k}")
-        if self.repetition_penalty <= 0:
-            found.append(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
-        for name in ("presence_penalty", "frequency_penalty"):
-            value = getattr(self, name)
-            if not -2 <= value <= 2:
-                found.append(f"{name} must be in [-2, 2], got {value}")
         if self.logprobs is not None and self.logprobs > max_logprobs:
             found.append(f"logprobs must be at most {max_logprobs}, got {self.logprobs}")
         bad_ids = [t for t in self.stop_token_ids if t >= vocab_size]

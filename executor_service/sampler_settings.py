@@ -1,10 +1,11 @@
-"""A request's sampling settings, read from the proto with its 'zero means off' defaults."""
+"""What the sampler needs of a request (the executor's share of its sampling settings), read
+from the proto with its 'zero means off' defaults."""
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
+from protos.sampling_ranges import SAMPLING_RANGES, range_problems
 from protos.splitserve.executor.v1 import executor_pb2
 
 # Below this a temperature is greedy, as in vLLM: dividing logits by a denormal such as 1e-38
@@ -13,7 +14,7 @@ SAMPLING_EPS = 1e-5
 
 
 @dataclass(slots=True, frozen=True)
-class SamplingParams:
+class SamplerSettings:
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
@@ -43,7 +44,7 @@ class SamplingParams:
         )
 
     @classmethod
-    def from_proto(cls, config: executor_pb2.SamplerConfig) -> SamplingParams:
+    def from_proto(cls, config: executor_pb2.SamplerConfig) -> SamplerSettings:
         return cls(
             temperature=config.temperature,
             top_k=config.top_k,
@@ -70,21 +71,11 @@ def sampling_problem(
             f"sampling.min_tokens_stop_ids holds {bad_stop_ids[0]}, outside the vocab "
             f"[0, {vocab_size})"
         )
-    checks = (
-        ("temperature", _in_range(config.temperature, 0, math.inf), ">= 0"),
-        ("top_p", _in_range(config.top_p, 0, 1), "in (0, 1]"),
-        ("min_p", _in_range(config.min_p, 0, 1), "in [0, 1]"),
-        ("repetition_penalty", _in_range(config.repetition_penalty, 0, math.inf), "> 0"),
-        ("presence_penalty", _in_range(config.presence_penalty, -2, 2), "in [-2, 2]"),
-        ("frequency_penalty", _in_range(config.frequency_penalty, -2, 2), "in [-2, 2]"),
-        ("num_logprobs", config.num_logprobs <= max_logprobs, f"<= {max_logprobs}"),
+    if config.num_logprobs > max_logprobs:
+        return f"sampling.num_logprobs must be <= {max_logprobs}, got {config.num_logprobs}"
+    # Checked as the sampler will use them: the proto's zero defaults mean "off".
+    settings = SamplerSettings.from_proto(config)
+    problems = range_problems(
+        {name: getattr(settings, name) for name in SAMPLING_RANGES}, prefix="sampling."
     )
-    for name, ok, expected in checks:
-        if not ok:
-            return f"sampling.{name} must be {expected}, got {getattr(config, name)}"
-    return None
-
-
-def _in_range(value: float, low: float, high: float) -> bool:
-    # The proto's zero defaults mean "off", so zero is in range wherever it has a meaning.
-    return not math.isnan(value) and low <= value <= high and value != math.inf
+    return problems[0] if problems else None

@@ -1,0 +1,54 @@
+"""The valid range of each sampling setting, defined once: the scheduler checks a client's
+request against it and the executor checks every plan entry against it.
+
+Pure Python, like protos/limits.py, so the scheduler's planning core may use it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+
+@dataclass(slots=True, frozen=True)
+class Range:
+    low: float
+    high: float
+    # Whether `low` itself is outside (top_p > 0, repetition_penalty > 0).
+    low_open: bool = False
+
+    def contains(self, value: float) -> bool:
+        if not math.isfinite(value):
+            return False
+        return (self.low < value if self.low_open else self.low <= value) and value <= self.high
+
+    def describe(self) -> str:
+        if self.high == math.inf:
+            return f"{'>' if self.low_open else '>='} {self.low:g}"
+        return f"in {'(' if self.low_open else '['}{self.low:g}, {self.high:g}]"
+
+
+SAMPLING_RANGES: Mapping[str, Range] = {
+    "temperature": Range(0, math.inf),
+    "top_p": Range(0, 1, low_open=True),
+    "min_p": Range(0, 1),
+    "repetition_penalty": Range(0, math.inf, low_open=True),
+    "presence_penalty": Range(-2, 2),
+    "frequency_penalty": Range(-2, 2),
+}
+
+
+def range_problems(values: Mapping[str, float], prefix: str = "") -> list[str]:
+    """One sentence per setting outside its range, e.g. 'top_p must be in (0, 1], got 1.5'
+    ('sampling.top_p ...' with prefix 'sampling.'). Settings not in `values` are not checked."""
+    problems = []
+    for name, allowed in SAMPLING_RANGES.items():
+        if name not in values:
+            continue
+        value = values[name]
+        if not math.isfinite(value):
+            problems.append(f"{prefix}{name} must be a finite number, got {value}")
+        elif not allowed.contains(value):
+            problems.append(f"{prefix}{name} must be {allowed.describe()}, got {value}")
+    return problems
