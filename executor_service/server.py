@@ -15,7 +15,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from executor_service.startup import Executor
+from executor_service.startup import ReadyExecutor
 from protos.limits import MAX_MESSAGE_BYTES
 from protos.splitserve.executor.v1 import executor_pb2, executor_pb2_grpc
 
@@ -61,7 +61,7 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
     stream supersedes the active one. One worker thread runs all plans in arrival order, which
     keeps the event loop free for Describe and health checks."""
 
-    def __init__(self, executor: Executor, worker: ThreadPoolExecutor) -> None:
+    def __init__(self, executor: ReadyExecutor, worker: ThreadPoolExecutor) -> None:
         self._executor = executor
         self._worker = worker
         self._active: _Stream | None = None
@@ -152,7 +152,7 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
             await stream.pending.put(None)
 
 
-async def serve(executor: Executor, host: str, port: int) -> None:
+async def serve(executor: ReadyExecutor, host: str, port: int) -> None:
     """Serves until SIGTERM or SIGINT, then drains in-flight calls and stops."""
     worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="executor-step")
     server = grpc.aio.server(

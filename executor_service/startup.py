@@ -22,12 +22,14 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
-class Executor:
+class ReadyExecutor:
+    """A model runner that passed its start-up checks, and the ExecutorInfo that describes it."""
+
     runner: ModelRunner
     info: executor_pb2.ExecutorInfo
 
 
-def build_executor(settings: ExecutorSettings) -> Executor:
+def build_executor(settings: ExecutorSettings) -> ReadyExecutor:
     if settings.threads is not None:
         torch.set_num_threads(settings.threads)
     loaded = load_model(
@@ -71,4 +73,4 @@ def build_executor(settings: ExecutorSettings) -> Executor:
         max_logprobs=limits.max_logprobs,
         attention_backend=backend,
     )
-    return Executor(runner=ModelRunner(loaded, kv_cache, limits, backend), info=info)
+    return ReadyExecutor(runner=ModelRunner(loaded, kv_cache, limits, backend), info=info)

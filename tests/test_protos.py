@@ -5,6 +5,8 @@ import shutil
 from pathlib import Path
 
 from protos.generate import REPO_ROOT, generate, proto_sources
+from protos.splitserve.executor.v1 import executor_pb2
+from protos.splitserve.v1 import generation_pb2
 
 
 def test_generated_code_matches_the_proto_sources(tmp_path: Path) -> None:
@@ -44,3 +46,20 @@ def test_packages_are_versioned() -> None:
         if line.startswith("package ")
     }
     assert packages == {"splitserve.v1", "splitserve.executor.v1"}
+
+
+def test_executor_and_client_token_logprobs_share_one_wire_format() -> None:
+    """The scheduler passes the executor's logprob records to clients as bytes."""
+    executor_fields = executor_pb2.TokenLogprob.DESCRIPTOR.fields
+    client_fields = generation_pb2.TokenLogprob.DESCRIPTOR.fields
+    assert _shape(executor_fields) == _shape(client_fields)
+    record = executor_pb2.TokenLogprob(
+        token_id=7, logprob=-0.5, top_token_ids=[7, 3], top_logprobs=[-0.5, -1.25]
+    )
+    passed = generation_pb2.TokenLogprob.FromString(record.SerializeToString())
+    assert (passed.token_id, passed.logprob) == (7, -0.5)
+    assert list(passed.top_token_ids) == [7, 3] and list(passed.top_logprobs) == [-0.5, -1.25]
+
+
+def _shape(fields: object) -> list[tuple[str, int, int, bool]]:
+    return [(f.name, f.number, f.type, f.is_repeated) for f in fields]  # type: ignore[attr-defined]

@@ -154,3 +154,27 @@ def test_cancelled_streams_free_their_blocks_at_once(executor: str, reference: R
     for (prompt, max_tokens), output in zip(keep, outputs, strict=True):
         assert output == reference(prompt, max_tokens)
     assert status.kv_blocks_free == status.kv_blocks_total
+
+
+def test_logprobs_reach_the_client_as_the_model_computed_them(
+    executor: str, reference: Reference
+) -> None:
+    """Greedy with 3 top logprobs: each token is its own top entry, and every logprob equals
+    transformers' log-softmax at that position (one teacher-forced forward)."""
+    prompt = list(range(40, 73))
+    with start_scheduler(executor) as address, Client(address) as client:
+        result = client.generate(
+            prompt_token_ids=prompt, max_tokens=12, temperature=0, ignore_eos=True, logprobs=3
+        )
+    assert result.token_ids == reference(prompt, 12)
+    with torch.inference_mode():
+        logits = reference.model(torch.tensor([prompt + result.token_ids[:-1]])).logits[0]
+    expected = torch.log_softmax(logits[len(prompt) - 1 :].float(), dim=-1)
+    assert result.logprobs is not None and len(result.logprobs) == 12
+    for position, (token, record) in enumerate(zip(result.token_ids, result.logprobs, strict=True)):
+        assert record.token_id == token and record.top_token_ids[0] == token
+        assert len(record.top_token_ids) == len(record.top_logprobs) == 3
+        top = torch.topk(expected[position], 3)
+        assert record.top_token_ids == top.indices.tolist()
+        assert record.top_logprobs == pytest.approx(top.values.tolist(), abs=1e-4)
+        assert record.logprob == pytest.approx(float(expected[position, token]), abs=1e-4)

@@ -5,6 +5,7 @@ only its token count and new blocks, so a plan's size follows the step's work, n
 the conversations. The protobuf form is built by plan_codec.
 """
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from scheduler_service.core.errors import RequestError
@@ -54,20 +55,14 @@ class StepPlan:
 
 
 @dataclass(slots=True)
-class TokenLogprob:
-    token_id: int
-    logprob: float
-    top_token_ids: list[int] = field(default_factory=list)
-    top_logprobs: list[float] = field(default_factory=list)
-
-
-@dataclass(slots=True)
 class StepOutput:
     """An executor's answer to one plan."""
 
     step_id: int
     sampled: dict[str, list[int]] = field(default_factory=dict)
-    logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)
+    # The executor's per-token logprob records, opaque to the planner: they pass through to the
+    # client as they came (see service/output_stream.py).
+    logprobs: dict[str, Sequence[object]] = field(default_factory=dict)
     rejected: dict[str, RequestError] = field(default_factory=dict)
     forward_time_s: float = 0.0
     # Set when the step's forward raised: no tokens, and the executor dropped the state of
@@ -81,7 +76,7 @@ class RequestUpdate:
 
     request_id: str
     new_token_ids: list[int]
-    new_logprobs: list[TokenLogprob]
+    new_logprobs: Sequence[object]
     finished: bool
     # Why the request ended in error: a google.rpc.Code value and a message for its client.
     error: RequestError | None = None

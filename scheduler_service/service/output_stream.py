@@ -1,12 +1,13 @@
 """One request's way back to its client: token updates become GenerateResponse messages."""
 
 import asyncio
+from collections.abc import Sequence
 
+from protos.splitserve.executor.v1 import executor_pb2
 from protos.splitserve.v1 import generation_pb2 as pb
 from scheduler_service.core.errors import RequestError
 from scheduler_service.text.detokenizer import IncrementalDetokenizer
 from scheduler_service.core.request import FinishReason, Request
-from scheduler_service.core.step_plan import TokenLogprob
 from scheduler_service.text.tokenizer import TextProcessor
 
 FINISH_REASONS = {
@@ -36,18 +37,15 @@ class OutputStream:
             else None
         )
 
-    def add_tokens(self, token_ids: list[int], logprobs: list[TokenLogprob]) -> tuple[pb.GenerateResponse, str | None]:
+    def add_tokens(
+        self, token_ids: list[int], logprobs: Sequence[executor_pb2.TokenLogprob]
+    ) -> tuple[pb.GenerateResponse, str | None]:
         """The message for newly sampled tokens and the stop string they completed, if any."""
         message = pb.GenerateResponse(request_id=self.request.request_id, token_ids=token_ids)
-        for lp in logprobs:
-            message.logprobs.append(
-                pb.TokenLogprob(
-                    token_id=lp.token_id,
-                    logprob=lp.logprob,
-                    top_token_ids=lp.top_token_ids,
-                    top_logprobs=lp.top_logprobs,
-                )
-            )
+        for record in logprobs:
+            # The executor's and the client API's TokenLogprob share one wire format
+            # (tests/test_protos.py holds them to it), so the record passes through as bytes.
+            message.logprobs.add().MergeFromString(record.SerializeToString())
         if self._detokenizer is None:
             return message, None
         step = self._detokenizer.push(token_ids)

@@ -6,7 +6,7 @@ from protos.splitserve.executor.v1 import executor_pb2 as pb
 from scheduler_service.core.sampling_params import SamplingParams
 from protos import rpc_codes
 from scheduler_service.core.errors import ErrorKind, RequestError
-from scheduler_service.core.step_plan import StepOutput, StepPlan, TokenLogprob
+from scheduler_service.core.step_plan import StepOutput, StepPlan
 
 
 # An entry the executor refused is wrong (INVALID_ARGUMENT) or tripped it (INTERNAL).
@@ -66,10 +66,7 @@ def output_from_proto(result: pb.StepResult) -> StepOutput:
     for item in result.outputs:
         output.sampled[item.request_id] = list(item.token_ids)
         if item.logprobs:
-            output.logprobs[item.request_id] = [
-                TokenLogprob(lp.token_id, lp.logprob, list(lp.top_token_ids), list(lp.top_logprobs))
-                for lp in item.logprobs
-            ]
+            output.logprobs[item.request_id] = item.logprobs
     for rejected in result.rejected:
         kind = _REJECTION_KINDS.get(rejected.code, ErrorKind.INTERNAL)
         output.rejected[rejected.request_id] = RequestError(kind, rejected.message)
