@@ -282,3 +282,19 @@ def test_a_failed_step_is_retried_alone_and_only_the_request_that_fails_again_en
         "r2:3 | W: | R: r0 r2",
         "r0:1 r2:1 | W: | R: r0 r2",
     ]
+
+
+def test_a_stop_string_ends_a_request_through_the_scheduler_whatever_else_ended_it() -> None:
+    scheduler = Scheduler(config())
+    executor = SimulatedExecutor(64, 4)
+    running = Request("running", [5, 6, 7], SamplingParams(max_tokens=10, ignore_eos=True))
+    at_length = Request("at_length", [8, 9], SamplingParams(max_tokens=1, ignore_eos=True))
+    scheduler.add_request(running)
+    scheduler.add_request(at_length)
+    updates = scheduler.update(executor.execute(scheduler.schedule()))
+    assert [u.finished for u in updates] == [False, True]
+    for request in (running, at_length):
+        scheduler.stop_at_string(request, "END")
+        assert (request.finish_reason, request.stop_reason) == (FinishReason.STOP, "END")
+    assert not scheduler.has_unfinished() and scheduler.kv.num_free_blocks == 64
+    assert sorted(scheduler.schedule().dropped_request_ids) == ["at_length", "running"]

@@ -53,6 +53,9 @@ class Request:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finish_time: float | None = None
+    # Where the service layer sends this request's output (its client's stream); opaque to the
+    # planner, and kept here so that no second table of requests by id has to mirror this one.
+    output: object = None
 
     def __post_init__(self) -> None:
         if not self.token_ids:

@@ -106,8 +106,17 @@ class Scheduler:
         self.finish(request, FinishReason.ABORT)
         return True
 
+    def stop_at_string(self, request: Request, stop_string: str) -> None:
+        """Ends a request whose text reached a stop string (the service layer detects those in
+        the detokenized text): the stop string is the reason even when the same tokens also
+        ended it another way (EOS, length)."""
+        if request.is_finished:
+            request.finish_reason, request.stop_reason = FinishReason.STOP, stop_string
+        else:
+            self.finish(request, FinishReason.STOP, stop_string)
+
     def finish(self, request: Request, reason: FinishReason, stop_reason: str | None = None) -> None:
-        """Ends a request (also for stop strings, which the service layer detects)."""
+        """Ends a request: its blocks are freed and the executor is told to drop it."""
         if request.status is RequestStatus.WAITING:
             self.waiting.remove(request)
         elif request.status is RequestStatus.RUNNING:
@@ -375,11 +384,11 @@ class Scheduler:
 
     def _end_in_error(self, request: Request, error: RequestError) -> RequestUpdate:
         self.finish(request, FinishReason.ABORT)
-        return RequestUpdate(request.request_id, [], [], True, error)
+        return RequestUpdate(request, [], [], True, error)
 
     def _append_tokens(self, request: Request, output: StepOutput) -> RequestUpdate:
         request.num_pending_outputs -= 1
-        update = RequestUpdate(request.request_id, [], output.logprobs.get(request.request_id, []), False)
+        update = RequestUpdate(request, [], output.logprobs.get(request.request_id, []), False)
         for token in output.sampled[request.request_id]:
             request.token_ids.append(token)
             update.new_token_ids.append(token)

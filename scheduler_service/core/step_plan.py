@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from scheduler_service.core.errors import RequestError
+from scheduler_service.core.request import Request
 from scheduler_service.core.sampling_params import SamplingParams
 
 
@@ -64,7 +65,9 @@ class StepOutput:
     # client as they came (see service/output_stream.py).
     logprobs: dict[str, Sequence[object]] = field(default_factory=dict)
     rejected: dict[str, RequestError] = field(default_factory=dict)
+    # Seconds the executor spent in the forward pass and sampling, and on the whole step.
     forward_time_s: float = 0.0
+    step_time_s: float = 0.0
     # Set when the step's forward raised: no tokens, and the executor dropped the state of
     # every request the step ran (rejected entries excepted).
     failure: str | None = None
@@ -74,9 +77,15 @@ class StepOutput:
 class RequestUpdate:
     """What one request gained from a step, for streaming to its client."""
 
-    request_id: str
+    request: Request
     new_token_ids: list[int]
+    # The executor's logprob records of those tokens (empty unless the request asked).
     new_logprobs: Sequence[object]
+    # The request ended with this step (a stop condition, or an error).
     finished: bool
-    # Why the request ended in error: a google.rpc.Code value and a message for its client.
+    # Why the request ended in error, for its client.
     error: RequestError | None = None
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id

@@ -64,7 +64,6 @@ class Engine:
         self.info: executor_pb2.ExecutorInfo | None = None
         self.scheduler: Scheduler | None = None
         self.executor_up = False
-        self.streams: dict[str, OutputStream] = {}
         self._wake = asyncio.Event()
         self._preemptions_seen = 0
 
@@ -93,28 +92,32 @@ class Engine:
                 ErrorKind.OVERLOADED, f"{len(scheduler.waiting)} requests are already waiting; retry later"
             )
         scheduler.add_request(request)
-        stream = self.streams[request.request_id] = OutputStream(request, self.text)
+        stream = request.output = OutputStream(request, self.text)
         self._wake.set()
         return stream
 
     def abort(self, request_id: str) -> bool:
-        if request_id not in self.streams or self.scheduler is None:
-            return False
-        self.scheduler.abort(request_id)
-        self._close(request_id)
-        self._wake.set()
-        return True
+        request = self.scheduler.requests.get(request_id) if self.scheduler else None
+        return request is not None and self._abort(request)
 
     def cancel(self, stream: OutputStream) -> bool:
         """Aborts the request of this stream, if still running; unlike abort(id) it never
         touches a newer request that reuses the id after this one ended."""
-        if self.streams.get(stream.request.request_id) is not stream:
+        request = stream.request
+        if self.scheduler is None or self.scheduler.requests.get(request.request_id) is not request:
             return False
-        return self.abort(stream.request.request_id)
+        return self._abort(request)
 
     def abort_all(self) -> None:
-        for request_id in list(self.streams):
-            self.abort(request_id)
+        if self.scheduler is not None:
+            for request in list(self.scheduler.requests.values()):
+                self._abort(request)
+
+    def _abort(self, request: Request) -> bool:
+        self._require_scheduler().finish(request, FinishReason.ABORT)
+        self._close(request)
+        self._wake.set()
+        return True
 
     async def run(self) -> None:
         """Runs until cancelled. A lost executor is reconnected; its requests are recomputed."""
@@ -133,7 +136,7 @@ class Engine:
 
     def _settle_after_reset(self, scheduler: Scheduler, reset: ExecutorReset) -> None:
         for request in reset.finished:
-            self._close(request.request_id)
+            self._close(request)
         for request in reset.requeued:
             if request.num_executor_losses >= MAX_EXECUTOR_LOSSES:
                 scheduler.finish(request, FinishReason.ABORT)
@@ -163,43 +166,39 @@ class Engine:
                 continue
             result = output_from_proto(await self.link.receive())
             in_flight.popleft()
-            self.metrics.step_time.observe(result.forward_time_s)
+            self.metrics.forward_time.observe(result.forward_time_s)
+            self.metrics.step_time.observe(result.step_time_s)
             for update in scheduler.update(result):
                 self._deliver(update)
 
     def _deliver(self, update: RequestUpdate) -> None:
-        stream = self.streams.get(update.request_id)
-        if stream is None:
-            return
+        request = update.request
         if update.error is not None:
             logger.error(
                 "event=request_failed_in_executor request_id=%s kind=%s reason=%r",
-                update.request_id, update.error.kind.value, update.error.message,
+                request.request_id, update.error.kind.value, update.error.message,
             )
-            self._fail(stream.request, update.error)
+            self._fail(request, update.error)
             return
         self.metrics.generation_tokens.inc(len(update.new_token_ids))
+        stream = _stream_of(request)
         message, stop_string = stream.add_tokens(update.new_token_ids, update.new_logprobs)
-        finished = update.finished
-        if stop_string is not None and not finished:
-            self._require_scheduler().finish(stream.request, FinishReason.STOP, stop_string)
-            finished = True
-        elif stop_string is not None:
-            stream.request.finish_reason, stream.request.stop_reason = FinishReason.STOP, stop_string
-        if finished:
-            self._close(update.request_id, message)
+        if stop_string is not None:
+            self._require_scheduler().stop_at_string(request, stop_string)
+        if request.is_finished:
+            self._close(request, message)
         else:
             stream.queue.put_nowait(message)
 
-    def _close(self, request_id: str, message: pb.GenerateResponse | None = None) -> None:
-        stream = self.streams.pop(request_id, None)
-        if stream is not None:
+    def _close(self, request: Request, message: pb.GenerateResponse | None = None) -> None:
+        stream = _stream_of(request)
+        if not stream.closed:
             stream.close(message)
-            self.metrics.request_finished(stream.request)
+            self.metrics.request_finished(request)
 
     def _fail(self, request: Request, error: RequestError) -> None:
-        stream = self.streams.pop(request.request_id, None)
-        if stream is not None:
+        stream = _stream_of(request)
+        if not stream.closed:
             stream.fail(error)
             self.metrics.request_finished(request)
 
@@ -220,3 +219,10 @@ class Engine:
         if self.scheduler is None:
             raise EngineUnavailable(f"the executor at {self.link.address} has not been reached yet")
         return self.scheduler
+
+
+def _stream_of(request: Request) -> OutputStream:
+    """The stream submit() attached to the request."""
+    stream = request.output
+    assert isinstance(stream, OutputStream), f"request {request.request_id} has no output stream"
+    return stream

@@ -34,7 +34,16 @@ class SchedulerMetrics:
             "splitserve:request_queue_time_seconds", "Arrival to first admission.", buckets=LATENCY_BUCKETS, registry=r
         )
         self.step_time = Histogram(
-            "splitserve:executor_step_seconds", "Executor time per step.", buckets=LATENCY_BUCKETS, registry=r
+            "splitserve:executor_step_seconds",
+            "Executor time per step, from taking the plan to answering it.",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.forward_time = Histogram(
+            "splitserve:executor_forward_seconds",
+            "Executor time per step in the forward pass and sampling.",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
         )
 
     def request_finished(self, request: Request) -> None:

@@ -62,7 +62,11 @@ def plan_to_proto(plan: StepPlan, eos_token_ids: Collection[int] = ()) -> pb.Ste
 
 
 def output_from_proto(result: pb.StepResult) -> StepOutput:
-    output = StepOutput(step_id=result.step_id, forward_time_s=result.forward_time_s)
+    output = StepOutput(
+        step_id=result.step_id,
+        forward_time_s=result.forward_time_s,
+        step_time_s=result.step_time_s,
+    )
     for item in result.outputs:
         output.sampled[item.request_id] = list(item.token_ids)
         if item.logprobs:
