@@ -153,7 +153,6 @@ class ModelRunner:
         else:
             assert state is not None  # check_continuing refuses an unknown id
             state.block_ids.extend(entry.new_block_ids)
-            state.token_ids.extend(entry.appended_token_ids)
         scheduled.add(entry.request_id)
         admitted.work.append(ScheduledWork(state, entry.num_scheduled_tokens))
         return None

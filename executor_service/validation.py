@@ -58,17 +58,13 @@ def check_continuing(
 ) -> str | None:
     if state is None:
         return "unknown request id"
-    problem = _tokens_problem(entry.appended_token_ids, limits) or _blocks_problem(
-        entry.new_block_ids, limits
-    )
+    problem = _blocks_problem(entry.new_block_ids, limits)
     if problem:
         return problem
     block_ids = [*state.block_ids, *entry.new_block_ids]
     if len(set(block_ids)) != len(block_ids):
         return "new_block_ids repeats a block of the request"
-    num_tokens = len(state.token_ids) + len(entry.appended_token_ids)
-    if num_tokens > limits.max_model_len:
-        return f"{num_tokens} tokens exceed max_model_len {limits.max_model_len}"
+    num_tokens = len(state.token_ids)
     if entry.num_scheduled_tokens == 0:
         return "num_scheduled_tokens must be > 0"
     end = state.num_computed_tokens + entry.num_scheduled_tokens

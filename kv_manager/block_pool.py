@@ -79,9 +79,6 @@ class BlockPool:
             block.block_hash = block_hash
             self._cached[block_hash] = block
 
-    def is_free(self, block: KVBlock) -> bool:
-        return block.block_id in self._free
-
     def free_block_ids(self) -> list[int]:
         """Free block ids in eviction order (for tests and diagnostics)."""
         return list(self._free)

@@ -76,7 +76,6 @@ class KVCacheManager:
         num_computed_tokens: int,
         num_new_tokens: int,
         prefix_hit: PrefixHit | None = None,
-        num_lookahead_tokens: int = 0,
         extra_key: bytes = b"",
     ) -> list[int] | None:
         """Makes room for num_new_tokens after num_computed_tokens (which include prefix_hit's).
@@ -90,7 +89,7 @@ class KVCacheManager:
         if entry is not None and hit.blocks:
             raise ValueError(f"request {request_id} already holds blocks; a prefix hit is for admission only")
         held = len(entry.blocks) if entry else 0
-        needed = -(-(num_computed_tokens + num_new_tokens + num_lookahead_tokens) // self.block_size)
+        needed = -(-(num_computed_tokens + num_new_tokens) // self.block_size)
         num_new_blocks = max(0, needed - held - len(hit.blocks))
         revived = sum(1 for b in hit.blocks if b.ref_count == 0)
         if num_new_blocks + revived > self.pool.num_free:

@@ -18,6 +18,11 @@ def make_request(index: int, prompt_len: int, max_tokens: int, priority: int = 0
     return Request(f"r{index}", prompt, sampling, priority=priority)
 
 
+def scheduled_ids(plan: StepPlan) -> list[str]:
+    """Ids of the requests a plan computes for, new ones first."""
+    return [r.request_id for r in (*plan.new_requests, *plan.continuing_requests)]
+
+
 def describe_step(plan: StepPlan, scheduler: Scheduler) -> str:
     """'r0:5 r1:1 | W: r2 | R: r0 r1': scheduled tokens per request, then the queues after."""
     work = [f"{r.request_id}:{r.num_scheduled_tokens}" for r in plan.new_requests]

@@ -143,10 +143,6 @@ BAD_ENTRIES: dict[str, tuple[Callable[[str, str], pb.StepPlan], str]] = {
         _continuing(new_block_ids=[NUM_BLOCKS + 5]),
         "outside the pool",
     ),
-    "continuing-token-outside-vocab": (
-        _continuing(appended_token_ids=[VOCAB_SIZE + 1], new_block_ids=[21]),
-        "outside the vocab",
-    ),
     # The victim's 16 prompt tokens fill its one block; its 17th token needs a new block.
     "continuing-too-many-tokens-for-blocks": (_continuing(), "do not fit"),
     "continuing-scheduled-past-known": (

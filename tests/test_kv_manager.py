@@ -64,13 +64,8 @@ def test_allocation_that_does_not_fit_changes_nothing() -> None:
     admit(kv, "a", list(range(8)))
     assert kv.allocate_slots("b", list(range(20, 29)), 0, 9) is None
     assert not kv.holds("b") and kv.num_free_blocks == 1
-    assert kv.allocate_slots("a", list(range(8)), 8, 1, num_lookahead_tokens=4) is None
+    assert kv.allocate_slots("a", list(range(8)), 8, 5) is None
     assert kv.block_ids("a") == [0, 1]
-
-
-def test_lookahead_reserves_slots_ahead() -> None:
-    kv = KVCacheManager(num_blocks=4, block_size=4)
-    assert kv.allocate_slots("a", [1, 2, 3], 0, 3, num_lookahead_tokens=2) == [0, 1]
 
 
 def test_disabled_prefix_caching_never_hits() -> None:

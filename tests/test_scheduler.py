@@ -12,7 +12,7 @@ from scheduler_service.core.request import FinishReason, Request
 from scheduler_service.core.sampling_params import SamplingParams
 from scheduler_service.core.scheduler import Scheduler
 from scheduler_service.core.sim_executor import SimulatedExecutor, default_next_token
-from tests.sched_harness import make_request, run
+from tests.sched_harness import make_request, run, scheduled_ids
 
 
 def config(**overrides: object) -> SchedulerConfig:
@@ -112,7 +112,7 @@ def test_abort_frees_blocks_at_once_and_tells_the_executor() -> None:
     assert scheduler.abort("r1") and not scheduler.abort("r1")
     assert scheduler.kv.num_free_blocks == 64 - 2 * 3
     plan = scheduler.schedule()
-    assert plan.dropped_request_ids == ["r1"] and "r1" not in plan.scheduled_request_ids
+    assert plan.dropped_request_ids == ["r1"] and "r1" not in scheduled_ids(plan)
     executor.execute(plan)
     assert "r1" not in executor.requests
 
@@ -235,8 +235,8 @@ def test_random_workloads_finish_with_the_right_tokens_and_free_every_block(
         plan = scheduler.schedule()
         assert plan.num_scheduled_tokens <= budget
         assert len(scheduler.running) <= max_num_seqs
-        retried = [i for i in plan.scheduled_request_ids if scheduler.requests[i].retry_alone]
-        assert not retried or plan.scheduled_request_ids == retried, "a retry shares its step"
+        retried = [i for i in scheduled_ids(plan) if scheduler.requests[i].retry_alone]
+        assert not retried or scheduled_ids(plan) == retried, "a retry shares its step"
         in_flight.append(executor.execute(plan))
         if not pipelined or len(in_flight) == 2 or not plan.has_work:
             for update in scheduler.update(in_flight.pop(0)):
@@ -267,7 +267,7 @@ def test_a_failed_step_is_retried_alone_and_only_the_request_that_fails_again_en
     result = run(
         config(),
         {1: requests},
-        fail_step=lambda plan: "poisoned" if plan.step_id >= 3 and "r1" in plan.scheduled_request_ids else None,
+        fail_step=lambda plan: "poisoned" if plan.step_id >= 3 and "r1" in scheduled_ids(plan) else None,
     )
     assert result.errors == {
         "r1": RequestError(ErrorKind.INTERNAL, "request r1 failed in the executor twice: poisoned")

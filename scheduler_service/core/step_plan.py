@@ -45,12 +45,6 @@ class StepPlan:
         )
 
     @property
-    def scheduled_request_ids(self) -> list[str]:
-        return [r.request_id for r in self.new_requests] + [
-            r.request_id for r in self.continuing_requests
-        ]
-
-    @property
     def has_work(self) -> bool:
         return bool(self.new_requests or self.continuing_requests)
 

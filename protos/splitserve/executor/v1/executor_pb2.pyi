@@ -85,16 +85,14 @@ class NewRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[int] = ..., num_scheduled_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplerConfig, _Mapping]] = ..., num_prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class ContinuingRequest(_message.Message):
-    __slots__ = ("request_id", "num_scheduled_tokens", "new_block_ids", "appended_token_ids")
+    __slots__ = ("request_id", "num_scheduled_tokens", "new_block_ids")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_SCHEDULED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NEW_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
-    APPENDED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     num_scheduled_tokens: int
     new_block_ids: _containers.RepeatedScalarFieldContainer[int]
-    appended_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, request_id: _Optional[str] = ..., num_scheduled_tokens: _Optional[int] = ..., new_block_ids: _Optional[_Iterable[int]] = ..., appended_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., num_scheduled_tokens: _Optional[int] = ..., new_block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StepPlan(_message.Message):
     __slots__ = ("step_id", "new_requests", "continuing_requests", "dropped_request_ids")
