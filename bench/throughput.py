@@ -23,7 +23,7 @@ from types import FrameType
 from bench.throughput_peer import run_transformers
 from bench.throughput_splitserve import run_splitserve
 from bench.throughput_workload import BenchConfig, SystemResult, make_prompts
-from tests.model_factory import build_model
+from tests.helpers.model_factory import build_model
 
 logger = logging.getLogger("bench.throughput")
 

@@ -13,8 +13,8 @@ from pathlib import Path
 
 from bench.throughput_workload import BenchConfig, SystemResult
 from clients import AsyncClient
-from tests.executor_process import ExecutorProcess
-from tests.scheduler_process import SchedulerProcess
+from tests.helpers.executor_process import ExecutorProcess
+from tests.helpers.scheduler_process import SchedulerProcess
 
 logger = logging.getLogger(__name__)
 START_TIMEOUT_S = 300.0

@@ -6,7 +6,11 @@ from dataclasses import dataclass
 
 import torch
 
-from executor_service.attention_metadata import SequenceSpan, StepAttention, build_step_attention
+from executor_service.attention_metadata import (
+    SequenceSpan,
+    StepAttention,
+    build_step_attention,
+)
 from executor_service.kv_cache import PagedKVCache
 from executor_service.request_state import RequestState
 

@@ -6,8 +6,8 @@ import logging
 import sys
 from pathlib import Path
 
-from scheduler_service.service.engine import EngineOptions
 from scheduler_service.core.policy import Policy, StepMode
+from scheduler_service.service.engine import EngineOptions
 from scheduler_service.service.server import ServerSettings, serve
 from scheduler_service.text.tokenizer import TextProcessor
 

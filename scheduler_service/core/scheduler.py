@@ -22,7 +22,6 @@ from scheduler_service.core.step_plan import (
 from scheduler_service.core.stop_checker import check_stop, may_sample_more
 
 
-
 @dataclass(slots=True, frozen=True)
 class ExecutorReset:
     """What a lost executor did to the requests it ran."""

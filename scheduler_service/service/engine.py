@@ -11,14 +11,14 @@ from protos.splitserve.executor.v1 import executor_pb2
 from protos.splitserve.v1 import generation_pb2 as pb
 from scheduler_service.core.config import SchedulerConfig
 from scheduler_service.core.errors import ErrorKind, RequestError, RequestRejected
-from scheduler_service.service.executor_link import ExecutorLink, ExecutorLost
-from scheduler_service.service.metrics import SchedulerMetrics
-from scheduler_service.service.output_stream import OutputStream
-from scheduler_service.service.plan_codec import output_from_proto, plan_to_proto
 from scheduler_service.core.policy import Policy, StepMode
 from scheduler_service.core.request import FinishReason, Request
 from scheduler_service.core.scheduler import ExecutorReset, Scheduler
 from scheduler_service.core.step_plan import RequestUpdate
+from scheduler_service.service.executor_link import ExecutorLink, ExecutorLost
+from scheduler_service.service.metrics import SchedulerMetrics
+from scheduler_service.service.output_stream import OutputStream
+from scheduler_service.service.plan_codec import output_from_proto, plan_to_proto
 from scheduler_service.text.tokenizer import TextProcessor
 
 logger = logging.getLogger(__name__)

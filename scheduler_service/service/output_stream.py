@@ -6,8 +6,8 @@ from collections.abc import Sequence
 from protos.splitserve.executor.v1 import executor_pb2
 from protos.splitserve.v1 import generation_pb2 as pb
 from scheduler_service.core.errors import RequestError
-from scheduler_service.text.detokenizer import IncrementalDetokenizer
 from scheduler_service.core.request import FinishReason, Request
+from scheduler_service.text.detokenizer import IncrementalDetokenizer
 from scheduler_service.text.tokenizer import TextProcessor
 
 FINISH_REASONS = {
@@ -44,7 +44,7 @@ class OutputStream:
         message = pb.GenerateResponse(request_id=self.request.request_id, token_ids=token_ids)
         for record in logprobs:
             # The executor's and the client API's TokenLogprob share one wire format
-            # (tests/test_protos.py holds them to it), so the record passes through as bytes.
+            # (tests/protos/test_protos.py holds them to it), so the record passes through as bytes.
             message.logprobs.add().MergeFromString(record.SerializeToString())
         if self._detokenizer is None:
             return message, None

@@ -2,12 +2,11 @@
 
 from collections.abc import Collection
 
-from protos.splitserve.executor.v1 import executor_pb2 as pb
-from scheduler_service.core.sampling_params import SamplingParams
 from protos import rpc_codes
+from protos.splitserve.executor.v1 import executor_pb2 as pb
 from scheduler_service.core.errors import ErrorKind, RequestError
+from scheduler_service.core.sampling_params import SamplingParams
 from scheduler_service.core.step_plan import StepOutput, StepPlan
-
 
 # An entry the executor refused is wrong (INVALID_ARGUMENT) or tripped it (INTERNAL).
 _REJECTION_KINDS = {rpc_codes.INVALID_ARGUMENT: ErrorKind.INVALID, rpc_codes.INTERNAL: ErrorKind.INTERNAL}

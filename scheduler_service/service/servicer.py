@@ -8,8 +8,8 @@ import grpc
 from protos.splitserve.executor.v1 import executor_pb2
 from protos.splitserve.v1 import generation_pb2 as pb
 from protos.splitserve.v1 import generation_pb2_grpc
-from scheduler_service.service.engine import Engine
 from scheduler_service.core.errors import ErrorKind, RequestError, RequestRejected
+from scheduler_service.service.engine import Engine
 from scheduler_service.service.output_stream import OutputStream
 from scheduler_service.service.request_intake import build_request, prompt_token_ids
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from scheduler_service.text.tokenizer import TextProcessor
-from tests.tokenizer_assets import gpt2_tokenizer_dir, qwen3_tokenizer_dir
+from tests.helpers.tokenizer_assets import gpt2_tokenizer_dir, qwen3_tokenizer_dir
 
 QWEN_IM_END = 151645
 QWEN_ENDOFTEXT = 151643

@@ -37,7 +37,7 @@ import yaml
 
 from clients import Client
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 COMPOSE_FILE = REPO_ROOT / "docker-compose.yml"
 SERVICES = {"prepare-model", "executor", "scheduler"}
 VOLUME_MOUNT = "models:/models"

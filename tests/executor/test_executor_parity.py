@@ -2,7 +2,7 @@
 
 One executor process per architecture (module-scoped), driven over gRPC with plans, then through a
 real scheduler process in front of it; the reference model runs in this process. The
-architectures (tests/model_factory.py) cover sliding windows, soft-capping, attention sinks,
+architectures (tests/helpers/model_factory.py) cover sliding windows, soft-capping, attention sinks,
 multi-query and latent attention, mixtures of experts, and decoder layers that do not pass
 keyword arguments on to attention.
 """
@@ -18,11 +18,16 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
-from tests.executor_driver import BlockAllocator, Driver, PlanStream, PlannedRequest
-from tests.executor_process import ExecutorProcess
-from tests.greedy_client import generate_greedy
-from tests.model_factory import ARCHITECTURES, build_model
-from tests.scheduler_process import start_scheduler
+from tests.helpers.executor_driver import (
+    BlockAllocator,
+    Driver,
+    PlannedRequest,
+    PlanStream,
+)
+from tests.helpers.executor_process import ExecutorProcess
+from tests.helpers.greedy_client import generate_greedy
+from tests.helpers.model_factory import ARCHITECTURES, build_model
+from tests.helpers.scheduler_process import start_scheduler
 
 BLOCK_SIZE = 16
 NUM_BLOCKS = 1024

@@ -13,9 +13,9 @@ import grpc
 import pytest
 
 from protos.splitserve.executor.v1 import executor_pb2 as pb
-from tests.executor_driver import PlanStream
-from tests.executor_process import executor_channel
-from tests.model_factory import VOCAB_SIZE, build_model
+from tests.helpers.executor_driver import PlanStream
+from tests.helpers.executor_process import executor_channel
+from tests.helpers.model_factory import VOCAB_SIZE, build_model
 
 NUM_BLOCKS = 64
 BLOCK_SIZE = 16

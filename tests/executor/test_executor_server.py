@@ -12,9 +12,9 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from protos.splitserve.executor.v1 import executor_pb2 as pb
 from protos.splitserve.executor.v1 import executor_pb2_grpc as pb_grpc
-from tests.executor_driver import PlanStream
-from tests.executor_process import ExecutorProcess, executor_channel
-from tests.model_factory import EOS_TOKEN_ID, VOCAB_SIZE, build_model
+from tests.helpers.executor_driver import PlanStream
+from tests.helpers.executor_process import ExecutorProcess, executor_channel
+from tests.helpers.model_factory import EOS_TOKEN_ID, VOCAB_SIZE, build_model
 
 SERVICE = "splitserve.executor.v1.Executor"
 NUM_BLOCKS = 32

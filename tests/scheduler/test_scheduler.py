@@ -12,7 +12,7 @@ from scheduler_service.core.request import FinishReason, Request
 from scheduler_service.core.sampling_params import SamplingParams
 from scheduler_service.core.scheduler import Scheduler
 from scheduler_service.core.sim_executor import SimulatedExecutor, default_next_token
-from tests.sched_harness import make_request, run, scheduled_ids
+from tests.helpers.sched_harness import make_request, run, scheduled_ids
 
 
 def config(**overrides: object) -> SchedulerConfig:

@@ -12,9 +12,14 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from protos.splitserve.executor.v1 import executor_pb2 as pb
-from tests.executor_driver import BlockAllocator, Driver, PlannedRequest, PlanStream
-from tests.executor_process import executor_channel
-from tests.model_factory import build_model
+from tests.helpers.executor_driver import (
+    BlockAllocator,
+    Driver,
+    PlannedRequest,
+    PlanStream,
+)
+from tests.helpers.executor_process import executor_channel
+from tests.helpers.model_factory import build_model
 
 BLOCK_SIZE = 16
 NUM_BLOCKS = 512

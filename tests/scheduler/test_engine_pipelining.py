@@ -5,15 +5,14 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
-
 from protos.splitserve.executor.v1 import executor_pb2 as pb
+from scheduler_service.core.request import Request
+from scheduler_service.core.sampling_params import SamplingParams
 from scheduler_service.service.engine import Engine, EngineOptions
 from scheduler_service.service.executor_link import ExecutorLink
 from scheduler_service.service.metrics import SchedulerMetrics
-from scheduler_service.core.request import Request
-from scheduler_service.core.sampling_params import SamplingParams
-from tests.executor_process import start_executor
-from tests.model_factory import build_model
+from tests.helpers.executor_process import start_executor
+from tests.helpers.model_factory import build_model
 
 
 class RecordingLink(ExecutorLink):

@@ -23,10 +23,10 @@ from clients import AsyncClient, Client
 from clients.errors import SplitserveError
 from executor_service.self_check import DECODE_STEPS, check_tokens, sequence_lengths
 from protos.splitserve.v1.generation_pb2 import EXECUTOR_STATE_UP
-from tests.executor_process import start_executor
-from tests.model_factory import VOCAB_SIZE, build_model
-from tests.scheduler_process import start_scheduler
-from tests.test_service_e2e import Reference
+from tests.helpers.executor_process import start_executor
+from tests.helpers.greedy_reference import Reference
+from tests.helpers.model_factory import VOCAB_SIZE, build_model
+from tests.helpers.scheduler_process import start_scheduler
 
 torch.set_num_threads(1)
 BLOCK_SIZE = 16

@@ -1,6 +1,6 @@
 """Starts a real executor process (python -m executor_service) for tests and waits until ready.
 
-    from tests.executor_process import start_executor
+    from tests.helpers.executor_process import start_executor
     with start_executor(model_dir, num_kv_blocks=256) as (address, process):
         channel = grpc.insecure_channel(address)
 
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import grpc
 
-from tests.service_process import ServiceProcess, cli_flags
+from tests.helpers.service_process import ServiceProcess, cli_flags
 
 READY_PATTERN = re.compile(r"event=executor_ready address=(\S+):(\d+)")
 # One torch thread: test machines are small and shared, and OpenMP threads that wait for a busy

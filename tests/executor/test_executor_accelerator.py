@@ -8,7 +8,11 @@ import pytest
 import torch
 
 from executor_service import paged_attention
-from executor_service.kv_budget import CudaMemory, cuda_kv_blocks, gather_bytes_per_block
+from executor_service.kv_budget import (
+    CudaMemory,
+    cuda_kv_blocks,
+    gather_bytes_per_block,
+)
 from executor_service.kv_cache import KVCacheShape
 from executor_service.paged_attention import select_backend
 

@@ -22,7 +22,7 @@ import pytest
 
 from executor_service.prepare_model import COMPLETE_MARKER
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 CHILD_PID = re.compile(r"event=child_started name=(\w+) pid=(\d+)")
 # The last line of the banner printed once both services serve.
 BANNER_END = re.compile(r"grpcurl -plaintext \S+ describe")

@@ -1,6 +1,6 @@
 """Small random-weight Hugging Face models for tests, saved as local checkpoints.
 
-    from tests.model_factory import build_model
+    from tests.helpers.model_factory import build_model
     path = build_model("llama", tmp_path / "llama")   # or any name in ARCHITECTURES
 
 (run from the repository root, as `python -m pytest` does, so `tests.` imports resolve.)

@@ -16,7 +16,7 @@ from executor_service.model_runner import ModelRunner
 from executor_service.settings import ExecutorSettings
 from executor_service.startup import build_executor
 from protos.splitserve.executor.v1 import executor_pb2 as pb
-from tests.model_factory import build_model
+from tests.helpers.model_factory import build_model
 
 INTERNAL = 13
 

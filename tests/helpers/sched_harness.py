@@ -3,11 +3,11 @@
 from dataclasses import dataclass, field
 
 from scheduler_service.core.config import SchedulerConfig
+from scheduler_service.core.errors import RequestError
 from scheduler_service.core.request import Request
 from scheduler_service.core.sampling_params import SamplingParams
 from scheduler_service.core.scheduler import Scheduler
 from scheduler_service.core.sim_executor import FailFn, SimulatedExecutor
-from scheduler_service.core.errors import RequestError
 from scheduler_service.core.step_plan import StepPlan
 
 

@@ -6,7 +6,7 @@ the step's results came back. Prompts of request ri are distinct, so no prefix i
 
 from scheduler_service.core.config import SchedulerConfig
 from scheduler_service.core.policy import StepMode
-from tests.sched_harness import make_request, run
+from tests.helpers.sched_harness import make_request, run
 
 
 def test_prefill_first_starts_new_arrivals_at_once_and_pauses_decodes() -> None:

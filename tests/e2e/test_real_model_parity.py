@@ -12,10 +12,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from tests.executor_process import start_executor
-from tests.greedy_client import generate_greedy
-from tests.scheduler_process import start_scheduler
-from tests.service_process import REPO_ROOT
+from tests.helpers.executor_process import start_executor
+from tests.helpers.greedy_client import generate_greedy
+from tests.helpers.scheduler_process import start_scheduler
+from tests.helpers.service_process import REPO_ROOT
 
 NEW_TOKENS = 300
 PROMPT_TOKENS = (90, 310, 520, 700)

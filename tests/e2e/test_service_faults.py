@@ -14,11 +14,12 @@ import torch
 from clients import AsyncClient, Client
 from clients.errors import SplitserveError
 from protos.splitserve.v1.generation_pb2 import EXECUTOR_STATE_UP
-from tests.executor_process import ExecutorProcess, start_executor
-from tests.model_factory import VOCAB_SIZE, build_model
-from tests.scheduler_process import start_scheduler
-from tests.service_process import free_port
-from tests.test_service_e2e import Reference, stream_all, workload
+from tests.helpers.executor_process import ExecutorProcess, start_executor
+from tests.helpers.greedy_client import stream_all, workload
+from tests.helpers.greedy_reference import Reference
+from tests.helpers.model_factory import VOCAB_SIZE, build_model
+from tests.helpers.scheduler_process import start_scheduler
+from tests.helpers.service_process import free_port
 
 torch.set_num_threads(1)
 

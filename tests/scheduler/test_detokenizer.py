@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from scheduler_service.text.detokenizer import DetokenizerStep, IncrementalDetokenizer
-from tests.tokenizer_assets import (
+from tests.helpers.tokenizer_assets import (
     gpt2_tokenizer_dir,
     qwen3_tokenizer_dir,
     sentencepiece_style_tokenizer,

@@ -12,9 +12,9 @@ import pytest
 from transformers import AutoTokenizer
 
 from clients import Client
-from tests.executor_process import start_executor
-from tests.scheduler_process import start_scheduler
-from tests.service_process import free_port
+from tests.helpers.executor_process import start_executor
+from tests.helpers.scheduler_process import start_scheduler
+from tests.helpers.service_process import free_port
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 # SmolLM2 answers this in CJK characters of three UTF-8 bytes, split over two tokens each.

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.executor_process import executor_command
-from tests.model_factory import REFUSED_ARCHITECTURES, build_model
-from tests.service_process import REPO_ROOT
+from tests.helpers.executor_process import executor_command
+from tests.helpers.model_factory import REFUSED_ARCHITECTURES, build_model
+from tests.helpers.service_process import REPO_ROOT
 
 # A Llama whose embedding mixes each token with the one before it: state that lives outside
 # attention, so a decode step (which sees one new token) cannot reproduce the full forward.

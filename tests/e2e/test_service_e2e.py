@@ -4,19 +4,19 @@ in front of it, and many concurrent client streams. Outputs must equal transform
 from __future__ import annotations
 
 import asyncio
-import random
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
 from clients import AsyncClient, Client
-from tests.executor_process import start_executor
-from tests.model_factory import build_model
-from tests.scheduler_process import start_scheduler
+from tests.helpers.executor_process import start_executor
+from tests.helpers.greedy_client import stream_all, workload
+from tests.helpers.greedy_reference import Reference
+from tests.helpers.model_factory import build_model
+from tests.helpers.scheduler_process import start_scheduler
 
 BLOCK_SIZE = 16
 torch.set_num_threads(1)
@@ -27,53 +27,9 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_model("llama", tmp_path_factory.mktemp("e2e") / "llama", seed=7)
 
 
-class Reference:
-    """transformers generate, greedy, EOS not ending generation (the requests set ignore_eos)."""
-
-    def __init__(self, model_dir: Path) -> None:
-        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-        self.model.generation_config.eos_token_id = None
-        self.cache: dict[tuple[tuple[int, ...], int], list[int]] = {}
-
-    def __call__(self, prompt: list[int], max_tokens: int) -> list[int]:
-        key = (tuple(prompt), max_tokens)
-        if key not in self.cache:
-            with torch.inference_mode():
-                out = self.model.generate(
-                    torch.tensor([prompt]), max_new_tokens=max_tokens, do_sample=False, pad_token_id=0
-                )
-            self.cache[key] = out[0, len(prompt) :].tolist()
-        return self.cache[key]
-
-
 @pytest.fixture(scope="module")
 def reference(model_dir: Path) -> Reference:
     return Reference(model_dir)
-
-
-def workload(count: int, seed: int) -> list[tuple[list[int], int]]:
-    rng = random.Random(seed)
-    return [
-        ([rng.randrange(3, 1000) for _ in range(rng.choice([1, 5, 17, 40, 90, 160, 230]))], rng.randrange(8, 33))
-        for _ in range(count)
-    ]
-
-
-async def stream_all(address: str, jobs: list[tuple[list[int], int]]) -> list[list[int]]:
-    async with AsyncClient(address) as client:
-
-        async def one(prompt: list[int], max_tokens: int) -> list[int]:
-            tokens: list[int] = []
-            async for delta in client.stream(
-                prompt_token_ids=prompt, max_tokens=max_tokens, temperature=0, ignore_eos=True
-            ):
-                tokens.extend(delta.token_ids)
-                if delta.finish_reason is not None:
-                    assert delta.finish_reason == "length" and delta.usage is not None
-                    assert delta.usage.completion_tokens == max_tokens
-            return tokens
-
-        return await asyncio.gather(*(one(p, m) for p, m in jobs))
 
 
 @pytest.fixture(scope="module")

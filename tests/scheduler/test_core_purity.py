@@ -6,7 +6,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from tests.service_process import REPO_ROOT
+from tests.helpers.service_process import REPO_ROOT
 
 FORBIDDEN = ("torch", "grpc", "transformers", "google.protobuf")
 PURE_PACKAGES = ("scheduler_service.core", "kv_manager")

@@ -1,6 +1,6 @@
 """Starts a real scheduler process (python -m scheduler_service) for tests and waits until ready.
 
-    from tests.scheduler_process import start_scheduler
+    from tests.helpers.scheduler_process import start_scheduler
     with start_scheduler(executor_address, max_num_seqs=8) as address:
         client = Client(address)
 
@@ -15,7 +15,7 @@ import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from tests.service_process import ServiceProcess, cli_flags
+from tests.helpers.service_process import ServiceProcess, cli_flags
 
 READY_PATTERN = re.compile(r"event=scheduler_ready address=(\S+):(\d+)")
 
