@@ -16,7 +16,9 @@ class RequestState:
     token_ids: list[int]
     # Tokens of token_ids that count as prompt for penalties; the rest count as output.
     num_prompt_tokens: int
+    # The block table from the plans: token i's K/V live in block_ids[i // block_size].
     block_ids: list[int]
+    # Leading tokens whose K/V this executor has written (or the plan said were cached).
     num_computed_tokens: int
     sampling: SamplerSettings
     # The request's own generator when seeded, so its draws ignore the rest of the batch.

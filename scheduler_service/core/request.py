@@ -20,11 +20,16 @@ class FinishReason(enum.Enum):
 
 @dataclass(slots=True, eq=False)
 class Request:
+    """Compared by identity: a request id may be reused once the request has finished."""
+
     request_id: str
     prompt_token_ids: list[int]
     sampling: SamplingParams = field(default_factory=SamplingParams)
+    # Lower runs first under the priority policy.
     priority: int = 0
+    # Mixed into every block hash: requests share cached prefixes only under the same salt.
     cache_salt: bytes = b""
+    # When it arrived (the scheduler's clock), for TTFT and latency.
     arrival_time: float = 0.0
     # Tie-breaker among equal priorities: arrival order, set by the scheduler.
     arrival_index: int = 0
@@ -40,6 +45,8 @@ class Request:
     prefill_target: int = 0
     # Prompt tokens served from the prefix cache at first admission.
     num_cached_tokens: int = 0
+    # Times it lost its blocks and went back to waiting (also its epoch: a result planned
+    # before a preemption is stale).
     num_preemptions: int = 0
     # Times an executor was lost while this request ran on it: a request that keeps taking its
     # executor down is given up on rather than retried forever.
@@ -48,8 +55,10 @@ class Request:
     # its own until it samples again, so a second failure is its own and not a neighbour's.
     retry_alone: bool = False
     status: RequestStatus = RequestStatus.WAITING
+    # Why it finished, and the stop string that ended it (when one did).
     finish_reason: FinishReason | None = None
     stop_reason: str | None = None
+    # First admission, first output token and finish, on the scheduler's clock.
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finish_time: float | None = None

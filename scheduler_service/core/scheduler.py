@@ -155,6 +155,30 @@ class Scheduler:
     # ---- planning ----------------------------------------------------------------------------
 
     def schedule(self) -> StepPlan:
+        """Plans the next step under max_num_batched_tokens tokens and max_num_seqs requests.
+
+        In order:
+
+        0. A request retried after a failed step (Request.retry_alone) runs alone: if one is
+           running, or heads the waiting queue and fits, the step is its and no one else's.
+        1. By mode:
+           - mixed (default): every running request gets its next decode token or prefill
+             chunk, in rank order; then waiting requests are admitted from the head of the queue
+             while budget, sequences and blocks allow (prefix-cache hits count as computed, a
+             prompt longer than the budget is chunked).
+           - prefill-first: running prefills continue, then waiting requests are admitted; only
+             a step with no prefill work at all runs the running requests' decodes.
+           - decode-first: running requests (decodes and unfinished prefills) go first; waiting
+             requests are admitted only when nothing was running.
+        2. When a running request needs a block and none is free, the lowest-ranked running
+           request is preempted (recompute: its blocks go, its tokens stay, it waits at the
+           head) until the block fits or the request itself was the victim. A step that
+           preempted admits no one, so freed blocks go to the running requests first.
+
+        Admission stops at the first waiting request that does not fit, so no later request
+        overtakes it. The plan is a diff (see step_plan); requests preempted or finished since
+        the last plan are listed for the executor to drop.
+        """
         budget = self.config.max_num_batched_tokens
         scheduled: dict[Request, int] = {}
         new_blocks: dict[str, list[int]] = {}

@@ -15,27 +15,45 @@ from scheduler_service.core.sampling_params import SamplingParams
 
 @dataclass(slots=True)
 class NewRequestPlan:
+    """A request the executor does not hold: first admission, or again after a preemption or a
+    lost executor. It travels whole."""
+
     request_id: str
+    # Every token known: the prompt, then any output generated before a preemption.
     token_ids: list[int]
+    # The request's whole block table: token i lives in block_ids[i // block_size].
     block_ids: list[int]
+    # Leading tokens whose K/V are already in those blocks (prefix-cache hits), a multiple of
+    # the block size; the executor computes from here.
     num_computed_tokens: int
+    # Tokens to compute this step (a whole prefill, or one chunk of it).
     num_scheduled_tokens: int
     sampling: SamplingParams
+    # Tokens of token_ids that are prompt (the rest count as output for penalties).
     num_prompt_tokens: int
 
 
 @dataclass(slots=True)
 class ContinuingRequestPlan:
+    """A request the executor holds from an earlier step; only what changed travels."""
+
     request_id: str
+    # Tokens to compute this step, from where its last step ended: the next prefill chunk, or
+    # 1 for a decode, whose input is the token the executor itself sampled last.
     num_scheduled_tokens: int
+    # Blocks appended to the request's block table for this step's tokens.
     new_block_ids: list[int]
 
 
 @dataclass(slots=True)
 class StepPlan:
+    """The work of one forward pass."""
+
+    # Increases with every plan the scheduler sends; a result names the plan it answers.
     step_id: int
     new_requests: list[NewRequestPlan] = field(default_factory=list)
     continuing_requests: list[ContinuingRequestPlan] = field(default_factory=list)
+    # Requests the executor must forget before this step (finished, aborted or preempted).
     dropped_request_ids: list[str] = field(default_factory=list)
 
     @property
@@ -53,11 +71,15 @@ class StepPlan:
 class StepOutput:
     """An executor's answer to one plan."""
 
+    # The plan this answers.
     step_id: int
+    # Tokens sampled this step, by request (one each for requests whose computation reached
+    # their last known token; none for a prefill chunk that did not).
     sampled: dict[str, list[int]] = field(default_factory=dict)
     # The executor's per-token logprob records, opaque to the planner: they pass through to the
     # client as they came (see service/output_stream.py).
     logprobs: dict[str, Sequence[object]] = field(default_factory=dict)
+    # Entries the executor refused, by request, with why: those requests end in error.
     rejected: dict[str, RequestError] = field(default_factory=dict)
     # Seconds the executor spent in the forward pass and sampling, and on the whole step.
     forward_time_s: float = 0.0
@@ -72,6 +94,7 @@ class RequestUpdate:
     """What one request gained from a step, for streaming to its client."""
 
     request: Request
+    # Tokens appended to the request by this step (up to any stop condition they met).
     new_token_ids: list[int]
     # The executor's logprob records of those tokens (empty unless the request asked).
     new_logprobs: Sequence[object]
