@@ -11,7 +11,12 @@ from pathlib import Path
 from executor_service.model_support import UnsupportedModel
 from executor_service.paged_attention import BACKENDS, BackendUnavailable
 from executor_service.server import serve
-from executor_service.settings import DEFAULT_BLOCK_SIZE, ExecutorSettings, parse_size
+from executor_service.settings import (
+    DEFAULT_BLOCK_SIZE,
+    DEFAULT_LEASE_TIMEOUT_S,
+    ExecutorSettings,
+    parse_size,
+)
 from executor_service.startup import build_executor
 
 logger = logging.getLogger("executor_service")
@@ -45,6 +50,12 @@ def parse_args(argv: list[str] | None) -> ExecutorSettings:
         help="auto: flash_attn on CUDA in half precision when installed, else sdpa",
     )
     parser.add_argument(
+        "--lease-timeout",
+        type=float,
+        default=DEFAULT_LEASE_TIMEOUT_S,
+        help="seconds without a plan after which another scheduler may take this executor",
+    )
+    parser.add_argument(
         "--trust-remote-code",
         action="store_true",
         help="run the modelling code the model folder ships (config.json auto_map)",
@@ -69,6 +80,7 @@ def parse_args(argv: list[str] | None) -> ExecutorSettings:
         gpu_memory_utilization=args.gpu_memory_utilization,
         trust_remote_code=args.trust_remote_code,
         attention_backend=args.attention_backend,
+        lease_timeout_s=args.lease_timeout,
     )
 
 
@@ -89,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     except BackendUnavailable as refusal:
         logger.error("event=executor_refused reason=%r", str(refusal))
         return 1
-    asyncio.run(serve(executor, settings.host, settings.port))
+    asyncio.run(serve(executor, settings.host, settings.port, settings.lease_timeout_s))
     return 0
 
 

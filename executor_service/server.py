@@ -7,6 +7,7 @@ import itertools
 import logging
 import signal
 import threading
+import time
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -22,6 +23,18 @@ from protos.splitserve.executor.v1 import executor_pb2, executor_pb2_grpc
 logger = logging.getLogger(__name__)
 
 SERVICE_NAME = executor_pb2.DESCRIPTOR.services_by_name["Executor"].full_name
+# Metadata key of the identity a scheduler presents on Execute (the scheduler's ExecutorLink
+# sends it under the same name).
+SCHEDULER_ID_METADATA = "x-splitserve-scheduler-id"
+# Pings from schedulers (every 10 s) are welcome, with or without calls; the executor pings an
+# idle scheduler connection too, so a frozen scheduler's stream ends and releases its hold.
+KEEPALIVE_OPTIONS = [
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.min_recv_ping_interval_without_data_ms", 5_000),
+    ("grpc.http2.max_ping_strikes", 0),
+]
 # Seconds in-flight calls get to finish after SIGTERM.
 SHUTDOWN_GRACE_S = 5.0
 
@@ -43,6 +56,10 @@ class _Stream:
     """One Execute call: its plans on their way through the worker, and why it ended early."""
 
     number: int
+    # The scheduler that opened it (metadata x-splitserve-scheduler-id; "" when none was sent).
+    holder: str
+    # When it last sent a plan (monotonic seconds): its hold lapses lease_timeout_s later.
+    last_plan_at: float = field(default_factory=time.monotonic)
     pending: _Pending = field(default_factory=asyncio.Queue)
     ending: _StreamError | None = None
     # The worker thread's view of `ending`: plans of an ended stream still queued are skipped.
@@ -57,13 +74,19 @@ class _Stream:
 
 
 class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
-    """Request state lives in the runner and belongs to one scheduler at a time: a new Execute
-    stream supersedes the active one. One worker thread runs all plans in arrival order, which
-    keeps the event loop free for Describe and health checks."""
+    """Request state lives in the runner and belongs to one scheduler at a time. The active
+    stream's scheduler holds the executor: a stream from another scheduler is refused with
+    FAILED_PRECONDITION until the holder's stream ends or it sends no plan for lease_timeout_s,
+    while a new stream from the holder itself supersedes its old one (a reconnect). Every new
+    stream starts from no request state. One worker thread runs all plans in arrival order,
+    which keeps the event loop free for Describe and health checks."""
 
-    def __init__(self, executor: ReadyExecutor, worker: ThreadPoolExecutor) -> None:
+    def __init__(
+        self, executor: ReadyExecutor, worker: ThreadPoolExecutor, lease_timeout_s: float
+    ) -> None:
         self._executor = executor
         self._worker = worker
+        self._lease_timeout_s = lease_timeout_s
         self._active: _Stream | None = None
         self._stream_numbers = itertools.count(1)
 
@@ -77,7 +100,12 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
         request_iterator: AsyncIterator[executor_pb2.StepPlan],
         context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[executor_pb2.StepResult]:
-        stream = self._open_stream(context.peer())
+        holder = dict(context.invocation_metadata() or ()).get(SCHEDULER_ID_METADATA, "")
+        refusal = self._refusal(holder)
+        if refusal is not None:
+            logger.warning("event=stream_refused holder=%r peer=%s reason=%r", holder, context.peer(), refusal)
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, refusal)
+        stream = self._open_stream(context.peer(), holder)
         reader = asyncio.create_task(self._read_plans(request_iterator, stream))
         try:
             while (item := await stream.pending.get()) is not None:
@@ -99,22 +127,39 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
             if self._active is stream:
                 self._active = None
 
-    def _open_stream(self, peer: str) -> _Stream:
+    def _refusal(self, holder: str) -> str | None:
+        """Why a stream from `holder` may not take the executor now, or None."""
+        active = self._active
+        if active is None or active.holder == holder:
+            return None
+        idle_s = time.monotonic() - active.last_plan_at
+        if idle_s >= self._lease_timeout_s:
+            return None
+        return (
+            f"this executor is held by scheduler {active.holder!r} (last plan {idle_s:.1f} s ago; "
+            f"its hold lapses after {self._lease_timeout_s:g} s without plans or when its stream ends)"
+        )
+
+    def _open_stream(self, peer: str, holder: str) -> _Stream:
         """Makes a new stream the active one, ending the one it supersedes: the scheduler that
         opens a stream starts over and resends every request it wants run."""
-        stream = _Stream(number=next(self._stream_numbers))
+        stream = _Stream(number=next(self._stream_numbers), holder=holder)
         previous, self._active = self._active, stream
         if previous is not None:
             previous.end(_SUPERSEDED)
             logger.info(
-                "event=stream_superseded old_stream=%d new_stream=%d peer=%s",
+                "event=stream_superseded old_stream=%d old_holder=%r new_stream=%d holder=%r peer=%s",
                 previous.number,
+                previous.holder,
                 stream.number,
+                holder,
                 peer,
             )
-            # Submitted before any plan of the new stream, so it runs after the old stream's
-            # plan that may be mid-forward and before the new stream's first plan.
-            self._worker.submit(self._executor.runner.drop_all_requests)
+        else:
+            logger.info("event=stream_opened stream=%d holder=%r peer=%s", stream.number, holder, peer)
+        # Submitted before any plan of the new stream, so it runs after a superseded stream's
+        # plan that may be mid-forward and before the new stream's first plan.
+        self._worker.submit(self._executor.runner.drop_all_requests)
         return stream
 
     def _run_plan(
@@ -142,6 +187,7 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
                     stream.end(_StreamError(grpc.StatusCode.INVALID_ARGUMENT, message))
                     return
                 last_step = plan.step_id
+                stream.last_plan_at = time.monotonic()
                 await stream.pending.put(
                     loop.run_in_executor(self._worker, self._run_plan, stream, plan)
                 )
@@ -152,7 +198,7 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
             await stream.pending.put(None)
 
 
-async def serve(executor: ReadyExecutor, host: str, port: int) -> None:
+async def serve(executor: ReadyExecutor, host: str, port: int, lease_timeout_s: float) -> None:
     """Serves until SIGTERM or SIGINT, then drains in-flight calls and stops."""
     worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="executor-step")
     server = grpc.aio.server(
@@ -161,9 +207,11 @@ async def serve(executor: ReadyExecutor, host: str, port: int) -> None:
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
             # A second copy on a taken port must fail to bind, not silently share it.
             ("grpc.so_reuseport", 0),
+            *KEEPALIVE_OPTIONS,
         ]
     )
-    executor_pb2_grpc.add_ExecutorServicer_to_server(ExecutorServicer(executor, worker), server)
+    servicer = ExecutorServicer(executor, worker, lease_timeout_s)
+    executor_pb2_grpc.add_ExecutorServicer_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(

@@ -15,6 +15,10 @@ DEFAULT_MAX_LOGPROBS = 20
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
 # Tokens of the profiling forward on CUDA: the activation peak of a step this large is reserved.
 DEFAULT_PROFILE_TOKENS = 2048
+# Long enough that a live scheduler (which sends an empty plan every third of it while idle)
+# never loses its hold; short enough that one that vanished without its stream ending (a
+# partition) frees the executor for another within a minute.
+DEFAULT_LEASE_TIMEOUT_S = 30.0
 
 _SIZE_UNITS = {
     "": 1,
@@ -49,6 +53,8 @@ class ExecutorSettings:
     trust_remote_code: bool = False
     # "auto", "sdpa" or "flash_attn".
     attention_backend: str = "auto"
+    # Seconds without a plan after which the holding scheduler's hold lapses.
+    lease_timeout_s: float = DEFAULT_LEASE_TIMEOUT_S
 
 
 def parse_size(text: str) -> int:

@@ -72,5 +72,6 @@ def build_executor(settings: ExecutorSettings) -> ReadyExecutor:
         incarnation_id=uuid.uuid4().hex,
         max_logprobs=limits.max_logprobs,
         attention_backend=backend,
+        lease_timeout_s=settings.lease_timeout_s,
     )
     return ReadyExecutor(runner=ModelRunner(loaded, kv_cache, limits, backend), info=info)

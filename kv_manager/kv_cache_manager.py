@@ -52,22 +52,34 @@ class KVCacheManager:
         self._queried_tokens = 0
         self._hit_tokens = 0
 
+    def prefix_hashes(self, token_ids: Sequence[int], extra_key: bytes = b"") -> list[BlockHash]:
+        """Hashes of the leading full blocks a prefix hit may cover: every full block but one
+        that would hold the last token, which must be computed to produce the next's logits."""
+        max_blocks = (len(token_ids) - 1) // self.block_size
+        return chain_hashes(token_ids[: max_blocks * self.block_size], self.block_size, extra_key)
+
     def find_cached_prefix(
-        self, token_ids: Sequence[int], extra_key: bytes = b""
+        self,
+        token_ids: Sequence[int],
+        extra_key: bytes = b"",
+        hashes: Sequence[BlockHash] | None = None,
     ) -> PrefixHit:
-        """The longest run of leading full blocks found in the cache. It never covers every
-        token: the last one must be computed to produce the logits of the next."""
+        """The longest run of leading full blocks found in the cache (never every token; see
+        prefix_hashes). `hashes`, when given, are prefix_hashes(token_ids, extra_key) computed
+        before, which spares hashing the prompt again."""
         if not self.enable_prefix_caching:
             return PrefixHit()
-        max_blocks = (len(token_ids) - 1) // self.block_size
         hit = PrefixHit()
-        for block_hash in chain_hashes(token_ids[: max_blocks * self.block_size], self.block_size, extra_key):
+        for block_hash in self.prefix_hashes(token_ids, extra_key) if hashes is None else hashes:
             block = self.pool.lookup(block_hash)
             if block is None:
                 break
             hit.blocks.append(block)
         hit.num_tokens = len(hit.blocks) * self.block_size
         return hit
+
+    def is_cached(self, block_hash: BlockHash) -> bool:
+        return self.enable_prefix_caching and self.pool.lookup(block_hash) is not None
 
     def allocate_slots(
         self,

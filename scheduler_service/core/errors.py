@@ -16,6 +16,7 @@ class ErrorKind(enum.Enum):
     DUPLICATE = "duplicate"        # its id is already in flight
     UNAVAILABLE = "unavailable"    # no executor can run it now, or its executor kept failing
     INTERNAL = "internal"          # the executor failed on it
+    NOT_FOUND = "not_found"        # what it names (an executor, say) does not exist
 
 
 @dataclass(slots=True, frozen=True)

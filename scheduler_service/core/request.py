@@ -31,8 +31,9 @@ class Request:
     cache_salt: bytes = b""
     # When it arrived (the scheduler's clock), for TTFT and latency.
     arrival_time: float = 0.0
-    # Tie-breaker among equal priorities: arrival order, set by the scheduler.
-    arrival_index: int = 0
+    # Tie-breaker among equal priorities: arrival order across the whole service (set by whoever
+    # first queues it; -1 until then).
+    arrival_index: int = -1
     # Prompt followed by every output token received so far.
     token_ids: list[int] = field(default_factory=list)
     # Tokens whose KV the executor has (or will have, once the steps in flight run).
@@ -62,6 +63,11 @@ class Request:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finish_time: float | None = None
+    # Hashes of the leading full blocks of token_ids a prefix hit may cover, for blocks of
+    # prefix_hashes_block_size tokens: computed once and extended as tokens are added, not
+    # re-hashed at every admission attempt or routing decision.
+    prefix_hashes: list[bytes] = field(default_factory=list)
+    prefix_hashes_block_size: int = 0
     # Where the service layer sends this request's output (its client's stream); opaque to the
     # planner, and kept here so that no second table of requests by id has to mirror this one.
     output: object = None

@@ -32,6 +32,28 @@ class WaitingQueue:
         else:
             heapq.heappush(self._heap, (rank(request, self.policy), request))
 
+    def insert(self, request: Request) -> None:
+        """Queues a request that arrived earlier elsewhere (another executor's queue) in its
+        arrival order."""
+        if self.policy is not Policy.FCFS:
+            self.add(request)
+            return
+        position = len(self._fifo)
+        while position > 0 and self._fifo[position - 1].arrival_index > request.arrival_index:
+            position -= 1
+        self._fifo.insert(position, request)
+
+    def pop_last(self) -> Request:
+        """Takes the request that would be admitted last."""
+        if self.policy is Policy.FCFS:
+            return self._fifo.pop()
+        last = max(range(len(self._heap)), key=lambda i: self._heap[i][0])
+        _, request = self._heap[last]
+        self._heap[last] = self._heap[-1]
+        self._heap.pop()
+        heapq.heapify(self._heap)
+        return request
+
     def push_front(self, request: Request) -> None:
         if self.policy is Policy.FCFS:
             self._fifo.appendleft(request)

@@ -3,10 +3,12 @@ they use; and the bookkeeping when the step's tokens come back."""
 
 import itertools
 import time
+from collections import Counter
 from collections.abc import Callable, Collection
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
-from kv_manager import KVCacheManager, PrefixHit
+from kv_manager import BlockHash, KVCacheManager, PrefixHit
+from kv_manager.prefix_hash import chain_hashes
 from scheduler_service.core.config import SchedulerConfig
 from scheduler_service.core.errors import ErrorKind, RequestError, RequestRejected
 from scheduler_service.core.policy import StepMode, pick_victim
@@ -20,15 +22,6 @@ from scheduler_service.core.step_plan import (
     StepPlan,
 )
 from scheduler_service.core.stop_checker import check_stop, may_sample_more
-
-
-@dataclass(slots=True, frozen=True)
-class ExecutorReset:
-    """What a lost executor did to the requests it ran."""
-
-    requeued: list[Request]
-    # Finished with LENGTH: they no longer fit the replacement executor's length.
-    finished: list[Request]
 
 
 @dataclass(slots=True, frozen=True)
@@ -72,6 +65,10 @@ class Scheduler:
         # Requests with retry_alone set, in the order their steps failed (a dict keeps the order
         # and, unlike scanning `running`, costs nothing per step while no step has failed).
         self._retrying: dict[Request, None] = {}
+        # Prefix block hashes of every request placed on this executor, counted: what its cache
+        # will hold once they are computed, for routing (see affinity).
+        self._placed: dict[Request, list[BlockHash]] = {}
+        self._placed_hashes: Counter[BlockHash] = Counter()
 
     # ---- arrivals and departures -------------------------------------------------------------
 
@@ -92,11 +89,108 @@ class Scheduler:
                 f"prompt of {request.num_prompt_tokens} tokens leaves no room to generate in a KV "
                 f"cache of {self.config.num_kv_blocks} blocks x {self.config.block_size} tokens",
             )
-        request.arrival_index = next(self._arrivals)
+        if request.arrival_index < 0:
+            request.arrival_index = next(self._arrivals)
         request.arrival_time = request.arrival_time or self.clock()
-        request.status = RequestStatus.WAITING
-        self.requests[request.request_id] = request
+        self._place(request)
         self.waiting.add(request)
+
+    def adopt(self, request: Request) -> bool:
+        """Queues a request that waited or ran on another executor (lost, draining or busier),
+        in its arrival order, with the tokens it has. A request too long for this executor is
+        finished with LENGTH instead; returns whether it was queued."""
+        self._place(request)
+        if request.num_tokens >= self.config.max_seq_len:
+            self.finish(request, FinishReason.LENGTH)
+            return False
+        if request.retry_alone:
+            self._retrying[request] = None
+        self.waiting.insert(request)
+        return True
+
+    def evict_all(self) -> list[Request]:
+        """Lets go of every request, in arrival order, because the executor is gone: running
+        ones lose their blocks and computed tokens (they will be recomputed elsewhere) and
+        count a preemption (so results still in flight for them are stale) and an executor
+        loss."""
+        evicted = sorted(self.requests.values(), key=lambda r: r.arrival_index)
+        for request in evicted:
+            if request.status is RequestStatus.RUNNING:
+                request.num_preemptions += 1
+                request.num_executor_losses += 1
+                self.num_preemptions += 1
+            request.status = RequestStatus.WAITING
+            request.num_computed_tokens = request.num_pending_outputs = 0
+            self._unplace(request)
+        self.running.clear()
+        self.waiting = WaitingQueue(self.config.policy)
+        self._on_executor.clear()
+        self._to_drop = []
+        self._in_flight.clear()
+        self._retrying.clear()
+        self.kv = KVCacheManager(self.config.num_kv_blocks, self.config.block_size, self.config.enable_prefix_caching)
+        return evicted
+
+    def release_waiting(self, count: int) -> list[Request]:
+        """Lets go of up to `count` waiting requests, those that would be admitted last, for
+        another executor to run (work stealing, draining); in arrival order."""
+        released = []
+        while self.waiting and len(released) < count:
+            request = self.waiting.pop_last()
+            self._unplace(request)
+            released.append(request)
+        return released[::-1]
+
+    def affinity(self, request: Request) -> int:
+        """Leading tokens of the request whose KV this executor's cache holds, or will hold
+        once the requests already placed on it are computed (exact: the scheduler hands out
+        every block)."""
+        matched = 0
+        for block_hash in self.prefix_hashes(request):
+            if block_hash not in self._placed_hashes and not self.kv.is_cached(block_hash):
+                break
+            matched += 1
+        return matched * self.config.block_size
+
+    def prefix_hashes(self, request: Request) -> list[BlockHash]:
+        """The request's prefix block hashes for this executor's block size, hashed once and
+        extended as it gains tokens."""
+        block_size = self.config.block_size
+        if request.prefix_hashes_block_size != block_size:
+            request.prefix_hashes, request.prefix_hashes_block_size = [], block_size
+        max_blocks = (request.num_tokens - 1) // block_size
+        if len(request.prefix_hashes) < max_blocks:
+            request.prefix_hashes = chain_hashes(
+                request.token_ids[: max_blocks * block_size],
+                block_size,
+                request.cache_salt,
+                request.prefix_hashes,
+            )
+        return request.prefix_hashes[:max_blocks]
+
+    @property
+    def load(self) -> int:
+        """Requests placed on this executor."""
+        return len(self.requests)
+
+    def _place(self, request: Request) -> None:
+        request.status = RequestStatus.WAITING
+        request.num_computed_tokens = 0
+        request.num_pending_outputs = 0
+        self.requests[request.request_id] = request
+        hashes = self.prefix_hashes(request) if self.config.enable_prefix_caching else []
+        self._placed[request] = hashes
+        self._placed_hashes.update(hashes)
+
+    def _unplace(self, request: Request) -> None:
+        del self.requests[request.request_id]
+        counts = self._placed_hashes
+        for block_hash in self._placed.pop(request):
+            left = counts[block_hash] - 1
+            if left:
+                counts[block_hash] = left
+            else:
+                del counts[block_hash]
 
     def abort(self, request_id: str) -> bool:
         request = self.requests.get(request_id)
@@ -127,30 +221,10 @@ class Scheduler:
         self.kv.free(request.request_id)
         self._forget_on_executor(request.request_id)
         self._retrying.pop(request, None)
-        del self.requests[request.request_id]
+        self._unplace(request)
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)
-
-    def reset_executor(self, num_kv_blocks: int, block_size: int, max_model_len: int) -> ExecutorReset:
-        """The executor lost its state (it restarted or was replaced): every running request goes
-        back to waiting with the tokens it has, to be recomputed; the block pool starts empty,
-        sized for the executor as it is now. Requests that no longer fit its length finish."""
-        requeued = sorted(self.running, key=lambda r: r.arrival_index, reverse=True)
-        for request in requeued:
-            request.num_executor_losses += 1
-            self._preempt(request)
-        self.config = replace(
-            self.config, num_kv_blocks=num_kv_blocks, block_size=block_size, max_model_len=max_model_len
-        )
-        self.kv = KVCacheManager(num_kv_blocks, block_size, self.config.enable_prefix_caching)
-        self._on_executor.clear()
-        self._to_drop = []
-        self._in_flight.clear()
-        too_long = [r for r in self.waiting if r.num_tokens >= self.config.max_seq_len]
-        for request in too_long:
-            self.finish(request, FinishReason.LENGTH)
-        return ExecutorReset([r for r in requeued if not r.is_finished], too_long)
 
     # ---- planning ----------------------------------------------------------------------------
 
@@ -268,7 +342,7 @@ class Scheduler:
             # A request retried after a failed step runs alone (see Request.retry_alone).
             if request.retry_alone and scheduled:
                 break
-            hit = self.kv.find_cached_prefix(request.token_ids, request.cache_salt)
+            hit = self.kv.find_cached_prefix(request.token_ids, request.cache_salt, self.prefix_hashes(request))
             num_new = request.num_tokens - hit.num_tokens
             if num_new > budget and not self.config.enable_chunked_prefill:
                 break

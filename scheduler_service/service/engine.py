@@ -1,43 +1,45 @@
-"""The engine loop: plan, send, receive, update, with the next plan on the wire before the last
-result returns, so the executor never waits for the scheduler."""
+"""The engine: every executor's lane, where requests go, and what happens when an executor goes.
+
+Each lane (service/lane.py) plans and steps at its own executor's pace. The engine places each
+new request on a lane with the router (core/router.py: prefix affinity weighed against load),
+moves queued requests to a lane that has nothing to do, and when an executor is lost (or
+drained) moves its requests to the lanes still up, to be recomputed there from the tokens they
+have; with no lane up they wait, unplaced, for one to come (back). Clients see none of it: a
+request's stream goes on where it stopped.
+"""
 
 import asyncio
+import itertools
 import logging
-from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from protos.splitserve.executor.v1 import executor_pb2
 from protos.splitserve.v1 import generation_pb2 as pb
-from scheduler_service.core.config import SchedulerConfig
 from scheduler_service.core.errors import ErrorKind, RequestError, RequestRejected
-from scheduler_service.core.policy import Policy, StepMode
 from scheduler_service.core.request import FinishReason, Request
-from scheduler_service.core.scheduler import ExecutorReset, Scheduler
-from scheduler_service.core.step_plan import RequestUpdate
-from scheduler_service.service.executor_link import ExecutorLink, ExecutorLost
+from scheduler_service.core.router import DEFAULT_TOKENS_PER_REQUEST, route
+from scheduler_service.core.step_plan import RequestUpdate, StepOutput
+from scheduler_service.service.executor_link import ExecutorLink
+from scheduler_service.service.lane import ExecutorLane, LaneOptions, LaneState
 from scheduler_service.service.metrics import SchedulerMetrics
 from scheduler_service.service.output_stream import OutputStream
-from scheduler_service.service.plan_codec import output_from_proto, plan_to_proto
 from scheduler_service.text.tokenizer import TextProcessor
 
 logger = logging.getLogger(__name__)
 
 # A request whose executor is lost this many times while it runs is failed rather than retried:
-# it may be what brings the executor down.
+# it may be what brings executors down.
 MAX_EXECUTOR_LOSSES = 3
 
 
 @dataclass(slots=True, frozen=True)
 class EngineOptions:
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    policy: Policy = Policy.FCFS
-    mode: StepMode = StepMode.MIXED
+    lane: LaneOptions = LaneOptions()
     # Requests allowed to wait before new ones are refused with RESOURCE_EXHAUSTED.
     max_waiting: int = 10_000
-    # Plans on the wire at once: 2 lets the executor start step N+1 as soon as step N ends.
-    pipeline_depth: int = 2
+    # Routing: cached prompt tokens worth one more queued request (core/router.py).
+    route_tokens_per_request: int = DEFAULT_TOKENS_PER_REQUEST
 
 
 class EngineUnavailable(RequestRejected):
@@ -50,145 +52,304 @@ class EngineUnavailable(RequestRejected):
 class Engine:
     def __init__(
         self,
-        link: ExecutorLink,
+        scheduler_id: str,
         text: TextProcessor | None,
         options: EngineOptions,
         metrics: SchedulerMetrics,
-        on_executor_state: Callable[[bool], None] = lambda up: None,
+        on_serving: Callable[[bool], None] = lambda serving: None,
+        link_factory: Callable[[str, str], ExecutorLink] = ExecutorLink,
     ) -> None:
-        self.link = link
+        self.scheduler_id = scheduler_id
         self.text = text
         self.options = options
         self.metrics = metrics
-        self.on_executor_state = on_executor_state
+        self.on_serving = on_serving
+        self._link_factory = link_factory
+        self.lanes: dict[str, ExecutorLane] = {}
+        # The first executor reached fixes the model every other one must serve.
         self.info: executor_pb2.ExecutorInfo | None = None
-        self.scheduler: Scheduler | None = None
-        self.executor_up = False
-        self._wake = asyncio.Event()
-        self._preemptions_seen = 0
+        # Requests no lane can take now (none up), in arrival order.
+        self.unplaced: list[Request] = []
+        self._arrivals = itertools.count()
+        self._tasks: dict[str, asyncio.Task[None]] = {}
+        self._first_up = asyncio.Event()
+        self._serving = False
+        # Since start, over every lane and every planner a lane had (a lost executor's planner
+        # goes with it).
+        self.num_preemptions = 0
+        self.num_steps = 0
+        self._counts_seen: dict[str, tuple[int, int]] = {}
 
-    async def connect(self) -> None:
-        info = await self.link.connect()
-        self.info = info
-        eos = set(info.eos_token_ids) | set(self.text.eos_token_ids if self.text else ())
-        self.scheduler = Scheduler(
-            SchedulerConfig(
-                num_kv_blocks=info.num_kv_blocks,
-                block_size=info.block_size,
-                max_model_len=info.max_model_len,
-                max_num_seqs=self.options.max_num_seqs,
-                max_num_batched_tokens=self.options.max_num_batched_tokens,
-                policy=self.options.policy,
-                mode=self.options.mode,
-            ),
-            eos_token_ids=eos,
-        )
-        self._set_executor_up(True)
+    # ---- executors ---------------------------------------------------------------------------
+
+    def add_executor(self, address: str) -> None:
+        if address in self.lanes:
+            return
+        eos = frozenset(self.text.eos_token_ids if self.text else ())
+        link = self._link_factory(address, self.scheduler_id)
+        lane = ExecutorLane(address, link, self.options.lane, self, eos)
+        self.lanes[address] = lane
+        self._tasks[address] = asyncio.get_running_loop().create_task(lane.run())
+        logger.info("event=executor_added address=%s", address)
+
+    def remove_executor(self, address: str) -> None:
+        """Takes an executor out for good: drained first, so nothing it runs fails."""
+        lane = self.lanes.get(address)
+        if lane is not None:
+            lane.retired = True
+            if lane.state in (LaneState.UP, LaneState.DRAINING):
+                self.drain(address)
+            else:
+                self._forget_lane(lane)
+
+    def drain(self, address: str) -> ExecutorLane:
+        lane = self._lane(address)
+        if lane.state is LaneState.UP:
+            lane.drain()
+            assert lane.scheduler is not None
+            queued = lane.scheduler.release_waiting(len(lane.scheduler.waiting))
+            self._place(queued)
+            self._report_serving()
+        return lane
+
+    def resume(self, address: str) -> ExecutorLane:
+        lane = self._lane(address)
+        lane.retired = False
+        lane.resume()
+        self._report_serving()
+        return lane
+
+    async def wait_until_serving(self) -> None:
+        await self._first_up.wait()
+
+    async def run(self) -> None:
+        """Runs until cancelled; a lane whose loop fails takes the engine down with it."""
+        while True:
+            tasks = list(self._tasks.values())
+            if not tasks:
+                await asyncio.sleep(1.0)
+                continue
+            done, _ = await asyncio.wait(tasks, timeout=1.0, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                if task.exception() is not None:
+                    raise task.exception()  # type: ignore[misc]
+
+    async def close(self) -> None:
+        for task in self._tasks.values():
+            task.cancel()
+        for lane in self.lanes.values():
+            await lane.link.close()
+
+    # ---- requests ----------------------------------------------------------------------------
 
     def submit(self, request: Request) -> OutputStream:
-        scheduler = self._require_scheduler()
-        if len(scheduler.waiting) >= self.options.max_waiting:
+        info = self.info
+        if info is None:
+            raise EngineUnavailable("no executor has been reached yet")
+        if self._find(request.request_id) is not None:
             raise RequestRejected(
-                ErrorKind.OVERLOADED, f"{len(scheduler.waiting)} requests are already waiting; retry later"
+                ErrorKind.DUPLICATE, f"request id {request.request_id!r} is already in flight"
             )
-        scheduler.add_request(request)
+        if request.num_prompt_tokens >= info.max_model_len:
+            raise RequestRejected(
+                ErrorKind.INVALID,
+                f"prompt of {request.num_prompt_tokens} tokens leaves no room to generate under "
+                f"the maximum model length of {info.max_model_len}",
+            )
+        waiting = self.num_waiting
+        if waiting >= self.options.max_waiting:
+            raise RequestRejected(
+                ErrorKind.OVERLOADED, f"{waiting} requests are already waiting; retry later"
+            )
+        serving = self._serving_lanes()
+        if serving and route(request, [lane.scheduler for lane in serving]) is None:
+            largest = max(lane.scheduler.config.max_seq_len for lane in serving)
+            raise RequestRejected(
+                ErrorKind.TOO_LARGE,
+                f"prompt of {request.num_prompt_tokens} tokens leaves no room to generate in the "
+                f"largest KV cache of any executor ({largest} tokens)",
+            )
+        request.arrival_index = next(self._arrivals)
         stream = request.output = OutputStream(request, self.text)
-        self._wake.set()
+        if serving:
+            lane = serving[self._route(request, serving)]
+            lane.scheduler.add_request(request)
+            lane.wake.set()
+        else:
+            # Executors were reached before, so one is expected back.
+            self.unplaced.append(request)
         return stream
 
     def abort(self, request_id: str) -> bool:
-        request = self.scheduler.requests.get(request_id) if self.scheduler else None
+        request = self._find(request_id)
         return request is not None and self._abort(request)
 
     def cancel(self, stream: OutputStream) -> bool:
         """Aborts the request of this stream, if still running; unlike abort(id) it never
         touches a newer request that reuses the id after this one ended."""
         request = stream.request
-        if self.scheduler is None or self.scheduler.requests.get(request.request_id) is not request:
-            return False
-        return self._abort(request)
+        return self._find(request.request_id) is request and self._abort(request)
 
     def abort_all(self) -> None:
-        if self.scheduler is not None:
-            for request in list(self.scheduler.requests.values()):
-                self._abort(request)
+        for lane in self.lanes.values():
+            if lane.scheduler is not None:
+                for request in list(lane.scheduler.requests.values()):
+                    self._abort(request)
+        for request in list(self.unplaced):
+            self._abort(request)
 
-    def _abort(self, request: Request) -> bool:
-        self._require_scheduler().finish(request, FinishReason.ABORT)
-        self._close(request)
-        self._wake.set()
-        return True
+    @property
+    def num_waiting(self) -> int:
+        return len(self.unplaced) + sum(
+            len(lane.scheduler.waiting) for lane in self.lanes.values() if lane.scheduler
+        )
 
-    async def run(self) -> None:
-        """Runs until cancelled. A lost executor is reconnected; its requests are recomputed."""
-        while True:
-            try:
-                await self._drive()
-            except ExecutorLost as lost:
-                logger.warning("event=executor_lost address=%s reason=%s", self.link.address, lost)
-                self._set_executor_up(False)
-                info = await self.link.connect()
-                self.info = info
-                scheduler = self._require_scheduler()
-                reset = scheduler.reset_executor(info.num_kv_blocks, info.block_size, info.max_model_len)
-                self._settle_after_reset(scheduler, reset)
-                self._set_executor_up(True)
+    @property
+    def num_running(self) -> int:
+        return sum(len(lane.scheduler.running) for lane in self.lanes.values() if lane.scheduler)
 
-    def _settle_after_reset(self, scheduler: Scheduler, reset: ExecutorReset) -> None:
-        for request in reset.finished:
-            self._close(request)
-        for request in reset.requeued:
+    # ---- lane hooks --------------------------------------------------------------------------
+
+    def refusal(self, lane: ExecutorLane, info: executor_pb2.ExecutorInfo) -> str | None:
+        """Why this executor may not serve beside the others, or None."""
+        model = self.info
+        if model is not None:
+            ours = (model.vocab_size, sorted(model.eos_token_ids), model.max_model_len)
+            theirs = (info.vocab_size, sorted(info.eos_token_ids), info.max_model_len)
+            if ours != theirs:
+                return (
+                    f"it serves another model: vocab_size, eos_token_ids, max_model_len are "
+                    f"{theirs}, the other executors' are {ours}"
+                )
+        for other in self.lanes.values():
+            if (
+                other is not lane
+                and other.info is not None
+                and other.state in (LaneState.UP, LaneState.DRAINING)
+                and other.info.incarnation_id == info.incarnation_id
+            ):
+                return f"it is the executor already served at {other.address}"
+        return None
+
+    def lane_up(self, lane: ExecutorLane) -> None:
+        if self.info is None:
+            self.info = lane.info
+        self._counts_seen[lane.address] = (0, 0)
+        self._first_up.set()
+        placing, self.unplaced = self.unplaced, []
+        self._place(placing)
+        self._report_serving()
+
+    def lane_lost(self, lane: ExecutorLane, reason: str) -> None:
+        scheduler = lane.scheduler
+        evicted = scheduler.evict_all() if scheduler is not None else []
+        self._count(lane)
+        self._report_serving()
+        keep = []
+        for request in evicted:
             if request.num_executor_losses >= MAX_EXECUTOR_LOSSES:
-                scheduler.finish(request, FinishReason.ABORT)
                 message = (
                     f"the executor was lost {request.num_executor_losses} times while running "
                     f"request {request.request_id}; giving up on it"
                 )
                 self._fail(request, RequestError(ErrorKind.UNAVAILABLE, message))
-        logger.info(
-            "event=requests_requeued count=%d finished=%d", len(reset.requeued), len(reset.finished)
+            else:
+                keep.append(request)
+        logger.warning(
+            "event=executor_lost address=%s reason=%r requeued=%d", lane.address, reason, len(keep)
         )
+        self._place(keep)
 
-    async def _drive(self) -> None:
-        scheduler = self._require_scheduler()
-        in_flight: deque[int] = deque()
-        while True:
-            while len(in_flight) < self.options.pipeline_depth:
-                plan = scheduler.schedule()
-                if not plan.has_work and not plan.dropped_request_ids:
-                    break
-                await self.link.send(plan_to_proto(plan, scheduler.eos_token_ids))
-                in_flight.append(plan.step_id)
-            self._observe_queues(scheduler)
-            if not in_flight:
-                self._wake.clear()
-                await self._wake.wait()
-                continue
-            result = output_from_proto(await self.link.receive())
-            in_flight.popleft()
-            self.metrics.forward_time.observe(result.forward_time_s)
-            self.metrics.step_time.observe(result.step_time_s)
-            for update in scheduler.update(result):
-                self._deliver(update)
+    def lane_idle(self, lane: ExecutorLane) -> None:
+        """Takes queued requests from the busiest other lane for an executor with none."""
+        donors = [
+            other
+            for other in self._serving_lanes()
+            if other is not lane and other.scheduler is not None and other.scheduler.waiting
+        ]
+        if not donors or lane.scheduler is None:
+            return
+        donor = max(donors, key=lambda other: len(other.scheduler.waiting))
+        taken = donor.scheduler.release_waiting(-(-len(donor.scheduler.waiting) // 2))
+        moved = [request for request in taken if lane.scheduler.adopt(request)]
+        for request in taken:
+            if request.is_finished:
+                self._close(request)
+        if moved:
+            logger.info(
+                "event=requests_moved from=%s to=%s count=%d", donor.address, lane.address, len(moved)
+            )
 
-    def _deliver(self, update: RequestUpdate) -> None:
+    def lane_drained(self, lane: ExecutorLane) -> None:
+        self._count(lane)
+        self._report_serving()
+        if lane.retired:
+            self._forget_lane(lane)
+
+    def deliver(
+        self, lane: ExecutorLane, output: StepOutput, updates: Sequence[RequestUpdate]
+    ) -> None:
+        self.metrics.step_time.observe(output.step_time_s)
+        self.metrics.forward_time.observe(output.forward_time_s)
+        for update in updates:
+            self._deliver(lane, update)
+        self._count(lane)
+        self._observe_queues()
+
+    # ---- internals ---------------------------------------------------------------------------
+
+    def _deliver(self, lane: ExecutorLane, update: RequestUpdate) -> None:
         request = update.request
         if update.error is not None:
             logger.error(
-                "event=request_failed_in_executor request_id=%s kind=%s reason=%r",
-                request.request_id, update.error.kind.value, update.error.message,
+                "event=request_failed_in_executor request_id=%s executor=%s kind=%s reason=%r",
+                request.request_id, lane.address, update.error.kind.value, update.error.message,
             )
             self._fail(request, update.error)
             return
         self.metrics.generation_tokens.inc(len(update.new_token_ids))
         stream = _stream_of(request)
         message, stop_string = stream.add_tokens(update.new_token_ids, update.new_logprobs)
-        if stop_string is not None:
-            self._require_scheduler().stop_at_string(request, stop_string)
+        if stop_string is not None and lane.scheduler is not None:
+            lane.scheduler.stop_at_string(request, stop_string)
         if request.is_finished:
             self._close(request, message)
         else:
             stream.queue.put_nowait(message)
+
+    def _place(self, requests: Iterable[Request]) -> None:
+        """Puts requests that have no lane on the lanes taking work, or keeps them unplaced."""
+        serving = self._serving_lanes()
+        for request in requests:
+            if request.is_finished:
+                continue
+            if not serving:
+                self.unplaced.append(request)
+                continue
+            index = self._route(request, serving)
+            lane = serving[index if index is not None else 0]
+            if not lane.scheduler.adopt(request):
+                self._close(request)
+            lane.wake.set()
+        self.unplaced.sort(key=lambda r: r.arrival_index)
+
+    def _route(self, request: Request, lanes: Sequence[ExecutorLane]) -> int | None:
+        choice = route(
+            request, [lane.scheduler for lane in lanes], self.options.route_tokens_per_request
+        )
+        return choice.index if choice is not None else None
+
+    def _abort(self, request: Request) -> bool:
+        lane = self._lane_of(request)
+        if lane is not None and lane.scheduler is not None:
+            lane.scheduler.finish(request, FinishReason.ABORT)
+            lane.wake.set()
+        else:
+            # Unplaced: no scheduler holds it, so nothing else is to free.
+            self.unplaced.remove(request)
+            request.finish_reason = FinishReason.ABORT
+        self._close(request)
+        return True
 
     def _close(self, request: Request, message: pb.GenerateResponse | None = None) -> None:
         stream = _stream_of(request)
@@ -202,23 +363,64 @@ class Engine:
             stream.fail(error)
             self.metrics.request_finished(request)
 
-    def _observe_queues(self, scheduler: Scheduler) -> None:
-        self.metrics.running.set(len(scheduler.running))
-        self.metrics.waiting.set(len(scheduler.waiting))
-        self.metrics.kv_usage.set(scheduler.kv.stats().usage)
-        # Requests sent back by a lost executor count too: they are recomputed the same way.
-        self.metrics.preemptions.inc(scheduler.num_preemptions - self._preemptions_seen)
-        self._preemptions_seen = scheduler.num_preemptions
+    def _find(self, request_id: str) -> Request | None:
+        for lane in self.lanes.values():
+            if lane.scheduler is not None and request_id in lane.scheduler.requests:
+                return lane.scheduler.requests[request_id]
+        return next((r for r in self.unplaced if r.request_id == request_id), None)
 
-    def _set_executor_up(self, up: bool) -> None:
-        self.executor_up = up
-        self.metrics.executors_up.set(1 if up else 0)
-        self.on_executor_state(up)
+    def _lane_of(self, request: Request) -> ExecutorLane | None:
+        for lane in self.lanes.values():
+            if lane.scheduler is not None and lane.scheduler.requests.get(request.request_id) is request:
+                return lane
+        return None
 
-    def _require_scheduler(self) -> Scheduler:
-        if self.scheduler is None:
-            raise EngineUnavailable(f"the executor at {self.link.address} has not been reached yet")
-        return self.scheduler
+    def _lane(self, address: str) -> ExecutorLane:
+        lane = self.lanes.get(address)
+        if lane is None:
+            known = ", ".join(sorted(self.lanes)) or "none"
+            raise RequestRejected(ErrorKind.NOT_FOUND, f"no executor at {address!r} (known: {known})")
+        return lane
+
+    def _serving_lanes(self) -> list[ExecutorLane]:
+        return [lane for lane in self.lanes.values() if lane.serving and lane.scheduler is not None]
+
+    def _forget_lane(self, lane: ExecutorLane) -> None:
+        self.lanes.pop(lane.address, None)
+        task = self._tasks.pop(lane.address, None)
+        if task is not None:
+            task.cancel()
+        asyncio.get_running_loop().create_task(lane.link.close())
+        logger.info("event=executor_removed address=%s", lane.address)
+
+    def _report_serving(self) -> None:
+        serving = bool(self._serving_lanes())
+        self.metrics.executors_up.set(len(self._serving_lanes()))
+        if serving != self._serving:
+            self._serving = serving
+            self.on_serving(serving)
+
+    def _count(self, lane: ExecutorLane) -> None:
+        """Adds the lane's new preemptions and steps to the totals. Requests sent back by a lost
+        executor count as preempted: they are recomputed the same way."""
+        scheduler = lane.scheduler
+        if scheduler is None:
+            return
+        preemptions, steps = self._counts_seen.get(lane.address, (0, 0))
+        new_preemptions = scheduler.num_preemptions - preemptions
+        self.num_preemptions += new_preemptions
+        self.num_steps += scheduler.num_steps - steps
+        self.metrics.preemptions.inc(new_preemptions)
+        self._counts_seen[lane.address] = (scheduler.num_preemptions, scheduler.num_steps)
+
+    def _observe_queues(self) -> None:
+        self.metrics.running.set(self.num_running)
+        self.metrics.waiting.set(self.num_waiting)
+        total = free = 0
+        for lane in self._serving_lanes():
+            total += lane.scheduler.kv.pool.num_blocks
+            free += lane.scheduler.kv.num_free_blocks
+        self.metrics.kv_usage.set(1.0 - free / total if total else 0.0)
 
 
 def _stream_of(request: Request) -> OutputStream:

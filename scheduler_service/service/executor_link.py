@@ -1,4 +1,11 @@
-"""The scheduler's connection to one executor: Describe, and the ordered plan/result stream."""
+"""The scheduler's connection to one executor: Describe, and the ordered plan/result stream.
+
+The stream carries the scheduler's identity (metadata `x-splitserve-scheduler-id`), so an
+executor held by another scheduler refuses it instead of being taken over. HTTP/2 keepalive pings
+find an executor that is alive but silent (a stopped process, a partition without a reset) and
+keep the long-lived stream open through load balancers and mesh proxies that close idle
+connections (see KEEPALIVE_OPTIONS).
+"""
 
 import asyncio
 import logging
@@ -11,21 +18,42 @@ from protos.splitserve.executor.v1 import executor_pb2_grpc
 
 logger = logging.getLogger(__name__)
 
-RETRY_MIN_S = 0.2
-RETRY_MAX_S = 5.0
 DESCRIBE_TIMEOUT_S = 5.0
+# Metadata key of the identity the scheduler presents on Execute.
+SCHEDULER_ID_METADATA = "x-splitserve-scheduler-id"
+# A ping every 10 s, answered within 10 s or the connection is closed and the stream fails. Ten
+# seconds stays under the idle timeouts of common load balancers and proxies (60 s and more),
+# and above the executor's accepted ping interval (executor_service/server.py), so it is never
+# answered with GOAWAY "too_many_pings".
+KEEPALIVE_OPTIONS = [
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
+]
 
 
 class ExecutorLost(Exception):
     """The executor stopped answering; its state must be assumed gone."""
 
 
+class ExecutorRefused(Exception):
+    """The executor answers but will not take plans from this scheduler (held by another)."""
+
+
 class ExecutorLink:
-    def __init__(self, address: str, credentials: grpc.ChannelCredentials | None = None) -> None:
+    def __init__(
+        self,
+        address: str,
+        scheduler_id: str,
+        credentials: grpc.ChannelCredentials | None = None,
+    ) -> None:
         self.address = address
+        self.scheduler_id = scheduler_id
         options = [
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+            *KEEPALIVE_OPTIONS,
         ]
         self._channel = (
             grpc.aio.secure_channel(address, credentials, options)
@@ -35,29 +63,35 @@ class ExecutorLink:
         self._stub = executor_pb2_grpc.ExecutorStub(self._channel)
         self._call: grpc.aio.StreamStreamCall | None = None
 
-    async def connect(self) -> pb.ExecutorInfo:
-        """Describes the executor, retrying until it answers, and opens a plan stream."""
-        if self._call is not None:
-            self._call.cancel()
-            self._call = None
-        delay = RETRY_MIN_S
-        while True:
-            try:
-                info = await self._stub.Describe(pb.DescribeRequest(), timeout=DESCRIBE_TIMEOUT_S)
-                break
-            except grpc.aio.AioRpcError as error:
-                logger.info(
-                    "event=executor_unreachable address=%s code=%s retry_in_s=%.1f",
-                    self.address, error.code().name, delay,
-                )
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, RETRY_MAX_S)
-        self._call = self._stub.Execute()
-        logger.info(
-            "event=executor_connected address=%s model=%s incarnation=%s kv_blocks=%d block_size=%d",
-            self.address, info.model_id, info.incarnation_id, info.num_kv_blocks, info.block_size,
+    async def describe(self) -> pb.ExecutorInfo:
+        """One Describe; ExecutorLost when the executor does not answer in time."""
+        try:
+            return await self._stub.Describe(pb.DescribeRequest(), timeout=DESCRIBE_TIMEOUT_S)
+        except grpc.aio.AioRpcError as error:
+            raise ExecutorLost(f"Describe: {error.code().name}: {error.details()}") from error
+
+    async def open_stream(self, handshake_timeout_s: float) -> None:
+        """Opens the plan stream and waits for the answer to an empty plan (step 0), so a
+        refusal (another scheduler holds the executor) is known before any real plan is sent."""
+        self.close_stream()
+        self._call = self._stub.Execute(
+            metadata=((SCHEDULER_ID_METADATA, self.scheduler_id),)
         )
-        return info
+        await self.send(pb.StepPlan(step_id=0))
+        try:
+            await self.receive(handshake_timeout_s)
+        except ExecutorLost as lost:
+            cause = lost.__cause__
+            if (
+                isinstance(cause, grpc.aio.AioRpcError)
+                and cause.code() == grpc.StatusCode.FAILED_PRECONDITION
+            ):
+                self.close_stream()
+                raise ExecutorRefused(cause.details() or "refused") from cause
+            raise
+        logger.info(
+            "event=executor_stream_opened address=%s scheduler_id=%s", self.address, self.scheduler_id
+        )
 
     async def send(self, plan: pb.StepPlan) -> None:
         try:
@@ -65,18 +99,27 @@ class ExecutorLink:
         except (grpc.aio.AioRpcError, asyncio.InvalidStateError) as error:
             raise ExecutorLost(f"sending step {plan.step_id}: {error}") from error
 
-    async def receive(self) -> pb.StepResult:
+    async def receive(self, timeout_s: float) -> pb.StepResult:
+        """The next result; ExecutorLost if the stream breaks or nothing comes within timeout_s
+        (an executor that is alive but frozen)."""
         try:
-            result = await self._require_call().read()
+            result = await asyncio.wait_for(self._require_call().read(), timeout_s)
+        except TimeoutError as error:
+            raise ExecutorLost(f"no step result within {timeout_s:.1f} s") from error
         except grpc.aio.AioRpcError as error:
             raise ExecutorLost(f"{error.code().name}: {error.details()}") from error
         if result is grpc.aio.EOF:
             raise ExecutorLost("the executor closed the plan stream")
         return result
 
-    async def close(self) -> None:
+    def close_stream(self) -> None:
+        """Ends the plan stream, which releases the executor's hold for this scheduler."""
         if self._call is not None:
             self._call.cancel()
+            self._call = None
+
+    async def close(self) -> None:
+        self.close_stream()
         await self._channel.close()
 
     def _require_call(self) -> grpc.aio.StreamStreamCall:

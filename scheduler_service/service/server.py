@@ -3,6 +3,7 @@
 import asyncio
 import logging
 import signal
+import socket
 from dataclasses import dataclass
 
 import grpc
@@ -11,9 +12,15 @@ from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
 
 from protos.limits import MAX_MESSAGE_BYTES
-from protos.splitserve.v1 import generation_pb2, generation_pb2_grpc
+from protos.splitserve.v1 import (
+    admin_pb2,
+    admin_pb2_grpc,
+    generation_pb2,
+    generation_pb2_grpc,
+)
+from scheduler_service.service.admin_servicer import AdminServicer
+from scheduler_service.service.discovery import DEFAULT_RESOLVE_INTERVAL_S, discover
 from scheduler_service.service.engine import Engine, EngineOptions
-from scheduler_service.service.executor_link import ExecutorLink
 from scheduler_service.service.gc_tuning import tune_gc
 from scheduler_service.service.metrics import SchedulerMetrics
 from scheduler_service.service.servicer import GenerationServicer
@@ -22,6 +29,7 @@ from scheduler_service.text.tokenizer import TextProcessor
 logger = logging.getLogger(__name__)
 
 SERVICE_NAME = generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
+ADMIN_SERVICE_NAME = admin_pb2.DESCRIPTOR.services_by_name["Admin"].full_name
 SHUTDOWN_GRACE_S = 5.0
 
 
@@ -29,10 +37,14 @@ SHUTDOWN_GRACE_S = 5.0
 class ServerSettings:
     host: str
     port: int
-    executor_address: str
+    # HOST:PORT or dns:///NAME:PORT, one or more.
+    executors: tuple[str, ...]
     options: EngineOptions
     text: TextProcessor | None = None
     metrics_port: int | None = None
+    # Presented to executors on Execute; default HOSTNAME:PORT (the bound port).
+    scheduler_id: str | None = None
+    resolve_interval_s: float = DEFAULT_RESOLVE_INTERVAL_S
 
 
 async def serve(settings: ServerSettings) -> int:
@@ -44,14 +56,14 @@ async def serve(settings: ServerSettings) -> int:
     # they are not garbage-collected before they run.
     health_updates: set[asyncio.Task[None]] = set()
 
-    def report_executor(up: bool) -> None:
+    def report_serving(up: bool) -> None:
         status = health_pb2.HealthCheckResponse.SERVING if up else health_pb2.HealthCheckResponse.NOT_SERVING
         for name in ("", SERVICE_NAME):
             task = asyncio.get_running_loop().create_task(health_servicer.set(name, status))
             health_updates.add(task)
             task.add_done_callback(health_updates.discard)
 
-    engine = Engine(ExecutorLink(settings.executor_address), settings.text, settings.options, metrics, report_executor)
+    engine = Engine("", settings.text, settings.options, metrics, report_serving)
     server = grpc.aio.server(
         options=[
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -61,9 +73,15 @@ async def serve(settings: ServerSettings) -> int:
         ]
     )
     generation_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(engine), server)
+    admin_pb2_grpc.add_AdminServicer_to_server(AdminServicer(engine), server)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
-        (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
+        (
+            SERVICE_NAME,
+            ADMIN_SERVICE_NAME,
+            health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+            reflection.SERVICE_NAME,
+        ),
         server,
     )
     for name in ("", SERVICE_NAME):
@@ -77,16 +95,31 @@ async def serve(settings: ServerSettings) -> int:
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
-    logger.info("event=scheduler_listening port=%d executor=%s", port, settings.executor_address)
+    engine.scheduler_id = settings.scheduler_id or f"{socket.gethostname()}:{port}"
+    executors = ",".join(settings.executors)
+    logger.info(
+        "event=scheduler_listening port=%d executors=%s scheduler_id=%s",
+        port, executors, engine.scheduler_id,
+    )
 
     async def connect_then_run() -> None:
-        await engine.connect()
-        tune_gc()
-        logger.info(
-            "event=scheduler_ready address=%s:%d port=%d executor=%s metrics_port=%s",
-            settings.host, port, port, settings.executor_address, settings.metrics_port,
-        )
-        await engine.run()
+        discovery = asyncio.create_task(discover(engine, settings.executors, settings.resolve_interval_s))
+        running = asyncio.create_task(engine.run())
+        serving = asyncio.create_task(engine.wait_until_serving())
+        try:
+            # A lane that fails before any executor is up must not leave us waiting forever.
+            await asyncio.wait({running, serving}, return_when=asyncio.FIRST_COMPLETED)
+            if serving.done():
+                tune_gc()
+                logger.info(
+                    "event=scheduler_ready address=%s:%d port=%d executors=%s metrics_port=%s",
+                    settings.host, port, port, executors, settings.metrics_port,
+                )
+            await running
+        finally:
+            discovery.cancel()
+            serving.cancel()
+            running.cancel()
 
     runner = asyncio.create_task(connect_then_run())
     waiter = asyncio.create_task(stop.wait())
@@ -99,6 +132,6 @@ async def serve(settings: ServerSettings) -> int:
     await server.stop(SHUTDOWN_GRACE_S)
     runner.cancel()
     waiter.cancel()
-    await engine.link.close()
+    await engine.close()
     logger.info("event=scheduler_stopped")
     return 1 if failed else 0

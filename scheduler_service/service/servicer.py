@@ -10,21 +10,13 @@ from protos.splitserve.v1 import generation_pb2 as pb
 from protos.splitserve.v1 import generation_pb2_grpc
 from scheduler_service.core.errors import ErrorKind, RequestError, RequestRejected
 from scheduler_service.service.engine import Engine
+from scheduler_service.service.executor_status import executor_status
 from scheduler_service.service.output_stream import OutputStream
 from scheduler_service.service.request_intake import build_request, prompt_token_ids
+from scheduler_service.service.status_codes import STATUS_CODES
 
 logger = logging.getLogger(__name__)
 
-# The one place the scheduler turns what went wrong into a status a client can act on.
-STATUS_CODES = {
-    ErrorKind.INVALID: grpc.StatusCode.INVALID_ARGUMENT,
-    ErrorKind.UNSUPPORTED: grpc.StatusCode.FAILED_PRECONDITION,
-    ErrorKind.TOO_LARGE: grpc.StatusCode.RESOURCE_EXHAUSTED,
-    ErrorKind.OVERLOADED: grpc.StatusCode.RESOURCE_EXHAUSTED,
-    ErrorKind.DUPLICATE: grpc.StatusCode.ALREADY_EXISTS,
-    ErrorKind.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
-    ErrorKind.INTERNAL: grpc.StatusCode.INTERNAL,
-}
 
 
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
@@ -80,12 +72,12 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     async def GetModelInfo(self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext) -> pb.ModelInfo:
         info = await self._require_info(context)
         text = self.engine.text
-        scheduler = self.engine.scheduler
+        eos = set(info.eos_token_ids) | set(text.eos_token_ids if text else ())
         return pb.ModelInfo(
             model_id=info.model_id,
             vocab_size=info.vocab_size,
-            max_model_len=scheduler.config.max_seq_len if scheduler else info.max_model_len,
-            eos_token_ids=sorted(scheduler.eos_token_ids) if scheduler else info.eos_token_ids,
+            max_model_len=info.max_model_len,
+            eos_token_ids=sorted(eos),
             has_tokenizer=text is not None,
             has_chat_template=bool(text and text.has_chat_template),
             block_size=info.block_size,
@@ -96,32 +88,33 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self, request: pb.GetServerStatusRequest, context: grpc.aio.ServicerContext
     ) -> pb.ServerStatus:
         engine = self.engine
-        scheduler = engine.scheduler
-        status = pb.ServerStatus(policy=engine.options.policy.value, mode=engine.options.mode.value)
-        executor = pb.ExecutorStatus(
-            address=engine.link.address,
-            state=pb.EXECUTOR_STATE_UP if engine.executor_up else pb.EXECUTOR_STATE_DOWN,
-            incarnation_id=engine.info.incarnation_id if engine.info else "",
+        options = engine.options.lane
+        status = pb.ServerStatus(
+            policy=options.policy.value,
+            mode=options.mode.value,
+            num_waiting=engine.num_waiting,
+            num_running=engine.num_running,
         )
-        if scheduler is not None:
-            stats = scheduler.kv.stats()
-            status.num_waiting = len(scheduler.waiting)
-            status.num_running = len(scheduler.running)
-            status.kv_blocks_total = stats.num_blocks
-            status.kv_blocks_free = stats.num_free_blocks
-            status.prefix_cache_hit_rate = stats.hit_rate
-            status.num_preemptions = scheduler.num_preemptions
-            status.num_steps = scheduler.num_steps
-            executor.kv_blocks_total = stats.num_blocks
-            executor.kv_blocks_free = stats.num_free_blocks
-            executor.num_running = len(scheduler.running)
-        status.executors.append(executor)
+        queried = hits = 0
+        for lane in engine.lanes.values():
+            executor = executor_status(lane)
+            status.executors.append(executor)
+            status.kv_blocks_total += executor.kv_blocks_total
+            status.kv_blocks_free += executor.kv_blocks_free
+            if lane.scheduler is not None:
+                stats = lane.scheduler.kv.stats()
+                queried += stats.queried_tokens
+                hits += stats.hit_tokens
+        status.prefix_cache_hit_rate = hits / queried if queried else 0.0
+        status.num_preemptions = engine.num_preemptions
+        status.num_steps = engine.num_steps
         return status
 
     async def _require_info(self, context: grpc.aio.ServicerContext) -> executor_pb2.ExecutorInfo:
         if self.engine.info is None:
+            addresses = ", ".join(sorted(self.engine.lanes)) or "none configured"
             await context.abort(
                 STATUS_CODES[ErrorKind.UNAVAILABLE],
-                f"the executor at {self.engine.link.address} has not been reached yet",
+                f"no executor has been reached yet ({addresses})",
             )
         return self.engine.info

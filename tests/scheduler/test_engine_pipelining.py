@@ -18,16 +18,16 @@ from tests.helpers.model_factory import build_model
 class RecordingLink(ExecutorLink):
     """The real link to a real executor, noting the order of sends and reads."""
 
-    def __init__(self, address: str) -> None:
-        super().__init__(address)
+    def __init__(self, address: str, scheduler_id: str) -> None:
+        super().__init__(address, scheduler_id)
         self.events: list[tuple[str, int]] = []
 
     async def send(self, plan: pb.StepPlan) -> None:
         self.events.append(("sent", plan.step_id))
         await super().send(plan)
 
-    async def receive(self) -> pb.StepResult:
-        result = await super().receive()
+    async def receive(self, timeout_s: float) -> pb.StepResult:
+        result = await super().receive(timeout_s)
         self.events.append(("read", result.step_id))
         return result
 
@@ -36,9 +36,15 @@ def test_next_plan_is_sent_before_the_last_result_is_read(tmp_path: Path) -> Non
     model_dir = build_model("llama", tmp_path / "llama")
 
     async def scenario(address: str) -> list[tuple[str, int]]:
-        link = RecordingLink(address)
-        engine = Engine(link, None, EngineOptions(), SchedulerMetrics())
-        await engine.connect()
+        links: list[RecordingLink] = []
+
+        def make_link(address: str, scheduler_id: str) -> RecordingLink:
+            links.append(RecordingLink(address, scheduler_id))
+            return links[-1]
+
+        engine = Engine("test", None, EngineOptions(), SchedulerMetrics(), link_factory=make_link)
+        engine.add_executor(address)
+        await engine.wait_until_serving()
         runner = asyncio.create_task(engine.run())
         streams = [
             engine.submit(Request(f"r{i}", [5 + i] * (3 + i), SamplingParams(max_tokens=12, ignore_eos=True)))
@@ -48,8 +54,9 @@ def test_next_plan_is_sent_before_the_last_result_is_read(tmp_path: Path) -> Non
             while await stream.queue.get() is not None:
                 pass
         runner.cancel()
-        await link.close()
-        return link.events
+        await engine.close()
+        # The handshake (step 0) opens the stream; the steps that matter follow it.
+        return [event for event in links[0].events if event[1] > 0]
 
     with start_executor(model_dir, num_kv_blocks=64, block_size=16) as (address, _):
         events = asyncio.run(scenario(address))

@@ -19,6 +19,9 @@ class ExecutorState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     EXECUTOR_STATE_UNSPECIFIED: _ClassVar[ExecutorState]
     EXECUTOR_STATE_UP: _ClassVar[ExecutorState]
     EXECUTOR_STATE_DOWN: _ClassVar[ExecutorState]
+    EXECUTOR_STATE_DRAINING: _ClassVar[ExecutorState]
+    EXECUTOR_STATE_DRAINED: _ClassVar[ExecutorState]
+    EXECUTOR_STATE_REFUSED: _ClassVar[ExecutorState]
 FINISH_REASON_UNSPECIFIED: FinishReason
 FINISH_REASON_STOP: FinishReason
 FINISH_REASON_LENGTH: FinishReason
@@ -26,6 +29,9 @@ FINISH_REASON_ABORT: FinishReason
 EXECUTOR_STATE_UNSPECIFIED: ExecutorState
 EXECUTOR_STATE_UP: ExecutorState
 EXECUTOR_STATE_DOWN: ExecutorState
+EXECUTOR_STATE_DRAINING: ExecutorState
+EXECUTOR_STATE_DRAINED: ExecutorState
+EXECUTOR_STATE_REFUSED: ExecutorState
 
 class TokenIds(_message.Message):
     __slots__ = ("ids",)
@@ -212,20 +218,24 @@ class GetServerStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ExecutorStatus(_message.Message):
-    __slots__ = ("address", "state", "incarnation_id", "kv_blocks_total", "kv_blocks_free", "num_running")
+    __slots__ = ("address", "state", "incarnation_id", "kv_blocks_total", "kv_blocks_free", "num_running", "num_waiting", "reason")
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_ID_FIELD_NUMBER: _ClassVar[int]
     KV_BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     KV_BLOCKS_FREE_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
+    NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
     address: str
     state: ExecutorState
     incarnation_id: str
     kv_blocks_total: int
     kv_blocks_free: int
     num_running: int
-    def __init__(self, address: _Optional[str] = ..., state: _Optional[_Union[ExecutorState, str]] = ..., incarnation_id: _Optional[str] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., num_running: _Optional[int] = ...) -> None: ...
+    num_waiting: int
+    reason: str
+    def __init__(self, address: _Optional[str] = ..., state: _Optional[_Union[ExecutorState, str]] = ..., incarnation_id: _Optional[str] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class ServerStatus(_message.Message):
     __slots__ = ("num_waiting", "num_running", "kv_blocks_total", "kv_blocks_free", "prefix_cache_hit_rate", "num_preemptions", "num_steps", "executors", "policy", "mode")

@@ -1,0 +1,52 @@
+"""Which executor a request goes to: the one whose KV cache holds, or is about to hold, most of
+its prompt, weighed against how busy each executor is.
+
+The scheduler hands out every block of every executor, so this is exact (no approximate radix
+index as in SGLang's router or Dynamo's KV router). For each executor that can take the request:
+
+    score = affinity - tokens_per_request * load
+
+- affinity: leading prompt tokens whose KV the executor's prefix cache holds, or that requests
+  already placed on it will compute (Scheduler.affinity);
+- load: requests placed on it, running or waiting;
+- tokens_per_request (--route-tokens-per-request): how many cached prompt tokens one more
+  request in an executor's queue is worth. 0 routes by prefix alone; a large value routes by
+  load alone.
+
+The highest score wins; ties go to the executor with the most free blocks, then to the first
+listed. An executor whose KV cache could never hold the request is not a candidate.
+"""
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from scheduler_service.core.request import Request
+from scheduler_service.core.scheduler import Scheduler
+
+DEFAULT_TOKENS_PER_REQUEST = 256
+
+
+@dataclass(slots=True, frozen=True)
+class RouteChoice:
+    index: int
+    affinity: int
+    score: int
+
+
+def route(
+    request: Request,
+    candidates: Sequence[Scheduler],
+    tokens_per_request: int = DEFAULT_TOKENS_PER_REQUEST,
+) -> RouteChoice | None:
+    """The candidate to place the request on (by index), or None when none can hold it."""
+    best: tuple[int, int, int] | None = None
+    choice: RouteChoice | None = None
+    for index, scheduler in enumerate(candidates):
+        if request.num_tokens >= scheduler.config.max_seq_len:
+            continue
+        affinity = scheduler.affinity(request)
+        score = affinity - tokens_per_request * scheduler.load
+        key = (score, scheduler.kv.num_free_blocks, -index)
+        if best is None or key > best:
+            best, choice = key, RouteChoice(index, affinity, score)
+    return choice

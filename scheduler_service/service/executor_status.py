@@ -1,0 +1,27 @@
+"""One executor's state as the client API reports it (GetServerStatus, the Admin API)."""
+
+from protos.splitserve.v1 import generation_pb2 as pb
+from scheduler_service.service.lane import ExecutorLane, LaneState
+
+_STATES = {
+    LaneState.CONNECTING: pb.EXECUTOR_STATE_UNSPECIFIED,
+    LaneState.UP: pb.EXECUTOR_STATE_UP,
+    LaneState.DOWN: pb.EXECUTOR_STATE_DOWN,
+    LaneState.DRAINING: pb.EXECUTOR_STATE_DRAINING,
+    LaneState.DRAINED: pb.EXECUTOR_STATE_DRAINED,
+    LaneState.REFUSED: pb.EXECUTOR_STATE_REFUSED,
+}
+
+
+def executor_status(lane: ExecutorLane) -> pb.ExecutorStatus:
+    status = pb.ExecutorStatus(address=lane.address, state=_STATES[lane.state], reason=lane.reason)
+    if lane.info is not None:
+        status.incarnation_id = lane.info.incarnation_id
+    scheduler = lane.scheduler
+    if scheduler is not None:
+        stats = scheduler.kv.stats()
+        status.kv_blocks_total = stats.num_blocks
+        status.kv_blocks_free = stats.num_free_blocks
+        status.num_running = len(scheduler.running)
+        status.num_waiting = len(scheduler.waiting)
+    return status

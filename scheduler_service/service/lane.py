@@ -1,0 +1,241 @@
+"""One executor behind the scheduler: its link, its planner (block pool and queues) and the loop
+that keeps its plans flowing, at its own pace, with the next plan on the wire before the last
+result returns.
+
+A lane is reached (Describe, then an Execute stream opened with a handshake), checked by the
+engine (same model, not an executor already served under another address), then driven until
+its executor is lost, drained or refused. A result that does not come back within a deadline
+derived from the lane's recent step times counts as lost, like a broken stream: an executor that
+is alive but frozen is not waited for.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from protos.splitserve.executor.v1 import executor_pb2
+from scheduler_service.core.config import SchedulerConfig
+from scheduler_service.core.policy import Policy, StepMode
+from scheduler_service.core.scheduler import Scheduler
+from scheduler_service.core.step_plan import RequestUpdate, StepOutput
+from scheduler_service.service.executor_link import (
+    ExecutorLink,
+    ExecutorLost,
+    ExecutorRefused,
+)
+from scheduler_service.service.plan_codec import output_from_proto, plan_to_proto
+
+logger = logging.getLogger(__name__)
+
+RETRY_MIN_S = 0.2
+RETRY_MAX_S = 5.0
+# A refused executor (another model, held by another scheduler) is asked again this often.
+REFUSED_RETRY_S = 5.0
+# Step times remembered for the result deadline.
+STEP_TIME_WINDOW = 32
+# A step result is waited for at most max(floor, factor x the slowest recent step). The floor
+# covers the first steps (no history yet, CUDA warm-up, a long prefill).
+DEFAULT_STEP_TIMEOUT_FLOOR_S = 30.0
+DEFAULT_STEP_TIMEOUT_FACTOR = 10.0
+
+
+class LaneState(enum.Enum):
+    CONNECTING = "connecting"
+    UP = "up"
+    DRAINING = "draining"
+    DRAINED = "drained"
+    REFUSED = "refused"
+    DOWN = "down"
+
+
+@dataclass(slots=True, frozen=True)
+class LaneOptions:
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    policy: Policy = Policy.FCFS
+    mode: StepMode = StepMode.MIXED
+    # Plans on the wire at once: 2 lets the executor start step N+1 as soon as step N ends.
+    pipeline_depth: int = 2
+    step_timeout_floor_s: float = DEFAULT_STEP_TIMEOUT_FLOOR_S
+    step_timeout_factor: float = DEFAULT_STEP_TIMEOUT_FACTOR
+
+
+class LaneHooks(Protocol):
+    """What a lane asks of the engine that owns it."""
+
+    def refusal(self, lane: ExecutorLane, info: executor_pb2.ExecutorInfo) -> str | None: ...
+
+    def lane_up(self, lane: ExecutorLane) -> None: ...
+
+    def lane_lost(self, lane: ExecutorLane, reason: str) -> None: ...
+
+    def lane_idle(self, lane: ExecutorLane) -> None: ...
+
+    def lane_drained(self, lane: ExecutorLane) -> None: ...
+
+    def deliver(
+        self, lane: ExecutorLane, output: StepOutput, updates: Sequence[RequestUpdate]
+    ) -> None: ...
+
+
+class ExecutorLane:
+    def __init__(
+        self,
+        address: str,
+        link: ExecutorLink,
+        options: LaneOptions,
+        hooks: LaneHooks,
+        extra_eos_token_ids: frozenset[int] = frozenset(),
+    ) -> None:
+        self.address = address
+        self.link = link
+        self.options = options
+        self.hooks = hooks
+        # End-of-sequence ids beyond the executor's own (the tokenizer's).
+        self.extra_eos_token_ids = extra_eos_token_ids
+        self.state = LaneState.CONNECTING
+        # Why it is down or refused, for status and logs.
+        self.reason = ""
+        self.info: executor_pb2.ExecutorInfo | None = None
+        self.scheduler: Scheduler | None = None
+        # Set when there may be work to plan (a request was placed, aborted or finished).
+        self.wake = asyncio.Event()
+        # Set by resume() while the lane waits drained.
+        self.resumed = asyncio.Event()
+        # Set to take the lane out for good (its executor left the service).
+        self.retired = False
+        self._step_times: deque[float] = deque(maxlen=STEP_TIME_WINDOW)
+
+    @property
+    def serving(self) -> bool:
+        """Takes new requests."""
+        return self.state is LaneState.UP
+
+    def step_deadline_s(self) -> float:
+        slowest = max(self._step_times, default=0.0)
+        return max(self.options.step_timeout_floor_s, self.options.step_timeout_factor * slowest)
+
+    def drain(self) -> None:
+        if self.state is LaneState.UP:
+            self._set_state(LaneState.DRAINING, "drain requested")
+            self.wake.set()
+
+    def resume(self) -> None:
+        if self.state is LaneState.DRAINING:
+            self._set_state(LaneState.UP, "")
+        elif self.state is LaneState.DRAINED:
+            self.resumed.set()
+
+    async def run(self) -> None:
+        """Reaches, drives, and on loss reaches again, until retired."""
+        while not self.retired:
+            if self.state is LaneState.DRAINED:
+                await self.resumed.wait()
+                self.resumed.clear()
+                self._set_state(LaneState.CONNECTING, "resumed")
+            await self._reach()
+            try:
+                await self._drive()
+            except ExecutorLost as lost:
+                self.link.close_stream()
+                self._set_state(LaneState.DOWN, str(lost))
+                self.hooks.lane_lost(self, str(lost))
+                self.scheduler = None
+
+    async def _reach(self) -> None:
+        """Until the executor answers, serves the same model, and lets this scheduler hold it."""
+        delay = RETRY_MIN_S
+        while True:
+            try:
+                info = await self.link.describe()
+                refusal = self.hooks.refusal(self, info)
+                if refusal is None:
+                    await self.link.open_stream(handshake_timeout_s=self.options.step_timeout_floor_s)
+            except ExecutorRefused as refused:
+                refusal = str(refused)
+            except ExecutorLost as lost:
+                if self.state is not LaneState.DOWN or self.reason != str(lost):
+                    self._set_state(self._unreachable_state(), str(lost))
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, RETRY_MAX_S)
+                continue
+            if refusal is not None:
+                if self.state is not LaneState.REFUSED or self.reason != refusal:
+                    self._set_state(LaneState.REFUSED, refusal)
+                await asyncio.sleep(REFUSED_RETRY_S)
+                continue
+            self.info = info
+            eos = frozenset(info.eos_token_ids) | self.extra_eos_token_ids
+            self.scheduler = Scheduler(self._config(info), eos)
+            self._step_times.clear()
+            self._set_state(LaneState.UP, "")
+            self.hooks.lane_up(self)
+            return
+
+    def _unreachable_state(self) -> LaneState:
+        return LaneState.DOWN if self.state in (LaneState.DOWN, LaneState.UP, LaneState.DRAINING) else LaneState.CONNECTING
+
+    async def _drive(self) -> None:
+        scheduler = self.scheduler
+        assert scheduler is not None and self.info is not None
+        in_flight: deque[tuple[int, float]] = deque()
+        heartbeat_s = (self.info.lease_timeout_s or 30.0) / 3
+        while True:
+            if self.state is LaneState.DRAINING and scheduler.load == 0 and not in_flight:
+                self.link.close_stream()
+                self._set_state(LaneState.DRAINED, "drained")
+                self.scheduler = None
+                self.hooks.lane_drained(self)
+                return
+            if self.state is LaneState.UP and scheduler.load == 0:
+                self.hooks.lane_idle(self)
+            while len(in_flight) < self.options.pipeline_depth:
+                plan = scheduler.schedule()
+                if not plan.has_work and not plan.dropped_request_ids:
+                    break
+                await self.link.send(plan_to_proto(plan, scheduler.eos_token_ids))
+                in_flight.append((plan.step_id, time.monotonic()))
+            if not in_flight:
+                self.wake.clear()
+                try:
+                    await asyncio.wait_for(self.wake.wait(), heartbeat_s)
+                except TimeoutError:
+                    # Nothing to do for a while: an empty plan keeps this scheduler's hold.
+                    plan = scheduler.schedule()
+                    await self.link.send(plan_to_proto(plan, scheduler.eos_token_ids))
+                    in_flight.append((plan.step_id, time.monotonic()))
+                continue
+            result = await self.link.receive(self.step_deadline_s())
+            _, sent_at = in_flight.popleft()
+            self._step_times.append(time.monotonic() - sent_at)
+            output = output_from_proto(result)
+            self.hooks.deliver(self, output, scheduler.update(output))
+
+    def _config(self, info: executor_pb2.ExecutorInfo) -> SchedulerConfig:
+        options = self.options
+        return SchedulerConfig(
+            num_kv_blocks=info.num_kv_blocks,
+            block_size=info.block_size,
+            max_model_len=info.max_model_len,
+            max_num_seqs=options.max_num_seqs,
+            max_num_batched_tokens=options.max_num_batched_tokens,
+            policy=options.policy,
+            mode=options.mode,
+        )
+
+    def _set_state(self, state: LaneState, reason: str) -> None:
+        self.state, self.reason = state, reason
+        logger.info(
+            "event=executor_state address=%s state=%s reason=%r incarnation=%s",
+            self.address,
+            state.value,
+            reason,
+            self.info.incarnation_id if self.info else "",
+        )

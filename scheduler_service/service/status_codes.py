@@ -1,0 +1,17 @@
+"""The one table that turns what went wrong with a request (core/errors.py) into the gRPC status
+a client can act on; the servicers use it and nothing else does."""
+
+import grpc
+
+from scheduler_service.core.errors import ErrorKind
+
+STATUS_CODES = {
+    ErrorKind.INVALID: grpc.StatusCode.INVALID_ARGUMENT,
+    ErrorKind.UNSUPPORTED: grpc.StatusCode.FAILED_PRECONDITION,
+    ErrorKind.TOO_LARGE: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    ErrorKind.OVERLOADED: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    ErrorKind.DUPLICATE: grpc.StatusCode.ALREADY_EXISTS,
+    ErrorKind.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
+    ErrorKind.INTERNAL: grpc.StatusCode.INTERNAL,
+    ErrorKind.NOT_FOUND: grpc.StatusCode.NOT_FOUND,
+}

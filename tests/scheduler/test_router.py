@@ -1,0 +1,94 @@
+"""Routing across executors' schedulers: prefix affinity is exact (cached or already placed
+blocks), weighed against load; requests move between schedulers without losing their place."""
+
+from __future__ import annotations
+
+from scheduler_service.core.config import SchedulerConfig
+from scheduler_service.core.request import Request, RequestStatus
+from scheduler_service.core.router import route
+from scheduler_service.core.sampling_params import SamplingParams
+from scheduler_service.core.scheduler import Scheduler
+from scheduler_service.core.sim_executor import SimulatedExecutor, default_next_token
+
+BLOCK = 4
+
+
+def scheduler(num_blocks: int = 64) -> Scheduler:
+    return Scheduler(SchedulerConfig(num_kv_blocks=num_blocks, block_size=BLOCK, max_model_len=512))
+
+
+def request(request_id: str, prompt: list[int], max_tokens: int = 4) -> Request:
+    return Request(request_id, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+
+
+SHARED = list(range(100, 132))  # 8 full blocks
+
+
+def test_a_prompt_goes_where_its_prefix_is_cached_or_already_placed() -> None:
+    lanes = [scheduler(), scheduler()]
+    first = request("first", SHARED + [1, 2])
+    lanes[1].add_request(first)
+    # Placed, not yet computed: lane 1 will hold the shared blocks.
+    follower = request("follower", SHARED + [3, 4])
+    choice = route(follower, lanes, tokens_per_request=16)
+    assert choice is not None and choice.index == 1 and choice.affinity == len(SHARED)
+    # Computed and cached, then finished: lane 1's cache still holds them.
+    executor = SimulatedExecutor(64, BLOCK)
+    while lanes[1].has_unfinished():
+        lanes[1].update(executor.execute(lanes[1].schedule()))
+    assert lanes[1].load == 0
+    assert route(request("later", SHARED + [5]), lanes, tokens_per_request=16).index == 1
+
+
+def test_load_outweighs_a_short_shared_prefix() -> None:
+    lanes = [scheduler(), scheduler()]
+    for index in range(4):
+        lanes[0].add_request(request(f"busy{index}", SHARED[:8] + [index] * 9))
+    # 8 shared tokens are worth less than 4 queued requests at 16 tokens each.
+    assert route(request("new", SHARED[:8] + [7, 7]), lanes, tokens_per_request=16).index == 1
+    # Routing by prefix alone keeps it with its prefix.
+    assert route(request("new", SHARED[:8] + [7, 7]), lanes, tokens_per_request=0).index == 0
+
+
+def test_an_executor_too_small_for_the_request_is_no_candidate() -> None:
+    lanes = [scheduler(num_blocks=2), scheduler()]
+    assert route(request("long", list(range(20))), lanes).index == 1
+    assert route(request("long", list(range(20))), lanes[:1]) is None
+
+
+def test_requests_move_between_executors_keeping_tokens_and_arrival_order() -> None:
+    source, target = scheduler(), scheduler()
+    executor = SimulatedExecutor(64, BLOCK)
+    moved = [request(f"m{i}", [10 * i + 1, 10 * i + 2, 10 * i + 3], max_tokens=6) for i in range(3)]
+    for item in moved:
+        source.add_request(item)
+    for _ in range(2):
+        source.update(executor.execute(source.schedule()))
+    # Arrival order is the service's, across executors (the engine numbers arrivals).
+    local = request("local", [90, 91])
+    local.arrival_index = 3
+    target.add_request(local)
+    evicted = source.evict_all()
+    assert evicted == moved and source.load == 0 and source.kv.num_free_blocks == 64
+    assert all(r.status is RequestStatus.WAITING and r.num_computed_tokens == 0 for r in evicted)
+    for item in evicted:
+        assert target.adopt(item)
+    # Earlier arrivals keep their place ahead of the target's own later arrival.
+    assert [r.request_id for r in target.waiting] == ["m0", "m1", "m2", "local"]
+    executor = SimulatedExecutor(64, BLOCK)
+    while target.has_unfinished():
+        target.update(executor.execute(target.schedule()))
+    for item in moved:
+        tokens = list(item.prompt_token_ids)
+        for _ in range(6):
+            tokens.append(default_next_token("", tokens))
+        assert item.token_ids == tokens
+
+
+def test_release_waiting_hands_over_the_last_admitted_first() -> None:
+    lane = scheduler()
+    for index in range(5):
+        lane.add_request(request(f"w{index}", [index + 1] * 6))
+    released = lane.release_waiting(2)
+    assert [r.request_id for r in released] == ["w3", "w4"]
+    assert lane.load == 3 and route(released[0], [lane]) is not None
