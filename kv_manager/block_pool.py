@@ -35,6 +35,10 @@ class BlockPool:
         """Blocks not held by any request, cached ones included (they can be evicted)."""
         return len(self._free)
 
+    @property
+    def num_cached(self) -> int:
+        return len(self._cached)
+
     def lookup(self, block_hash: BlockHash) -> KVBlock | None:
         return self._cached.get(block_hash)
 

@@ -147,6 +147,11 @@ class KVCacheManager:
     def num_free_blocks(self) -> int:
         return self.pool.num_free
 
+    @property
+    def num_cached_blocks(self) -> int:
+        """Blocks whose content the prefix cache can hand out (held or evictable)."""
+        return self.pool.num_cached
+
     def stats(self) -> CacheStats:
         return CacheStats(
             num_blocks=self.pool.num_blocks,

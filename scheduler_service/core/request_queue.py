@@ -43,17 +43,6 @@ class WaitingQueue:
             position -= 1
         self._fifo.insert(position, request)
 
-    def pop_last(self) -> Request:
-        """Takes the request that would be admitted last."""
-        if self.policy is Policy.FCFS:
-            return self._fifo.pop()
-        last = max(range(len(self._heap)), key=lambda i: self._heap[i][0])
-        _, request = self._heap[last]
-        self._heap[last] = self._heap[-1]
-        self._heap.pop()
-        heapq.heapify(self._heap)
-        return request
-
     def push_front(self, request: Request) -> None:
         if self.policy is Policy.FCFS:
             self._fifo.appendleft(request)

@@ -13,8 +13,9 @@ index as in SGLang's router or Dynamo's KV router). For each executor that can t
   request in an executor's queue is worth. 0 routes by prefix alone; a large value routes by
   load alone.
 
-The highest score wins; ties go to the executor with the most free blocks, then to the first
-listed. An executor whose KV cache could never hold the request is not a candidate.
+The highest score wins; ties go to the executor with the most free blocks, then the one caching
+the fewest blocks (so unrelated prefixes spread out), then the first listed. An executor whose
+KV cache could never hold the request is not a candidate.
 """
 
 from collections.abc import Sequence
@@ -23,7 +24,9 @@ from dataclasses import dataclass
 from scheduler_service.core.request import Request
 from scheduler_service.core.scheduler import Scheduler
 
-DEFAULT_TOKENS_PER_REQUEST = 256
+# One more queued request outweighs 32 cached prompt tokens: a long shared prefix keeps its
+# requests together until their executor is well ahead of the others, a short one hardly counts.
+DEFAULT_TOKENS_PER_REQUEST = 32
 
 
 @dataclass(slots=True, frozen=True)
@@ -39,14 +42,15 @@ def route(
     tokens_per_request: int = DEFAULT_TOKENS_PER_REQUEST,
 ) -> RouteChoice | None:
     """The candidate to place the request on (by index), or None when none can hold it."""
-    best: tuple[int, int, int] | None = None
+    best: tuple[int, int, int, int] | None = None
     choice: RouteChoice | None = None
     for index, scheduler in enumerate(candidates):
         if request.num_tokens >= scheduler.config.max_seq_len:
             continue
         affinity = scheduler.affinity(request)
         score = affinity - tokens_per_request * scheduler.load
-        key = (score, scheduler.kv.num_free_blocks, -index)
+        kv = scheduler.kv
+        key = (score, kv.num_free_blocks, -kv.num_cached_blocks, -index)
         if best is None or key > best:
             best, choice = key, RouteChoice(index, affinity, score)
     return choice

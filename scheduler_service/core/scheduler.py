@@ -3,8 +3,7 @@ they use; and the bookkeeping when the step's tokens come back."""
 
 import itertools
 import time
-from collections import Counter
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass
 
 from kv_manager import BlockHash, KVCacheManager, PrefixHit
@@ -12,6 +11,7 @@ from kv_manager.prefix_hash import chain_hashes
 from scheduler_service.core.config import SchedulerConfig
 from scheduler_service.core.errors import ErrorKind, RequestError, RequestRejected
 from scheduler_service.core.policy import StepMode, pick_victim
+from scheduler_service.core.prefix_tracker import PrefixTracker
 from scheduler_service.core.request import FinishReason, Request, RequestStatus
 from scheduler_service.core.request_queue import WaitingQueue
 from scheduler_service.core.step_plan import (
@@ -65,10 +65,11 @@ class Scheduler:
         # Requests with retry_alone set, in the order their steps failed (a dict keeps the order
         # and, unlike scanning `running`, costs nothing per step while no step has failed).
         self._retrying: dict[Request, None] = {}
-        # Prefix block hashes of every request placed on this executor, counted: what its cache
-        # will hold once they are computed, for routing (see affinity).
-        self._placed: dict[Request, list[BlockHash]] = {}
-        self._placed_hashes: Counter[BlockHash] = Counter()
+        # Prefix blocks of the requests placed here, and of those computing them now.
+        self._prefixes = PrefixTracker()
+        # Waiting requests held back until a prefix block they share with a running request is
+        # cached (see _admit_waiting); they rejoin the queue in arrival order.
+        self._deferred: list[Request] = []
 
     # ---- arrivals and departures -------------------------------------------------------------
 
@@ -108,6 +109,11 @@ class Scheduler:
         self.waiting.insert(request)
         return True
 
+    @property
+    def num_waiting(self) -> int:
+        """Requests queued here, held back ones included."""
+        return len(self.waiting) + len(self._deferred)
+
     def evict_all(self) -> list[Request]:
         """Lets go of every request, in arrival order, because the executor is gone: running
         ones lose their blocks and computed tokens (they will be recomputed elsewhere) and
@@ -124,6 +130,8 @@ class Scheduler:
             self._unplace(request)
         self.running.clear()
         self.waiting = WaitingQueue(self.config.policy)
+        self._deferred.clear()
+        self._prefixes.clear()
         self._on_executor.clear()
         self._to_drop = []
         self._in_flight.clear()
@@ -131,15 +139,20 @@ class Scheduler:
         self.kv = KVCacheManager(self.config.num_kv_blocks, self.config.block_size, self.config.enable_prefix_caching)
         return evicted
 
-    def release_waiting(self, count: int) -> list[Request]:
-        """Lets go of up to `count` waiting requests, those that would be admitted last, for
-        another executor to run (work stealing, draining); in arrival order."""
-        released = []
-        while self.waiting and len(released) < count:
-            request = self.waiting.pop_last()
+    def release_waiting(self, requests: Iterable[Request]) -> list[Request]:
+        """Lets go of these waiting requests, for another executor to run them (work
+        stealing, draining); returns them in arrival order."""
+        released = sorted(requests, key=lambda r: r.arrival_index)
+        for request in released:
+            if request.status is not RequestStatus.WAITING or not self._unqueue(request):
+                raise ValueError(f"request {request.request_id} is not waiting here")
             self._unplace(request)
-            released.append(request)
-        return released[::-1]
+        return released
+
+    @property
+    def queued(self) -> list[Request]:
+        """Waiting requests in admission order, held back ones last."""
+        return [*self.waiting, *self._deferred]
 
     def affinity(self, request: Request) -> int:
         """Leading tokens of the request whose KV this executor's cache holds, or will hold
@@ -147,7 +160,7 @@ class Scheduler:
         every block)."""
         matched = 0
         for block_hash in self.prefix_hashes(request):
-            if block_hash not in self._placed_hashes and not self.kv.is_cached(block_hash):
+            if block_hash not in self._prefixes.placed and not self.kv.is_cached(block_hash):
                 break
             matched += 1
         return matched * self.config.block_size
@@ -178,19 +191,19 @@ class Scheduler:
         request.num_computed_tokens = 0
         request.num_pending_outputs = 0
         self.requests[request.request_id] = request
-        hashes = self.prefix_hashes(request) if self.config.enable_prefix_caching else []
-        self._placed[request] = hashes
-        self._placed_hashes.update(hashes)
+        if self.config.enable_prefix_caching:
+            self._prefixes.placed.add(request, self.prefix_hashes(request))
 
     def _unplace(self, request: Request) -> None:
         del self.requests[request.request_id]
-        counts = self._placed_hashes
-        for block_hash in self._placed.pop(request):
-            left = counts[block_hash] - 1
-            if left:
-                counts[block_hash] = left
-            else:
-                del counts[block_hash]
+        self._prefixes.leave(request)
+
+    def _unqueue(self, request: Request) -> bool:
+        """Takes a waiting request out of the queue (or the held-back list)."""
+        if request in self._deferred:
+            self._deferred.remove(request)
+            return True
+        return self.waiting.remove(request)
 
     def abort(self, request_id: str) -> bool:
         request = self.requests.get(request_id)
@@ -211,7 +224,7 @@ class Scheduler:
     def finish(self, request: Request, reason: FinishReason, stop_reason: str | None = None) -> None:
         """Ends a request: its blocks are freed and the executor is told to drop it."""
         if request.status is RequestStatus.WAITING:
-            self.waiting.remove(request)
+            self._unqueue(request)
         elif request.status is RequestStatus.RUNNING:
             self.running.remove(request)
         request.status = RequestStatus.FINISHED
@@ -257,6 +270,8 @@ class Scheduler:
         scheduled: dict[Request, int] = {}
         new_blocks: dict[str, list[int]] = {}
         admitted: list[Request] = []
+        if self._deferred:
+            self._release_deferred()
         preempted = self._schedule_retry_alone(budget, scheduled, new_blocks, admitted)
         if scheduled:
             return self._build_plan(scheduled, new_blocks, admitted)
@@ -277,6 +292,21 @@ class Scheduler:
             if was_idle and not preempted:
                 self._admit_waiting(budget, scheduled, admitted)
         return self._build_plan(scheduled, new_blocks, admitted)
+
+    def _release_deferred(self) -> None:
+        """Requeues held-back requests whose next prefix block is no longer being computed
+        (it is cached now, or whoever computed it left)."""
+        still = []
+        for request in self._deferred:
+            hashes = self.prefix_hashes(request)
+            cached = next(
+                (i for i, h in enumerate(hashes) if not self.kv.is_cached(h)), len(hashes)
+            )
+            if cached < len(hashes) and hashes[cached] in self._prefixes.computing:
+                still.append(request)
+            else:
+                self.waiting.insert(request)
+        self._deferred = still
 
     def _schedule_retry_alone(
         self,
@@ -342,7 +372,11 @@ class Scheduler:
             # A request retried after a failed step runs alone (see Request.retry_alone).
             if request.retry_alone and scheduled:
                 break
-            hit = self.kv.find_cached_prefix(request.token_ids, request.cache_salt, self.prefix_hashes(request))
+            hashes = self.prefix_hashes(request)
+            hit = self.kv.find_cached_prefix(request.token_ids, request.cache_salt, hashes)
+            if len(hit.blocks) < len(hashes) and hashes[len(hit.blocks)] in self._prefixes.computing:
+                self._deferred.append(self.waiting.pop())
+                continue
             num_new = request.num_tokens - hit.num_tokens
             if num_new > budget and not self.config.enable_chunked_prefill:
                 break
@@ -357,6 +391,7 @@ class Scheduler:
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = hit.num_tokens
             request.prefill_target = request.num_tokens
+            self._prefixes.computing.add(request, hashes[len(hit.blocks) :])
             self.running.append(request)
             admitted.append(request)
             scheduled[request] = num_new
@@ -380,6 +415,7 @@ class Scheduler:
         self.running.remove(request)
         self.kv.free(request.request_id)
         self._forget_on_executor(request.request_id)
+        self._prefixes.computing.remove(request)
         request.status = RequestStatus.WAITING
         request.num_computed_tokens = 0
         request.num_pending_outputs = 0
@@ -455,6 +491,8 @@ class Scheduler:
                 updates.append(self._end_in_error(request, RequestError(ErrorKind.INTERNAL, message)))
             else:
                 self.kv.cache_computed(request_id, request.token_ids, sent.num_computed_tokens)
+                if sent.num_computed_tokens >= request.prefill_target:
+                    self._prefixes.computing.remove(request)
                 if sent.samples:
                     if request.retry_alone:
                         request.retry_alone = False

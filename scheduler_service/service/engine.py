@@ -107,7 +107,7 @@ class Engine:
         if lane.state is LaneState.UP:
             lane.drain()
             assert lane.scheduler is not None
-            queued = lane.scheduler.release_waiting(len(lane.scheduler.waiting))
+            queued = lane.scheduler.release_waiting(lane.scheduler.queued)
             self._place(queued)
             self._report_serving()
         return lane
@@ -201,7 +201,7 @@ class Engine:
     @property
     def num_waiting(self) -> int:
         return len(self.unplaced) + sum(
-            len(lane.scheduler.waiting) for lane in self.lanes.values() if lane.scheduler
+            lane.scheduler.num_waiting for lane in self.lanes.values() if lane.scheduler
         )
 
     @property
@@ -261,24 +261,35 @@ class Engine:
         self._place(keep)
 
     def lane_idle(self, lane: ExecutorLane) -> None:
-        """Takes queued requests from the busiest other lane for an executor with none."""
+        """Takes queued requests from the busiest other lane for an executor with none: a
+        request moves when what the donor has cached for it, beyond what this lane has, is
+        worth less than the requests queued ahead of it there (the router's exchange rate)."""
+        thief = lane.scheduler
         donors = [
-            other
+            other.scheduler
             for other in self._serving_lanes()
-            if other is not lane and other.scheduler is not None and other.scheduler.waiting
+            if other is not lane and other.scheduler is not None and other.scheduler.num_waiting
         ]
-        if not donors or lane.scheduler is None:
+        if not donors or thief is None:
             return
-        donor = max(donors, key=lambda other: len(other.scheduler.waiting))
-        taken = donor.scheduler.release_waiting(-(-len(donor.scheduler.waiting) // 2))
-        moved = [request for request in taken if lane.scheduler.adopt(request)]
+        donor = max(donors, key=lambda scheduler: scheduler.num_waiting)
+        rate = self.options.route_tokens_per_request
+        queued = donor.queued
+        worth_moving = [
+            request
+            for ahead, request in enumerate(queued)
+            if donor.affinity(request) - thief.affinity(request) < rate * ahead
+        ][-(-len(queued) // 2) :]
+        if not worth_moving:
+            return
+        taken = donor.release_waiting(worth_moving)
+        moved = [request for request in taken if thief.adopt(request)]
         for request in taken:
             if request.is_finished:
                 self._close(request)
-        if moved:
-            logger.info(
-                "event=requests_moved from=%s to=%s count=%d", donor.address, lane.address, len(moved)
-            )
+        logger.info(
+            "event=requests_moved to=%s count=%d", lane.address, len(moved)
+        )
 
     def lane_drained(self, lane: ExecutorLane) -> None:
         self._count(lane)

@@ -14,7 +14,12 @@ _STATES = {
 
 
 def executor_status(lane: ExecutorLane) -> pb.ExecutorStatus:
-    status = pb.ExecutorStatus(address=lane.address, state=_STATES[lane.state], reason=lane.reason)
+    status = pb.ExecutorStatus(
+        address=lane.address,
+        state=_STATES[lane.state],
+        reason=lane.reason,
+        num_steps=lane.num_steps,
+    )
     if lane.info is not None:
         status.incarnation_id = lane.info.incarnation_id
     scheduler = lane.scheduler
@@ -23,5 +28,5 @@ def executor_status(lane: ExecutorLane) -> pb.ExecutorStatus:
         status.kv_blocks_total = stats.num_blocks
         status.kv_blocks_free = stats.num_free_blocks
         status.num_running = len(scheduler.running)
-        status.num_waiting = len(scheduler.waiting)
+        status.num_waiting = scheduler.num_waiting
     return status

@@ -112,6 +112,8 @@ class ExecutorLane:
         # Set to take the lane out for good (its executor left the service).
         self.retired = False
         self._step_times: deque[float] = deque(maxlen=STEP_TIME_WINDOW)
+        # Steps with work this executor ran for us, over every connection.
+        self.num_steps = 0
 
     @property
     def serving(self) -> bool:
@@ -185,7 +187,8 @@ class ExecutorLane:
     async def _drive(self) -> None:
         scheduler = self.scheduler
         assert scheduler is not None and self.info is not None
-        in_flight: deque[tuple[int, float]] = deque()
+        # (sent at, whether the plan had work) of each plan on the wire, oldest first.
+        in_flight: deque[tuple[float, bool]] = deque()
         heartbeat_s = (self.info.lease_timeout_s or 30.0) / 3
         while True:
             if self.state is LaneState.DRAINING and scheduler.load == 0 and not in_flight:
@@ -201,7 +204,7 @@ class ExecutorLane:
                 if not plan.has_work and not plan.dropped_request_ids:
                     break
                 await self.link.send(plan_to_proto(plan, scheduler.eos_token_ids))
-                in_flight.append((plan.step_id, time.monotonic()))
+                in_flight.append((time.monotonic(), plan.has_work))
             if not in_flight:
                 self.wake.clear()
                 try:
@@ -210,11 +213,12 @@ class ExecutorLane:
                     # Nothing to do for a while: an empty plan keeps this scheduler's hold.
                     plan = scheduler.schedule()
                     await self.link.send(plan_to_proto(plan, scheduler.eos_token_ids))
-                    in_flight.append((plan.step_id, time.monotonic()))
+                    in_flight.append((time.monotonic(), False))
                 continue
             result = await self.link.receive(self.step_deadline_s())
-            _, sent_at = in_flight.popleft()
+            sent_at, had_work = in_flight.popleft()
             self._step_times.append(time.monotonic() - sent_at)
+            self.num_steps += had_work
             output = output_from_proto(result)
             self.hooks.deliver(self, output, scheduler.update(output))
 

@@ -98,8 +98,8 @@ async def serve(settings: ServerSettings) -> int:
     engine.scheduler_id = settings.scheduler_id or f"{socket.gethostname()}:{port}"
     executors = ",".join(settings.executors)
     logger.info(
-        "event=scheduler_listening port=%d executors=%s scheduler_id=%s",
-        port, executors, engine.scheduler_id,
+        "event=scheduler_listening address=%s:%d port=%d executors=%s scheduler_id=%s",
+        settings.host, port, port, executors, engine.scheduler_id,
     )
 
     async def connect_then_run() -> None:

@@ -58,7 +58,9 @@ def test_health_and_reflection(channel: grpc.Channel) -> None:
     assert {SERVICE, "grpc.health.v1.Health"} <= names
 
 
-def test_state_outlives_the_stream_and_bad_step_ids_end_it(channel: grpc.Channel) -> None:
+def test_bad_step_ids_end_a_stream_and_a_new_stream_starts_from_no_state(
+    channel: grpc.Channel,
+) -> None:
     first = PlanStream(channel)
     new = pb.NewRequest(
         request_id="kept", token_ids=[5, 6, 7], block_ids=[0], num_scheduled_tokens=3
@@ -70,17 +72,20 @@ def test_state_outlives_the_stream_and_bad_step_ids_end_it(channel: grpc.Channel
     assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "step_id" in error.value.details()
 
-    # A new stream starts its own step ids and finds the request where the last one left it.
+    # A new stream starts its own step ids, and from no request state: whoever opens it
+    # resends what it wants run (a scheduler that reconnects recomputes its requests anyway).
     second = PlanStream(channel)
     decode = pb.ContinuingRequest(request_id="kept", num_scheduled_tokens=1)
     result = second.step(pb.StepPlan(step_id=1, continuing_requests=[decode]))
-    assert not result.rejected and len(result.outputs[0].token_ids) == 1
+    assert [r.request_id for r in result.rejected] == ["kept"]
+    assert "unknown request" in result.rejected[0].message
+    second.step(pb.StepPlan(step_id=2, new_requests=[new]))
     # Describe answers while plans are queued on the stream.
-    for step in range(2, 6):
+    for step in range(3, 7):
         second.send(pb.StepPlan(step_id=step, continuing_requests=[decode]))
     assert pb_grpc.ExecutorStub(channel).Describe(pb.DescribeRequest()).num_kv_blocks == NUM_BLOCKS
-    assert [second.receive().step_id for _ in range(2, 6)] == [2, 3, 4, 5]
-    second.step(pb.StepPlan(step_id=6, dropped_request_ids=["kept"]))
+    assert [second.receive().step_id for _ in range(3, 7)] == [3, 4, 5, 6]
+    second.step(pb.StepPlan(step_id=7, dropped_request_ids=["kept"]))
     second.close()
 
 

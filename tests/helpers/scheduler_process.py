@@ -3,36 +3,44 @@
     from tests.helpers.scheduler_process import start_scheduler
     with start_scheduler(executor_address, max_num_seqs=8) as address:
         client = Client(address)
+    with start_scheduler([first, second]) as address:   # several executors
 
 Flags are the CLI's, with underscores. The scheduler binds port 0; the address comes from its
-ready log line, which it prints once it has reached its executor.
+ready log line, which it prints once it has reached an executor (or, with wait_for="listening",
+as soon as it serves clients, executor or not).
 """
 
 from __future__ import annotations
 
 import re
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
 from tests.helpers.service_process import ServiceProcess, cli_flags
 
 READY_PATTERN = re.compile(r"event=scheduler_ready address=(\S+):(\d+)")
+LISTENING_PATTERN = re.compile(r"event=scheduler_listening address=(\S+):(\d+)")
 
 
-def scheduler_command(executor_address: str, **flags: object) -> list[str]:
-    command = [sys.executable, "-m", "scheduler_service", "--port", "0", "--executor", executor_address]
+def scheduler_command(executors: str | Sequence[str], **flags: object) -> list[str]:
+    command = [sys.executable, "-m", "scheduler_service", "--port", "0"]
+    for address in [executors] if isinstance(executors, str) else executors:
+        command += ["--executor", address]
     return command + cli_flags(flags)
 
 
 class SchedulerProcess(ServiceProcess):
-    def __init__(self, executor_address: str, **flags: object) -> None:
-        super().__init__(scheduler_command(executor_address, **flags), READY_PATTERN, "scheduler")
+    def __init__(
+        self, executors: str | Sequence[str], wait_for: str = "ready", **flags: object
+    ) -> None:
+        pattern = READY_PATTERN if wait_for == "ready" else LISTENING_PATTERN
+        super().__init__(scheduler_command(executors, **flags), pattern, "scheduler")
 
 
 @contextmanager
-def start_scheduler(executor_address: str, **flags: object) -> Iterator[str]:
-    scheduler = SchedulerProcess(executor_address, **flags)
+def start_scheduler(executors: str | Sequence[str], **flags: object) -> Iterator[str]:
+    scheduler = SchedulerProcess(executors, **flags)
     try:
         yield scheduler.wait_ready(timeout_s=120.0)
     finally:

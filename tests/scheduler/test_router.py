@@ -85,10 +85,14 @@ def test_requests_move_between_executors_keeping_tokens_and_arrival_order() -> N
         assert item.token_ids == tokens
 
 
-def test_release_waiting_hands_over_the_last_admitted_first() -> None:
+def test_released_requests_leave_with_their_placement() -> None:
     lane = scheduler()
-    for index in range(5):
-        lane.add_request(request(f"w{index}", [index + 1] * 6))
-    released = lane.release_waiting(2)
-    assert [r.request_id for r in released] == ["w3", "w4"]
-    assert lane.load == 3 and route(released[0], [lane]) is not None
+    queued = [request(f"w{index}", SHARED[: 4 * (index + 1)] + [index]) for index in range(5)]
+    for item in queued:
+        lane.add_request(item)
+    assert lane.affinity(request("probe", SHARED + [1])) == 5 * BLOCK
+    released = lane.release_waiting(queued[:1:-1])
+    assert [r.request_id for r in released] == ["w2", "w3", "w4"]
+    assert lane.load == 2 and [r.request_id for r in lane.waiting] == ["w0", "w1"]
+    # Only what the remaining requests will compute counts now.
+    assert lane.affinity(request("probe", SHARED + [1])) == 2 * BLOCK

@@ -298,3 +298,27 @@ def test_a_stop_string_ends_a_request_through_the_scheduler_whatever_else_ended_
         assert (request.finish_reason, request.stop_reason) == (FinishReason.STOP, "END")
     assert not scheduler.has_unfinished() and scheduler.kv.num_free_blocks == 64
     assert sorted(scheduler.schedule().dropped_request_ids) == ["at_length", "running"]
+
+
+def test_a_request_waits_for_a_shared_prefix_being_computed_instead_of_computing_it_twice() -> None:
+    """Two prompts sharing 3 blocks arrive together: the second is held back one step, then
+    starts from the cached blocks, and both produce the right tokens."""
+    scheduler = Scheduler(config(max_num_batched_tokens=64))
+    executor = SimulatedExecutor(64, 4)
+    shared = list(range(50, 62))
+    first = Request("first", shared + [1, 2], SamplingParams(max_tokens=3, ignore_eos=True))
+    second = Request("second", shared + [3], SamplingParams(max_tokens=3, ignore_eos=True))
+    scheduler.add_request(first)
+    scheduler.add_request(second)
+    plan = scheduler.schedule()
+    assert scheduled_ids(plan) == ["first"] and scheduler.num_waiting == 1
+    scheduler.update(executor.execute(plan))
+    plan = scheduler.schedule()
+    [admitted] = plan.new_requests
+    assert admitted.request_id == "second" and admitted.num_computed_tokens == len(shared)
+    while scheduler.has_unfinished():
+        scheduler.update(executor.execute(plan))
+        plan = scheduler.schedule()
+    for request in (first, second):
+        assert request.output_token_ids == expected_output(request.prompt_token_ids, 3)
+    assert second.num_cached_tokens == len(shared)

@@ -60,12 +60,15 @@ class ExecutorServicer:
 
     def Execute(self, request_iterator, context):
         """Takes step plans in order and answers each with one StepResult, in the same order. The caller
-        may send plan N+1 before result N arrives; the executor runs plans strictly in order. Request
-        state lives in the executor, not in the stream, so a new stream continues where the last one
-        ended. A plan entry that is wrong (unknown request id, block id outside the pool, more tokens
-        than its blocks hold, bad sampling values) is rejected in StepResult.rejected and does not
-        disturb the other requests of the plan. A malformed stream (step ids not increasing) ends with
-        INVALID_ARGUMENT.
+        may send plan N+1 before result N arrives; the executor runs plans strictly in order. An
+        executor serves one scheduler at a time: the caller names itself in the metadata key
+        x-splitserve-scheduler-id; while another scheduler's stream is open and has sent a plan within
+        ExecutorInfo.lease_timeout_s, the call ends with FAILED_PRECONDITION naming the holder, and a
+        new stream from the holder itself supersedes its old one (which ends with ABORTED). Every
+        stream starts from no request state: its opener sends each request it wants run. A plan entry
+        that is wrong (unknown request id, block id outside the pool, more tokens than its blocks
+        hold, bad sampling values) is rejected in StepResult.rejected and does not disturb the other
+        requests of the plan. A malformed stream (step ids not increasing) ends with INVALID_ARGUMENT.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
