@@ -3,7 +3,7 @@ the same random-weight Llama, prompts and CPU threads, measured in one run on on
 
     python -m bench.throughput [--requests 32] [--new-tokens 128] [--min-prompt 32]
         [--max-prompt 512] [--hidden 512] [--layers 8] [--heads 8] [--kv-heads 4]
-        [--vocab 32000] [--threads 2] [--seed 0] [--max-num-batched-tokens 2048]
+        [--vocab 32000] [--threads 2] [--executors 1] [--seed 0] [--max-num-batched-tokens 2048]
 
 Timings on shared machines are noisy: read the ratios, not the absolute speeds. Greedy outputs
 are compared too; a left-padded static batch may differ from unpadded runs on a rare near-tie.

@@ -1,5 +1,6 @@
-"""splitserve end to end: one executor process, one scheduler process, every request sent at once
-through clients.AsyncClient; timed from the first send to the last token."""
+"""splitserve end to end: executor processes (config.executors, sharing config.threads), one
+scheduler process, every request sent at once through clients.AsyncClient; timed from the first
+send to the last token."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from bench.throughput_workload import BenchConfig, SystemResult
-from clients import AsyncClient
+from clients import AsyncClient, Client
+from protos.splitserve.v1.generation_pb2 import EXECUTOR_STATE_UP
 from tests.helpers.executor_process import ExecutorProcess
 from tests.helpers.scheduler_process import SchedulerProcess
 
@@ -31,22 +33,39 @@ class StreamTiming:
 def running_services(model_dir: Path, config: BenchConfig) -> Iterator[str]:
     """Yields the scheduler's address; both processes get SIGTERM, then SIGKILL, on any exit."""
     with ExitStack() as stack:
-        executor = ExecutorProcess(
-            model_dir, threads=config.threads, num_kv_blocks=config.num_kv_blocks, block_size=config.block_size
-        )
-        stack.callback(executor.close)
-        executor_address = executor.wait_ready(START_TIMEOUT_S)
-        # The pid is what a profiler (py-spy dump/record --pid) needs while the benchmark runs.
-        logger.info("event=executor_up pid=%d address=%s", executor.process.pid, executor_address)
+        threads = max(1, config.threads // config.executors)
+        executors = [
+            ExecutorProcess(
+                model_dir, threads=threads, num_kv_blocks=config.num_kv_blocks, block_size=config.block_size
+            )
+            for _ in range(config.executors)
+        ]
+        for executor in executors:
+            stack.callback(executor.close)
+        addresses = [executor.wait_ready(START_TIMEOUT_S) for executor in executors]
+        for executor, executor_address in zip(executors, addresses, strict=True):
+            # The pid is what a profiler (py-spy dump/record --pid) needs while the benchmark runs.
+            logger.info("event=executor_up pid=%d address=%s", executor.process.pid, executor_address)
         scheduler = SchedulerProcess(
-            executor_address,
+            addresses,
             max_num_seqs=config.requests,
             max_num_batched_tokens=config.max_num_batched_tokens,
         )
         stack.callback(scheduler.close)
         address = scheduler.wait_ready(START_TIMEOUT_S)
         logger.info("event=scheduler_up pid=%d address=%s", scheduler.process.pid, address)
+        wait_all_up(address, config.executors)
         yield address
+
+
+def wait_all_up(address: str, count: int) -> None:
+    """Every executor serving, so the measurement does not start on a part of them."""
+    deadline = time.monotonic() + START_TIMEOUT_S
+    with Client(address) as client:
+        while sum(e.state == EXECUTOR_STATE_UP for e in client.server_status().executors) < count:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{count} executors not up after {START_TIMEOUT_S} s")
+            time.sleep(0.1)
 
 
 async def stream_one(client: AsyncClient, prompt: list[int], new_tokens: int, timing: StreamTiming) -> None:
@@ -59,7 +78,9 @@ async def stream_one(client: AsyncClient, prompt: list[int], new_tokens: int, ti
     timing.done_at = time.perf_counter()
 
 
-async def drive(address: str, prompts: list[list[int]], new_tokens: int) -> SystemResult:
+async def drive(
+    address: str, prompts: list[list[int]], new_tokens: int, label: str
+) -> SystemResult:
     async with AsyncClient(address) as client:
         # Warm-up outside the timing: channel set-up and the executor's first-step costs. Under
         # one block long, so it leaves nothing in the prefix cache for the measured prompts.
@@ -70,7 +91,7 @@ async def drive(address: str, prompts: list[list[int]], new_tokens: int) -> Syst
     end = max(t.done_at or start for t in timings)
     logger.info("event=splitserve_done wall_s=%.2f", end - start)
     return SystemResult(
-        system="splitserve (executor + scheduler, gRPC)",
+        system=label,
         wall_s=end - start,
         output_tokens=sum(len(t.tokens) for t in timings),
         ttft_s=[(t.first_token_at or end) - start for t in timings],
@@ -80,4 +101,6 @@ async def drive(address: str, prompts: list[list[int]], new_tokens: int) -> Syst
 
 def run_splitserve(model_dir: Path, prompts: list[list[int]], config: BenchConfig) -> SystemResult:
     with running_services(model_dir, config) as address:
-        return asyncio.run(drive(address, prompts, config.new_tokens))
+        threads = max(1, config.threads // config.executors)
+        label = f"splitserve ({config.executors} executor(s) x {threads} thread(s) + scheduler, gRPC)"
+        return asyncio.run(drive(address, prompts, config.new_tokens, label))

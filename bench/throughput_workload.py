@@ -19,6 +19,8 @@ class BenchConfig:
     kv_heads: int = 4
     vocab: int = 32000
     threads: int = 2
+    # splitserve's executors, sharing the threads (2 executors of 1 thread each on 2 cores).
+    executors: int = 1
     seed: int = 0
     # The scheduler's default step budget; longer prefills are chunked, as in production.
     max_num_batched_tokens: int = 2048
