@@ -16,7 +16,6 @@ import enum
 import logging
 import time
 from collections import deque
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -24,7 +23,7 @@ from protos.splitserve.executor.v1 import executor_pb2
 from scheduler_service.core.config import SchedulerConfig
 from scheduler_service.core.policy import Policy, StepMode
 from scheduler_service.core.scheduler import Scheduler
-from scheduler_service.core.step_plan import RequestUpdate, StepOutput
+from scheduler_service.core.step_plan import StepOutput, StepUpdates
 from scheduler_service.service.executor_link import (
     ExecutorLink,
     ExecutorLost,
@@ -80,9 +79,7 @@ class LaneHooks(Protocol):
 
     def lane_drained(self, lane: ExecutorLane) -> None: ...
 
-    def deliver(
-        self, lane: ExecutorLane, output: StepOutput, updates: Sequence[RequestUpdate]
-    ) -> None: ...
+    def deliver(self, lane: ExecutorLane, output: StepOutput, updates: StepUpdates) -> None: ...
 
 
 class ExecutorLane:
@@ -160,6 +157,11 @@ class ExecutorLane:
                 refusal = self.hooks.refusal(self, info)
                 if refusal is None:
                     await self.link.open_stream(handshake_timeout_s=self.options.step_timeout_floor_s)
+                    # Asked again: another lane may have come up with another model while this
+                    # one waited for its stream, and nothing awaits between here and lane_up.
+                    refusal = self.hooks.refusal(self, info)
+                    if refusal is not None:
+                        self.link.close_stream()
             except ExecutorRefused as refused:
                 refusal = str(refused)
             except ExecutorLost as lost:
