@@ -18,20 +18,31 @@ from executor_service.plan_inputs import ScheduledWork, build_step_inputs
 from executor_service.request_state import RequestState, make_generator
 from executor_service.sampler import SampleResult, SamplingRow, sample
 from executor_service.sampler_settings import SamplerSettings
-from executor_service.validation import Limits, check_continuing, check_new
+from executor_service.validation import (
+    Limits,
+    check_continuing,
+    check_decode,
+    check_decode_block,
+    check_new,
+)
 from protos import rpc_codes
+from protos.limits import UNHELD_DECODE_TOKEN
 from protos.splitserve.executor.v1 import executor_pb2
 
 logger = logging.getLogger(__name__)
 
 
-
 @dataclass(slots=True)
 class _Admitted:
-    """The plan after validation: work to run in plan order, and refused entries."""
+    """The plan after validation: work to run in plan order (entries, then steady decodes),
+    and refused entries."""
 
     work: list[ScheduledWork]
     rejected: list[executor_pb2.RejectedRequest]
+    # Per StepPlan.decode_handles entry, the request it decodes, or None when not held.
+    decodes: list[RequestState | None]
+    # How many of `work` come from entries; the rest are steady decodes.
+    num_entries: int = 0
 
 
 class ModelRunner:
@@ -43,6 +54,7 @@ class ModelRunner:
         self.limits = limits
         self.backend = backend
         self.requests: dict[str, RequestState] = {}
+        self.handles: dict[int, RequestState] = {}
         self._use_logits_to_keep = accepts_logits_to_keep(loaded)
         # Unseeded draws share this generator; seeded requests own theirs.
         self._generator = torch.Generator(device=loaded.device)
@@ -52,14 +64,16 @@ class ModelRunner:
         started = time.perf_counter()
         for request_id in plan.dropped_request_ids:
             # Unknown ids are fine: the scheduler pipelines and may drop what is already gone.
-            self.requests.pop(request_id, None)
+            self._forget(request_id)
         admitted = self._admit(plan)
         result = executor_pb2.StepResult(step_id=plan.step_id, rejected=admitted.rejected)
         if admitted.work:
             try:
-                self._run(admitted.work, result)
+                self._run(admitted, result)
             except Exception as error:
                 self._fail_step(plan.step_id, admitted.work, error, result)
+        elif admitted.decodes:
+            result.decode_token_ids.extend([UNHELD_DECODE_TOKEN] * len(admitted.decodes))
         result.step_time_s = time.perf_counter() - started
         logger.debug(
             "event=step step_id=%d requests=%d tokens=%d sampled=%d rejected=%d "
@@ -78,15 +92,26 @@ class ModelRunner:
         """Forgets every request, for a scheduler that starts over and resends them all."""
         logger.info("event=requests_dropped count=%d", len(self.requests))
         self.requests.clear()
+        self.handles.clear()
 
-    def _run(self, work: list[ScheduledWork], result: executor_pb2.StepResult) -> None:
+    def _forget(self, request_id: str) -> None:
+        state = self.requests.pop(request_id, None)
+        if state is not None and self.handles.get(state.handle) is state:
+            del self.handles[state.handle]
+
+    def _run(self, admitted: _Admitted, result: executor_pb2.StepResult) -> None:
         """The shared part of a step: one forward and one sampling pass for all its work."""
         forward_started = time.perf_counter()
+        work = admitted.work
         inputs = build_step_inputs(work, self.kv_cache, self.backend, self.loaded.device)
         logits = compute_logits(self.loaded, inputs, self._use_logits_to_keep)
         sampled = sample(logits, [_sampling_row(s) for s in inputs.sampled], self._generator)
         result.forward_time_s = time.perf_counter() - forward_started
-        self._advance(work, inputs.sampled, sampled, result)
+        tokens = self._advance(admitted, inputs.sampled, sampled, result)
+        if admitted.decodes:
+            result.decode_token_ids.extend(
+                [UNHELD_DECODE_TOKEN if s is None else tokens[s.request_id] for s in admitted.decodes]
+            )
 
     def _fail_step(
         self,
@@ -103,14 +128,15 @@ class ModelRunner:
         )
         failed = [item.state.request_id for item in work]
         for request_id in failed:
-            self.requests.pop(request_id, None)
+            self._forget(request_id)
         del result.outputs[:]
+        del result.decode_token_ids[:]
         result.failure.CopyFrom(
             executor_pb2.StepFailure(message=f"{type(error).__name__}: {error}", request_ids=failed)
         )
 
     def _admit(self, plan: executor_pb2.StepPlan) -> _Admitted:
-        admitted = _Admitted(work=[], rejected=[])
+        admitted = _Admitted(work=[], rejected=[], decodes=[])
         scheduled: set[str] = set()
         entries = [*plan.new_requests, *plan.continuing_requests]
         for entry in entries:
@@ -126,7 +152,47 @@ class ModelRunner:
                 continue
             if problem is not None:
                 self._reject(admitted, entry.request_id, rpc_codes.INVALID_ARGUMENT, problem)
+        admitted.num_entries = len(admitted.work)
+        self._admit_decodes(plan, admitted, scheduled)
         return admitted
+
+    def _admit_decodes(
+        self, plan: executor_pb2.StepPlan, admitted: _Admitted, scheduled: set[str]
+    ) -> None:
+        """Steady decodes by handle: their appended blocks first, then one token each."""
+        if len(plan.decode_block_handles) != len(plan.decode_block_ids):
+            problem = "decode_block_handles and decode_block_ids differ in length"
+            for handle in plan.decode_handles:
+                state = self.handles.get(handle)
+                if state is not None:
+                    self._reject(admitted, state.request_id, rpc_codes.INVALID_ARGUMENT, problem)
+            admitted.decodes.extend([None] * len(plan.decode_handles))
+            return
+        refused: dict[int, str] = {}
+        for handle, block_id in zip(plan.decode_block_handles, plan.decode_block_ids):
+            state = self.handles.get(handle)
+            if state is None or handle in refused:
+                continue
+            problem = check_decode_block(block_id, state, self.limits)
+            if problem is None:
+                state.block_ids.append(block_id)
+            else:
+                refused[handle] = problem
+        for handle in plan.decode_handles:
+            state = self.handles.get(handle)
+            if state is None:
+                admitted.decodes.append(None)
+                continue
+            problem = refused.get(handle) or check_decode(state, self.limits)
+            if problem is None and state.request_id in scheduled:
+                problem = "request scheduled twice in one plan"
+            if problem is not None:
+                self._reject(admitted, state.request_id, rpc_codes.INVALID_ARGUMENT, problem)
+                admitted.decodes.append(None)
+                continue
+            scheduled.add(state.request_id)
+            admitted.work.append(ScheduledWork(state, 1))
+            admitted.decodes.append(state)
 
     def _admit_entry(
         self,
@@ -148,8 +214,13 @@ class ModelRunner:
         if isinstance(entry, executor_pb2.NewRequest):
             if entry.request_id in self.requests:
                 logger.info("event=request_rebuilt request_id=%s", entry.request_id)
+            self._forget(entry.request_id)
+            if entry.handle and entry.handle in self.handles:
+                return f"handle {entry.handle} names request {self.handles[entry.handle].request_id!r}"
             state = _new_state(entry, self.loaded.device)
             self.requests[entry.request_id] = state
+            if entry.handle:
+                self.handles[entry.handle] = state
         else:
             assert state is not None  # check_continuing refuses an unknown id
             state.block_ids.extend(entry.new_block_ids)
@@ -161,7 +232,7 @@ class ModelRunner:
         # A request that was scheduled earlier in this plan keeps running; any other state of
         # that id goes, so the scheduler rebuilds it from a fresh NewRequest.
         if not any(w.state.request_id == request_id for w in admitted.work):
-            self.requests.pop(request_id, None)
+            self._forget(request_id)
         logger.warning(
             "event=entry_rejected request_id=%s code=%d problem=%r", request_id, code, problem
         )
@@ -173,20 +244,28 @@ class ModelRunner:
 
     def _advance(
         self,
-        work: list[ScheduledWork],
+        admitted: _Admitted,
         sampled_states: list[RequestState],
         sampled: SampleResult,
         result: executor_pb2.StepResult,
-    ) -> None:
+    ) -> dict[str, int]:
+        """Advances each request past its work. Entries' tokens go into result.outputs; steady
+        decodes' tokens are returned by request id, for decode_token_ids."""
         by_id = {
             state.request_id: (token, logprobs)
             for state, token, logprobs in zip(
                 sampled_states, sampled.token_ids, sampled.logprobs, strict=True
             )
         }
-        for item in work:
+        decoded: dict[str, int] = {}
+        for index, item in enumerate(admitted.work):
             state = item.state
             state.num_computed_tokens += item.num_tokens
+            if index >= admitted.num_entries:
+                token = by_id[state.request_id][0]
+                state.token_ids.append(token)
+                decoded[state.request_id] = token
+                continue
             output = result.outputs.add(request_id=state.request_id)
             if state.request_id not in by_id:
                 continue
@@ -200,6 +279,7 @@ class ModelRunner:
                     top_token_ids=logprobs.top_token_ids,
                     top_logprobs=logprobs.top_logprobs,
                 )
+        return decoded
 
 
 def _new_state(entry: executor_pb2.NewRequest, device: torch.device) -> RequestState:
@@ -213,6 +293,7 @@ def _new_state(entry: executor_pb2.NewRequest, device: torch.device) -> RequestS
         num_computed_tokens=entry.num_computed_tokens,
         sampling=params,
         generator=make_generator(params.seed, device),
+        handle=entry.handle,
     )
 
 

@@ -23,6 +23,8 @@ class RequestState:
     sampling: SamplerSettings
     # The request's own generator when seeded, so its draws ignore the rest of the batch.
     generator: torch.Generator | None
+    # Its name in StepPlan.decode_handles (0: none).
+    handle: int = 0
 
     def seeded_generator(self) -> torch.Generator | None:
         """The generator, re-seeded for the position of the token about to be sampled.

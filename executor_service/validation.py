@@ -73,6 +73,26 @@ def check_continuing(
     return _capacity_problem(end, len(block_ids), limits)
 
 
+def check_decode_block(block_id: int, state: RequestState, limits: Limits) -> str | None:
+    """A block appended to a steady decode."""
+    if block_id >= limits.num_kv_blocks:
+        return f"block id {block_id} outside the pool [0, {limits.num_kv_blocks})"
+    if block_id in state.block_ids:
+        return f"block {block_id} appended twice to the request"
+    return None
+
+
+def check_decode(state: RequestState, limits: Limits) -> str | None:
+    """A steady decode: one token, the last one known, computed and the next sampled."""
+    end = state.num_computed_tokens + 1
+    if end != len(state.token_ids):
+        return (
+            f"a steady decode needs every token but the last computed; {state.num_computed_tokens} "
+            f"of {len(state.token_ids)} are"
+        )
+    return _capacity_problem(end, len(state.block_ids), limits)
+
+
 def _id_problem(request_id: str) -> str | None:
     return None if request_id else "request_id is empty"
 

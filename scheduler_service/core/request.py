@@ -46,6 +46,8 @@ class Request:
     prefill_target: int = 0
     # Prompt tokens served from the prefix cache at first admission.
     num_cached_tokens: int = 0
+    # Names it in plans' decode_handles on the executor it was last sent to (set when sent).
+    handle: int = 0
     # Times it lost its blocks and went back to waiting (also its epoch: a result planned
     # before a preemption is stale).
     num_preemptions: int = 0

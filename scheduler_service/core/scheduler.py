@@ -4,11 +4,12 @@ they use; and the bookkeeping when the step's tokens come back."""
 import itertools
 import time
 from collections.abc import Callable, Collection, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kv_manager import BlockHash, KVCacheManager, PrefixHit
 from kv_manager.prefix_hash import chain_hashes
 from scheduler_service.core.config import SchedulerConfig
+from scheduler_service.core.decode_set import BulkStep, DecodeSet
 from scheduler_service.core.errors import ErrorKind, RequestError, RequestRejected
 from scheduler_service.core.policy import StepMode, pick_victim
 from scheduler_service.core.prefix_tracker import PrefixTracker
@@ -20,6 +21,7 @@ from scheduler_service.core.step_plan import (
     RequestUpdate,
     StepOutput,
     StepPlan,
+    StepUpdates,
 )
 from scheduler_service.core.stop_checker import check_stop, may_sample_more
 
@@ -35,6 +37,20 @@ class _InFlight:
     num_computed_tokens: int
     # Whether the step samples a token for it.
     samples: bool
+
+
+@dataclass(slots=True)
+class _BulkPlan:
+    """The steady decodes' part of a step being planned."""
+
+    step: BulkStep | None = None
+    block_handles: list[int] = field(default_factory=list)
+    block_ids: list[int] = field(default_factory=list)
+    # Whether finding their blocks preempted anyone (then nobody is admitted this step).
+    preempted: bool = False
+
+
+_NO_BULK = _BulkPlan()
 
 
 class Scheduler:
@@ -70,6 +86,11 @@ class Scheduler:
         # Waiting requests held back until a prefix block they share with a running request is
         # cached (see _admit_waiting); they rejoin the queue in arrival order.
         self._deferred: list[Request] = []
+        # Running requests in steady decode, planned and updated in bulk (see decode_set).
+        self.decodes = DecodeSet(config.block_size, self.eos_token_ids)
+        # step id -> that step's bulk decodes, until its result is in.
+        self._in_flight_bulk: dict[int, BulkStep] = {}
+        self._handles = itertools.count(1)
 
     # ---- arrivals and departures -------------------------------------------------------------
 
@@ -119,6 +140,8 @@ class Scheduler:
         ones lose their blocks and computed tokens (they will be recomputed elsewhere) and
         count a preemption (so results still in flight for them are stale) and an executor
         loss."""
+        self.decodes.clear()
+        self._in_flight_bulk.clear()
         evicted = sorted(self.requests.values(), key=lambda r: r.arrival_index)
         for request in evicted:
             if request.status is RequestStatus.RUNNING:
@@ -226,6 +249,8 @@ class Scheduler:
         if request.status is RequestStatus.WAITING:
             self._unqueue(request)
         elif request.status is RequestStatus.RUNNING:
+            if request in self.decodes:
+                self.decodes.leave(request)
             self.running.remove(request)
         request.status = RequestStatus.FINISHED
         request.finish_reason, request.stop_reason = reason, stop_reason
@@ -274,24 +299,52 @@ class Scheduler:
             self._release_deferred()
         preempted = self._schedule_retry_alone(budget, scheduled, new_blocks, admitted)
         if scheduled:
-            return self._build_plan(scheduled, new_blocks, admitted)
+            return self._build_plan(scheduled, new_blocks, admitted, _NO_BULK)
+        bulk = _NO_BULK
         mode = self.config.mode
         if mode is StepMode.MIXED:
+            bulk, budget = self._schedule_decodes(budget)
             budget, running_preempted = self._schedule_running(budget, scheduled, new_blocks, prefill=True, decode=True)
-            if not (preempted or running_preempted):
+            if not (preempted or bulk.preempted or running_preempted):
                 budget = self._admit_waiting(budget, scheduled, admitted)
         elif mode is StepMode.PREFILL_FIRST:
             budget, running_preempted = self._schedule_running(budget, scheduled, new_blocks, prefill=True, decode=False)
             if not (preempted or running_preempted):
                 budget = self._admit_waiting(budget, scheduled, admitted)
             if not scheduled:
+                bulk, budget = self._schedule_decodes(budget)
                 self._schedule_running(budget, scheduled, new_blocks, prefill=False, decode=True)
         else:
             was_idle = not self.running
+            bulk, budget = self._schedule_decodes(budget)
             self._schedule_running(budget, scheduled, new_blocks, prefill=True, decode=True)
             if was_idle and not preempted:
                 self._admit_waiting(budget, scheduled, admitted)
-        return self._build_plan(scheduled, new_blocks, admitted)
+        return self._build_plan(scheduled, new_blocks, admitted, bulk)
+
+    def _schedule_decodes(self, budget: int) -> tuple["_BulkPlan", int]:
+        """The steady decodes' part of the step: blocks for those whose next token needs one
+        (preempting as for any running request), then one token each, in bulk."""
+        block_size = self.config.block_size
+        plan = _BulkPlan()
+        for request in self.decodes.needing_blocks():
+            if request not in self.decodes:
+                continue
+            computed = self.decodes.computed_of(request)
+            while (ids := self.kv.allocate_slots(request.request_id, request.token_ids, computed, 1)) is None:
+                victim = pick_victim(self.running, self.config.policy)
+                self._preempt(victim)
+                plan.preempted = True
+                if victim is request:
+                    break
+            if ids is not None and request in self.decodes:
+                self.decodes.add_cover(request, len(ids) * block_size)
+                plan.block_handles.extend([request.handle] * len(ids))
+                plan.block_ids.extend(ids)
+        plan.step = self.decodes.plan(budget)
+        if plan.step is not None:
+            budget -= len(plan.step.handles)
+        return plan, budget
 
     def _release_deferred(self) -> None:
         """Requeues held-back requests whose next prefix block is no longer being computed
@@ -340,10 +393,11 @@ class Scheduler:
         only: Request | None = None,
     ) -> tuple[int, bool]:
         preempted = False
+        decodes = self.decodes
         for request in list(self.running) if only is None else [only]:
             if budget <= 0:
                 break
-            if request.status is not RequestStatus.RUNNING or request in scheduled:
+            if request in decodes or request.status is not RequestStatus.RUNNING or request in scheduled:
                 continue
             if request.retry_alone and request is not only:
                 continue
@@ -412,6 +466,8 @@ class Scheduler:
 
     def _preempt(self, request: Request) -> None:
         """Recompute preemption: the blocks go, the tokens stay, the request waits at the head."""
+        if request in self.decodes:
+            self.decodes.leave(request)
         self.running.remove(request)
         self.kv.free(request.request_id)
         self._forget_on_executor(request.request_id)
@@ -429,14 +485,24 @@ class Scheduler:
             self._to_drop.append(request_id)
 
     def _build_plan(
-        self, scheduled: dict[Request, int], new_blocks: dict[str, list[int]], admitted: list[Request]
+        self,
+        scheduled: dict[Request, int],
+        new_blocks: dict[str, list[int]],
+        admitted: list[Request],
+        bulk: "_BulkPlan",
     ) -> StepPlan:
         plan = StepPlan(step_id=next(self._step_ids), dropped_request_ids=self._to_drop)
         self._to_drop = []
+        if bulk.step is not None:
+            plan.decode_handles = bulk.step.handles
+            plan.decode_block_handles, plan.decode_block_ids = bulk.block_handles, bulk.block_ids
+            self._in_flight_bulk[plan.step_id] = bulk.step
+        joining = []
         fresh = set(admitted)
         in_flight: dict[str, _InFlight] = {}
         for request, num_new in scheduled.items():
             if request in fresh:
+                request.handle = next(self._handles)
                 plan.new_requests.append(
                     NewRequestPlan(
                         request.request_id,
@@ -446,6 +512,7 @@ class Scheduler:
                         num_new,
                         request.sampling,
                         request.num_prompt_tokens,
+                        request.handle,
                     )
                 )
                 self._on_executor.add(request.request_id)
@@ -457,23 +524,52 @@ class Scheduler:
             samples = request.num_computed_tokens == request.num_tokens + request.num_pending_outputs
             if samples:
                 request.num_pending_outputs += 1
+                if self._decodes_in_bulk(request):
+                    joining.append(request)
             in_flight[request.request_id] = _InFlight(
                 request, request.num_preemptions, request.num_computed_tokens, samples
             )
         if in_flight:
             self._in_flight[plan.step_id] = in_flight
+        for request in joining:
+            cover = len(self.kv.block_ids(request.request_id)) * self.config.block_size
+            self.decodes.join(request, request.handle, cover, self._length_limit(request))
         if plan.has_work:
             self.num_steps += 1
         return plan
 
+    def _decodes_in_bulk(self, request: Request) -> bool:
+        """Whether the request, its prefill done, decodes in bulk from now on: nothing about it
+        needs per-request care (logprobs, stop token ids, min_tokens, an isolated retry)."""
+        sampling = request.sampling
+        return not (
+            request.retry_alone
+            or sampling.logprobs is not None
+            or sampling.stop_token_ids
+            or sampling.min_tokens
+        )
+
+    def _length_limit(self, request: Request) -> int:
+        """Tokens at which the request stops for length."""
+        max_tokens = request.sampling.max_tokens
+        limit = self.config.max_seq_len
+        return limit if max_tokens is None else min(limit, request.num_prompt_tokens + max_tokens)
+
     # ---- results -----------------------------------------------------------------------------
 
-    def update(self, output: StepOutput) -> list[RequestUpdate]:
+    def update(self, output: StepOutput) -> StepUpdates:
         """Appends the step's sampled tokens, finishes requests that hit a stop condition, and
         enters the blocks the step filled into the prefix cache (only now: a block whose step
         was refused, failed or lost must never be found by another request)."""
-        updates = []
+        result = StepUpdates()
+        updates = result.updates
         failed: list[Request] = []
+        bulk = self._in_flight_bulk.pop(output.step_id, None)
+        if bulk is not None:
+            if output.failure is not None:
+                failed.extend(self.decodes.live(bulk))
+            else:
+                self._apply_bulk(bulk, output, result)
         for request_id, sent in self._in_flight.pop(output.step_id, {}).items():
             request = sent.request
             # The request may have finished, been preempted, or even been replaced by a new
@@ -500,7 +596,27 @@ class Scheduler:
                     updates.append(self._append_tokens(request, output))
         if output.failure is not None:
             updates += self._step_failed(failed, output.failure)
-        return updates
+        return result
+
+    def _apply_bulk(self, bulk: BulkStep, output: StepOutput, result: StepUpdates) -> None:
+        applied = self.decodes.apply(bulk, output.decode_token_ids)
+        for request in applied.unheld:
+            rejection = output.rejected.get(request.request_id)
+            error = (
+                RequestError(ErrorKind.INTERNAL, f"the executor does not hold request {request.request_id}")
+                if rejection is None
+                else RequestError(
+                    rejection.kind, f"the executor refused request {request.request_id}: {rejection.message}"
+                )
+            )
+            result.updates.append(self._end_in_error(request, error))
+        for request, computed in applied.filled_blocks:
+            self.kv.cache_computed(request.request_id, request.token_ids, computed)
+        for request, token in applied.stopped:
+            eos = not request.sampling.ignore_eos and token in self.eos_token_ids
+            self.finish(request, FinishReason.STOP if eos else FinishReason.LENGTH)
+            result.updates.append(RequestUpdate(request, [token], [], True))
+        result.decoded_requests, result.decoded_token_ids = applied.requests, applied.token_ids
 
     def _step_failed(self, requests: list[Request], failure: str) -> list[RequestUpdate]:
         """A failed step is retried once, alone (see Request.retry_alone); a request whose
@@ -526,6 +642,8 @@ class Scheduler:
         update = RequestUpdate(request, [], output.logprobs.get(request.request_id, []), False)
         for token in output.sampled[request.request_id]:
             request.token_ids.append(token)
+            if request in self.decodes:
+                self.decodes.token_received(request)
             update.new_token_ids.append(token)
             if request.first_token_time is None:
                 request.first_token_time = self.clock()

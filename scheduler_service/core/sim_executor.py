@@ -9,12 +9,14 @@ scheduler that hands out a wrong block, a stale prefix hit or too few slots fail
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from protos.limits import UNHELD_DECODE_TOKEN
 from scheduler_service.core.errors import ErrorKind, RequestError
 from scheduler_service.core.step_plan import StepOutput, StepPlan
 
 TokenFn = Callable[[str, Sequence[int]], int]
-# Says why a plan's forward fails, or None when it runs: a fault model for tests and replays.
-FailFn = Callable[[StepPlan], str | None]
+# Says why a plan's forward fails, or None when it runs, given the plan and the ids of the
+# requests it computes for: a fault model for tests and replays.
+FailFn = Callable[[StepPlan, list[str]], str | None]
 
 
 def default_next_token(request_id: str, token_ids: Sequence[int]) -> int:
@@ -31,6 +33,7 @@ class _SimRequest:
     token_ids: list[int]
     block_ids: list[int]
     num_computed: int
+    handle: int = 0
 
 
 @dataclass(slots=True)
@@ -51,13 +54,15 @@ class SimulatedExecutor:
     # Requests whose state a failed step dropped: a plan already on its way may still continue
     # them, which the real executor refuses as unknown rather than treating as a scheduler bug.
     dropped_by_failure: set[str] = field(default_factory=set)
+    # Decode handle -> request id, for the requests held.
+    handles: dict[int, str] = field(default_factory=dict)
 
     def execute(self, plan: StepPlan) -> StepOutput:
         if plan.step_id <= self.last_step_id:
             raise PlanMismatch(f"step {plan.step_id} after step {self.last_step_id}")
         self.last_step_id = plan.step_id
         for request_id in plan.dropped_request_ids:
-            self.requests.pop(request_id, None)
+            self._forget(request_id)
             self.dropped_by_failure.discard(request_id)
         output = StepOutput(step_id=plan.step_id)
         work: list[tuple[str, int]] = []
@@ -65,8 +70,10 @@ class SimulatedExecutor:
             self.dropped_by_failure.discard(new.request_id)
             if new.request_id in self.requests:
                 raise PlanMismatch(f"{new.request_id} is new but already held")
-            state = _SimRequest(list(new.token_ids), list(new.block_ids), new.num_computed_tokens)
+            state = _SimRequest(list(new.token_ids), list(new.block_ids), new.num_computed_tokens, new.handle)
             self.requests[new.request_id] = state
+            if new.handle:
+                self.handles[new.handle] = new.request_id
             work.append((new.request_id, new.num_scheduled_tokens))
         for cont in plan.continuing_requests:
             state = self.requests.get(cont.request_id)
@@ -77,11 +84,29 @@ class SimulatedExecutor:
                 raise PlanMismatch(f"{cont.request_id} continues but is not held")
             state.block_ids.extend(cont.new_block_ids)
             work.append((cont.request_id, cont.num_scheduled_tokens))
-        failure = self.fail_step(plan) if self.fail_step is not None else None
+        for handle, block_id in zip(plan.decode_block_handles, plan.decode_block_ids, strict=True):
+            if handle in self.handles:
+                self.requests[self.handles[handle]].block_ids.append(block_id)
+        decodes: list[str | None] = []
+        for handle in plan.decode_handles:
+            request_id = self.handles.get(handle)
+            if request_id is None:
+                decodes.append(None)
+                continue
+            state = self.requests[request_id]
+            if state.num_computed != len(state.token_ids) - 1:
+                raise PlanMismatch(f"{request_id} decodes by handle but is not in steady decode")
+            decodes.append(request_id)
+            work.append((request_id, 1))
+        failure = (
+            self.fail_step(plan, [request_id for request_id, _ in work])
+            if self.fail_step is not None
+            else None
+        )
         if failure is not None:
             # As the real executor does: the step's requests lose their state, the rest keep it.
             for request_id, _ in work:
-                del self.requests[request_id]
+                self._forget(request_id)
                 self.dropped_by_failure.add(request_id)
             output.failure = failure
             return output
@@ -105,9 +130,19 @@ class SimulatedExecutor:
                 token = self.next_token(request_id, state.token_ids)
                 state.token_ids.append(token)
                 output.sampled[request_id] = [token]
+        # Decodes by handle are answered in their own list, in plan order.
+        output.decode_token_ids = [
+            output.sampled.pop(request_id)[0] if request_id is not None else UNHELD_DECODE_TOKEN
+            for request_id in decodes
+        ]
         output.forward_time_s = self.step_overhead_s + self.per_token_s * plan.num_scheduled_tokens
         self.elapsed_s += output.forward_time_s
         return output
+
+    def _forget(self, request_id: str) -> None:
+        state = self.requests.pop(request_id, None)
+        if state is not None and self.handles.get(state.handle) == request_id:
+            del self.handles[state.handle]
 
     def _slot(self, state: _SimRequest, position: int) -> int:
         block_id = state.block_ids[position // self.block_size]

@@ -1,11 +1,12 @@
 """What travels between the planner and an executor for one step, as plain records.
 
 The plan is a diff: a request the executor has not seen arrives whole, a continuing one carries
-only its token count and new blocks, so a plan's size follows the step's work, not the length of
-the conversations. The protobuf form is built by plan_codec.
+only its token count and new blocks, and a steady decode only its handle (see decode_set), so a
+plan's size follows the step's work, not the length of the conversations. The protobuf form is
+built by plan_codec.
 """
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 from scheduler_service.core.errors import RequestError
@@ -31,6 +32,8 @@ class NewRequestPlan:
     sampling: SamplingParams
     # Tokens of token_ids that are prompt (the rest count as output for penalties).
     num_prompt_tokens: int
+    # Names the request in later plans' decode_handles (0: never).
+    handle: int = 0
 
 
 @dataclass(slots=True)
@@ -55,16 +58,23 @@ class StepPlan:
     continuing_requests: list[ContinuingRequestPlan] = field(default_factory=list)
     # Requests the executor must forget before this step (finished, aborted or preempted).
     dropped_request_ids: list[str] = field(default_factory=list)
+    # Steady decodes by handle, one token each; answered in StepOutput.decode_token_ids.
+    decode_handles: list[int] = field(default_factory=list)
+    # Blocks appended to steady decodes first: decode_block_handles[i] gains decode_block_ids[i].
+    decode_block_handles: list[int] = field(default_factory=list)
+    decode_block_ids: list[int] = field(default_factory=list)
 
     @property
     def num_scheduled_tokens(self) -> int:
-        return sum(r.num_scheduled_tokens for r in self.new_requests) + sum(
-            r.num_scheduled_tokens for r in self.continuing_requests
+        return (
+            sum(r.num_scheduled_tokens for r in self.new_requests)
+            + sum(r.num_scheduled_tokens for r in self.continuing_requests)
+            + len(self.decode_handles)
         )
 
     @property
     def has_work(self) -> bool:
-        return bool(self.new_requests or self.continuing_requests)
+        return bool(self.new_requests or self.continuing_requests or self.decode_handles)
 
 
 @dataclass(slots=True)
@@ -79,6 +89,8 @@ class StepOutput:
     # The executor's per-token logprob records, opaque to the planner: they pass through to the
     # client as they came (see service/output_stream.py).
     logprobs: dict[str, Sequence[object]] = field(default_factory=dict)
+    # One token per StepPlan.decode_handles entry, in that order.
+    decode_token_ids: Sequence[int] = ()
     # Entries the executor refused, by request, with why: those requests end in error.
     rejected: dict[str, RequestError] = field(default_factory=dict)
     # Seconds the executor spent in the forward pass and sampling, and on the whole step.
@@ -106,3 +118,21 @@ class RequestUpdate:
     @property
     def request_id(self) -> str:
         return self.request.request_id
+
+
+@dataclass(slots=True)
+class StepUpdates:
+    """What a step gave its requests: one record each for those that need their own (their
+    first token, an error, an end), and a bulk of steady decodes that got one token each and
+    go on."""
+
+    updates: list[RequestUpdate] = field(default_factory=list)
+    decoded_requests: list[Request] = field(default_factory=list)
+    decoded_token_ids: list[int] = field(default_factory=list)
+
+    def __iter__(self) -> Iterator[RequestUpdate]:
+        """Every update as a RequestUpdate (the bulk ones built on the way; for callers that
+        do not need the speed)."""
+        yield from self.updates
+        for request, token in zip(self.decoded_requests, self.decoded_token_ids, strict=True):
+            yield RequestUpdate(request, [token], [], False)

@@ -19,7 +19,7 @@ from protos.splitserve.v1 import generation_pb2 as pb
 from scheduler_service.core.errors import ErrorKind, RequestError, RequestRejected
 from scheduler_service.core.request import FinishReason, Request
 from scheduler_service.core.router import DEFAULT_TOKENS_PER_REQUEST, route
-from scheduler_service.core.step_plan import RequestUpdate, StepOutput
+from scheduler_service.core.step_plan import RequestUpdate, StepOutput, StepUpdates
 from scheduler_service.service.executor_link import ExecutorLink
 from scheduler_service.service.lane import ExecutorLane, LaneOptions, LaneState
 from scheduler_service.service.metrics import SchedulerMetrics
@@ -297,13 +297,12 @@ class Engine:
         if lane.retired:
             self._forget_lane(lane)
 
-    def deliver(
-        self, lane: ExecutorLane, output: StepOutput, updates: Sequence[RequestUpdate]
-    ) -> None:
+    def deliver(self, lane: ExecutorLane, output: StepOutput, updates: StepUpdates) -> None:
         self.metrics.step_time.observe(output.step_time_s)
         self.metrics.forward_time.observe(output.forward_time_s)
-        for update in updates:
+        for update in updates.updates:
             self._deliver(lane, update)
+        self._deliver_decoded(lane, updates.decoded_requests, updates.decoded_token_ids)
         self._count(lane)
         self._observe_queues()
 
@@ -327,6 +326,21 @@ class Engine:
             self._close(request, message)
         else:
             stream.queue.put_nowait(message)
+
+    def _deliver_decoded(
+        self, lane: ExecutorLane, requests: list[Request], token_ids: list[int]
+    ) -> None:
+        """Steady decodes' tokens: one each, none finishing (the scheduler saw to that), so
+        only a stop string can end one here."""
+        self.metrics.generation_tokens.inc(len(token_ids))
+        for request, token in zip(requests, token_ids, strict=True):
+            stream = _stream_of(request)
+            message, stop_string = stream.add_tokens([token], ())
+            if stop_string is not None and lane.scheduler is not None:
+                lane.scheduler.stop_at_string(request, stop_string)
+                self._close(request, message)
+            else:
+                stream.queue.put_nowait(message)
 
     def _place(self, requests: Iterable[Request]) -> None:
         """Puts requests that have no lane on the lanes taking work, or keeps them unplaced."""

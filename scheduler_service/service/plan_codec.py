@@ -47,6 +47,7 @@ def plan_to_proto(plan: StepPlan, eos_token_ids: Collection[int] = ()) -> pb.Ste
                 num_scheduled_tokens=new.num_scheduled_tokens,
                 sampling=sampler_config(new.sampling, eos_token_ids),
                 num_prompt_tokens=new.num_prompt_tokens,
+                handle=new.handle,
             )
         )
     for cont in plan.continuing_requests:
@@ -57,6 +58,10 @@ def plan_to_proto(plan: StepPlan, eos_token_ids: Collection[int] = ()) -> pb.Ste
                 new_block_ids=cont.new_block_ids,
             )
         )
+    if plan.decode_handles:
+        message.decode_handles.extend(plan.decode_handles)
+        message.decode_block_handles.extend(plan.decode_block_handles)
+        message.decode_block_ids.extend(plan.decode_block_ids)
     return message
 
 
@@ -65,6 +70,7 @@ def output_from_proto(result: pb.StepResult) -> StepOutput:
         step_id=result.step_id,
         forward_time_s=result.forward_time_s,
         step_time_s=result.step_time_s,
+        decode_token_ids=result.decode_token_ids,
     )
     for item in result.outputs:
         output.sampled[item.request_id] = list(item.token_ids)

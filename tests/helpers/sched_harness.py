@@ -18,18 +18,38 @@ def make_request(index: int, prompt_len: int, max_tokens: int, priority: int = 0
     return Request(f"r{index}", prompt, sampling, priority=priority)
 
 
-def scheduled_ids(plan: StepPlan) -> list[str]:
+class HandleBook:
+    """Request ids of the decode handles plans use, learnt from the plans that send them."""
+
+    def __init__(self) -> None:
+        self._ids: dict[int, str] = {}
+
+    def scheduled(self, plan: StepPlan) -> dict[str, int]:
+        """Tokens computed per request id: new ones first, then continuing ones and decodes by
+        handle (both in the order the planner met them)."""
+        for new in plan.new_requests:
+            self._ids[new.handle] = new.request_id
+        work = {r.request_id: r.num_scheduled_tokens for r in plan.new_requests}
+        work |= {r.request_id: r.num_scheduled_tokens for r in plan.continuing_requests}
+        work |= {self._ids[h]: 1 for h in plan.decode_handles}
+        return work
+
+
+def scheduled_ids(plan: StepPlan, book: HandleBook) -> list[str]:
     """Ids of the requests a plan computes for, new ones first."""
-    return [r.request_id for r in (*plan.new_requests, *plan.continuing_requests)]
+    return list(book.scheduled(plan))
 
 
-def describe_step(plan: StepPlan, scheduler: Scheduler) -> str:
-    """'r0:5 r1:1 | W: r2 | R: r0 r1': scheduled tokens per request, then the queues after."""
-    work = [f"{r.request_id}:{r.num_scheduled_tokens}" for r in plan.new_requests]
-    work += [f"{r.request_id}:{r.num_scheduled_tokens}" for r in plan.continuing_requests]
-    waiting = " ".join(r.request_id for r in scheduler.waiting)
+def describe_step(plan: StepPlan, scheduler: Scheduler, book: HandleBook, order: list[str]) -> str:
+    """'r0:5 r1:1 | W: r2 | R: r0 r1': scheduled tokens per request (new ones first, then the
+    others in running order as planned), then the queues after."""
+    work = book.scheduled(plan)
+    new = [r.request_id for r in plan.new_requests]
+    ranked = new + sorted(set(work) - set(new), key=lambda i: order.index(i) if i in order else len(order))
+    steps = [f"{request_id}:{work[request_id]}" for request_id in ranked]
+    waiting = " ".join(r.request_id for r in scheduler.queued)
     running = " ".join(r.request_id for r in scheduler.running)
-    return f"{' '.join(work)} | W: {waiting} | R: {running}".replace("  ", " ").strip()
+    return f"{' '.join(steps)} | W: {waiting} | R: {running}".replace("  ", " ").strip()
 
 
 @dataclass
@@ -52,6 +72,7 @@ def run(
     """Adds arrivals[n] before planning step n (1-based) and runs until every request finished."""
     executor = SimulatedExecutor(config.num_kv_blocks, config.block_size, fail_step=fail_step)
     result = Run(Scheduler(config), executor)
+    book = HandleBook()
     step = 0
     while result.scheduler.has_unfinished() or any(s > step for s in arrivals):
         step += 1
@@ -59,6 +80,7 @@ def run(
         for request in arrivals.get(step, []):
             result.scheduler.add_request(request)
         plan = result.scheduler.schedule()
+        order = [r.request_id for r in result.scheduler.running]
         updates = result.scheduler.update(result.executor.execute(plan))
         for update in updates:
             result.outputs.setdefault(update.request_id, []).extend(update.new_token_ids)
@@ -67,5 +89,5 @@ def run(
             if update.error is not None:
                 result.errors[update.request_id] = update.error
         result.plans.append(plan)
-        result.lines.append(describe_step(plan, result.scheduler))
+        result.lines.append(describe_step(plan, result.scheduler, book, order))
     return result

@@ -12,7 +12,7 @@ from scheduler_service.core.request import FinishReason, Request
 from scheduler_service.core.sampling_params import SamplingParams
 from scheduler_service.core.scheduler import Scheduler
 from scheduler_service.core.sim_executor import SimulatedExecutor, default_next_token
-from tests.helpers.sched_harness import make_request, run, scheduled_ids
+from tests.helpers.sched_harness import HandleBook, make_request, run, scheduled_ids
 
 
 def config(**overrides: object) -> SchedulerConfig:
@@ -106,13 +106,16 @@ def test_rejections_name_the_problem() -> None:
 def test_abort_frees_blocks_at_once_and_tells_the_executor() -> None:
     scheduler = Scheduler(config())
     executor = SimulatedExecutor(64, 4)
+    book = HandleBook()
     for i in range(3):
         scheduler.add_request(make_request(i, 9, 50))
-    scheduler.update(executor.execute(scheduler.schedule()))
+    first = scheduler.schedule()
+    book.scheduled(first)
+    scheduler.update(executor.execute(first))
     assert scheduler.abort("r1") and not scheduler.abort("r1")
     assert scheduler.kv.num_free_blocks == 64 - 2 * 3
     plan = scheduler.schedule()
-    assert plan.dropped_request_ids == ["r1"] and "r1" not in scheduled_ids(plan)
+    assert plan.dropped_request_ids == ["r1"] and scheduled_ids(plan, book) == ["r0", "r2"]
     executor.execute(plan)
     assert "r1" not in executor.requests
 
@@ -144,7 +147,7 @@ def test_a_late_result_never_reaches_a_new_request_that_reuses_the_id() -> None:
     scheduler.finish(first, FinishReason.STOP, "a stop string")
     second = Request("same", [9, 9, 9], SamplingParams(max_tokens=2, ignore_eos=True))
     scheduler.add_request(second)
-    assert scheduler.update(in_flight.pop(0)) == [] and scheduler.update(in_flight.pop(0)) == []
+    assert list(scheduler.update(in_flight.pop(0))) == [] and list(scheduler.update(in_flight.pop(0))) == []
     assert second.num_tokens == 3 and second.num_pending_outputs == 0
     while scheduler.has_unfinished():
         scheduler.update(executor.execute(scheduler.schedule()))
@@ -202,20 +205,23 @@ def test_random_workloads_finish_with_the_right_tokens_and_free_every_block(
     scheduler = Scheduler(cfg)
     # The executor's forward raises at the steps in `failing`, whatever they hold.
     executor = SimulatedExecutor(
-        num_blocks, block_size, fail_step=lambda plan: "boom" if plan.step_id in failing else None
+        num_blocks, block_size, fail_step=lambda plan, ids: "boom" if plan.step_id in failing else None
     )
     requests: list[Request] = []
     errors: dict[str, RequestError] = {}
     for index, (prompt_len, max_tokens, priority, stem) in enumerate(specs):
         # Requests share stems so prefix hits, revivals and evictions all happen.
         prompt = [stem] * min(prompt_len, 8) + list(range(index * 50, index * 50 + prompt_len - 8))
-        request = Request(f"q{index}", prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True), priority)
+        # Every third request wants logprobs, so it stays out of the bulk decodes beside them.
+        sampling = SamplingParams(max_tokens=max_tokens, ignore_eos=True, logprobs=1 if index % 3 == 0 else None)
+        request = Request(f"q{index}", prompt, sampling, priority)
         try:
             scheduler.add_request(request)
             requests.append(request)
         except RequestRejected:
             assert len(prompt) >= num_blocks * block_size
     in_flight = []
+    book = HandleBook()
     for step in range(2000):
         if not scheduler.has_unfinished():
             break
@@ -235,8 +241,9 @@ def test_random_workloads_finish_with_the_right_tokens_and_free_every_block(
         plan = scheduler.schedule()
         assert plan.num_scheduled_tokens <= budget
         assert len(scheduler.running) <= max_num_seqs
-        retried = [i for i in scheduled_ids(plan) if scheduler.requests[i].retry_alone]
-        assert not retried or scheduled_ids(plan) == retried, "a retry shares its step"
+        ids = scheduled_ids(plan, book)
+        retried = [i for i in ids if scheduler.requests[i].retry_alone]
+        assert not retried or ids == retried, "a retry shares its step"
         in_flight.append(executor.execute(plan))
         if not pipelined or len(in_flight) == 2 or not plan.has_work:
             for update in scheduler.update(in_flight.pop(0)):
@@ -267,7 +274,7 @@ def test_a_failed_step_is_retried_alone_and_only_the_request_that_fails_again_en
     result = run(
         config(),
         {1: requests},
-        fail_step=lambda plan: "poisoned" if plan.step_id >= 3 and "r1" in scheduled_ids(plan) else None,
+        fail_step=lambda plan, ids: "poisoned" if plan.step_id >= 3 and "r1" in ids else None,
     )
     assert result.errors == {
         "r1": RequestError(ErrorKind.INTERNAL, "request r1 failed in the executor twice: poisoned")
@@ -311,7 +318,7 @@ def test_a_request_waits_for_a_shared_prefix_being_computed_instead_of_computing
     scheduler.add_request(first)
     scheduler.add_request(second)
     plan = scheduler.schedule()
-    assert scheduled_ids(plan) == ["first"] and scheduler.num_waiting == 1
+    assert scheduled_ids(plan, HandleBook()) == ["first"] and scheduler.num_waiting == 1
     scheduler.update(executor.execute(plan))
     plan = scheduler.schedule()
     [admitted] = plan.new_requests
@@ -322,3 +329,24 @@ def test_a_request_waits_for_a_shared_prefix_being_computed_instead_of_computing
     for request in (first, second):
         assert request.output_token_ids == expected_output(request.prompt_token_ids, 3)
     assert second.num_cached_tokens == len(shared)
+
+
+def test_steady_decodes_travel_as_handles_and_requests_needing_care_stay_listed() -> None:
+    scheduler = Scheduler(config())
+    executor = SimulatedExecutor(64, 4)
+    plain = Request("plain", [1, 2, 3], SamplingParams(max_tokens=6, ignore_eos=True))
+    with_logprobs = Request("logprobs", [4, 5, 6], SamplingParams(max_tokens=6, ignore_eos=True, logprobs=1))
+    scheduler.add_request(plain)
+    scheduler.add_request(with_logprobs)
+    outputs: dict[str, list[int]] = {"plain": [], "logprobs": []}
+    plans = []
+    while scheduler.has_unfinished():
+        plan = scheduler.schedule()
+        plans.append(plan)
+        for update in scheduler.update(executor.execute(plan)):
+            outputs[update.request_id] += update.new_token_ids
+    steady = plans[1:-1]
+    assert steady and all(p.decode_handles == [plain.handle] for p in steady)
+    assert all([c.request_id for c in p.continuing_requests] == ["logprobs"] for p in steady)
+    assert len(outputs["plain"]) == len(outputs["logprobs"]) == 6
+    assert scheduler.kv.num_free_blocks == 64

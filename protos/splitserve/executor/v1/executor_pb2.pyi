@@ -69,7 +69,7 @@ class SamplerConfig(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., min_p: _Optional[float] = ..., has_seed: _Optional[bool] = ..., seed: _Optional[int] = ..., repetition_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., num_logprobs: _Optional[int] = ..., want_logprobs: _Optional[bool] = ..., min_tokens: _Optional[int] = ..., min_tokens_stop_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class NewRequest(_message.Message):
-    __slots__ = ("request_id", "token_ids", "block_ids", "num_computed_tokens", "num_scheduled_tokens", "sampling", "num_prompt_tokens")
+    __slots__ = ("request_id", "token_ids", "block_ids", "num_computed_tokens", "num_scheduled_tokens", "sampling", "num_prompt_tokens", "handle")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -77,6 +77,7 @@ class NewRequest(_message.Message):
     NUM_SCHEDULED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    HANDLE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     block_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -84,7 +85,8 @@ class NewRequest(_message.Message):
     num_scheduled_tokens: int
     sampling: SamplerConfig
     num_prompt_tokens: int
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[int] = ..., num_scheduled_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplerConfig, _Mapping]] = ..., num_prompt_tokens: _Optional[int] = ...) -> None: ...
+    handle: int
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[int] = ..., num_scheduled_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplerConfig, _Mapping]] = ..., num_prompt_tokens: _Optional[int] = ..., handle: _Optional[int] = ...) -> None: ...
 
 class ContinuingRequest(_message.Message):
     __slots__ = ("request_id", "num_scheduled_tokens", "new_block_ids")
@@ -97,16 +99,22 @@ class ContinuingRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., num_scheduled_tokens: _Optional[int] = ..., new_block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StepPlan(_message.Message):
-    __slots__ = ("step_id", "new_requests", "continuing_requests", "dropped_request_ids")
+    __slots__ = ("step_id", "new_requests", "continuing_requests", "dropped_request_ids", "decode_handles", "decode_block_handles", "decode_block_ids")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     NEW_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     CONTINUING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     DROPPED_REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
+    DECODE_HANDLES_FIELD_NUMBER: _ClassVar[int]
+    DECODE_BLOCK_HANDLES_FIELD_NUMBER: _ClassVar[int]
+    DECODE_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     new_requests: _containers.RepeatedCompositeFieldContainer[NewRequest]
     continuing_requests: _containers.RepeatedCompositeFieldContainer[ContinuingRequest]
     dropped_request_ids: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, step_id: _Optional[int] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., continuing_requests: _Optional[_Iterable[_Union[ContinuingRequest, _Mapping]]] = ..., dropped_request_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+    decode_handles: _containers.RepeatedScalarFieldContainer[int]
+    decode_block_handles: _containers.RepeatedScalarFieldContainer[int]
+    decode_block_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, step_id: _Optional[int] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., continuing_requests: _Optional[_Iterable[_Union[ContinuingRequest, _Mapping]]] = ..., dropped_request_ids: _Optional[_Iterable[str]] = ..., decode_handles: _Optional[_Iterable[int]] = ..., decode_block_handles: _Optional[_Iterable[int]] = ..., decode_block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class TokenLogprob(_message.Message):
     __slots__ = ("token_id", "logprob", "top_token_ids", "top_logprobs")
@@ -149,17 +157,19 @@ class StepFailure(_message.Message):
     def __init__(self, message: _Optional[str] = ..., request_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class StepResult(_message.Message):
-    __slots__ = ("step_id", "outputs", "rejected", "forward_time_s", "step_time_s", "failure")
+    __slots__ = ("step_id", "outputs", "rejected", "forward_time_s", "step_time_s", "failure", "decode_token_ids")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     OUTPUTS_FIELD_NUMBER: _ClassVar[int]
     REJECTED_FIELD_NUMBER: _ClassVar[int]
     FORWARD_TIME_S_FIELD_NUMBER: _ClassVar[int]
     STEP_TIME_S_FIELD_NUMBER: _ClassVar[int]
     FAILURE_FIELD_NUMBER: _ClassVar[int]
+    DECODE_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     outputs: _containers.RepeatedCompositeFieldContainer[RequestOutput]
     rejected: _containers.RepeatedCompositeFieldContainer[RejectedRequest]
     forward_time_s: float
     step_time_s: float
     failure: StepFailure
-    def __init__(self, step_id: _Optional[int] = ..., outputs: _Optional[_Iterable[_Union[RequestOutput, _Mapping]]] = ..., rejected: _Optional[_Iterable[_Union[RejectedRequest, _Mapping]]] = ..., forward_time_s: _Optional[float] = ..., step_time_s: _Optional[float] = ..., failure: _Optional[_Union[StepFailure, _Mapping]] = ...) -> None: ...
+    decode_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, step_id: _Optional[int] = ..., outputs: _Optional[_Iterable[_Union[RequestOutput, _Mapping]]] = ..., rejected: _Optional[_Iterable[_Union[RejectedRequest, _Mapping]]] = ..., forward_time_s: _Optional[float] = ..., step_time_s: _Optional[float] = ..., failure: _Optional[_Union[StepFailure, _Mapping]] = ..., decode_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...

@@ -1,0 +1,195 @@
+"""The running requests of one executor that are in steady decode, held as arrays so that a step
+plans them, and applies their tokens, in bulk.
+
+A steady decode computes one token, the one sampled last, and samples the next. Listing each as
+a plan entry and answering each with a result record costs microseconds per request per step in
+Python; here a step costs a few array operations plus one tight loop that appends each token to
+its request. On the wire these decodes are a packed list of handles (NewRequest.handle) and come
+back as a packed list of tokens in the same order.
+
+A request joins once its prefill is done, when nothing about it needs per-request care (no
+logprobs, no stop token ids, no min_tokens, not retried after a failed step). It leaves when it
+finishes, is preempted or its executor goes; while it is here its computed-token count lives in
+these arrays, and leave() writes it back to the Request.
+"""
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from protos.limits import UNHELD_DECODE_TOKEN as UNHELD_TOKEN
+from scheduler_service.core.request import Request
+
+_GROWTH = 2
+
+
+@dataclass(slots=True)
+class BulkStep:
+    """The bulk decodes of one planned step, until its result is in."""
+
+    slots: np.ndarray
+    # Each slot's epoch when planned: a slot left (and maybe reused) since then is stale.
+    epochs: np.ndarray
+    # Computed tokens of each request once the step has run.
+    computed: np.ndarray
+    handles: list[int]
+
+
+@dataclass(slots=True)
+class BulkResult:
+    """What a step's bulk decodes gave."""
+
+    # Requests that got one token and go on, with their tokens, in the same order.
+    requests: list[Request]
+    token_ids: list[int]
+    # Requests whose token ends them (EOS or length): the scheduler finishes them.
+    stopped: list[tuple[Request, int]]
+    # Requests whose computed blocks are now complete, with their computed-token count.
+    filled_blocks: list[tuple[Request, int]]
+    # Requests the executor answered for with UNHELD_TOKEN.
+    unheld: list[Request]
+
+
+class DecodeSet:
+    def __init__(self, block_size: int, eos_token_ids: Iterable[int]) -> None:
+        self.block_size = block_size
+        self._eos = np.array(sorted(eos_token_ids), dtype=np.int64)
+        self._requests: list[Request | None] = []
+        self._slot_of: dict[Request, int] = {}
+        self._free: list[int] = []
+        capacity = 64
+        self.handle = np.zeros(capacity, dtype=np.int64)
+        # Tokens whose K/V the executor has or will have once the steps in flight run.
+        self.computed = np.zeros(capacity, dtype=np.int64)
+        # Tokens the request's blocks can hold.
+        self.cover = np.zeros(capacity, dtype=np.int64)
+        # Known tokens (prompt and outputs received).
+        self.num_tokens = np.zeros(capacity, dtype=np.int64)
+        # Total tokens at which the request stops for length.
+        self.limit = np.zeros(capacity, dtype=np.int64)
+        self.stops_on_eos = np.zeros(capacity, dtype=bool)
+        self.active = np.zeros(capacity, dtype=bool)
+        self.epoch = np.zeros(capacity, dtype=np.int64)
+
+    def __len__(self) -> int:
+        return len(self._slot_of)
+
+    def __contains__(self, request: Request) -> bool:
+        return request in self._slot_of
+
+    def join(self, request: Request, handle: int, cover: int, limit: int) -> None:
+        if not self._free:
+            self._grow()
+        slot = self._free.pop()
+        self._requests[slot] = request
+        self._slot_of[request] = slot
+        self.handle[slot] = handle
+        self.computed[slot] = request.num_computed_tokens
+        self.cover[slot] = cover
+        self.num_tokens[slot] = request.num_tokens
+        self.limit[slot] = limit
+        self.stops_on_eos[slot] = not request.sampling.ignore_eos
+        self.active[slot] = True
+
+    def leave(self, request: Request) -> None:
+        """Writes the request's progress back to it and frees its slot."""
+        slot = self._slot_of.pop(request)
+        request.num_computed_tokens = int(self.computed[slot])
+        request.num_pending_outputs = request.num_computed_tokens + 1 - request.num_tokens
+        self._requests[slot] = None
+        self.active[slot] = False
+        self.epoch[slot] += 1
+        self._free.append(slot)
+
+    def clear(self) -> list[Request]:
+        """Everyone leaves; returns who was here."""
+        requests = list(self._slot_of)
+        for request in requests:
+            self.leave(request)
+        return requests
+
+    def token_received(self, request: Request) -> None:
+        """A member's token came back through a per-request result (the step it joined in)."""
+        self.num_tokens[self._slot_of[request]] += 1
+
+    def live(self, step: BulkStep) -> list[Request]:
+        """The step's requests still here as they were when it was planned."""
+        slots = step.slots[self.epoch[step.slots] == step.epochs]
+        return [self._requests[s] for s in slots.tolist()]  # type: ignore[misc]
+
+    def add_cover(self, request: Request, tokens: int) -> None:
+        self.cover[self._slot_of[request]] += tokens
+
+    def computed_of(self, request: Request) -> int:
+        return int(self.computed[self._slot_of[request]])
+
+    def needing_blocks(self) -> list[Request]:
+        """Requests that will decode but whose next token falls past their blocks."""
+        size = len(self._requests)
+        active, computed = self.active[:size], self.computed[:size]
+        slots = np.flatnonzero(active & (computed >= self.cover[:size]) & (computed + 1 < self.limit[:size]))
+        return [self._requests[s] for s in slots.tolist()]  # type: ignore[misc]
+
+    def plan(self, budget: int) -> BulkStep | None:
+        """One token for each request that may sample more and has room, up to budget."""
+        size = len(self._requests)
+        computed = self.computed[:size]
+        runnable = self.active[:size] & (computed < self.cover[:size]) & (computed + 1 < self.limit[:size])
+        slots = np.flatnonzero(runnable)[:budget]
+        if not slots.size:
+            return None
+        self.computed[slots] += 1
+        return BulkStep(
+            slots=slots,
+            epochs=self.epoch[slots],
+            computed=self.computed[slots],
+            handles=self.handle[slots].tolist(),
+        )
+
+    def apply(self, step: BulkStep, token_ids: Sequence[int]) -> BulkResult:
+        """Appends each token to its request, and says who stops and whose blocks filled."""
+        tokens = np.asarray(token_ids, dtype=np.int64)
+        slots = step.slots
+        live = self.epoch[slots] == step.epochs
+        unheld_mask = live & (tokens == UNHELD_TOKEN)
+        live &= ~unheld_mask
+        result = BulkResult([], [], [], [], [self._requests[s] for s in slots[unheld_mask].tolist()])  # type: ignore[misc]
+        if not live.any():
+            return result
+        slots, tokens, computed = slots[live], tokens[live], step.computed[live]
+        self.num_tokens[slots] += 1
+        stops = (self.num_tokens[slots] >= self.limit[slots]) | (
+            self.stops_on_eos[slots] & np.isin(tokens, self._eos)
+        )
+        filled = computed % self.block_size == 0
+        requests = self._requests
+        token_list = tokens.tolist()
+        live_requests: list[Request] = [requests[s] for s in slots.tolist()]  # type: ignore[misc]
+        for request, token in zip(live_requests, token_list):
+            request.token_ids.append(token)
+        if stops.any():
+            stop_at = np.flatnonzero(stops).tolist()
+            result.stopped = [(live_requests[i], token_list[i]) for i in stop_at]
+            go_on = np.flatnonzero(~stops).tolist()
+            result.requests = [live_requests[i] for i in go_on]
+            result.token_ids = [token_list[i] for i in go_on]
+        else:
+            result.requests, result.token_ids = live_requests, token_list
+        if filled.any():
+            result.filled_blocks = [
+                (live_requests[i], int(computed[i])) for i in np.flatnonzero(filled).tolist()
+            ]
+        return result
+
+    def _grow(self) -> None:
+        old = len(self._requests)
+        new = max(64, old * _GROWTH)
+        for name in ("handle", "computed", "cover", "num_tokens", "limit", "stops_on_eos", "active", "epoch"):
+            array = getattr(self, name)
+            if array.shape[0] < new:
+                grown = np.zeros(new, dtype=array.dtype)
+                grown[: array.shape[0]] = array
+                setattr(self, name, grown)
+        self._requests.extend([None] * (new - old))
+        self._free.extend(range(new - 1, old - 1, -1))
