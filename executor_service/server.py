@@ -11,16 +11,36 @@ import time
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from executor_service.startup import ReadyExecutor
 from protos.limits import MAX_MESSAGE_BYTES
 from protos.splitserve.executor.v1 import executor_pb2, executor_pb2_grpc
 
 logger = logging.getLogger(__name__)
+
+
+class StepRunner(Protocol):
+    """Runs plans, one at a time, on the worker thread (executor_service.model_runner, or a
+    benchmark's simulated runner)."""
+
+    def execute(self, plan: executor_pb2.StepPlan) -> executor_pb2.StepResult: ...
+
+    def drop_all_requests(self) -> None: ...
+
+
+class ServedExecutor(Protocol):
+    """What the service serves: a runner and the ExecutorInfo that describes it (startup's
+    ReadyExecutor). Kept a protocol so this module needs no torch."""
+
+    @property
+    def runner(self) -> StepRunner: ...
+
+    @property
+    def info(self) -> executor_pb2.ExecutorInfo: ...
 
 SERVICE_NAME = executor_pb2.DESCRIPTOR.services_by_name["Executor"].full_name
 # Metadata key of the identity a scheduler presents on Execute (the scheduler's ExecutorLink
@@ -82,7 +102,7 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
     which keeps the event loop free for Describe and health checks."""
 
     def __init__(
-        self, executor: ReadyExecutor, worker: ThreadPoolExecutor, lease_timeout_s: float
+        self, executor: ServedExecutor, worker: ThreadPoolExecutor, lease_timeout_s: float
     ) -> None:
         self._executor = executor
         self._worker = worker
@@ -198,7 +218,7 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
             await stream.pending.put(None)
 
 
-async def serve(executor: ReadyExecutor, host: str, port: int, lease_timeout_s: float) -> None:
+async def serve(executor: ServedExecutor, host: str, port: int, lease_timeout_s: float) -> None:
     """Serves until SIGTERM or SIGINT, then drains in-flight calls and stops."""
     worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="executor-step")
     server = grpc.aio.server(

@@ -325,7 +325,7 @@ class Engine:
         if request.is_finished:
             self._close(request, message)
         else:
-            stream.queue.put_nowait(message)
+            stream.send(message)
 
     def _deliver_decoded(
         self, lane: ExecutorLane, requests: list[Request], token_ids: list[int]
@@ -340,7 +340,7 @@ class Engine:
                 lane.scheduler.stop_at_string(request, stop_string)
                 self._close(request, message)
             else:
-                stream.queue.put_nowait(message)
+                stream.send(message)
 
     def _place(self, requests: Iterable[Request]) -> None:
         """Puts requests that have no lane on the lanes taking work, or keeps them unplaced."""

@@ -1,6 +1,7 @@
 """One request's way back to its client: token updates become GenerateResponse messages."""
 
 import asyncio
+from collections import deque
 from collections.abc import Sequence
 
 from protos.splitserve.executor.v1 import executor_pb2
@@ -17,13 +18,18 @@ FINISH_REASONS = {
 }
 
 
+# What the servicer sends next: a message; an error ends the stream with that error's status,
+# None ends it.
+StreamItem = pb.GenerateResponse | RequestError | None
+
+
 class OutputStream:
     """Messages for one Generate call, queued for the servicer that streams them."""
 
     def __init__(self, request: Request, text: TextProcessor | None) -> None:
         self.request = request
-        # Messages to send; an error ends the stream with that error's status, None ends it.
-        self.queue: asyncio.Queue[pb.GenerateResponse | RequestError | None] = asyncio.Queue()
+        self._items: deque[StreamItem] = deque()
+        self._ready = asyncio.Event()
         self.closed = False
         self._detokenizer = (
             IncrementalDetokenizer(
@@ -52,6 +58,26 @@ class OutputStream:
         message.text = step.text_delta
         return message, step.stop_string
 
+    def send(self, item: StreamItem) -> None:
+        self._items.append(item)
+        self._ready.set()
+
+    async def next_item(self) -> StreamItem:
+        """The next item to send. Token messages queued behind a message are folded into it, so
+        a stream whose client or event loop fell behind catches up in one message instead of
+        one per step: the cost of sending stays per step, not per token."""
+        while not self._items:
+            self._ready.clear()
+            await self._ready.wait()
+        item = self._items.popleft()
+        if isinstance(item, pb.GenerateResponse):
+            while self._items and isinstance(self._items[0], pb.GenerateResponse):
+                following = self._items.popleft()
+                text = item.text + following.text
+                item.MergeFrom(following)
+                item.text = text
+        return item
+
     def close(self, message: pb.GenerateResponse | None = None) -> None:
         """Sends the last message (built here if not given) with finish reason, usage, timings."""
         if self.closed:
@@ -71,13 +97,13 @@ class OutputStream:
             )
         )
         message.timings.CopyFrom(timings(request))
-        self.queue.put_nowait(message)
-        self.queue.put_nowait(None)
+        self.send(message)
+        self.send(None)
         self.closed = True
 
     def fail(self, error: RequestError) -> None:
         if not self.closed:
-            self.queue.put_nowait(error)
+            self.send(error)
             self.closed = True
 
 

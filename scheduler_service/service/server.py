@@ -70,6 +70,12 @@ async def serve(settings: ServerSettings) -> int:
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
             # A second copy on a taken port must fail to bind, not silently share it.
             ("grpc.so_reuseport", 0),
+            # Calls that arrived while the event loop was busy wait in grpc's backlog until the
+            # server takes them; past 1,000 grpc drops some at random with a bare CANCELLED. A
+            # burst of streams must queue instead, up to --max-waiting, past which the client
+            # gets RESOURCE_EXHAUSTED saying so.
+            ("grpc.server.max_pending_requests", settings.options.max_waiting),
+            ("grpc.server.max_pending_requests_hard_limit", 2 * settings.options.max_waiting),
         ]
     )
     generation_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(engine), server)

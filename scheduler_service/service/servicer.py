@@ -40,7 +40,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         # being sent), so the call's end, not only the handler's finally, frees the request.
         context.add_done_callback(lambda _: self._cancel(stream))
         try:
-            while (item := await stream.queue.get()) is not None:
+            while (item := await stream.next_item()) is not None:
                 if isinstance(item, RequestError):
                     await context.abort(STATUS_CODES[item.kind], item.message)
                 yield item

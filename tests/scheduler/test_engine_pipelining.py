@@ -51,7 +51,7 @@ def test_next_plan_is_sent_before_the_last_result_is_read(tmp_path: Path) -> Non
             for i in range(4)
         ]
         for stream in streams:
-            while await stream.queue.get() is not None:
+            while await stream.next_item() is not None:
                 pass
         runner.cancel()
         await engine.close()

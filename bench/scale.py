@@ -1,0 +1,217 @@
+"""Can one scheduler keep many executors busy? One scheduler process drives E simulated executors
+(bench.sim_executor: the real executor protocol, a fixed step time, no model) with R running
+requests each, the requests coming from L load-generator processes (bench.load_generator) over
+real client streams, so delivering every token to a client is part of the cost.
+
+    python -m bench.scale [--executors 16] [--running 256] [--step-ms 20 5] [--load-processes 8]
+        [--warmup-s 8] [--measure-s 10] [--runs 3] [--json OUT]
+
+Reported per step time (median over runs): each executor's idle share over the measured window
+(time with no plan to run: the scheduler fell behind), tokens per second the clients received
+against the rate E x R / step time that executors never waiting would give, and the CPU the
+scheduler process used. Everything shares this machine's cores; read it with that in mind.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from contextlib import ExitStack
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from bench.throughput_splitserve import wait_all_up
+from tests.helpers.scheduler_process import SchedulerProcess
+from tests.helpers.service_process import ServiceProcess
+
+logger = logging.getLogger("bench.scale")
+EXECUTOR_READY = re.compile(r"event=executor_ready address=(\S+):(\d+)")
+START_TIMEOUT_S = 120.0
+BLOCK_SIZE = 16
+
+
+@dataclass(slots=True, frozen=True)
+class ScaleConfig:
+    executors: int
+    running: int
+    step_ms: float
+    load_processes: int
+    prompt_len: int
+    max_tokens: int
+    warmup_s: float
+    measure_s: float
+
+
+@dataclass(slots=True, frozen=True)
+class ScaleResult:
+    config: ScaleConfig
+    # Idle share of each executor over the window, in executor order.
+    idle_shares: list[float]
+    client_tokens_per_s: float
+    ideal_tokens_per_s: float
+    # Scheduler CPU seconds per wall second over the window (1.0: one core, fully used).
+    scheduler_cpu: float
+    failed_streams: int
+
+    @property
+    def worst_idle(self) -> float:
+        return max(self.idle_shares)
+
+
+def _read(path: Path) -> dict[str, float]:
+    while True:
+        try:
+            return json.loads(path.read_text())
+        except (FileNotFoundError, json.JSONDecodeError):
+            time.sleep(0.01)
+
+
+def _cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    # utime and stime are fields 14 and 15 of stat(5); after the command name, 12 and 13.
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _stop(process: subprocess.Popen[bytes]) -> None:
+    process.terminate()
+    try:
+        process.wait(timeout=15)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+
+
+def run_once(config: ScaleConfig, workdir: Path | None = None) -> ScaleResult:
+    """One run; the processes' stats files (and the load generators' logs) go to workdir,
+    a temporary folder when None."""
+    blocks = config.running * ((config.prompt_len + config.max_tokens) // BLOCK_SIZE + 2) + 64
+    with ExitStack() as stack:
+        if workdir is None:
+            workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="bench-scale-")))
+        stats = workdir
+        executors = []
+        for index in range(config.executors):
+            command = [
+                sys.executable, "-m", "bench.sim_executor", "--port", "0",
+                "--step-ms", str(config.step_ms), "--num-kv-blocks", str(blocks),
+                "--block-size", str(BLOCK_SIZE), "--stats-file", str(stats / f"executor-{index}.json"),
+            ]
+            process = ServiceProcess(command, EXECUTOR_READY, f"sim-executor-{index}")
+            stack.callback(process.close)
+            executors.append(process)
+        addresses = [process.wait_ready(START_TIMEOUT_S) for process in executors]
+        scheduler = SchedulerProcess(
+            addresses,
+            max_num_seqs=config.running,
+            max_num_batched_tokens=config.running * config.prompt_len,
+            max_waiting=config.executors * config.running * 2,
+        )
+        stack.callback(scheduler.close)
+        address = scheduler.wait_ready(START_TIMEOUT_S)
+        wait_all_up(address, config.executors)
+        streams = config.executors * config.running
+        for index in range(config.load_processes):
+            share = streams // config.load_processes + (index < streams % config.load_processes)
+            command = [
+                sys.executable, "-m", "bench.load_generator", "--server", address,
+                "--streams", str(share), "--prompt-len", str(config.prompt_len),
+                "--max-tokens", str(config.max_tokens), "--seed", str(index),
+                "--stats-file", str(stats / f"load-{index}.json"),
+            ]
+            log = stack.enter_context((stats / f"load-{index}.log").open("wb"))
+            load = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+            stack.callback(_stop, load)
+        time.sleep(config.warmup_s)
+        executor_files = [stats / f"executor-{i}.json" for i in range(config.executors)]
+        load_files = [stats / f"load-{i}.json" for i in range(config.load_processes)]
+        before = [_read(f) for f in executor_files]
+        loads_before = [_read(f) for f in load_files]
+        cpu_before, wall_before = _cpu_seconds(scheduler.process.pid), time.monotonic()
+        time.sleep(config.measure_s)
+        after = [_read(f) for f in executor_files]
+        loads_after = [_read(f) for f in load_files]
+        cpu_after, wall_after = _cpu_seconds(scheduler.process.pid), time.monotonic()
+    idle = [
+        1.0 - (b["busy_s"] - a["busy_s"]) / (b["at"] - a["at"]) for a, b in zip(before, after, strict=True)
+    ]
+    tokens_per_s = sum(
+        (b["tokens"] - a["tokens"]) / (b["at"] - a["at"]) for a, b in zip(loads_before, loads_after, strict=True)
+    )
+    return ScaleResult(
+        config=config,
+        idle_shares=idle,
+        client_tokens_per_s=tokens_per_s,
+        ideal_tokens_per_s=streams / (config.step_ms / 1000),
+        scheduler_cpu=(cpu_after - cpu_before) / (wall_after - wall_before),
+        failed_streams=int(sum(b["failed"] for b in loads_after)),
+    )
+
+
+def median_result(results: list[ScaleResult]) -> ScaleResult:
+    """The run whose worst executor idle share is the median one."""
+    ordered = sorted(results, key=lambda r: r.worst_idle)
+    return ordered[len(ordered) // 2]
+
+
+def format_table(results: list[ScaleResult]) -> str:
+    lines = [
+        "| step ms | executors x running | idle median | idle worst | client tok/s | ideal tok/s | scheduler CPU | failed streams |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in results:
+        c = r.config
+        lines.append(
+            f"| {c.step_ms:g} | {c.executors} x {c.running} | {statistics.median(r.idle_shares):.1%} "
+            f"| {r.worst_idle:.1%} | {r.client_tokens_per_s:,.0f} | {r.ideal_tokens_per_s:,.0f} "
+            f"| {r.scheduler_cpu:.2f} | {r.failed_streams} |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--executors", type=int, default=16)
+    parser.add_argument("--running", type=int, default=256, help="running requests per executor")
+    parser.add_argument("--step-ms", type=float, nargs="+", default=[20.0, 5.0])
+    parser.add_argument("--load-processes", type=int, default=8)
+    parser.add_argument("--prompt-len", type=int, default=64)
+    parser.add_argument("--max-tokens", type=int, default=1024)
+    parser.add_argument("--warmup-s", type=float, default=8.0)
+    parser.add_argument("--measure-s", type=float, default=10.0)
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--json", type=Path, help="write every run here")
+    parser.add_argument("--keep-dir", type=Path, help="keep the last run's stats files and load-generator logs here")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    medians, every_run = [], []
+    for step_ms in args.step_ms:
+        config = ScaleConfig(
+            args.executors, args.running, step_ms, args.load_processes, args.prompt_len,
+            args.max_tokens, args.warmup_s, args.measure_s,
+        )
+        runs = []
+        for index in range(args.runs):
+            if args.keep_dir is not None:
+                args.keep_dir.mkdir(parents=True, exist_ok=True)
+            result = run_once(config, args.keep_dir)
+            logger.info("event=scale_run step_ms=%g run=%d worst_idle=%.3f client_tok_s=%.0f",
+                        step_ms, index, result.worst_idle, result.client_tokens_per_s)
+            runs.append(result)
+        every_run += runs
+        medians.append(median_result(runs))
+    print(f"median of {args.runs} runs; {os.cpu_count()} CPUs shared by every process")
+    print(format_table(medians))
+    if args.json is not None:
+        args.json.write_text(json.dumps([asdict(r) for r in every_run], indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,171 @@
+"""A simulated executor process: the real executor gRPC service over a runner that spends a fixed
+time on each step and samples a made-up token, with no model, so a scheduler can be driven at a
+scale no model on this machine reaches.
+
+    python -m bench.sim_executor --port P --step-ms 20 [--num-kv-blocks N] [--stats-file F]
+
+It keeps each request's token count as the plans describe it and answers every entry and steady
+decode the way the real executor does (unknown ids are refused, an unheld handle is answered with
+UNHELD_DECODE_TOKEN), so to a scheduler it differs only in its tokens. With --stats-file it writes
+after each step, as JSON, the monotonic time and the seconds it spent busy so far: the share of a
+window it was idle is 1 - (busy at end - busy at start) / (time at end - time at start).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import time
+import uuid
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+
+from executor_service.server import serve
+from protos import rpc_codes
+from protos.limits import UNHELD_DECODE_TOKEN
+from protos.splitserve.executor.v1 import executor_pb2
+
+logger = logging.getLogger("bench.sim_executor")
+VOCAB_SIZE = 32_000
+# Never sampled, so requests end by length only.
+EOS_TOKEN_ID = 0
+# Snapshots written at most this often (seconds): cheap, and fine-grained against a 10 s window.
+STATS_INTERVAL_S = 0.05
+
+
+@dataclass(slots=True)
+class _Held:
+    request_id: str
+    num_tokens: int
+    num_computed: int
+    handle: int
+
+
+@dataclass(slots=True, frozen=True)
+class SimulatedExecutor:
+    """What server.serve needs: a runner and the ExecutorInfo that describes it."""
+
+    runner: TimedRunner
+    info: executor_pb2.ExecutorInfo
+
+
+class TimedRunner:
+    """Runs plans on the server's worker thread: each plan with work takes step_s."""
+
+    def __init__(self, step_s: float, stats_file: Path | None) -> None:
+        self.step_s = step_s
+        self.stats_file = stats_file
+        self.requests: dict[str, _Held] = {}
+        self.handles: dict[int, _Held] = {}
+        self.busy_s = 0.0
+        self.steps = 0
+        self.tokens = 0
+        self._written_at = 0.0
+
+    def drop_all_requests(self) -> None:
+        self.requests.clear()
+        self.handles.clear()
+
+    def execute(self, plan: executor_pb2.StepPlan) -> executor_pb2.StepResult:
+        started = time.monotonic()
+        for request_id in plan.dropped_request_ids:
+            self._forget(request_id)
+        result = executor_pb2.StepResult(step_id=plan.step_id)
+        for new in plan.new_requests:
+            self._forget(new.request_id)
+            held = _Held(new.request_id, len(new.token_ids), new.num_computed_tokens, new.handle)
+            self.requests[new.request_id] = held
+            if new.handle:
+                self.handles[new.handle] = held
+            self._advance(held, new.num_scheduled_tokens, result)
+        for cont in plan.continuing_requests:
+            known = self.requests.get(cont.request_id)
+            if known is None:
+                result.rejected.add(
+                    request_id=cont.request_id, code=rpc_codes.INVALID_ARGUMENT, message="unknown request id"
+                )
+                continue
+            self._advance(known, cont.num_scheduled_tokens, result)
+        for handle in plan.decode_handles:
+            held = self.handles.get(handle)
+            if held is None:
+                result.decode_token_ids.append(UNHELD_DECODE_TOKEN)
+                continue
+            held.num_computed += 1
+            held.num_tokens += 1
+            result.decode_token_ids.append(_token(held))
+        self.tokens += len(result.decode_token_ids) + len(result.outputs)
+        if plan.new_requests or plan.continuing_requests or plan.decode_handles:
+            time.sleep(max(0.0, started + self.step_s - time.monotonic()))
+            finished = time.monotonic()
+            self.busy_s += finished - started
+            self.steps += 1
+            result.forward_time_s = result.step_time_s = finished - started
+            self._write_stats(finished)
+        return result
+
+    def _advance(self, held: _Held, num_tokens: int, result: executor_pb2.StepResult) -> None:
+        held.num_computed += num_tokens
+        output = result.outputs.add(request_id=held.request_id)
+        if held.num_computed == held.num_tokens:
+            held.num_tokens += 1
+            output.token_ids.append(_token(held))
+
+    def _forget(self, request_id: str) -> None:
+        held = self.requests.pop(request_id, None)
+        if held is not None and self.handles.get(held.handle) is held:
+            del self.handles[held.handle]
+
+    def _write_stats(self, now: float) -> None:
+        if self.stats_file is None or now - self._written_at < STATS_INTERVAL_S:
+            return
+        self._written_at = now
+        partial = self.stats_file.with_suffix(".partial")
+        partial.write_text(json.dumps({"at": now, "busy_s": self.busy_s, "steps": self.steps, "tokens": self.tokens}))
+        os.replace(partial, self.stats_file)
+
+
+def _token(held: _Held) -> int:
+    """Any token but EOS, varying with the position."""
+    return (zlib.crc32(held.request_id.encode()) + held.num_tokens * 7919) % (VOCAB_SIZE - 1) + 1
+
+
+def build(step_s: float, num_kv_blocks: int, block_size: int, max_model_len: int, stats_file: Path | None) -> SimulatedExecutor:
+    info = executor_pb2.ExecutorInfo(
+        model_id="simulated",
+        vocab_size=VOCAB_SIZE,
+        eos_token_ids=[EOS_TOKEN_ID],
+        max_model_len=max_model_len,
+        block_size=block_size,
+        num_kv_blocks=num_kv_blocks,
+        dtype="none",
+        device="simulated",
+        incarnation_id=uuid.uuid4().hex,
+        max_logprobs=0,
+        attention_backend="simulated",
+        lease_timeout_s=30.0,
+    )
+    return SimulatedExecutor(TimedRunner(step_s, stats_file), info)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=0)
+    parser.add_argument("--step-ms", type=float, default=20.0, help="simulated time of each step with work")
+    parser.add_argument("--num-kv-blocks", type=int, default=100_000)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--max-model-len", type=int, default=4096)
+    parser.add_argument("--stats-file", type=Path, help="JSON snapshot of busy time, rewritten as steps run")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    executor = build(args.step_ms / 1000, args.num_kv_blocks, args.block_size, args.max_model_len, args.stats_file)
+    asyncio.run(serve(executor, args.host, args.port, executor.info.lease_timeout_s))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,47 @@
+"""A stream that fell behind catches up in one message: the tokens, text and logprobs of the
+messages queued behind the next one are folded into it, in order, and nothing else is."""
+
+import asyncio
+
+from protos.splitserve.v1 import generation_pb2 as pb
+from scheduler_service.core.errors import ErrorKind, RequestError
+from scheduler_service.core.request import FinishReason, Request
+from scheduler_service.core.sampling_params import SamplingParams
+from scheduler_service.service.output_stream import OutputStream
+
+
+def _message(tokens: list[int], text: str) -> pb.GenerateResponse:
+    message = pb.GenerateResponse(request_id="r", token_ids=tokens, text=text)
+    for token in tokens:
+        message.logprobs.add(token_id=token, logprob=-float(token))
+    return message
+
+
+def test_queued_token_messages_fold_into_one_up_to_the_end_of_the_stream() -> None:
+    async def scenario() -> list[object]:
+        request = Request("r", [1, 2], SamplingParams(max_tokens=3))
+        stream = OutputStream(request, None)
+        stream.send(_message([5], "a"))
+        stream.send(_message([6, 7], "bc"))
+        request.finish_reason = FinishReason.LENGTH
+        stream.close(_message([8], "d"))
+        return [await stream.next_item(), await stream.next_item()]
+
+    folded, end = asyncio.run(scenario())
+    assert isinstance(folded, pb.GenerateResponse)
+    assert list(folded.token_ids) == [5, 6, 7, 8] and folded.text == "abcd"
+    assert [l.token_id for l in folded.logprobs] == [5, 6, 7, 8]
+    assert folded.finish_reason == pb.FINISH_REASON_LENGTH
+    assert end is None
+
+
+def test_an_error_is_never_folded_into_the_tokens_before_it() -> None:
+    async def scenario() -> list[object]:
+        stream = OutputStream(Request("r", [1], SamplingParams()), None)
+        stream.send(_message([5], "a"))
+        stream.fail(RequestError(ErrorKind.INTERNAL, "lost"))
+        return [await stream.next_item(), await stream.next_item()]
+
+    first, second = asyncio.run(scenario())
+    assert isinstance(first, pb.GenerateResponse) and list(first.token_ids) == [5]
+    assert second == RequestError(ErrorKind.INTERNAL, "lost")
