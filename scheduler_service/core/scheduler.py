@@ -306,7 +306,7 @@ class Scheduler:
             bulk, budget = self._schedule_decodes(budget)
             budget, running_preempted = self._schedule_running(budget, scheduled, new_blocks, prefill=True, decode=True)
             if not (preempted or bulk.preempted or running_preempted):
-                budget = self._admit_waiting(budget, scheduled, admitted)
+                budget = self._admit_waiting(budget, scheduled, admitted, bulk)
         elif mode is StepMode.PREFILL_FIRST:
             budget, running_preempted = self._schedule_running(budget, scheduled, new_blocks, prefill=True, decode=False)
             if not (preempted or running_preempted):
@@ -319,7 +319,7 @@ class Scheduler:
             bulk, budget = self._schedule_decodes(budget)
             self._schedule_running(budget, scheduled, new_blocks, prefill=True, decode=True)
             if was_idle and not preempted:
-                self._admit_waiting(budget, scheduled, admitted)
+                self._admit_waiting(budget, scheduled, admitted, bulk)
         return self._build_plan(scheduled, new_blocks, admitted, bulk)
 
     def _schedule_decodes(self, budget: int) -> tuple["_BulkPlan", int]:
@@ -420,11 +420,18 @@ class Scheduler:
                 budget -= num_new
         return budget, preempted
 
-    def _admit_waiting(self, budget: int, scheduled: dict[Request, int], admitted: list[Request]) -> int:
+    def _admit_waiting(
+        self,
+        budget: int,
+        scheduled: dict[Request, int],
+        admitted: list[Request],
+        bulk: _BulkPlan = _NO_BULK,
+    ) -> int:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting.peek()
-            # A request retried after a failed step runs alone (see Request.retry_alone).
-            if request.retry_alone and scheduled:
+            # A request retried after a failed step runs alone (see Request.retry_alone): not
+            # beside other requests, nor beside the step's bulk decodes.
+            if request.retry_alone and (scheduled or bulk.step is not None):
                 break
             hashes = self.prefix_hashes(request)
             hit = self.kv.find_cached_prefix(request.token_ids, request.cache_salt, hashes)

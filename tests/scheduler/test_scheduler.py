@@ -195,6 +195,13 @@ def test_pipelined_planning_gives_the_same_tokens() -> None:
     num_blocks=8, block_size=2, budget=7, max_num_seqs=2, policy=Policy.FCFS,
     mode=StepMode.PREFILL_FIRST, pipelined=True, aborts={0, 1, 3}, stopped=set(), failing={1, 4},
 )
+# A retried request was admitted beside the step's bulk decodes, which the check for "others in
+# this step" did not count.
+@example(
+    specs=[(1, 1, 0, 1), (3, 1, 0, 1), (1, 2, 0, 1)],
+    num_blocks=8, block_size=2, budget=4, max_num_seqs=3, policy=Policy.FCFS,
+    mode=StepMode.MIXED, pipelined=True, aborts=set(), stopped=set(), failing={1},
+)
 def test_random_workloads_finish_with_the_right_tokens_and_free_every_block(
     specs, num_blocks, block_size, budget, max_num_seqs, policy, mode, pipelined, aborts, stopped, failing
 ) -> None:
