@@ -193,8 +193,7 @@ def _sdpa(
                 enable_gqa=True,
             )
         out[seq.token_start : seq.token_end] = attended.transpose(0, 1)
-    decodes = step.decodes
-    if decodes is not None:
+    for decodes in step.decodes:
         out[decodes.token_index] = _sdpa_decode(
             q, key_cache, value_cache, decodes, step.kv_cache, shaping
         )
