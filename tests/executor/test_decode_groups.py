@@ -4,7 +4,11 @@ group, none padded past twice its context."""
 from hypothesis import given
 from hypothesis import strategies as st
 
-from executor_service.attention_metadata import GROUP_MIN_SHARE, SequenceSpan, group_by_context
+from executor_service.attention_metadata import (
+    GROUP_MIN_SHARE,
+    SequenceSpan,
+    group_by_context,
+)
 
 
 @given(st.lists(st.integers(1, 4096), min_size=1, max_size=64))
