@@ -148,6 +148,7 @@ def build(step_s: float, num_kv_blocks: int, block_size: int, max_model_len: int
         max_logprobs=0,
         attention_backend="simulated",
         lease_timeout_s=30.0,
+        supports_decode_handles=True,
     )
     return SimulatedExecutor(TimedRunner(step_s, stats_file), info)
 

@@ -73,5 +73,6 @@ def build_executor(settings: ExecutorSettings) -> ReadyExecutor:
         max_logprobs=limits.max_logprobs,
         attention_backend=backend,
         lease_timeout_s=settings.lease_timeout_s,
+        supports_decode_handles=True,
     )
     return ReadyExecutor(runner=ModelRunner(loaded, kv_cache, limits, backend), info=info)

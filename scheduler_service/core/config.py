@@ -20,6 +20,9 @@ class SchedulerConfig:
     # Split prompts longer than the step's remaining budget across steps.
     enable_chunked_prefill: bool = True
     enable_prefix_caching: bool = True
+    # Steady decodes travel by handle and are planned in bulk (see decode_set); off for an
+    # executor that does not support it.
+    bulk_decodes: bool = True
 
     @property
     def max_seq_len(self) -> int:

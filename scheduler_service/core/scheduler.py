@@ -546,10 +546,11 @@ class Scheduler:
         return plan
 
     def _decodes_in_bulk(self, request: Request) -> bool:
-        """Whether the request, its prefill done, decodes in bulk from now on: nothing about it
-        needs per-request care (logprobs, stop token ids, min_tokens, an isolated retry)."""
+        """Whether the request, its prefill done, decodes in bulk from now on: the executor
+        supports it and nothing about the request needs per-request care (logprobs, stop token
+        ids, min_tokens, an isolated retry)."""
         sampling = request.sampling
-        return not (
+        return self.config.bulk_decodes and not (
             request.retry_alone
             or sampling.logprobs is not None
             or sampling.stop_token_ids
@@ -606,6 +607,14 @@ class Scheduler:
         return result
 
     def _apply_bulk(self, bulk: BulkStep, output: StepOutput, result: StepUpdates) -> None:
+        if len(output.decode_token_ids) != len(bulk.handles):
+            message = (
+                f"the executor answered {len(output.decode_token_ids)} decode tokens for "
+                f"{len(bulk.handles)} decode handles"
+            )
+            for request in self.decodes.live(bulk):
+                result.updates.append(self._end_in_error(request, RequestError(ErrorKind.INTERNAL, message)))
+            return
         applied = self.decodes.apply(bulk, output.decode_token_ids)
         for request in applied.unheld:
             rejection = output.rejected.get(request.request_id)

@@ -234,6 +234,7 @@ class ExecutorLane:
             max_num_batched_tokens=options.max_num_batched_tokens,
             policy=options.policy,
             mode=options.mode,
+            bulk_decodes=info.supports_decode_handles,
         )
 
     def _set_state(self, state: LaneState, reason: str) -> None:

@@ -357,3 +357,31 @@ def test_steady_decodes_travel_as_handles_and_requests_needing_care_stay_listed(
     assert all([c.request_id for c in p.continuing_requests] == ["logprobs"] for p in steady)
     assert len(outputs["plain"]) == len(outputs["logprobs"]) == 6
     assert scheduler.kv.num_free_blocks == 64
+
+
+def test_an_executor_without_decode_handles_gets_every_decode_listed() -> None:
+    scheduler = Scheduler(config(bulk_decodes=False))
+    executor = SimulatedExecutor(64, 4)
+    scheduler.add_request(Request("plain", [1, 2, 3], SamplingParams(max_tokens=4, ignore_eos=True)))
+    tokens: list[int] = []
+    while scheduler.has_unfinished():
+        plan = scheduler.schedule()
+        assert not plan.decode_handles
+        for update in scheduler.update(executor.execute(plan)):
+            tokens += update.new_token_ids
+    assert tokens == expected_output([1, 2, 3], 4)
+
+
+def test_a_result_missing_decode_tokens_ends_those_requests_in_error_not_the_scheduler() -> None:
+    scheduler = Scheduler(config())
+    executor = SimulatedExecutor(64, 4)
+    scheduler.add_request(Request("a", [1, 2, 3], SamplingParams(max_tokens=8, ignore_eos=True)))
+    scheduler.update(executor.execute(scheduler.schedule()))
+    plan = scheduler.schedule()
+    assert plan.decode_handles
+    output = executor.execute(plan)
+    output.decode_token_ids = []
+    [update] = scheduler.update(output)
+    assert update.finished and update.error is not None and update.error.kind is ErrorKind.INTERNAL
+    assert "0 decode tokens for 1 decode handles" in update.error.message
+    assert not scheduler.has_unfinished() and scheduler.kv.num_free_blocks == 64
