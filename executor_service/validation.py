@@ -75,8 +75,9 @@ def check_continuing(
 
 def check_decode_block(block_id: int, state: RequestState, limits: Limits) -> str | None:
     """A block appended to a steady decode."""
-    if block_id >= limits.num_kv_blocks:
-        return f"block id {block_id} outside the pool [0, {limits.num_kv_blocks})"
+    problem = _blocks_problem((block_id,), limits)
+    if problem:
+        return problem
     if block_id in state.block_ids:
         return f"block {block_id} appended twice to the request"
     return None
