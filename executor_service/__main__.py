@@ -60,6 +60,13 @@ def parse_args(argv: list[str] | None) -> ExecutorSettings:
         action="store_true",
         help="run the modelling code the model folder ships (config.json auto_map)",
     )
+    parser.add_argument(
+        "--no-packed-linear",
+        dest="packed_linear",
+        action="store_false",
+        help="keep linear layers on torch's default GEMM instead of oneDNN with packed weights "
+        "(CPU, float32)",
+    )
     args = parser.parse_args(argv)
     if args.block_size <= 0:
         parser.error("--block-size must be > 0")
@@ -81,6 +88,7 @@ def parse_args(argv: list[str] | None) -> ExecutorSettings:
         trust_remote_code=args.trust_remote_code,
         attention_backend=args.attention_backend,
         lease_timeout_s=args.lease_timeout,
+        packed_linear=args.packed_linear,
     )
 
 

@@ -55,6 +55,8 @@ class ExecutorSettings:
     attention_backend: str = "auto"
     # Seconds without a plan after which the holding scheduler's hold lapses.
     lease_timeout_s: float = DEFAULT_LEASE_TIMEOUT_S
+    # Linear layers through oneDNN with packed weights where the device and dtype allow it.
+    packed_linear: bool = True
 
 
 def parse_size(text: str) -> int:

@@ -12,6 +12,7 @@ from executor_service.kv_budget import decide_num_blocks
 from executor_service.kv_cache import KVCacheShape, PagedKVCache
 from executor_service.model_loader import dtype_name, load_model
 from executor_service.model_runner import ModelRunner
+from executor_service.packed_linear import pack_linears, packing_available
 from executor_service.paged_attention import select_backend
 from executor_service.self_check import run_self_check
 from executor_service.settings import ExecutorSettings
@@ -39,6 +40,8 @@ def build_executor(settings: ExecutorSettings) -> ReadyExecutor:
         settings.max_model_len,
         settings.trust_remote_code,
     )
+    if settings.packed_linear and packing_available(loaded.device, loaded.dtype):
+        pack_linears(loaded.model)
     backend = select_backend(loaded.device, loaded.dtype, settings.attention_backend)
     shape = KVCacheShape(
         num_layers=loaded.num_layers,

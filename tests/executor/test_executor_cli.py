@@ -36,6 +36,8 @@ def test_flags_reach_the_settings() -> None:
         ["--model", "/m", "--port", "0", "--trust-remote-code", "--attention-backend", "sdpa"]
     )
     assert (chosen.trust_remote_code, chosen.attention_backend) == (True, "sdpa")
+    assert settings.packed_linear
+    assert not parse_args(["--model", "/m", "--port", "0", "--no-packed-linear"]).packed_linear
 
 
 def test_block_budget_flags_are_exclusive() -> None:
