@@ -15,6 +15,12 @@ ENV PYTHONUNBUFFERED=1 \
     HF_HUB_OFFLINE=1 \
     SPLITSERVE_CACHE=/models/SmolLM2-135M-Instruct
 
+# A C compiler: the executor builds its decode attention kernel (executor_service/kernels) for
+# the CPU it runs on, at first start; without one it falls back to the slower SDPA path.
+RUN apt-get update \
+    && apt-get install --yes --no-install-recommends gcc libc6-dev \
+    && rm -rf /var/lib/apt/lists/*
+
 # torch first and on its own layer: it is by far the largest and changes least.
 # CPU wheel from PyTorch's CPU index. CUDA users: build with e.g.
 #   --build-arg TORCH_INDEX=https://download.pytorch.org/whl/cu128

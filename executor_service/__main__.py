@@ -47,7 +47,8 @@ def parse_args(argv: list[str] | None) -> ExecutorSettings:
         "--attention-backend",
         default="auto",
         choices=["auto", *BACKENDS],
-        help="auto: flash_attn on CUDA in half precision when installed, else sdpa",
+        help="auto: flash_attn on CUDA in half precision when installed; cpu_paged (decode "
+        "attention by a C kernel built with the system's C compiler) on CPU in float32; else sdpa",
     )
     parser.add_argument(
         "--lease-timeout",

@@ -88,6 +88,17 @@ class DecodeAttention:
 
 
 @dataclass(slots=True, frozen=True)
+class PagedDecode:
+    """All sequences with one new token, for the decode kernel that reads K/V from their blocks:
+    no padding and no grouping, each sequence attends over exactly its own context."""
+
+    token_index: torch.Tensor
+    # [batch, widest table] int64; short rows are padded with block 0, never read.
+    block_table: torch.Tensor
+    context_lens: torch.Tensor
+
+
+@dataclass(slots=True, frozen=True)
 class VarlenAttention:
     """Flattened context of every sequence, for fused varlen kernels."""
 
@@ -107,6 +118,8 @@ class StepAttention:
     # Decode sequences in groups of similar context length (see group_by_context).
     decodes: list[DecodeAttention]
     varlen: VarlenAttention | None
+    # Instead of `decodes`, with the cpu_paged backend.
+    paged_decode: PagedDecode | None = None
 
 
 def _context_slots(span: SequenceSpan, block_size: int, start: int, end: int) -> torch.Tensor:
@@ -172,6 +185,25 @@ def group_by_context(spans: list[SequenceSpan]) -> list[list[SequenceSpan]]:
     return groups
 
 
+def _paged_decode(spans: list[SequenceSpan], kv_cache: PagedKVCache) -> PagedDecode:
+    """The kernel reads raw memory, so what it will read is checked here once per step (the
+    executor's validation already refuses such plans; this keeps a bug from reading past the
+    cache)."""
+    block_size = kv_cache.block_size
+    width = max(len(s.block_ids) for s in spans)
+    for span in spans:
+        if len(span.block_ids) * block_size < span.context_len or max(span.block_ids) >= kv_cache.num_blocks:
+            raise RuntimeError(
+                f"decode over {span.context_len} tokens in blocks {span.block_ids[:8]}... "
+                f"does not fit a cache of {kv_cache.num_blocks} blocks"
+            )
+    return PagedDecode(
+        token_index=torch.tensor([s.token_start for s in spans]),
+        block_table=torch.tensor([_padded_blocks(s.block_ids, width) for s in spans], dtype=torch.long),
+        context_lens=torch.tensor([s.context_len for s in spans], dtype=torch.long),
+    )
+
+
 def _padded_blocks(block_ids: tuple[int, ...], width: int) -> list[int]:
     """The first `width` blocks, padded with block 0: padding (like any position past a
     sequence's context) is masked out, so whatever it reads is dropped."""
@@ -186,6 +218,7 @@ def build_step_attention(
     varlen = None
     prefills: list[PrefillAttention] = []
     decodes: list[DecodeAttention] = []
+    paged_decode = None
     if backend == "flash_attn":
         context_slots = [_context_slots(s, block_size, 0, s.context_len) for s in spans]
         varlen = VarlenAttention(
@@ -207,10 +240,13 @@ def build_step_attention(
                     )
                 )
         decode_spans = [s for s in spans if s.num_new == 1]
-        decodes = [
-            _decode_attention(group, block_size, kv_cache.shape.num_kv_heads, device)
-            for group in group_by_context(decode_spans)
-        ]
+        if backend == "cpu_paged" and decode_spans:
+            paged_decode = _paged_decode(decode_spans, kv_cache)
+        else:
+            decodes = [
+                _decode_attention(group, block_size, kv_cache.shape.num_kv_heads, device)
+                for group in group_by_context(decode_spans)
+            ]
     return StepAttention(
         kv_cache=kv_cache,
         backend=backend,
@@ -218,6 +254,7 @@ def build_step_attention(
         prefills=prefills,
         decodes=decodes,
         varlen=varlen,
+        paged_decode=paged_decode,
     )
 
 

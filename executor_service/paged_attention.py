@@ -13,6 +13,7 @@ that lives for that one call on that one thread, so no state outlives the step.
 from __future__ import annotations
 
 import importlib.util
+import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -24,8 +25,15 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 
 from executor_service.attention_math import explicit_attention
-from executor_service.attention_metadata import DecodeAttention, StepAttention
+from executor_service.attention_metadata import (
+    DecodeAttention,
+    PagedDecode,
+    StepAttention,
+)
+from executor_service.decode_kernel import KernelUnavailable, load_decode_kernel
 from executor_service.kv_cache import PagedKVCache
+
+logger = logging.getLogger(__name__)
 
 ATTENTION_NAME = "splitserve_paged"
 STEP_KWARG = "splitserve_step"
@@ -81,7 +89,10 @@ def probing(record: dict[int, ProbedLayer]) -> Iterator[None]:
 FLASH_ATTN_DTYPES = (torch.float16, torch.bfloat16)
 
 
-BACKENDS = ("sdpa", "flash_attn")
+# sdpa: torch only (decodes gathered from their blocks into padded batches);
+# cpu_paged: decodes through our C kernel reading K/V where they lie, prefills through SDPA;
+# flash_attn: CUDA varlen kernels.
+BACKENDS = ("sdpa", "cpu_paged", "flash_attn")
 
 
 class BackendUnavailable(ValueError):
@@ -89,8 +100,9 @@ class BackendUnavailable(ValueError):
 
 
 def select_backend(device: torch.device, dtype: torch.dtype, requested: str = "auto") -> str:
-    """flash_attn on CUDA in half precision when installed, else sdpa; `requested` overrides
-    auto, and is refused where flash_attn cannot run."""
+    """auto: flash_attn on CUDA in half precision when installed, cpu_paged on CPU in float32
+    when the kernel builds, else sdpa. `requested` overrides auto, and is refused where it
+    cannot run."""
     flash_possible = (
         device.type == "cuda"
         and dtype in FLASH_ATTN_DTYPES
@@ -100,6 +112,16 @@ def select_backend(device: torch.device, dtype: torch.dtype, requested: str = "a
         raise BackendUnavailable(
             "flash_attn needs CUDA, float16 or bfloat16, and the flash-attn package"
         )
+    if requested in ("auto", "cpu_paged") and device.type == "cpu" and dtype == torch.float32:
+        try:
+            load_decode_kernel()
+            return "cpu_paged"
+        except KernelUnavailable as error:
+            if requested == "cpu_paged":
+                raise BackendUnavailable(f"cpu_paged: {error}") from error
+            logger.warning("event=decode_kernel_unavailable fallback=sdpa reason=%r", str(error))
+    elif requested == "cpu_paged":
+        raise BackendUnavailable("cpu_paged needs the CPU and float32")
     if requested in BACKENDS:
         return requested
     return "flash_attn" if flash_possible else "sdpa"
@@ -183,21 +205,50 @@ def _sdpa(
                 queries, keys, values, mask, shaping.scale, shaping.softcap, shaping.sinks
             )
         else:
+            # Batched 4-D: for 3-D inputs torch's CPU dispatch falls back to the unfused math
+            # kernel (a 400-token prefill: 96 ms there, 8 ms in the flash kernel).
             attended = F.scaled_dot_product_attention(
-                queries,
-                keys,
-                values,
+                queries.unsqueeze(0),
+                keys.unsqueeze(0),
+                values.unsqueeze(0),
                 attn_mask=mask,
                 is_causal=mask is None,
                 scale=shaping.scale,
                 enable_gqa=True,
-            )
+            )[0]
         out[seq.token_start : seq.token_end] = attended.transpose(0, 1)
     for decodes in step.decodes:
         out[decodes.token_index] = _sdpa_decode(
             q, key_cache, value_cache, decodes, step.kv_cache, shaping
         )
+    if step.paged_decode is not None:
+        out[step.paged_decode.token_index] = _kernel_decode(
+            q, key_cache, value_cache, step.paged_decode, step.kv_cache.block_size, shaping
+        )
     return out
+
+
+def _kernel_decode(
+    q: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    decodes: PagedDecode,
+    block_size: int,
+    shaping: _Shaping,
+) -> torch.Tensor:
+    """[batch, heads, value_dim] attention of every decode token, read from the blocks."""
+    return load_decode_kernel()(
+        q[decodes.token_index],
+        key_cache,
+        value_cache,
+        decodes.block_table,
+        decodes.context_lens,
+        block_size,
+        shaping.scale if shaping.scale is not None else q.shape[-1] ** -0.5,
+        shaping.window,
+        shaping.softcap,
+        shaping.sinks,
+    )
 
 
 def _sdpa_decode(
