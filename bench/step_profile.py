@@ -3,6 +3,9 @@ requests, prompts 32-512, 128 new tokens) planned by the real scheduler core and
 ModelRunner in this process (no gRPC), with each phase of every step timed.
 
     python -m bench.step_profile [--threads 2] [--hidden 512] [--layers 8] [--ops 12]
+        [--model DIR] [--attention-backend auto|sdpa|cpu_paged] [--no-packed-linear]
+
+--model profiles a real model folder (e.g. the prepared SmolLM2) instead of the random Llama.
 
 Steps are split into those with prefill work and pure decodes. For each kind: steps, mean ms,
 and the share of the step spent building inputs, in attention (our paged attention function,
@@ -26,7 +29,7 @@ from typing import Any
 
 import torch
 from torch.profiler import ProfilerActivity, profile
-from transformers import AttentionInterface
+from transformers import AttentionInterface, AutoConfig
 
 from bench.throughput import build_bench_model
 from bench.throughput_workload import BenchConfig, make_prompts
@@ -87,11 +90,24 @@ def timed_runner(clock: PhaseClock) -> Iterator[None]:
         AttentionInterface.register(ATTENTION_NAME, paged_attention_forward)
 
 
-def run(config: BenchConfig, directory: Path, top_ops: int) -> str:
+def run(
+    config: BenchConfig,
+    directory: Path,
+    top_ops: int,
+    model_dir: Path | None = None,
+    attention_backend: str = "auto",
+    packed_linear: bool = True,
+) -> str:
     torch.set_num_threads(config.threads)
-    model_dir = build_bench_model(config, directory / "llama")
+    if model_dir is None:
+        model_dir = build_bench_model(config, directory / "llama")
     settings = ExecutorSettings(
-        model_dir=model_dir, device="cpu", num_kv_blocks=config.num_kv_blocks, block_size=config.block_size
+        model_dir=model_dir,
+        device="cpu",
+        num_kv_blocks=config.num_kv_blocks,
+        block_size=config.block_size,
+        attention_backend=attention_backend,
+        packed_linear=packed_linear,
     )
     runner = build_executor(settings).runner
     scheduler = Scheduler(
@@ -134,8 +150,8 @@ def run(config: BenchConfig, directory: Path, top_ops: int) -> str:
             record.phases["sampling"] += phases["sampling"]
             record.phases["other"] += elapsed - phases["inputs"] - phases["forward"] - phases["sampling"]
     lines = [
-        f"random Llama hidden {config.hidden} x {config.layers} layers, {config.requests} requests, "
-        f"{config.threads} threads, fp32",
+        f"{model_dir.name}: {runner.loaded.num_layers} layers, {config.requests} requests, "
+        f"{config.threads} threads, fp32, attention {runner.backend}",
         "| steps | count | mean ms | inputs | attention | forward rest | sampling | other |",
         "|---|---:|---:|---:|---:|---:|---:|---:|",
         kinds["prefill"].row("with prefill"),
@@ -163,12 +179,23 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--ops", type=int, default=12, help="operators listed per profiled step")
+    parser.add_argument("--model", type=Path, default=None, help="a model folder instead of the random Llama")
+    parser.add_argument("--attention-backend", default="auto")
+    parser.add_argument("--no-packed-linear", dest="packed_linear", action="store_false")
     args = parser.parse_args()
+    vocab = BenchConfig.vocab
+    if args.model is not None:
+        vocab = AutoConfig.from_pretrained(args.model).get_text_config().vocab_size
     config = BenchConfig(
-        requests=args.requests, new_tokens=args.new_tokens, hidden=args.hidden, layers=args.layers, threads=args.threads
+        requests=args.requests,
+        new_tokens=args.new_tokens,
+        hidden=args.hidden,
+        layers=args.layers,
+        threads=args.threads,
+        vocab=vocab,
     )
     with tempfile.TemporaryDirectory(prefix="bench-step-profile-") as tmp:
-        print(run(config, Path(tmp), args.ops))
+        print(run(config, Path(tmp), args.ops, args.model, args.attention_backend, args.packed_linear))
 
 
 if __name__ == "__main__":
