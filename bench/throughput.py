@@ -3,7 +3,7 @@ the same random-weight Llama, prompts and CPU threads, measured in one run on on
 
     python -m bench.throughput [--requests 32] [--new-tokens 128] [--min-prompt 32]
         [--max-prompt 512] [--hidden 512] [--layers 8] [--heads 8] [--kv-heads 4]
-        [--vocab 32000] [--threads 2] [--executors 1] [--seed 0] [--max-num-batched-tokens 2048]
+        [--intermediate 1408] [--vocab 32000] [--threads 2] [--executors 1] [--seed 0] [--max-num-batched-tokens 2048]
 
 Timings on shared machines are noisy: read the ratios, not the absolute speeds. Greedy outputs
 are compared too; a left-padded static batch may differ from unpadded runs on a rare near-tie.
@@ -59,7 +59,7 @@ def run_benchmark(config: BenchConfig) -> BenchResult:
     with tempfile.TemporaryDirectory(prefix="bench-throughput-") as tmp:
         model_dir = build_bench_model(config, Path(tmp) / "llama")
         ours = run_splitserve(model_dir, prompts, config)
-        peer = run_transformers(model_dir, prompts, config.new_tokens, config.threads)
+        peer = run_transformers(model_dir, prompts, [config.new_tokens] * len(prompts), config.threads)
     matching = sum(a == b for a, b in zip(ours.outputs, peer.outputs))
     return BenchResult(config, ours, peer, matching)
 

@@ -1,11 +1,12 @@
 """The peer: transformers' static batched greedy `generate` on the same model and prompts, in this
-process (left-padded, one batch, EOS disabled so every row runs all new tokens)."""
+process (left-padded, one batch, EOS disabled so every row runs all new tokens). Requests that
+want fewer tokens than the longest ride along in the batch and keep only their own."""
 
 from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -17,14 +18,14 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
-class FirstCallClock(LogitsProcessor):
-    """Notes when generate first scores logits: the end of the prefill, i.e. every row's TTFT."""
+class StepClock(LogitsProcessor):
+    """Notes when generate scores logits: call i picks output token i of every row, so the first
+    call ends the prefill (every row's TTFT)."""
 
-    first_call: float | None = None
+    calls: list[float] = field(default_factory=list)
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
-        if self.first_call is None:
-            self.first_call = time.perf_counter()
+        self.calls.append(time.perf_counter())
         return scores
 
 
@@ -38,7 +39,7 @@ def left_padded(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, to
     return ids, mask
 
 
-def generate(model: torch.nn.Module, prompts: list[list[int]], new_tokens: int, clock: FirstCallClock) -> torch.Tensor:
+def generate(model: torch.nn.Module, prompts: list[list[int]], new_tokens: int, clock: StepClock) -> torch.Tensor:
     pad_id = model.generation_config.pad_token_id or 0
     ids, mask = left_padded(prompts, pad_id)
     with torch.inference_mode():
@@ -53,24 +54,28 @@ def generate(model: torch.nn.Module, prompts: list[list[int]], new_tokens: int, 
     return out[:, ids.shape[1] :]
 
 
-def run_transformers(model_dir: Path, prompts: list[list[int]], new_tokens: int, threads: int) -> SystemResult:
+def run_transformers(
+    model_dir: Path, prompts: list[list[int]], new_tokens: list[int], threads: int
+) -> SystemResult:
+    """prompts[i] wants new_tokens[i] tokens; the batch runs the most any request wants."""
     torch.set_num_threads(threads)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    # No EOS: every row runs new_tokens, as splitserve's requests do with ignore_eos.
+    # No EOS: every row runs all its tokens, as splitserve's requests do with ignore_eos.
     model.generation_config.eos_token_id = None
     # Warm-up outside the timing (first-call allocations and kernel selection), as splitserve gets.
-    generate(model, [prompts[0][:8], prompts[-1][:4]], 2, FirstCallClock())
-    clock = FirstCallClock()
+    generate(model, [prompts[0][:8], prompts[-1][:4]], 2, StepClock())
+    clock = StepClock()
     start = time.perf_counter()
-    tokens = generate(model, prompts, new_tokens, clock)
+    tokens = generate(model, prompts, max(new_tokens), clock)
     wall = time.perf_counter() - start
-    outputs = tokens.tolist()
-    ttft = (clock.first_call or start) - start
+    outputs = [row[:wanted] for row, wanted in zip(tokens.tolist(), new_tokens, strict=True)]
+    steps = [at - start for at in clock.calls]
     logger.info("event=peer_done system=transformers wall_s=%.2f", wall)
     return SystemResult(
         system="transformers generate (static batch)",
         wall_s=wall,
         output_tokens=sum(len(o) for o in outputs),
-        ttft_s=[ttft] * len(prompts),
+        ttft_s=[steps[0]] * len(prompts),
         outputs=outputs,
+        token_times_s=[steps[: len(o)] for o in outputs],
     )

@@ -1,6 +1,6 @@
 """splitserve end to end: executor processes (config.executors, sharing config.threads), one
 scheduler process, every request sent at once through clients.AsyncClient; timed from the first
-send to the last token."""
+send to the last token, with the arrival time of every streamed delta."""
 
 from __future__ import annotations
 
@@ -25,18 +25,37 @@ START_TIMEOUT_S = 300.0
 @dataclass(slots=True)
 class StreamTiming:
     tokens: list[int] = field(default_factory=list)
-    first_token_at: float | None = None
+    # perf_counter() at which each token arrived; tokens of one delta share its arrival time.
+    token_times: list[float] = field(default_factory=list)
     done_at: float | None = None
+    # Prompt tokens the scheduler served from its prefix cache (the final delta's usage).
+    cached_prompt_tokens: int = 0
+
+    @property
+    def first_token_at(self) -> float | None:
+        return self.token_times[0] if self.token_times else None
+
+
+@dataclass(slots=True, frozen=True)
+class Services:
+    address: str
+    # The executors' and the scheduler's, for whoever measures them (memory, profilers).
+    pids: list[int]
 
 
 @contextmanager
-def running_services(model_dir: Path, config: BenchConfig) -> Iterator[str]:
-    """Yields the scheduler's address; both processes get SIGTERM, then SIGKILL, on any exit."""
+def running_services(model_dir: Path, config: BenchConfig) -> Iterator[Services]:
+    """Yields the scheduler's address and the pids; both processes get SIGTERM, then SIGKILL, on
+    any exit."""
     with ExitStack() as stack:
         threads = max(1, config.threads // config.executors)
         executors = [
             ExecutorProcess(
-                model_dir, threads=threads, num_kv_blocks=config.num_kv_blocks, block_size=config.block_size
+                model_dir,
+                threads=threads,
+                num_kv_blocks=config.num_kv_blocks,
+                block_size=config.block_size,
+                dtype="float32",
             )
             for _ in range(config.executors)
         ]
@@ -55,7 +74,7 @@ def running_services(model_dir: Path, config: BenchConfig) -> Iterator[str]:
         address = scheduler.wait_ready(START_TIMEOUT_S)
         logger.info("event=scheduler_up pid=%d address=%s", scheduler.process.pid, address)
         wait_all_up(address, config.executors)
-        yield address
+        yield Services(address, [executor.process.pid for executor in executors] + [scheduler.process.pid])
 
 
 def wait_all_up(address: str, count: int) -> None:
@@ -68,26 +87,40 @@ def wait_all_up(address: str, count: int) -> None:
             time.sleep(0.1)
 
 
-async def stream_one(client: AsyncClient, prompt: list[int], new_tokens: int, timing: StreamTiming) -> None:
+async def stream_one(
+    client: AsyncClient, prompt: list[int], new_tokens: int, timing: StreamTiming, cache_salt: str | None = None
+) -> None:
     async for delta in client.stream(
-        prompt_token_ids=prompt, max_tokens=new_tokens, temperature=0, ignore_eos=True
+        prompt_token_ids=prompt, max_tokens=new_tokens, temperature=0, ignore_eos=True, cache_salt=cache_salt
     ):
-        if delta.token_ids and timing.first_token_at is None:
-            timing.first_token_at = time.perf_counter()
+        arrived = time.perf_counter()
         timing.tokens.extend(delta.token_ids)
+        timing.token_times.extend([arrived] * len(delta.token_ids))
+        if delta.usage is not None:
+            timing.cached_prompt_tokens = delta.usage.cached_prompt_tokens
     timing.done_at = time.perf_counter()
 
 
 async def drive(
-    address: str, prompts: list[list[int]], new_tokens: int, label: str
+    address: str,
+    prompts: list[list[int]],
+    new_tokens: list[int],
+    label: str,
+    share_prefixes: bool = True,
 ) -> SystemResult:
+    """Streams every prompt at once, prompts[i] for new_tokens[i] tokens. share_prefixes=False
+    gives each request a cache salt of its own, so no request reuses another's cached blocks
+    (the scheduler has no switch for prefix caching)."""
+    salts = [None if share_prefixes else f"request-{index}" for index in range(len(prompts))]
     async with AsyncClient(address) as client:
         # Warm-up outside the timing: channel set-up and the executor's first-step costs. Under
         # one block long, so it leaves nothing in the prefix cache for the measured prompts.
         await stream_one(client, prompts[0][:4], 2, StreamTiming())
         timings = [StreamTiming() for _ in prompts]
         start = time.perf_counter()
-        await asyncio.gather(*(stream_one(client, p, new_tokens, t) for p, t in zip(prompts, timings)))
+        await asyncio.gather(
+            *(stream_one(client, p, n, t, s) for p, n, t, s in zip(prompts, new_tokens, timings, salts, strict=True))
+        )
     end = max(t.done_at or start for t in timings)
     logger.info("event=splitserve_done wall_s=%.2f", end - start)
     return SystemResult(
@@ -96,11 +129,17 @@ async def drive(
         output_tokens=sum(len(t.tokens) for t in timings),
         ttft_s=[(t.first_token_at or end) - start for t in timings],
         outputs=[t.tokens for t in timings],
+        token_times_s=[[at - start for at in t.token_times] for t in timings],
+        cached_prompt_tokens=sum(t.cached_prompt_tokens for t in timings),
     )
 
 
+def splitserve_label(config: BenchConfig) -> str:
+    threads = max(1, config.threads // config.executors)
+    return f"splitserve ({config.executors} executor(s) x {threads} thread(s) + scheduler, gRPC)"
+
+
 def run_splitserve(model_dir: Path, prompts: list[list[int]], config: BenchConfig) -> SystemResult:
-    with running_services(model_dir, config) as address:
-        threads = max(1, config.threads // config.executors)
-        label = f"splitserve ({config.executors} executor(s) x {threads} thread(s) + scheduler, gRPC)"
-        return asyncio.run(drive(address, prompts, config.new_tokens, label))
+    with running_services(model_dir, config) as services:
+        new_tokens = [config.new_tokens] * len(prompts)
+        return asyncio.run(drive(services.address, prompts, new_tokens, splitserve_label(config)))

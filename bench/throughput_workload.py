@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(slots=True, frozen=True)
@@ -17,6 +17,8 @@ class BenchConfig:
     layers: int = 8
     heads: int = 8
     kv_heads: int = 4
+    # The random Llama fixes the MLP width (1408, not the usual 4x hidden).
+    intermediate: int = 1408
     vocab: int = 32000
     threads: int = 2
     # splitserve's executors, sharing the threads (2 executors of 1 thread each on 2 cores).
@@ -25,11 +27,6 @@ class BenchConfig:
     # The scheduler's default step budget; longer prefills are chunked, as in production.
     max_num_batched_tokens: int = 2048
     block_size: int = 16
-
-    @property
-    def intermediate(self) -> int:
-        # DESIGN names no MLP width for the peer workload; 4x hidden is the usual Llama-ish ratio.
-        return 4 * self.hidden
 
     @property
     def max_model_len(self) -> int:
@@ -60,6 +57,10 @@ class SystemResult:
     # Seconds from the first send to each request's first output token.
     ttft_s: list[float]
     outputs: list[list[int]]
+    # Per request, seconds from the first send to the arrival of each output token (where known).
+    token_times_s: list[list[float]] = field(default_factory=list)
+    # Prompt tokens served from a prefix cache instead of being computed.
+    cached_prompt_tokens: int = 0
 
     @property
     def tokens_per_s(self) -> float:

