@@ -183,7 +183,7 @@ def main() -> None:
     parser.add_argument("--attention-backend", default="auto")
     parser.add_argument("--no-packed-linear", dest="packed_linear", action="store_false")
     args = parser.parse_args()
-    vocab = BenchConfig.vocab
+    vocab = BenchConfig().vocab
     if args.model is not None:
         vocab = AutoConfig.from_pretrained(args.model).get_text_config().vocab_size
     config = BenchConfig(
