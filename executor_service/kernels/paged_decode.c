@@ -1,9 +1,10 @@
 /* Decode attention read straight from the paged KV cache (float32, CPU).
  *
  * One query token per sequence attends over that sequence's cached tokens, found through its
- * block table. Each (sequence, KV head) pair is one task: it walks the sequence's blocks, reads
- * every K and V row it needs once, for all the query heads that share the KV head, so nothing
- * is gathered into a padded copy first. Compiled and loaded by executor_service/decode_kernel.py.
+ * block table. A task is one sequence (or one of its KV heads, when sequences are too few to
+ * occupy every thread): it walks the sequence's blocks and reads every K and V row it needs
+ * once, for all the query heads that share each KV head, so nothing is gathered into a padded
+ * copy first. Compiled and loaded by executor_service/decode_kernel.py.
  *
  * Layouts (all contiguous):
  *   q            [batch, heads, key_dim]
@@ -30,11 +31,21 @@ typedef struct {
     float scale, softcap;
 } Args;
 
-/* One (sequence, KV head) task; 0, or 1 when its scratch memory could not be had.
- * Inlined into copies where KD and VD are constants, so the loops over a head's width unroll
- * and the output accumulator stays in registers. */
-static inline __attribute__((always_inline)) int task(const Args *a, int64_t b, int64_t kh,
-                                                      const int64_t KD, const int64_t VD) {
+/* Blocks lie anywhere in the cache, and the hardware prefetcher stops at page boundaries: the
+ * same row of the sequence's next block is asked for while this block's row is read, one block
+ * (block_size rows) ahead of its use. */
+static inline void prefetch_row(const float *row, int64_t floats) {
+    for (int64_t i = 0; i < floats; i += 64 / (int64_t)sizeof(float))
+        __builtin_prefetch(row + i, 0, 3);
+}
+
+/* One task: sequence b, KV heads [kh0, kh1); 0, or 1 when its scratch memory could not be had.
+ * Walking every KV head of a token before the next token reads each block's K and V rows front
+ * to back, which streams from memory about twice as fast as reading one head's rows strided.
+ * Inlined into copies where KD and VD are constants, so the loops over a head's width unroll. */
+static inline __attribute__((always_inline)) int task(const Args *a, int64_t b, int64_t kh0,
+                                                      int64_t kh1, const int64_t KD,
+                                                      const int64_t VD) {
     const int64_t group = a->heads / a->kv_heads;
     const int64_t context = a->context_lens[b];
     const int64_t start = (a->window > 0 && context > a->window) ? context - a->window : 0;
@@ -42,32 +53,39 @@ static inline __attribute__((always_inline)) int task(const Args *a, int64_t b, 
     const int64_t bs = a->block_size;
     const int64_t *blocks = a->block_table + b * a->table_width;
     const int64_t krow = a->kv_heads * KD, vrow = a->kv_heads * VD;
-    const float *queries = a->q + (b * a->heads + kh * group) * KD;
-    float *scores = malloc(sizeof(float) * (size_t)(group * (n > 0 ? n : 1)));
+    const int64_t h0 = kh0 * group, nh = (kh1 - kh0) * group;
+    const float *queries = a->q + (b * a->heads + h0) * KD;
+    /* scores [nh][n], acc [nh][VD], inverse [nh] */
+    float *scores = malloc(sizeof(float) * (size_t)(nh * (n > 0 ? n : 1) + nh * VD + nh));
     if (scores == NULL) return 1;
+    float *acc = scores + nh * (n > 0 ? n : 1), *inverse = acc + nh * VD;
 
-    /* Scores, block by block (no division per token), each K row read once for the group. */
     for (int64_t bi = start / bs; bi * bs < context; bi++) {
         const int64_t first = bi * bs > start ? bi * bs : start;
         const int64_t last = (bi + 1) * bs < context ? (bi + 1) * bs : context;
-        const float *k = a->key_cache + (blocks[bi] * bs + first - bi * bs) * krow + kh * KD;
+        const float *k = a->key_cache + (blocks[bi] * bs + first - bi * bs) * krow + kh0 * KD;
+        const float *next =
+            (bi + 1) * bs < context
+                ? a->key_cache + (blocks[bi + 1] * bs + first - bi * bs) * krow + kh0 * KD
+                : NULL;
         for (int64_t pos = first; pos < last; pos++, k += krow) {
-            for (int64_t g = 0; g < group; g++) {
-                const float *qg = queries + g * KD;
+            if (next != NULL) prefetch_row(next + (pos - first) * krow, (kh1 - kh0) * KD);
+            for (int64_t h = 0; h < nh; h++) {
+                const float *qh = queries + h * KD, *kh = k + (h / group) * KD;
                 float s = 0.0f;
 #pragma omp simd reduction(+ : s)
-                for (int64_t d = 0; d < KD; d++) s += qg[d] * k[d];
+                for (int64_t d = 0; d < KD; d++) s += qh[d] * kh[d];
                 s *= a->scale;
                 if (a->softcap > 0.0f) s = a->softcap * tanhf(s / a->softcap);
-                scores[g * n + pos - start] = s;
+                scores[h * n + pos - start] = s;
             }
         }
     }
 
-    for (int64_t g = 0; g < group; g++) {
-        float *row = scores + g * n;
+    for (int64_t h = 0; h < nh; h++) {
+        float *row = scores + h * n;
         /* Finite stand-ins for -inf: the library is built with -ffast-math. */
-        const float sink = a->sinks != NULL ? a->sinks[kh * group + g] : -FLT_MAX;
+        const float sink = a->sinks != NULL ? a->sinks[h0 + h] : -FLT_MAX;
         float peak = sink;
         for (int64_t t = 0; t < n; t++) peak = row[t] > peak ? row[t] : peak;
         float sum = a->sinks != NULL ? expf(sink - peak) : 0.0f;
@@ -76,28 +94,42 @@ static inline __attribute__((always_inline)) int task(const Args *a, int64_t b, 
             row[t] = expf(row[t] - peak);
             sum += row[t];
         }
-        float acc[VD];
-        for (int64_t d = 0; d < VD; d++) acc[d] = 0.0f;
-        for (int64_t bi = start / bs; bi * bs < context; bi++) {
-            const int64_t first = bi * bs > start ? bi * bs : start;
-            const int64_t last = (bi + 1) * bs < context ? (bi + 1) * bs : context;
-            const float *v = a->value_cache + (blocks[bi] * bs + first - bi * bs) * vrow + kh * VD;
-            for (int64_t pos = first; pos < last; pos++, v += vrow) {
-                const float p = row[pos - start];
+        inverse[h] = sum > 0.0f ? 1.0f / sum : 0.0f;
+    }
+
+    for (int64_t i = 0; i < nh * VD; i++) acc[i] = 0.0f;
+    for (int64_t bi = start / bs; bi * bs < context; bi++) {
+        const int64_t first = bi * bs > start ? bi * bs : start;
+        const int64_t last = (bi + 1) * bs < context ? (bi + 1) * bs : context;
+        const float *v = a->value_cache + (blocks[bi] * bs + first - bi * bs) * vrow + kh0 * VD;
+        const float *next =
+            (bi + 1) * bs < context
+                ? a->value_cache + (blocks[bi + 1] * bs + first - bi * bs) * vrow + kh0 * VD
+                : NULL;
+        for (int64_t pos = first; pos < last; pos++, v += vrow) {
+            if (next != NULL) prefetch_row(next + (pos - first) * vrow, (kh1 - kh0) * VD);
+            for (int64_t h = 0; h < nh; h++) {
+                const float p = scores[h * n + pos - start];
+                const float *vh = v + (h / group) * VD;
+                float *out = acc + h * VD;
 #pragma omp simd
-                for (int64_t d = 0; d < VD; d++) acc[d] += p * v[d];
+                for (int64_t d = 0; d < VD; d++) out[d] += p * vh[d];
             }
         }
-        const float inverse = sum > 0.0f ? 1.0f / sum : 0.0f;
-        float *dst = a->out + (b * a->heads + kh * group + g) * VD;
-        for (int64_t d = 0; d < VD; d++) dst[d] = acc[d] * inverse;
     }
+    float *dst = a->out + (b * a->heads + h0) * VD;
+    for (int64_t h = 0; h < nh; h++)
+        for (int64_t d = 0; d < VD; d++) dst[h * VD + d] = acc[h * VD + d] * inverse[h];
     free(scores);
     return 0;
 }
 
-static int task_64(const Args *a, int64_t b, int64_t kh) { return task(a, b, kh, 64, 64); }
-static int task_128(const Args *a, int64_t b, int64_t kh) { return task(a, b, kh, 128, 128); }
+static int task_64(const Args *a, int64_t b, int64_t kh0, int64_t kh1) {
+    return task(a, b, kh0, kh1, 64, 64);
+}
+static int task_128(const Args *a, int64_t b, int64_t kh0, int64_t kh1) {
+    return task(a, b, kh0, kh1, 128, 128);
+}
 
 /* Returns 0, or 1 when scratch memory could not be had (out is then incomplete). */
 int paged_decode_attention(const float *q, const float *key_cache, const float *value_cache,
@@ -109,18 +141,20 @@ int paged_decode_attention(const float *q, const float *key_cache, const float *
     const Args a = {q,     key_cache, value_cache, sinks,       block_table, context_lens,
                     out,   heads,     kv_heads,    block_size,  table_width, window,
                     scale, softcap};
+    /* A task takes all KV heads of its sequence when there are sequences enough to keep every
+     * thread busy, else one KV head, so a lone long sequence still spreads over the threads. */
+    const int64_t span = batch >= 2 * (int64_t)num_threads ? kv_heads : 1;
+    const int64_t per_sequence = kv_heads / span;
     int failed = 0;
-#pragma omp parallel for collapse(2) schedule(dynamic) num_threads(num_threads) \
-    reduction(| : failed)
-    for (int64_t b = 0; b < batch; b++) {
-        for (int64_t kh = 0; kh < kv_heads; kh++) {
-            if (key_dim == 64 && value_dim == 64)
-                failed |= task_64(&a, b, kh);
-            else if (key_dim == 128 && value_dim == 128)
-                failed |= task_128(&a, b, kh);
-            else
-                failed |= task(&a, b, kh, key_dim, value_dim);
-        }
+#pragma omp parallel for schedule(dynamic) num_threads(num_threads) reduction(| : failed)
+    for (int64_t t = 0; t < batch * per_sequence; t++) {
+        const int64_t b = t / per_sequence, kh0 = (t % per_sequence) * span, kh1 = kh0 + span;
+        if (key_dim == 64 && value_dim == 64)
+            failed |= task_64(&a, b, kh0, kh1);
+        else if (key_dim == 128 && value_dim == 128)
+            failed |= task_128(&a, b, kh0, kh1);
+        else
+            failed |= task(&a, b, kh0, kh1, key_dim, value_dim);
     }
     return failed;
 }

@@ -43,9 +43,12 @@ def _kernel_or_skip() -> decode_kernel.DecodeKernel:
         (6, 3, 64, 64, 5, 50.0, True),
     ],
 )
+# 1 thread: a task walks every KV head of its sequence; 8 threads outnumber the 5 sequences, so
+# a task is one KV head.
+@pytest.mark.parametrize("threads", [1, 8])
 def test_the_kernel_attends_as_the_written_out_attention_does(
     heads: int, kv_heads: int, key_dim: int, value_dim: int, window: int | None,
-    softcap: float | None, sinks: bool,
+    softcap: float | None, sinks: bool, threads: int,
 ) -> None:
     kernel = _kernel_or_skip()
     generator = torch.Generator().manual_seed(heads * key_dim + value_dim)
@@ -65,10 +68,15 @@ def test_the_kernel_attends_as_the_written_out_attention_does(
     queries = torch.randn(len(lengths), heads, key_dim, generator=generator)
     sink_logits = torch.randn(heads, generator=generator) if sinks else None
     scale = key_dim**-0.5
-    got = kernel(
-        queries, key_cache, value_cache, block_table, torch.tensor(lengths), BLOCK, scale,
-        window, softcap, sink_logits,
-    )
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = kernel(
+            queries, key_cache, value_cache, block_table, torch.tensor(lengths), BLOCK, scale,
+            window, softcap, sink_logits,
+        )
+    finally:
+        torch.set_num_threads(before)
     for row, (length, table) in enumerate(zip(lengths, tables)):
         positions = torch.arange(length)
         slots = torch.tensor(table)[positions // BLOCK] * BLOCK + positions % BLOCK
