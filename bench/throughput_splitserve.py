@@ -44,9 +44,11 @@ class Services:
 
 
 @contextmanager
-def running_services(model_dir: Path, config: BenchConfig) -> Iterator[Services]:
+def running_services(
+    model_dir: Path, config: BenchConfig, executor_flags: dict[str, object] | None = None
+) -> Iterator[Services]:
     """Yields the scheduler's address and the pids; both processes get SIGTERM, then SIGKILL, on
-    any exit."""
+    any exit. executor_flags: more executor options, as ExecutorProcess takes them."""
     with ExitStack() as stack:
         threads = max(1, config.threads // config.executors)
         executors = [
@@ -56,6 +58,7 @@ def running_services(model_dir: Path, config: BenchConfig) -> Iterator[Services]
                 num_kv_blocks=config.num_kv_blocks,
                 block_size=config.block_size,
                 dtype="float32",
+                **(executor_flags or {}),
             )
             for _ in range(config.executors)
         ]

@@ -54,7 +54,7 @@ def rows_by_label(result: dict[str, Any]) -> dict[str, dict[str, Any]]:
 def test_splitserve_and_transformers_peers_in_one_run(tmp_path: Path) -> None:
     stdout, report = run_compare(
         tmp_path,
-        "--systems", "splitserve,transformers,transformers-cb",
+        "--systems", "splitserve,transformers,transformers-cb,splitserve-exact",
         "--workloads", "fixed,shared-prefix",
         "--models", "random-llama",
         "--model-hidden", "64", "--model-heads", "4", "--model-kv-heads", "2",
@@ -62,12 +62,13 @@ def test_splitserve_and_transformers_peers_in_one_run(tmp_path: Path) -> None:
     )  # fmt: skip
     fixed, shared = report["results"]
     assert (fixed["workload"], shared["workload"]) == ("fixed", "shared-prefix")
-    assert set(table_rows(stdout, "fixed")) == {"splitserve", "transformers", "transformers-cb"}
+    assert set(table_rows(stdout, "fixed")) == {"splitserve", "transformers", "transformers-cb", "splitserve-exact"}
     assert set(table_rows(stdout, "shared-prefix")) == {
         "splitserve",
         "splitserve (no prefix cache)",
         "transformers",
         "transformers-cb",
+        "splitserve-exact",
     }
     for result in (fixed, shared):
         assert result["requests"] == 4 and result["output_tokens"] == 4 * 8
