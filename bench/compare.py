@@ -34,7 +34,6 @@ import tempfile
 from collections.abc import Callable
 from dataclasses import fields
 from pathlib import Path
-from types import FrameType
 
 from bench.compare_models import (
     RANDOM_LLAMA,
@@ -65,6 +64,7 @@ from bench.compare_systems import (
 from bench.compare_workloads import WORKLOADS, WorkloadSizes, build_workload
 from bench.peer_io import write_requests
 from bench.peer_process import REPO_ROOT
+from bench.throughput import exit_on_sigterm
 from executor_service.prepare_model import MODEL_NAME
 
 logger = logging.getLogger("bench.compare")
@@ -207,11 +207,6 @@ def longest_any(sizes: WorkloadSizes) -> int:
         sizes.max_prompt + max(sizes.new_tokens, sizes.max_new_tokens),
         sizes.shared_prefix + sizes.shared_tail + sizes.shared_new_tokens,
     )
-
-
-def exit_on_sigterm(signum: int, frame: FrameType | None) -> None:
-    # Unwinds through the context managers, so services and peers are stopped too.
-    raise SystemExit(128 + signum)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -13,23 +13,28 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from bench.throughput import build_bench_model
+from bench.throughput_workload import BenchConfig
 from executor_service.prepare_model import MODEL_NAME, prepare_model
-from tests.helpers.model_factory import build_model
 
 RANDOM_LLAMA = "random-llama"
 SMOLLM2 = "smollm2"
 FP32_BYTES = 4
 
 
+# The issue's random Llama, as bench.throughput defines it.
+_THROUGHPUT = BenchConfig()
+
+
 @dataclass(slots=True, frozen=True)
 class RandomLlamaDims:
-    hidden: int = 512
-    layers: int = 8
-    heads: int = 8
-    kv_heads: int = 4
-    intermediate: int = 1408
-    vocab: int = 32000
-    seed: int = 0
+    hidden: int = _THROUGHPUT.hidden
+    layers: int = _THROUGHPUT.layers
+    heads: int = _THROUGHPUT.heads
+    kv_heads: int = _THROUGHPUT.kv_heads
+    intermediate: int = _THROUGHPUT.intermediate
+    vocab: int = _THROUGHPUT.vocab
+    seed: int = _THROUGHPUT.seed
 
 
 @dataclass(slots=True, frozen=True)
@@ -67,19 +72,16 @@ def resolve_model(
     """The model named by spec. random-llama is built into build_dir (with room for
     max_positions tokens); smollm2 is prepared into smollm2_dir unless already there."""
     if spec == RANDOM_LLAMA:
-        path = build_model(
-            "llama",
-            build_dir / RANDOM_LLAMA,
+        config = BenchConfig(
+            hidden=dims.hidden,
+            layers=dims.layers,
+            heads=dims.heads,
+            kv_heads=dims.kv_heads,
+            intermediate=dims.intermediate,
+            vocab=dims.vocab,
             seed=dims.seed,
-            hidden_size=dims.hidden,
-            intermediate_size=dims.intermediate,
-            num_hidden_layers=dims.layers,
-            num_attention_heads=dims.heads,
-            num_key_value_heads=dims.kv_heads,
-            vocab_size=dims.vocab,
-            max_position_embeddings=max_positions,
         )
-        return load_model(RANDOM_LLAMA, path)
+        return load_model(RANDOM_LLAMA, build_bench_model(config, build_dir / RANDOM_LLAMA, max_positions))
     if spec == SMOLLM2:
         return load_model(f"{SMOLLM2} ({MODEL_NAME})", prepare_model(smollm2_dir))
     path = Path(spec)

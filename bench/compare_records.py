@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from bench.peer_io import RunResult
+from bench.peer_io import ItlKind, RunResult, token_gaps
+from bench.throughput_workload import SystemResult
 
 
 @dataclass(slots=True)
@@ -16,3 +17,16 @@ class Measurement:
     peak_rss_bytes: int
     # "process (pid)" -> its own peak RSS.
     rss_by_process: dict[str, int] = field(default_factory=dict)
+
+
+def run_result_of(result: SystemResult, prompt_tokens_computed: int) -> RunResult:
+    """A run timed per streamed token (splitserve, transformers generate) as a RunResult."""
+    return RunResult(
+        system=result.system,
+        wall_s=result.wall_s,
+        outputs=result.outputs,
+        ttft_s=result.ttft_s,
+        itl_s=[gap for times in result.token_times_s for gap in token_gaps(times)],
+        itl_kind=ItlKind.PER_TOKEN,
+        prompt_tokens_computed=prompt_tokens_computed,
+    )

@@ -21,9 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bench.compare_models import BenchModel
-from bench.compare_records import Measurement
+from bench.compare_records import Measurement, run_result_of
 from bench.compare_workloads import Workload
-from bench.peer_io import ItlKind, RunResult, token_gaps
 from bench.peer_process import run_peer
 from bench.process_memory import PeakRss
 from bench.throughput_splitserve import drive, running_services, splitserve_label
@@ -135,13 +134,5 @@ def measure_splitserve(
     services_started = running_services(model.path, config, executor_flags)
     with services_started as services, PeakRss(services.pids) as rss:
         result = asyncio.run(drive(services.address, workload.prompts, workload.new_tokens, label, prefix_caching))
-    run = RunResult(
-        system=result.system,
-        wall_s=result.wall_s,
-        outputs=result.outputs,
-        ttft_s=result.ttft_s,
-        itl_s=[gap for times in result.token_times_s for gap in token_gaps(times)],
-        itl_kind=ItlKind.PER_TOKEN,
-        prompt_tokens_computed=workload.prompt_tokens - result.cached_prompt_tokens,
-    )
+    run = run_result_of(result, workload.prompt_tokens - result.cached_prompt_tokens)
     return Measurement(run, rss.peak_bytes, dict(rss.by_process))

@@ -14,12 +14,11 @@ import logging
 import sys
 from pathlib import Path
 
+from bench.compare_records import run_result_of
 from bench.peer_io import (
-    ItlKind,
     PeerRequest,
     RunResult,
     load_requests,
-    token_gaps,
     write_result,
 )
 from bench.peer_transformers_batch import run_transformers_batch
@@ -30,16 +29,8 @@ def run_static(model_dir: Path, requests: list[PeerRequest], threads: int) -> Ru
     result = run_transformers(
         model_dir, [r.prompt_token_ids for r in requests], [r.max_tokens for r in requests], threads
     )
-    return RunResult(
-        system=result.system,
-        wall_s=result.wall_s,
-        outputs=result.outputs,
-        ttft_s=result.ttft_s,
-        itl_s=[gap for times in result.token_times_s for gap in token_gaps(times)],
-        itl_kind=ItlKind.PER_TOKEN,
-        # No prefix cache: every prompt token is computed (left padding besides).
-        prompt_tokens_computed=sum(len(r.prompt_token_ids) for r in requests),
-    )
+    # No prefix cache: every prompt token is computed (left padding besides).
+    return run_result_of(result, sum(len(r.prompt_token_ids) for r in requests))
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

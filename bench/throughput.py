@@ -37,7 +37,9 @@ class BenchResult:
     matching: int
 
 
-def build_bench_model(config: BenchConfig, directory: Path) -> Path:
+def build_bench_model(config: BenchConfig, directory: Path, max_positions: int | None = None) -> Path:
+    """The random Llama of config's dimensions, with room for max_positions tokens (default:
+    the longest request of config's workload)."""
     return build_model(
         "llama",
         directory,
@@ -48,7 +50,7 @@ def build_bench_model(config: BenchConfig, directory: Path) -> Path:
         num_attention_heads=config.heads,
         num_key_value_heads=config.kv_heads,
         vocab_size=config.vocab,
-        max_position_embeddings=config.max_model_len,
+        max_position_embeddings=max_positions or config.max_model_len,
     )
 
 
@@ -91,7 +93,7 @@ def parse_args(argv: list[str] | None) -> BenchConfig:
 
 
 def exit_on_sigterm(signum: int, frame: FrameType | None) -> None:
-    # Unwinds through the context managers, so the child services are stopped too.
+    # Unwinds through the context managers, so child services and peers are stopped too.
     raise SystemExit(128 + signum)
 
 
