@@ -39,6 +39,27 @@ static inline void prefetch_row(const float *row, int64_t floats) {
         __builtin_prefetch(row + i, 0, 3);
 }
 
+/* Positions [first, last) of block bi that a sequence attends to (its window starts at
+ * `start`, its context ends at `context`), the first of their rows in `cache` (rows of `row`
+ * floats, from float `col` on), and the same row of the sequence's next block, or NULL when
+ * the context ends in this block. */
+typedef struct {
+    int64_t first, last;
+    const float *rows, *next;
+} BlockSpan;
+
+static inline BlockSpan block_span(const float *cache, const int64_t *blocks, int64_t bi,
+                                   int64_t bs, int64_t start, int64_t context, int64_t row,
+                                   int64_t col) {
+    BlockSpan span;
+    span.first = bi * bs > start ? bi * bs : start;
+    span.last = (bi + 1) * bs < context ? (bi + 1) * bs : context;
+    const int64_t offset = span.first - bi * bs;
+    span.rows = cache + (blocks[bi] * bs + offset) * row + col;
+    span.next = span.last < context ? cache + (blocks[bi + 1] * bs + offset) * row + col : NULL;
+    return span;
+}
+
 /* One task: sequence b, KV heads [kh0, kh1); 0, or 1 when its scratch memory could not be had.
  * Walking every KV head of a token before the next token reads each block's K and V rows front
  * to back, which streams from memory about twice as fast as reading one head's rows strided.
@@ -61,15 +82,12 @@ static inline __attribute__((always_inline)) int task(const Args *a, int64_t b, 
     float *acc = scores + nh * (n > 0 ? n : 1), *inverse = acc + nh * VD;
 
     for (int64_t bi = start / bs; bi * bs < context; bi++) {
-        const int64_t first = bi * bs > start ? bi * bs : start;
-        const int64_t last = (bi + 1) * bs < context ? (bi + 1) * bs : context;
-        const float *k = a->key_cache + (blocks[bi] * bs + first - bi * bs) * krow + kh0 * KD;
-        const float *next =
-            (bi + 1) * bs < context
-                ? a->key_cache + (blocks[bi + 1] * bs + first - bi * bs) * krow + kh0 * KD
-                : NULL;
-        for (int64_t pos = first; pos < last; pos++, k += krow) {
-            if (next != NULL) prefetch_row(next + (pos - first) * krow, (kh1 - kh0) * KD);
+        const BlockSpan span =
+            block_span(a->key_cache, blocks, bi, bs, start, context, krow, kh0 * KD);
+        const float *k = span.rows;
+        for (int64_t pos = span.first; pos < span.last; pos++, k += krow) {
+            if (span.next != NULL)
+                prefetch_row(span.next + (pos - span.first) * krow, (kh1 - kh0) * KD);
             for (int64_t h = 0; h < nh; h++) {
                 const float *qh = queries + h * KD, *kh = k + (h / group) * KD;
                 float s = 0.0f;
@@ -99,15 +117,12 @@ static inline __attribute__((always_inline)) int task(const Args *a, int64_t b, 
 
     for (int64_t i = 0; i < nh * VD; i++) acc[i] = 0.0f;
     for (int64_t bi = start / bs; bi * bs < context; bi++) {
-        const int64_t first = bi * bs > start ? bi * bs : start;
-        const int64_t last = (bi + 1) * bs < context ? (bi + 1) * bs : context;
-        const float *v = a->value_cache + (blocks[bi] * bs + first - bi * bs) * vrow + kh0 * VD;
-        const float *next =
-            (bi + 1) * bs < context
-                ? a->value_cache + (blocks[bi + 1] * bs + first - bi * bs) * vrow + kh0 * VD
-                : NULL;
-        for (int64_t pos = first; pos < last; pos++, v += vrow) {
-            if (next != NULL) prefetch_row(next + (pos - first) * vrow, (kh1 - kh0) * VD);
+        const BlockSpan span =
+            block_span(a->value_cache, blocks, bi, bs, start, context, vrow, kh0 * VD);
+        const float *v = span.rows;
+        for (int64_t pos = span.first; pos < span.last; pos++, v += vrow) {
+            if (span.next != NULL)
+                prefetch_row(span.next + (pos - span.first) * vrow, (kh1 - kh0) * VD);
             for (int64_t h = 0; h < nh; h++) {
                 const float p = scores[h * n + pos - start];
                 const float *vh = v + (h / group) * VD;
