@@ -10,6 +10,7 @@ from typing import TypeVar, Unpack
 import grpc
 import grpc.aio
 
+from clients.connection import Metadata, call_metadata, channel_credentials
 from clients.errors import SplitserveError
 from clients.request_builder import (
     ChatMessage,
@@ -32,7 +33,6 @@ logger = logging.getLogger(__name__)
 
 Req = TypeVar("Req")
 Resp = TypeVar("Resp")
-Metadata = Sequence[tuple[str, str]]
 
 
 class AsyncDeltaStream(AsyncIterator[GenerationDelta]):
@@ -86,11 +86,15 @@ class AsyncClient:
         address: str,
         *,
         timeout: float | None = None,
+        api_key: str | None = None,
+        root_certificates: bytes | None = None,
+        tls: bool = False,
         credentials: grpc.ChannelCredentials | None = None,
         metadata: Metadata | None = None,
     ) -> None:
         self._timeout = timeout
-        self._metadata = tuple(metadata) if metadata else None
+        self._metadata = call_metadata(metadata, api_key)
+        credentials = channel_credentials(credentials, root_certificates, tls)
         if credentials is None:
             self._channel = grpc.aio.insecure_channel(address)
         else:

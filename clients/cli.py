@@ -5,8 +5,10 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from google.protobuf import json_format
 from google.protobuf.message import Message
@@ -44,9 +46,28 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+API_KEY_ENV = "SPLITSERVE_API_KEY"
+
+
 def _add_server(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--server", required=True, metavar="HOST:PORT")
     parser.add_argument("--timeout", type=float, help="deadline per call, in seconds")
+    parser.add_argument("--tls-ca", type=Path, help="PEM CA of the server's certificate: connect over TLS")
+    parser.add_argument("--tls", action="store_true", help="connect over TLS trusting the system's root certificates")
+    parser.add_argument(
+        "--api-key-file",
+        type=Path,
+        help=f"file whose first line is the API key (default: the {API_KEY_ENV} environment variable)",
+    )
+
+
+def _api_key(args: argparse.Namespace) -> str | None:
+    if args.api_key_file is not None:
+        lines = args.api_key_file.read_text().split()
+        if not lines:
+            raise ValueError(f"{args.api_key_file} holds no API key")
+        return lines[0]
+    return os.environ.get(API_KEY_ENV) or None
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -57,7 +78,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         format="%(levelname)s %(name)s: %(message)s",
     )
     try:
-        with Client(args.server, timeout=args.timeout) as client:
+        api_key = _api_key(args)
+        root_certificates = args.tls_ca.read_bytes() if args.tls_ca else None
+    except (OSError, ValueError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    try:
+        with Client(
+            args.server,
+            timeout=args.timeout,
+            api_key=api_key,
+            root_certificates=root_certificates,
+            tls=args.tls,
+        ) as client:
             if args.command == "generate":
                 return _generate(client, args)
             if args.command == "tokenize":

@@ -9,6 +9,7 @@ from typing import Protocol, TypeVar, Unpack
 
 import grpc
 
+from clients.connection import Metadata, call_metadata, channel_credentials
 from clients.errors import SplitserveError
 from clients.request_builder import (
     ChatMessage,
@@ -31,7 +32,6 @@ logger = logging.getLogger(__name__)
 
 Req = TypeVar("Req")
 Resp = TypeVar("Resp")
-Metadata = Sequence[tuple[str, str]]
 
 
 class StreamingCall(Protocol):
@@ -85,8 +85,12 @@ class Client:
     """One channel to a scheduler service; safe to share between threads.
 
     timeout: deadline in seconds for each call (for a Generate stream: the whole stream).
-    credentials: grpc.ssl_channel_credentials(...) and the like for TLS; None for plaintext.
-    metadata: (key, value) pairs sent with every call, e.g. an authorization token.
+    api_key: sent as 'authorization: Bearer KEY' with every call (servers started with
+        --api-key-file need it).
+    root_certificates: PEM bytes of the CA that signed the server's certificate; connects over
+        TLS. tls=True connects over TLS trusting the system's root certificates.
+    credentials: any grpc.ChannelCredentials instead (not with root_certificates).
+    metadata: (key, value) pairs sent with every call.
     """
 
     def __init__(
@@ -94,11 +98,15 @@ class Client:
         address: str,
         *,
         timeout: float | None = None,
+        api_key: str | None = None,
+        root_certificates: bytes | None = None,
+        tls: bool = False,
         credentials: grpc.ChannelCredentials | None = None,
         metadata: Metadata | None = None,
     ) -> None:
         self._timeout = timeout
-        self._metadata = tuple(metadata) if metadata else None
+        self._metadata = call_metadata(metadata, api_key)
+        credentials = channel_credentials(credentials, root_certificates, tls)
         if credentials is None:
             self._channel = grpc.insecure_channel(address)
         else:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from executor_service.model_support import UnsupportedModel
 from executor_service.paged_attention import BACKENDS, BackendUnavailable
-from executor_service.server import serve
+from executor_service.server import ServeOptions, serve
 from executor_service.settings import (
     DEFAULT_BLOCK_SIZE,
     DEFAULT_LEASE_TIMEOUT_S,
@@ -18,6 +18,7 @@ from executor_service.settings import (
     parse_size,
 )
 from executor_service.startup import build_executor
+from protos.transport_security import TlsConfigError, server_tls
 
 logger = logging.getLogger("executor_service")
 
@@ -68,7 +69,28 @@ def parse_args(argv: list[str] | None) -> ExecutorSettings:
         help="keep linear layers on torch's default GEMM instead of oneDNN with packed weights "
         "(CPU, float32)",
     )
+    parser.add_argument("--tls-cert", type=Path, help="PEM certificate (chain) of this executor; serves TLS")
+    parser.add_argument("--tls-key", type=Path, help="PEM private key of --tls-cert")
+    parser.add_argument(
+        "--tls-client-ca",
+        type=Path,
+        help="PEM CA: only schedulers presenting a certificate it signed may connect (mutual "
+        "TLS); the certificate's common name is then the scheduler's identity. Without it, "
+        "anyone who reaches the port can run plans: never expose an executor without it",
+    )
+    parser.add_argument(
+        "--health-port",
+        type=int,
+        help="also serve grpc.health.v1 alone, in plaintext, on this port (for probes that cannot "
+        "do TLS)",
+    )
     args = parser.parse_args(argv)
+    try:
+        tls = server_tls(args.tls_cert, args.tls_key, args.tls_client_ca)
+        if tls is not None:
+            tls.credentials()
+    except TlsConfigError as error:
+        parser.error(str(error))
     if args.block_size <= 0:
         parser.error("--block-size must be > 0")
     if args.num_kv_blocks is not None and args.num_kv_blocks <= 0:
@@ -90,6 +112,8 @@ def parse_args(argv: list[str] | None) -> ExecutorSettings:
         attention_backend=args.attention_backend,
         lease_timeout_s=args.lease_timeout,
         packed_linear=args.packed_linear,
+        tls=tls,
+        health_port=args.health_port,
     )
 
 
@@ -110,7 +134,14 @@ def main(argv: list[str] | None = None) -> int:
     except BackendUnavailable as refusal:
         logger.error("event=executor_refused reason=%r", str(refusal))
         return 1
-    asyncio.run(serve(executor, settings.host, settings.port, settings.lease_timeout_s))
+    options = ServeOptions(
+        host=settings.host,
+        port=settings.port,
+        lease_timeout_s=settings.lease_timeout_s,
+        tls=settings.tls,
+        health_port=settings.health_port,
+    )
+    asyncio.run(serve(executor, options))
     return 0
 
 

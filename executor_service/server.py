@@ -17,8 +17,10 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from protos.health_port import start_health_port
 from protos.limits import MAX_MESSAGE_BYTES
 from protos.splitserve.executor.v1 import executor_pb2, executor_pb2_grpc
+from protos.transport_security import ServerTls, peer_certificate_name
 
 logger = logging.getLogger(__name__)
 
@@ -76,7 +78,8 @@ class _Stream:
     """One Execute call: its plans on their way through the worker, and why it ended early."""
 
     number: int
-    # The scheduler that opened it (metadata x-splitserve-scheduler-id; "" when none was sent).
+    # The scheduler that opened it: its certificate's common name under mutual TLS, else the
+    # metadata x-splitserve-scheduler-id ("" when none was sent).
     holder: str
     # When it last sent a plan (monotonic seconds): its hold lapses lease_timeout_s later.
     last_plan_at: float = field(default_factory=time.monotonic)
@@ -120,7 +123,11 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
         request_iterator: AsyncIterator[executor_pb2.StepPlan],
         context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[executor_pb2.StepResult]:
-        holder = dict(context.invocation_metadata() or ()).get(SCHEDULER_ID_METADATA, "")
+        # A verified certificate is the identity; the metadata is only a claim, trusted where
+        # nothing stronger is configured.
+        holder = peer_certificate_name(context) or dict(context.invocation_metadata() or ()).get(
+            SCHEDULER_ID_METADATA, ""
+        )
         refusal = self._refusal(holder)
         if refusal is not None:
             logger.warning("event=stream_refused holder=%r peer=%s reason=%r", holder, context.peer(), refusal)
@@ -218,8 +225,21 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
             await stream.pending.put(None)
 
 
-async def serve(executor: ServedExecutor, host: str, port: int, lease_timeout_s: float) -> None:
+@dataclass(slots=True, frozen=True)
+class ServeOptions:
+    host: str
+    port: int
+    lease_timeout_s: float
+    # TLS on the executor API; with a client CA only schedulers holding a certificate it signed
+    # may call (mutual TLS), and a plain client cannot even complete the handshake.
+    tls: ServerTls | None = None
+    # Plaintext port serving only grpc.health.v1, for probes that cannot do (mutual) TLS.
+    health_port: int | None = None
+
+
+async def serve(executor: ServedExecutor, options: ServeOptions) -> None:
     """Serves until SIGTERM or SIGINT, then drains in-flight calls and stops."""
+    host, port = options.host, options.port
     worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="executor-step")
     server = grpc.aio.server(
         options=[
@@ -230,17 +250,25 @@ async def serve(executor: ServedExecutor, host: str, port: int, lease_timeout_s:
             *KEEPALIVE_OPTIONS,
         ]
     )
-    servicer = ExecutorServicer(executor, worker, lease_timeout_s)
+    servicer = ExecutorServicer(executor, worker, options.lease_timeout_s)
     executor_pb2_grpc.add_ExecutorServicer_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
         (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
     )
-    bound_port = server.add_insecure_port(f"{host}:{port}")
+    address = f"{host}:{port}"
+    if options.tls is None:
+        bound_port = server.add_insecure_port(address)
+    else:
+        bound_port = server.add_secure_port(address, options.tls.credentials())
     if bound_port == 0:
         raise RuntimeError(f"could not bind {host}:{port}")
     await server.start()
+    health_server = None
+    if options.health_port is not None:
+        health_server, bound_health = await start_health_port(health_servicer, host, options.health_port)
+        logger.info("event=health_port_listening address=%s:%d", host, bound_health)
     for service in ("", SERVICE_NAME):
         await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
     stop = asyncio.Event()
@@ -250,7 +278,7 @@ async def serve(executor: ServedExecutor, host: str, port: int, lease_timeout_s:
     info = executor.info
     logger.info(
         "event=executor_ready address=%s:%d port=%d model=%s device=%s dtype=%s blocks=%d "
-        "block_size=%d backend=%s incarnation=%s",
+        "block_size=%d backend=%s incarnation=%s tls=%s",
         host,
         bound_port,
         bound_port,
@@ -261,10 +289,13 @@ async def serve(executor: ServedExecutor, host: str, port: int, lease_timeout_s:
         info.block_size,
         info.attention_backend,
         info.incarnation_id,
+        "off" if options.tls is None else "mutual" if options.tls.client_ca else "server",
     )
     await stop.wait()
     logger.info("event=executor_stopping grace_s=%.1f", SHUTDOWN_GRACE_S)
     await health_servicer.enter_graceful_shutdown()
     await server.stop(SHUTDOWN_GRACE_S)
+    if health_server is not None:
+        await health_server.stop(None)
     worker.shutdown(wait=True, cancel_futures=True)
     logger.info("event=executor_stopped")

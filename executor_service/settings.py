@@ -6,6 +6,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from protos.transport_security import ServerTls
+
 # On CPU there is nothing to profile: the KV budget is a configured size, and 1 GiB holds ~23k
 # tokens of the default 135M model without crowding a laptop.
 DEFAULT_CPU_KV_BYTES = 1 << 30
@@ -57,6 +59,10 @@ class ExecutorSettings:
     lease_timeout_s: float = DEFAULT_LEASE_TIMEOUT_S
     # Linear layers through oneDNN with packed weights where the device and dtype allow it.
     packed_linear: bool = True
+    # TLS (mutual with a client CA) on the executor API; None serves plaintext.
+    tls: ServerTls | None = None
+    # Plaintext grpc.health.v1-only port for probes.
+    health_port: int | None = None
 
 
 def parse_size(text: str) -> int:

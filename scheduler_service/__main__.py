@@ -7,20 +7,27 @@ import logging
 import sys
 from pathlib import Path
 
+from protos.transport_security import ClientTls, ServerTls, TlsConfigError, server_tls
 from scheduler_service.core.policy import Policy, StepMode
 from scheduler_service.core.router import DEFAULT_TOKENS_PER_REQUEST
+from scheduler_service.service.api_keys import load_api_keys
 from scheduler_service.service.discovery import (
     DEFAULT_RESOLVE_INTERVAL_S,
     DNS_PREFIX,
     split_target,
 )
 from scheduler_service.service.engine import EngineOptions
+from scheduler_service.service.intake_limits import IntakeLimits
 from scheduler_service.service.lane import (
     DEFAULT_STEP_TIMEOUT_FACTOR,
     DEFAULT_STEP_TIMEOUT_FLOOR_S,
     LaneOptions,
 )
-from scheduler_service.service.server import ServerSettings, serve
+from scheduler_service.service.server import (
+    DEFAULT_DRAIN_TIMEOUT_S,
+    ServerSettings,
+    serve,
+)
 from scheduler_service.text.tokenizer import TextProcessor
 
 logger = logging.getLogger("scheduler_service")
@@ -73,7 +80,94 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--mode", choices=[m.value for m in StepMode], default="mixed")
     parser.add_argument("--max-waiting", type=positive, default=10_000, help="queue length past which requests are refused")
     parser.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port")
+    parser.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=DEFAULT_DRAIN_TIMEOUT_S,
+        help="on SIGTERM: seconds the requests in flight get to finish (new ones are refused "
+        "with UNAVAILABLE and health turns NOT_SERVING) before the rest are aborted",
+    )
+    _add_security_flags(parser)
+    _add_cap_flags(parser)
     return parser.parse_args(argv)
+
+
+def _add_security_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("security")
+    group.add_argument("--tls-cert", type=Path, help="PEM certificate (chain) of the client API; serves TLS")
+    group.add_argument("--tls-key", type=Path, help="PEM private key of --tls-cert")
+    group.add_argument(
+        "--api-key-file",
+        type=Path,
+        help="bearer tokens, one per line: every call but grpc.health.v1 must send "
+        "'authorization: Bearer KEY' with one of them",
+    )
+    group.add_argument("--executor-tls-ca", type=Path, help="PEM CA that signed the executors' certificates; connects to executors over TLS")
+    group.add_argument("--executor-tls-cert", type=Path, help="PEM client certificate presented to executors (mutual TLS); its common name is this scheduler's identity to them")
+    group.add_argument("--executor-tls-key", type=Path, help="PEM private key of --executor-tls-cert")
+    group.add_argument(
+        "--executor-tls-server-name",
+        help="name the executors' certificates carry, when it is not the address dialled "
+        "(needed with dns:/// executors, which are dialled by IP)",
+    )
+    group.add_argument("--health-port", type=int, help="also serve grpc.health.v1 alone, in plaintext, on this port (for probes that cannot do TLS)")
+
+
+def _add_cap_flags(parser: argparse.ArgumentParser) -> None:
+    """Per-request caps (service/intake_limits.py); gRPC's receive limit follows from them."""
+    caps = IntakeLimits()
+    group = parser.add_argument_group("request caps (a request over one gets INVALID_ARGUMENT)")
+    group.add_argument("--max-prompt-bytes", type=positive, default=caps.max_prompt_bytes, help="UTF-8 bytes of a text prompt or of a chat's contents together")
+    group.add_argument("--max-prompt-tokens", type=positive, default=caps.max_prompt_tokens, help="token ids of a token-id prompt (the model's maximum length caps it too)")
+    group.add_argument("--max-request-id-chars", type=positive, default=caps.max_request_id_chars, help="length of a request_id (printable ASCII without spaces)")
+    group.add_argument("--max-cache-salt-bytes", type=positive, default=caps.max_cache_salt_bytes)
+    group.add_argument("--max-stop-strings", type=positive, default=caps.max_stop_strings)
+    group.add_argument("--max-stop-bytes", type=positive, default=caps.max_stop_bytes, help="UTF-8 bytes of one stop string")
+    group.add_argument("--max-stop-token-ids", type=positive, default=caps.max_stop_token_ids)
+    group.add_argument("--max-chat-messages", type=positive, default=caps.max_chat_messages)
+    group.add_argument(
+        "--chat-roles",
+        default=",".join(sorted(caps.chat_roles)),
+        help="comma-separated roles a chat message may have",
+    )
+
+
+def security_settings(
+    args: argparse.Namespace,
+) -> tuple[ServerTls | None, tuple[bytes, ...] | None, ClientTls | None]:
+    """TLS of the client API, its API keys and TLS to executors; every file is read now, so a
+    wrong path or a missing half of a pair stops the start with a message."""
+    tls = server_tls(args.tls_cert, args.tls_key)
+    if tls is not None:
+        tls.credentials()
+    keys = load_api_keys(args.api_key_file) if args.api_key_file else None
+    executor_tls = None
+    if args.executor_tls_cert or args.executor_tls_key or args.executor_tls_server_name:
+        if args.executor_tls_ca is None:
+            raise TlsConfigError("--executor-tls-cert/-key/-server-name need --executor-tls-ca")
+    if args.executor_tls_ca is not None:
+        executor_tls = ClientTls(
+            args.executor_tls_ca, args.executor_tls_cert, args.executor_tls_key, args.executor_tls_server_name
+        )
+        executor_tls.credentials()
+    return tls, keys, executor_tls
+
+
+def intake_limits(args: argparse.Namespace) -> IntakeLimits:
+    roles = frozenset(role.strip() for role in args.chat_roles.split(",") if role.strip())
+    if not roles:
+        raise ValueError("--chat-roles names no role")
+    return IntakeLimits(
+        max_prompt_bytes=args.max_prompt_bytes,
+        max_prompt_tokens=args.max_prompt_tokens,
+        max_request_id_chars=args.max_request_id_chars,
+        max_cache_salt_bytes=args.max_cache_salt_bytes,
+        max_stop_strings=args.max_stop_strings,
+        max_stop_bytes=args.max_stop_bytes,
+        max_stop_token_ids=args.max_stop_token_ids,
+        max_chat_messages=args.max_chat_messages,
+        chat_roles=roles,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -83,6 +177,12 @@ def main(argv: list[str] | None = None) -> int:
         format="%(asctime)s level=%(levelname)s logger=%(name)s %(message)s",
     )
     args = parse_args(argv)
+    try:
+        tls, api_keys, executor_tls = security_settings(args)
+        limits = intake_limits(args)
+    except ValueError as error:
+        logger.error("event=scheduler_refused reason=%r", str(error))
+        return 2
     text = TextProcessor.from_pretrained(args.tokenizer) if args.tokenizer else None
     for target in args.executor:
         if target.startswith(DNS_PREFIX):
@@ -95,6 +195,12 @@ def main(argv: list[str] | None = None) -> int:
         metrics_port=args.metrics_port,
         scheduler_id=args.scheduler_id,
         resolve_interval_s=args.resolve_interval,
+        limits=limits,
+        tls=tls,
+        api_keys=api_keys,
+        executor_tls=executor_tls,
+        health_port=args.health_port,
+        drain_timeout_s=args.drain_timeout,
         options=EngineOptions(
             lane=LaneOptions(
                 max_num_seqs=args.max_num_seqs,

@@ -25,7 +25,7 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
             lane = self.engine.drain(request.address)
         except RequestRejected as rejected:
             await context.abort(STATUS_CODES[rejected.kind], str(rejected))
-        logger.info("event=executor_drain_requested address=%s peer=%s", request.address, context.peer())
+        logger.info("event=executor_drain_requested address=%r peer=%s", request.address, context.peer())
         return executor_status(lane)
 
     async def ResumeExecutor(
@@ -35,5 +35,5 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
             lane = self.engine.resume(request.address)
         except RequestRejected as rejected:
             await context.abort(STATUS_CODES[rejected.kind], str(rejected))
-        logger.info("event=executor_resume_requested address=%s peer=%s", request.address, context.peer())
+        logger.info("event=executor_resume_requested address=%r peer=%s", request.address, context.peer())
         return executor_status(lane)

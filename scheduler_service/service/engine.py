@@ -31,6 +31,7 @@ logger = logging.getLogger(__name__)
 # A request whose executor is lost this many times while it runs is failed rather than retried:
 # it may be what brings executors down.
 MAX_EXECUTOR_LOSSES = 3
+DRAINING_MESSAGE = "this scheduler is shutting down and takes no new requests; retry on another"
 
 
 @dataclass(slots=True, frozen=True)
@@ -74,6 +75,8 @@ class Engine:
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._first_up = asyncio.Event()
         self._serving = False
+        # Set on shutdown: new requests are refused while the ones in flight finish.
+        self.draining = False
         # Since start, over every lane and every planner a lane had (a lost executor's planner
         # goes with it).
         self.num_preemptions = 0
@@ -144,6 +147,8 @@ class Engine:
 
     def submit(self, request: Request) -> OutputStream:
         info = self.info
+        if self.draining:
+            raise RequestRejected(ErrorKind.UNAVAILABLE, DRAINING_MESSAGE)
         if info is None:
             raise EngineUnavailable("no executor has been reached yet")
         if self._find(request.request_id) is not None:

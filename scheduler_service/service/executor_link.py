@@ -15,6 +15,7 @@ import grpc
 from protos.limits import MAX_MESSAGE_BYTES
 from protos.splitserve.executor.v1 import executor_pb2 as pb
 from protos.splitserve.executor.v1 import executor_pb2_grpc
+from protos.transport_security import ClientTls
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +47,7 @@ class ExecutorLink:
         self,
         address: str,
         scheduler_id: str,
-        credentials: grpc.ChannelCredentials | None = None,
+        tls: ClientTls | None = None,
     ) -> None:
         self.address = address
         self.scheduler_id = scheduler_id
@@ -55,11 +56,10 @@ class ExecutorLink:
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
             *KEEPALIVE_OPTIONS,
         ]
-        self._channel = (
-            grpc.aio.secure_channel(address, credentials, options)
-            if credentials
-            else grpc.aio.insecure_channel(address, options)
-        )
+        if tls is None:
+            self._channel = grpc.aio.insecure_channel(address, options)
+        else:
+            self._channel = grpc.aio.secure_channel(address, tls.credentials(), options + tls.channel_options())
         self._stub = executor_pb2_grpc.ExecutorStub(self._channel)
         self._call: grpc.aio.StreamStreamCall | None = None
 

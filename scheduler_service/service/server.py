@@ -1,16 +1,20 @@
 """Runs the scheduler service: the Generation API, health, reflection, metrics, the engine."""
 
 import asyncio
+import functools
 import logging
 import signal
 import socket
-from dataclasses import dataclass
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
 
+from protos.health_port import start_health_port
 from protos.limits import MAX_MESSAGE_BYTES
 from protos.splitserve.v1 import (
     admin_pb2,
@@ -18,11 +22,17 @@ from protos.splitserve.v1 import (
     generation_pb2,
     generation_pb2_grpc,
 )
+from protos.transport_security import ClientTls, ServerTls
 from scheduler_service.service.admin_servicer import AdminServicer
+from scheduler_service.service.api_keys import ApiKeyInterceptor
 from scheduler_service.service.discovery import DEFAULT_RESOLVE_INTERVAL_S, discover
 from scheduler_service.service.engine import Engine, EngineOptions
+from scheduler_service.service.executor_link import ExecutorLink
 from scheduler_service.service.gc_tuning import tune_gc
+from scheduler_service.service.intake_limits import IntakeLimits
+from scheduler_service.service.message_parsing import MessageParsingInterceptor
 from scheduler_service.service.metrics import SchedulerMetrics
+from scheduler_service.service.request_intake import Intake
 from scheduler_service.service.servicer import GenerationServicer
 from scheduler_service.text.tokenizer import TextProcessor
 
@@ -31,6 +41,9 @@ logger = logging.getLogger(__name__)
 SERVICE_NAME = generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
 ADMIN_SERVICE_NAME = admin_pb2.DESCRIPTOR.services_by_name["Admin"].full_name
 SHUTDOWN_GRACE_S = 5.0
+# Under Kubernetes' default 30 s termination grace, with room to stop after the drain.
+DEFAULT_DRAIN_TIMEOUT_S = 25.0
+DRAIN_POLL_S = 0.05
 
 
 @dataclass(slots=True, frozen=True)
@@ -45,6 +58,17 @@ class ServerSettings:
     # Presented to executors on Execute; default HOSTNAME:PORT (the bound port).
     scheduler_id: str | None = None
     resolve_interval_s: float = DEFAULT_RESOLVE_INTERVAL_S
+    limits: IntakeLimits = field(default_factory=IntakeLimits)
+    # TLS on the client API.
+    tls: ServerTls | None = None
+    # Bearer tokens a client must present (None: no token needed).
+    api_keys: tuple[bytes, ...] | None = None
+    # TLS to the executors (mutual when it holds a certificate).
+    executor_tls: ClientTls | None = None
+    # Plaintext grpc.health.v1-only port for probes.
+    health_port: int | None = None
+    # On SIGTERM, seconds the requests in flight get to finish before they are aborted.
+    drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S
 
 
 async def serve(settings: ServerSettings) -> int:
@@ -57,17 +81,28 @@ async def serve(settings: ServerSettings) -> int:
     health_updates: set[asyncio.Task[None]] = set()
 
     def report_serving(up: bool) -> None:
-        status = health_pb2.HealthCheckResponse.SERVING if up else health_pb2.HealthCheckResponse.NOT_SERVING
+        serving = up and not engine.draining
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
         for name in ("", SERVICE_NAME):
             task = asyncio.get_running_loop().create_task(health_servicer.set(name, status))
             health_updates.add(task)
             task.add_done_callback(health_updates.discard)
 
-    engine = Engine("", settings.text, settings.options, metrics, report_serving)
+    link_factory = functools.partial(ExecutorLink, tls=settings.executor_tls)
+    engine = Engine("", settings.text, settings.options, metrics, report_serving, link_factory)
+    intake = Intake(settings.text, settings.limits)
+    interceptors: list[grpc.aio.ServerInterceptor] = [MessageParsingInterceptor()]
+    if settings.api_keys is not None:
+        # First in the chain: an unauthenticated call is refused before its request is parsed.
+        interceptors.insert(0, ApiKeyInterceptor(settings.api_keys))
+    receive_limit = settings.limits.receive_limit_bytes()
     server = grpc.aio.server(
+        interceptors=interceptors,
         options=[
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+            # What the intake caps allow and no more: a bigger message is refused by gRPC from
+            # its length prefix, before it is buffered.
+            ("grpc.max_receive_message_length", receive_limit),
             # A second copy on a taken port must fail to bind, not silently share it.
             ("grpc.so_reuseport", 0),
             # Calls that arrived while the event loop was busy wait in grpc's backlog until the
@@ -78,7 +113,7 @@ async def serve(settings: ServerSettings) -> int:
             ("grpc.server.max_pending_requests_hard_limit", 2 * settings.options.max_waiting),
         ]
     )
-    generation_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(engine), server)
+    generation_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(engine, intake), server)
     admin_pb2_grpc.add_AdminServicer_to_server(AdminServicer(engine), server)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
@@ -92,8 +127,16 @@ async def serve(settings: ServerSettings) -> int:
     )
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
-    port = server.add_insecure_port(f"{settings.host}:{settings.port}")
+    address = f"{settings.host}:{settings.port}"
+    if settings.tls is None:
+        port = server.add_insecure_port(address)
+    else:
+        port = server.add_secure_port(address, settings.tls.credentials())
     await server.start()
+    health_server = None
+    if settings.health_port is not None:
+        health_server, health_port = await start_health_port(health_servicer, settings.host, settings.health_port)
+        logger.info("event=health_port_listening address=%s:%d", settings.host, health_port)
     if settings.metrics_port is not None:
         start_http_server(settings.metrics_port, addr=settings.host, registry=metrics.registry)
 
@@ -104,8 +147,13 @@ async def serve(settings: ServerSettings) -> int:
     engine.scheduler_id = settings.scheduler_id or f"{socket.gethostname()}:{port}"
     executors = ",".join(settings.executors)
     logger.info(
-        "event=scheduler_listening address=%s:%d port=%d executors=%s scheduler_id=%s",
+        "event=scheduler_listening address=%s:%d port=%d executors=%s scheduler_id=%s tls=%s "
+        "api_keys=%s executor_tls=%s receive_limit_bytes=%d",
         settings.host, port, port, executors, engine.scheduler_id,
+        "on" if settings.tls else "off",
+        len(settings.api_keys) if settings.api_keys else "off",
+        "off" if settings.executor_tls is None else "mutual" if settings.executor_tls.cert else "server",
+        receive_limit,
     )
 
     async def connect_then_run() -> None:
@@ -133,11 +181,33 @@ async def serve(settings: ServerSettings) -> int:
     failed = runner.done() and runner.exception() is not None
     if failed:
         logger.error("event=engine_failed error=%r", runner.exception())
+    else:
+        await drain(engine, runner, report_serving, settings.drain_timeout_s)
     logger.info("event=scheduler_stopping")
     engine.abort_all()
     await server.stop(SHUTDOWN_GRACE_S)
+    if health_server is not None:
+        await health_server.stop(None)
     runner.cancel()
     waiter.cancel()
+    intake.close()
     await engine.close()
     logger.info("event=scheduler_stopped")
     return 1 if failed else 0
+
+
+async def drain(
+    engine: Engine, runner: asyncio.Task[None], report_serving: Callable[[bool], None], timeout_s: float
+) -> None:
+    """What a supervisor's SIGTERM asks for: health NOT_SERVING (load balancers stop sending),
+    new requests refused with UNAVAILABLE, those in flight run to their end for up to
+    timeout_s. Whatever is left is aborted by the caller."""
+    engine.draining = True
+    report_serving(False)
+    deadline = time.monotonic() + timeout_s
+    in_flight = engine.num_waiting + engine.num_running
+    logger.info("event=scheduler_draining in_flight=%d timeout_s=%.1f", in_flight, timeout_s)
+    while in_flight and time.monotonic() < deadline and not runner.done():
+        await asyncio.sleep(DRAIN_POLL_S)
+        in_flight = engine.num_waiting + engine.num_running
+    logger.info("event=scheduler_drained left=%d", in_flight)

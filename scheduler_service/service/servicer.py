@@ -9,10 +9,10 @@ from protos.splitserve.executor.v1 import executor_pb2
 from protos.splitserve.v1 import generation_pb2 as pb
 from protos.splitserve.v1 import generation_pb2_grpc
 from scheduler_service.core.errors import ErrorKind, RequestError, RequestRejected
-from scheduler_service.service.engine import Engine
+from scheduler_service.service.engine import DRAINING_MESSAGE, Engine
 from scheduler_service.service.executor_status import executor_status
 from scheduler_service.service.output_stream import OutputStream
-from scheduler_service.service.request_intake import build_request, prompt_token_ids
+from scheduler_service.service.request_intake import Intake
 from scheduler_service.service.status_codes import STATUS_CODES
 
 logger = logging.getLogger(__name__)
@@ -20,18 +20,27 @@ logger = logging.getLogger(__name__)
 
 
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, intake: Intake) -> None:
         self.engine = engine
+        self.intake = intake
 
     async def Generate(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:
-        info = await self._require_info(context)
         try:
-            scheduled = build_request(request, self.engine.text, info.vocab_size, info.max_logprobs)
-            stream = self.engine.submit(scheduled)
+            stream = await self._submit(request)
         except RequestRejected as rejected:
-            await context.abort(STATUS_CODES[rejected.kind], str(rejected))
+            refusal: RequestError | None = RequestError(rejected.kind, str(rejected))
+        else:
+            refusal = None
+        # The message (up to the receive limit) is dropped before any abort: grpc keeps an
+        # aborted call's frames in reference cycles, freed only when the collector next runs,
+        # and this frame would keep the message with them. An admitted prompt lives on in the
+        # scheduler's request, so the message need not live as long as the stream either.
+        del request
+        if refusal is not None:
+            await context.abort(STATUS_CODES[refusal.kind], refusal.message)
+        scheduled = stream.request
         logger.info(
             "event=request_received request_id=%s prompt_tokens=%d priority=%d",
             scheduled.request_id, scheduled.num_prompt_tokens, scheduled.priority,
@@ -54,6 +63,13 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             request_done.num_output_tokens,
         )
 
+    async def _submit(self, request: pb.GenerateRequest) -> OutputStream:
+        """The new request's output stream; RequestRejected saying why it cannot run."""
+        if self.engine.draining:
+            raise RequestRejected(ErrorKind.UNAVAILABLE, DRAINING_MESSAGE)
+        info = self._info()
+        return self.engine.submit(await self.intake.generate_request(request, info))
+
     def _cancel(self, stream: OutputStream) -> None:
         if self.engine.cancel(stream):
             logger.info("event=request_cancelled request_id=%s", stream.request.request_id)
@@ -62,10 +78,15 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         return pb.AbortResponse(found=self.engine.abort(request.request_id))
 
     async def Tokenize(self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext) -> pb.TokenizeResponse:
+        info = self.engine.info
         try:
-            ids = prompt_token_ids(request, self.engine.text, "input")
+            ids = await self.intake.token_ids(request, info.max_model_len if info else None)
         except RequestRejected as rejected:
-            await context.abort(STATUS_CODES[rejected.kind], str(rejected))
+            refusal: RequestError | None = RequestError(rejected.kind, str(rejected))
+        else:
+            refusal = None
+        if refusal is not None:
+            await context.abort(STATUS_CODES[refusal.kind], refusal.message)
         pieces = self.engine.text.token_pieces(ids) if self.engine.text else []
         return pb.TokenizeResponse(token_ids=ids, tokens=pieces)
 
@@ -111,10 +132,14 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         return status
 
     async def _require_info(self, context: grpc.aio.ServicerContext) -> executor_pb2.ExecutorInfo:
+        try:
+            return self._info()
+        except RequestRejected as rejected:
+            refusal = RequestError(rejected.kind, str(rejected))
+        await context.abort(STATUS_CODES[refusal.kind], refusal.message)
+
+    def _info(self) -> executor_pb2.ExecutorInfo:
         if self.engine.info is None:
             addresses = ", ".join(sorted(self.engine.lanes)) or "none configured"
-            await context.abort(
-                STATUS_CODES[ErrorKind.UNAVAILABLE],
-                f"no executor has been reached yet ({addresses})",
-            )
+            raise RequestRejected(ErrorKind.UNAVAILABLE, f"no executor has been reached yet ({addresses})")
         return self.engine.info

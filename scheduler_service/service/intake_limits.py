@@ -1,0 +1,130 @@
+"""Caps on what one client request may carry, checked on the parsed message before any
+tokenizing, hashing or copying, so an oversized request costs its sender, not the server.
+
+Each cap is a flag (scheduler_service/__main__.py). gRPC's receive limit is derived from them:
+a message larger than any request the caps allow is refused by gRPC as soon as its length
+prefix is read (RESOURCE_EXHAUSTED), never buffered whole.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from protos.splitserve.v1 import generation_pb2 as pb
+from scheduler_service.core.errors import ErrorKind, RequestRejected
+
+# Printable ASCII without spaces: safe in key=value log lines and in any HTTP header.
+REQUEST_ID_PATTERN = re.compile(r"[!-~]+")
+# Worst-case bytes of one token id on the wire (a uint32 varint).
+TOKEN_ID_WIRE_BYTES = 5
+# Field tags, lengths and the sampling message: generous room beside the capped fields.
+ENVELOPE_BYTES = 64 << 10
+# Framing of one chat message beside its content (tags, lengths, a role name).
+CHAT_MESSAGE_OVERHEAD_BYTES = 64
+
+
+@dataclass(slots=True, frozen=True)
+class IntakeLimits:
+    # UTF-8 bytes of a text prompt, or of all chat contents together.
+    max_prompt_bytes: int = 1 << 20
+    # Token ids of a token-id prompt (also capped by the model's maximum length).
+    max_prompt_tokens: int = 262_144
+    max_request_id_chars: int = 128
+    max_cache_salt_bytes: int = 256
+    max_stop_strings: int = 16
+    max_stop_bytes: int = 1024
+    max_stop_token_ids: int = 256
+    max_chat_messages: int = 512
+    # Roles a chat message may have; the chat template renders any string it is given, so
+    # an unknown role would be written into the prompt verbatim.
+    chat_roles: frozenset[str] = frozenset({"system", "user", "assistant", "tool"})
+
+    def receive_limit_bytes(self) -> int:
+        """The largest GenerateRequest these caps allow, with room for its framing."""
+        prompt = max(
+            self.max_prompt_bytes + self.max_chat_messages * CHAT_MESSAGE_OVERHEAD_BYTES,
+            self.max_prompt_tokens * TOKEN_ID_WIRE_BYTES,
+        )
+        stops = self.max_stop_strings * (self.max_stop_bytes + 8) + self.max_stop_token_ids * TOKEN_ID_WIRE_BYTES
+        return ENVELOPE_BYTES + prompt + stops + self.max_request_id_chars + self.max_cache_salt_bytes
+
+
+def check_generate(message: pb.GenerateRequest, limits: IntakeLimits, max_model_len: int) -> None:
+    """RequestRejected (INVALID) naming the first cap the request breaks."""
+    _check_request_id(message.request_id, limits)
+    if _utf8_length_exceeds(message.cache_salt, limits.max_cache_salt_bytes):
+        _reject(f"cache_salt is longer than {limits.max_cache_salt_bytes} bytes")
+    stops = message.sampling.stop
+    if len(stops) > limits.max_stop_strings:
+        _reject(f"{len(stops)} stop strings; at most {limits.max_stop_strings} are allowed")
+    stop_ids = message.sampling.stop_token_ids
+    if len(stop_ids) > limits.max_stop_token_ids:
+        _reject(f"{len(stop_ids)} stop token ids; at most {limits.max_stop_token_ids} are allowed")
+    for stop in stops:
+        if not stop:
+            _reject("a stop string is empty")
+        if _utf8_length_exceeds(stop, limits.max_stop_bytes):
+            _reject(f"a stop string is longer than {limits.max_stop_bytes} bytes")
+    check_prompt(message, "prompt", limits, max_model_len)
+
+
+def check_prompt(
+    message: pb.GenerateRequest | pb.TokenizeRequest,
+    field: str,
+    limits: IntakeLimits,
+    max_model_len: int,
+) -> None:
+    """The prompt's caps (field names the oneof: 'prompt' or 'input')."""
+    kind = message.WhichOneof(field)
+    if kind == "text":
+        if _utf8_length_exceeds(message.text, limits.max_prompt_bytes):
+            _reject(f"the prompt text is longer than {limits.max_prompt_bytes} bytes (--max-prompt-bytes)")
+    elif kind == "token_ids":
+        count = len(message.token_ids.ids)
+        most = min(limits.max_prompt_tokens, max_model_len)
+        if count > most:
+            _reject(
+                f"the prompt has {count} token ids; at most {most} are allowed (the smaller of "
+                f"--max-prompt-tokens and the maximum model length of {max_model_len})"
+            )
+    elif kind == "chat":
+        _check_chat(message.chat, limits)
+
+
+def _check_chat(chat: pb.Chat, limits: IntakeLimits) -> None:
+    if len(chat.messages) > limits.max_chat_messages:
+        _reject(f"the chat has {len(chat.messages)} messages; at most {limits.max_chat_messages} are allowed")
+    budget = limits.max_prompt_bytes
+    for index, turn in enumerate(chat.messages):
+        if turn.role not in limits.chat_roles:
+            shown = turn.role if len(turn.role) <= 32 else turn.role[:32] + "..."
+            _reject(
+                f"chat message {index} has role {shown!r}; the roles allowed are "
+                f"{', '.join(sorted(limits.chat_roles))} (--chat-roles)"
+            )
+        if _utf8_length_exceeds(turn.content, budget):
+            _reject(f"the chat's contents are longer than {limits.max_prompt_bytes} bytes together (--max-prompt-bytes)")
+        budget -= len(turn.content.encode())
+
+
+def _check_request_id(request_id: str, limits: IntakeLimits) -> None:
+    if not request_id:
+        return
+    if len(request_id) > limits.max_request_id_chars:
+        _reject(f"request_id is longer than {limits.max_request_id_chars} characters")
+    if REQUEST_ID_PATTERN.fullmatch(request_id) is None:
+        _reject("request_id may hold only printable ASCII characters without spaces")
+
+
+def _utf8_length_exceeds(text: str, limit: int) -> bool:
+    # A character takes 1 to 4 bytes: most texts are judged by length alone, without encoding.
+    if len(text) > limit:
+        return True
+    if 4 * len(text) <= limit:
+        return False
+    return len(text.encode()) > limit
+
+
+def _reject(message: str) -> None:
+    raise RequestRejected(ErrorKind.INVALID, message)
