@@ -6,17 +6,25 @@ executors own the model.
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
+import re
+import secrets
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from tokenizers import Tokenizer
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 logger = logging.getLogger(__name__)
 
 # A chat turn as a (role, content) pair or as {"role": ..., "content": ...}.
 ChatTurn = tuple[str, str] | Mapping[str, str]
+
+
+class ChatContentError(ValueError):
+    """A chat that cannot be tokenized without letting its messages write control tokens."""
 
 
 class TextProcessor:
@@ -30,6 +38,13 @@ class TextProcessor:
         if tokenizer.eos_token_id is not None:
             eos.add(tokenizer.eos_token_id)
         self._eos_token_ids = tuple(sorted(eos))
+        added = {i: t.content for i, t in tokenizer.added_tokens_decoder.items() if t.special}
+        self._special_ids = frozenset(added).union(tokenizer.all_special_ids)
+        # Longest first, so that a special token containing another one is matched whole.
+        specials = set(added.values()).union(tokenizer.all_special_tokens)
+        by_length = sorted(specials, key=len, reverse=True)
+        self._special_text = re.compile("|".join(map(re.escape, by_length)) or "(?!)")
+        self._plain_backend = _plain_text_backend(tokenizer)
 
     @classmethod
     def from_pretrained(cls, tokenizer_dir: str | Path) -> TextProcessor:
@@ -71,17 +86,95 @@ class TextProcessor:
         """Token ids of a conversation rendered with the chat template.
 
         The template writes its own special tokens (BOS included where the model wants one), so
-        the rendered text is encoded without adding more.
+        the rendered text is encoded without adding more. Special-token strings that a client
+        writes in a message's content are encoded as plain text: they could otherwise end a
+        turn and forge the next one.
         """
         if not self.has_chat_template:
             raise ValueError("the tokenizer has no chat template")
         conversation = [_as_dict(turn) for turn in messages]
+        if any(self._special_text.search(turn["role"]) for turn in conversation):
+            raise ChatContentError("a message role contains a special token")
+        if any(self._special_text.search(turn["content"]) for turn in conversation):
+            return self._encode_chat_quoting_specials(conversation, add_generation_prompt)
+        rendered = self._render_chat(conversation, add_generation_prompt)
+        return list(self._tokenizer.encode(rendered, add_special_tokens=False))
+
+    def _encode_chat_quoting_specials(
+        self, conversation: list[dict[str, str]], add_generation_prompt: bool
+    ) -> list[int]:
+        """encode_chat for contents that hold special-token strings.
+
+        Before rendering, each such string is swapped for a stand-in: a random key the client
+        cannot guess, in hex digits, which the filters templates apply to text (trim, escape,
+        tojson) leave whole and which cannot hold or complete a special token (those are spelled
+        with punctuation). Every special token in the rendered text was therefore written by the
+        template, and whatever the template does with a content (trim it, drop it, repeat it), a
+        stand-in stays one client's string. The tokenizer splits its input at special tokens
+        before it normalizes or merges anything, so each stretch between two of them is encoded
+        on its own anyway: the stretches holding a stand-in are encoded again with the client's
+        strings put back and special-token parsing off; the others keep the ids they get without
+        stand-ins. (SentencePiece tokenizers that mark only the start of the whole text with a
+        space also mark a re-encoded stretch: a text difference, never a special token.)
+        """
+        plain = self._plain_backend
+        if plain is None:
+            raise ChatContentError(
+                "messages contain special tokens, which this tokenizer cannot encode as text"
+            )
+        key = secrets.token_hex(16)
+        originals: dict[str, str] = {}
+
+        def stand_in(match: re.Match[str]) -> str:
+            name = f"{key}{len(originals)}{key}"
+            originals[name] = match.group()
+            return name
+
+        marked = [
+            {"role": turn["role"], "content": self._special_text.sub(stand_in, turn["content"])}
+            for turn in conversation
+        ]
+        rendered = self._render_chat(marked, add_generation_prompt)
+        stand_ins = re.compile(f"{key}\\d+{key}")
+        found = stand_ins.findall(rendered)
+        if rendered.count(key) != 2 * len(found) or not originals.keys() >= set(found):
+            # The template cut or rewrote a stand-in: refuse rather than guess what it held.
+            raise ChatContentError(
+                "the chat template rewrites message contents that hold special tokens"
+            )
+
+        def stretch(start: int, end: int, encoded: list[int]) -> list[int]:
+            text = rendered[start:end]
+            if key not in text:
+                return encoded
+            text = stand_ins.sub(lambda match: originals[match.group()], text)
+            quoted = plain.encode(text, add_special_tokens=False).ids
+            if not self._special_ids.isdisjoint(quoted):
+                # A vocabulary that merges plain text into a special token: no way to quote it.
+                raise ChatContentError("a message holds a special token the tokenizer cannot quote")
+            return quoted
+
+        encoding = self._tokenizer(rendered, add_special_tokens=False, return_offsets_mapping=True)
+        ids: list[int] = []
+        pending: list[int] = []
+        pending_start = 0
+        for token_id, (start, end) in zip(encoding["input_ids"], encoding["offset_mapping"]):
+            if token_id not in self._special_ids:
+                pending.append(token_id)
+                continue
+            # A special token's offsets include the whitespace it strips (lstrip, rstrip).
+            ids += stretch(pending_start, start, pending)
+            ids.append(token_id)
+            pending, pending_start = [], end
+        return ids + stretch(pending_start, len(rendered), pending)
+
+    def _render_chat(self, conversation: list[dict[str, str]], add_generation_prompt: bool) -> str:
         rendered = self._tokenizer.apply_chat_template(
             conversation, add_generation_prompt=add_generation_prompt, tokenize=False
         )
         if not isinstance(rendered, str):
             raise TypeError(f"chat template rendered {type(rendered).__name__}, expected str")
-        return list(self._tokenizer.encode(rendered, add_special_tokens=False))
+        return rendered
 
     def token_pieces(self, ids: Sequence[int]) -> list[str]:
         """Each id's vocabulary entry (byte-level tokenizers show bytes as symbols, e.g. 'Ġ')."""
@@ -96,6 +189,22 @@ def _as_dict(turn: ChatTurn) -> dict[str, str]:
         role, content = turn
         return {"role": role, "content": content}
     return {"role": turn["role"], "content": turn["content"]}
+
+
+def _plain_text_backend(tokenizer: PreTrainedTokenizerBase) -> Tokenizer | None:
+    """A copy of a fast tokenizer's backend that encodes special-token strings as text.
+
+    A copy of its own, since split_special_tokens=True sets a flag on the shared backend for
+    the length of a call, and a call on another thread can set it back meanwhile.
+    """
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if not isinstance(backend, Tokenizer):
+        return None
+    plain = copy.deepcopy(backend)
+    plain.encode_special_tokens = True
+    plain.no_truncation()
+    plain.no_padding()
+    return plain
 
 
 def _generation_eos_ids(folder: Path) -> list[int]:
