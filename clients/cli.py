@@ -18,6 +18,10 @@ from clients.request_builder import GenerateOptions
 from clients.sync_client import Client
 
 logger = logging.getLogger("clients.cli")
+API_KEY_ENV = "SPLITSERVE_API_KEY"
+# A bound a person at a terminal wants: a chat answer of a few paragraphs. Without one a request
+# may run to the model's maximum length (8,192 tokens for the default model).
+DEFAULT_MAX_TOKENS = 256
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -29,11 +33,18 @@ def build_parser() -> argparse.ArgumentParser:
     _add_server(generate)
     generate.add_argument("prompt")
     generate.add_argument("--chat", action="store_true", help="send the prompt as a user turn")
-    generate.add_argument("--max-tokens", type=int)
-    generate.add_argument("--temperature", type=float)
-    generate.add_argument("--top-p", type=float)
-    generate.add_argument("--top-k", type=int)
-    generate.add_argument("--seed", type=int)
+    generate.add_argument(
+        "--max-tokens",
+        type=int,
+        default=DEFAULT_MAX_TOKENS,
+        help="most tokens to generate (default: %(default)s; 0 leaves it to the server, which "
+        "runs to the model's maximum length unless its generation config sets a limit)",
+    )
+    sampling = "default: the server's, from the model's generation_config.json (see `status`)"
+    generate.add_argument("--temperature", type=float, help=f"0 is greedy ({sampling})")
+    generate.add_argument("--top-p", type=float, help=sampling)
+    generate.add_argument("--top-k", type=int, help=sampling)
+    generate.add_argument("--seed", type=int, help="same seed, same tokens (default: random)")
     generate.add_argument("--stop", action="append", help="stop string (repeatable)")
 
     tokenize = commands.add_parser("tokenize", help="print the token ids of a text")
@@ -46,7 +57,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-API_KEY_ENV = "SPLITSERVE_API_KEY"
 
 
 def _add_server(parser: argparse.ArgumentParser) -> None:
@@ -106,7 +116,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _generate(client: Client, args: argparse.Namespace) -> int:
     options: GenerateOptions = {
-        "max_tokens": args.max_tokens,
+        "max_tokens": args.max_tokens or None,
         "temperature": args.temperature,
         "top_p": args.top_p,
         "top_k": args.top_k,

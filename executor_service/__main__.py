@@ -13,6 +13,7 @@ from executor_service.paged_attention import BACKENDS, BackendUnavailable
 from executor_service.server import ServeOptions, serve
 from executor_service.settings import (
     DEFAULT_BLOCK_SIZE,
+    DEFAULT_DRAIN_TIMEOUT_S,
     DEFAULT_LEASE_TIMEOUT_S,
     ExecutorSettings,
     parse_size,
@@ -84,13 +85,20 @@ def parse_args(argv: list[str] | None) -> ExecutorSettings:
         help="also serve grpc.health.v1 alone, in plaintext, on this port (for probes that cannot "
         "do TLS)",
     )
+    parser.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=DEFAULT_DRAIN_TIMEOUT_S,
+        help="seconds after SIGTERM for the scheduler to finish the requests running here and "
+        "end its stream; what still runs then is recomputed by the scheduler elsewhere",
+    )
     args = parser.parse_args(argv)
     try:
         tls = server_tls(args.tls_cert, args.tls_key, args.tls_client_ca)
-        if tls is not None:
-            tls.credentials()
     except TlsConfigError as error:
         parser.error(str(error))
+    if args.drain_timeout < 0:
+        parser.error("--drain-timeout must be >= 0")
     if args.block_size <= 0:
         parser.error("--block-size must be > 0")
     if args.num_kv_blocks is not None and args.num_kv_blocks <= 0:
@@ -114,6 +122,7 @@ def parse_args(argv: list[str] | None) -> ExecutorSettings:
         packed_linear=args.packed_linear,
         tls=tls,
         health_port=args.health_port,
+        drain_timeout_s=args.drain_timeout,
     )
 
 
@@ -140,6 +149,7 @@ def main(argv: list[str] | None = None) -> int:
         lease_timeout_s=settings.lease_timeout_s,
         tls=settings.tls,
         health_port=settings.health_port,
+        drain_timeout_s=settings.drain_timeout_s,
     )
     asyncio.run(serve(executor, options))
     return 0

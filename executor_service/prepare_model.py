@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import copy
 import importlib.util
+import json
 import logging
 import os
 import shutil
@@ -30,6 +31,10 @@ GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 EOS_TOKEN_ID = 2
 # Written last inside the temp folder: its presence means every other file is complete.
 COMPLETE_MARKER = ".complete"
+# The model card's recommended sampling (HuggingFaceTB/SmolLM2-135M-Instruct): a 135M model
+# rambles at temperature 1. Servers read it as the default for requests that leave it unset.
+RECOMMENDED_SAMPLING = {"do_sample": True, "temperature": 0.2, "top_p": 0.9}
+GENERATION_CONFIG = "generation_config.json"
 
 
 def default_cache_dir() -> Path:
@@ -67,6 +72,7 @@ def prepare_model(cache_dir: Path | str | None = None) -> Path:
     target = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     if is_prepared(target):
         logger.info("model already prepared at %s", target)
+        add_recommended_sampling(target)
         return target
     gguf_dir, gguf_file = gguf_location()
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -82,6 +88,25 @@ def prepare_model(cache_dir: Path | str | None = None) -> Path:
             shutil.rmtree(tmp, ignore_errors=True)
     logger.info("model prepared at %s", target)
     return target
+
+
+def add_recommended_sampling(folder: Path) -> None:
+    """Adds the recommended sampling to a folder prepared before it was written there,
+    leaving every other setting as it is; the file is replaced whole, never half-written."""
+    path = folder / GENERATION_CONFIG
+    config = json.loads(path.read_text())
+    if all(key in config for key in RECOMMENDED_SAMPLING):
+        return
+    config = {**config, **RECOMMENDED_SAMPLING}
+    tmp = path.with_name(f".{GENERATION_CONFIG}.tmp")
+    try:
+        tmp.write_text(json.dumps(config, indent=2) + "\n")
+        os.replace(tmp, path)
+    except OSError as error:
+        # A read-only copy still serves; its requests get the built-in defaults.
+        logger.warning("cannot add the recommended sampling to %s: %s", path, error)
+        return
+    logger.info("added the recommended sampling %s to %s", RECOMMENDED_SAMPLING, path)
 
 
 def _move_into_place(tmp: Path, target: Path) -> None:
@@ -133,6 +158,7 @@ def _build(gguf_dir: Path, gguf_file: str, out: Path) -> None:
         bos_token_id=config.bos_token_id,
         eos_token_id=EOS_TOKEN_ID,
         pad_token_id=config.pad_token_id,
+        **RECOMMENDED_SAMPLING,
     )
     model.save_pretrained(out, safe_serialization=True)
     # The GGUF tokenizer reports no length limit; the model's position table is the real one.

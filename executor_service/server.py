@@ -17,6 +17,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from executor_service.settings import DEFAULT_DRAIN_TIMEOUT_S
 from protos.health_port import start_health_port
 from protos.limits import MAX_MESSAGE_BYTES
 from protos.splitserve.executor.v1 import executor_pb2, executor_pb2_grpc
@@ -57,8 +58,9 @@ KEEPALIVE_OPTIONS = [
     ("grpc.http2.min_recv_ping_interval_without_data_ms", 5_000),
     ("grpc.http2.max_ping_strikes", 0),
 ]
-# Seconds in-flight calls get to finish after SIGTERM.
+# Seconds in-flight calls get to finish once the drain is over.
 SHUTDOWN_GRACE_S = 5.0
+DRAINING_MESSAGE = "this executor is shutting down and takes no new plan streams"
 
 
 @dataclass(slots=True, frozen=True)
@@ -112,6 +114,11 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
         self._lease_timeout_s = lease_timeout_s
         self._active: _Stream | None = None
         self._stream_numbers = itertools.count(1)
+        # Set by SIGTERM: results tell the holder, and no new stream is taken.
+        self.draining = False
+        # Set whenever no stream is active, so a drain can wait for the holder's to end.
+        self.no_stream = asyncio.Event()
+        self.no_stream.set()
 
     async def Describe(
         self, request: executor_pb2.DescribeRequest, context: grpc.aio.ServicerContext
@@ -128,6 +135,8 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
         holder = peer_certificate_name(context) or dict(context.invocation_metadata() or ()).get(
             SCHEDULER_ID_METADATA, ""
         )
+        if self.draining:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, DRAINING_MESSAGE)
         refusal = self._refusal(holder)
         if refusal is not None:
             logger.warning("event=stream_refused holder=%r peer=%s reason=%r", holder, context.peer(), refusal)
@@ -146,6 +155,7 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
                     break
                 if result is None or stream.ending is not None:
                     break
+                result.draining = self.draining
                 yield result
             if stream.ending is not None:
                 await context.abort(stream.ending.code, stream.ending.message)
@@ -153,6 +163,7 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
             reader.cancel()
             if self._active is stream:
                 self._active = None
+                self.no_stream.set()
 
     def _refusal(self, holder: str) -> str | None:
         """Why a stream from `holder` may not take the executor now, or None."""
@@ -172,6 +183,7 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
         opens a stream starts over and resends every request it wants run."""
         stream = _Stream(number=next(self._stream_numbers), holder=holder)
         previous, self._active = self._active, stream
+        self.no_stream.clear()
         if previous is not None:
             previous.end(_SUPERSEDED)
             logger.info(
@@ -235,10 +247,13 @@ class ServeOptions:
     tls: ServerTls | None = None
     # Plaintext port serving only grpc.health.v1, for probes that cannot do (mutual) TLS.
     health_port: int | None = None
+    drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S
 
 
 async def serve(executor: ServedExecutor, options: ServeOptions) -> None:
-    """Serves until SIGTERM or SIGINT, then drains in-flight calls and stops."""
+    """Serves until SIGTERM or SIGINT, then drains (health NOT_SERVING, new plan streams
+    refused, the holder told by its results so it finishes what runs here and ends its stream)
+    and stops."""
     host, port = options.host, options.port
     worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="executor-step")
     server = grpc.aio.server(
@@ -289,13 +304,25 @@ async def serve(executor: ServedExecutor, options: ServeOptions) -> None:
         info.block_size,
         info.attention_backend,
         info.incarnation_id,
-        "off" if options.tls is None else "mutual" if options.tls.client_ca else "server",
+        "off" if options.tls is None else "mutual" if options.tls.mutual else "server",
     )
     await stop.wait()
-    logger.info("event=executor_stopping grace_s=%.1f", SHUTDOWN_GRACE_S)
     await health_servicer.enter_graceful_shutdown()
+    await drain(servicer, options.drain_timeout_s)
     await server.stop(SHUTDOWN_GRACE_S)
     if health_server is not None:
         await health_server.stop(None)
     worker.shutdown(wait=True, cancel_futures=True)
     logger.info("event=executor_stopped")
+
+
+async def drain(servicer: ExecutorServicer, timeout_s: float) -> None:
+    """Waits until the holder's stream ends (its scheduler saw `draining` on a result, moved its
+    queued requests elsewhere and let the running ones finish) or timeout_s passes."""
+    servicer.draining = True
+    logger.info("event=executor_draining holder_stream=%s timeout_s=%.1f", not servicer.no_stream.is_set(), timeout_s)
+    try:
+        await asyncio.wait_for(servicer.no_stream.wait(), timeout_s)
+        logger.info("event=executor_drained")
+    except TimeoutError:
+        logger.warning("event=executor_drain_timed_out timeout_s=%.1f", timeout_s)

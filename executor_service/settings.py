@@ -21,6 +21,9 @@ DEFAULT_PROFILE_TOKENS = 2048
 # never loses its hold; short enough that one that vanished without its stream ending (a
 # partition) frees the executor for another within a minute.
 DEFAULT_LEASE_TIMEOUT_S = 30.0
+# Seconds the holder's stream gets after SIGTERM to finish its requests and end: under
+# Kubernetes' default 30 s termination grace, with room to stop after it.
+DEFAULT_DRAIN_TIMEOUT_S = 25.0
 
 _SIZE_UNITS = {
     "": 1,
@@ -63,6 +66,7 @@ class ExecutorSettings:
     tls: ServerTls | None = None
     # Plaintext grpc.health.v1-only port for probes.
     health_port: int | None = None
+    drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S
 
 
 def parse_size(text: str) -> int:

@@ -1,5 +1,5 @@
-"""TLS for both services and their clients: PEM files read once at start, the gRPC credentials
-made from them, and the name a peer's verified certificate gives it.
+"""TLS for both services and their clients: PEM files read once at start (a wrong path stops the
+start with a message), the gRPC credentials made from them, and the name a peer's verified certificate gives it.
 
 Both ends of each link use these, so the scheduler, the executor and the client library agree
 on what a flag pair means (a certificate needs its key; a client CA means mutual TLS).
@@ -30,62 +30,83 @@ def read_pem(path: Path, what: str) -> bytes:
 
 @dataclass(slots=True, frozen=True)
 class ServerTls:
-    """A server's certificate and key, and the CA its clients' certificates must chain to
-    (mutual TLS) when set."""
+    """A server's certificate (chain) and key, and the CA its clients' certificates must chain
+    to (mutual TLS) when set; PEM bytes, read from the flags' files at start."""
 
-    cert: Path
-    key: Path
-    client_ca: Path | None = None
+    cert_pem: bytes
+    key_pem: bytes
+    client_ca_pem: bytes | None = None
+
+    @property
+    def mutual(self) -> bool:
+        return self.client_ca_pem is not None
 
     def credentials(self) -> grpc.ServerCredentials:
-        pair = (read_pem(self.key, "TLS key"), read_pem(self.cert, "TLS certificate"))
-        if self.client_ca is None:
+        pair = (self.key_pem, self.cert_pem)
+        if self.client_ca_pem is None:
             return grpc.ssl_server_credentials([pair])
         return grpc.ssl_server_credentials(
-            [pair],
-            root_certificates=read_pem(self.client_ca, "client CA"),
-            require_client_auth=True,
+            [pair], root_certificates=self.client_ca_pem, require_client_auth=True
         )
 
 
 def server_tls(
     cert: Path | None, key: Path | None, client_ca: Path | None = None
 ) -> ServerTls | None:
-    """ServerTls from the --tls-cert/--tls-key/--tls-client-ca flags; None when all are unset."""
+    """ServerTls from the --tls-cert/--tls-key/--tls-client-ca flags, every file read now; None
+    when all are unset."""
     if cert is None and key is None:
         if client_ca is not None:
             raise TlsConfigError("--tls-client-ca needs --tls-cert and --tls-key (mutual TLS is TLS)")
         return None
     if cert is None or key is None:
         raise TlsConfigError("--tls-cert and --tls-key go together")
-    return ServerTls(cert, key, client_ca)
+    return ServerTls(
+        read_pem(cert, "TLS certificate"),
+        read_pem(key, "TLS key"),
+        read_pem(client_ca, "client CA") if client_ca is not None else None,
+    )
 
 
 @dataclass(slots=True, frozen=True)
 class ClientTls:
     """What a client trusts (root CA; None: the system's roots) and, for mutual TLS, the
-    certificate and key it presents."""
+    certificate and key it presents; PEM bytes."""
 
-    ca: Path | None = None
-    cert: Path | None = None
-    key: Path | None = None
+    ca_pem: bytes | None = None
+    cert_pem: bytes | None = None
+    key_pem: bytes | None = None
     # Name the server's certificate must carry, when it is not the host being dialled (an IP
     # found by DNS discovery, say).
     server_name: str | None = None
 
     def __post_init__(self) -> None:
-        if (self.cert is None) != (self.key is None):
+        if (self.cert_pem is None) != (self.key_pem is None):
             raise TlsConfigError("a client certificate and its key go together")
+
+    @property
+    def mutual(self) -> bool:
+        return self.cert_pem is not None
 
     def credentials(self) -> grpc.ChannelCredentials:
         return grpc.ssl_channel_credentials(
-            root_certificates=read_pem(self.ca, "CA certificate") if self.ca else None,
-            private_key=read_pem(self.key, "client key") if self.key else None,
-            certificate_chain=read_pem(self.cert, "client certificate") if self.cert else None,
+            root_certificates=self.ca_pem, private_key=self.key_pem, certificate_chain=self.cert_pem
         )
 
     def channel_options(self) -> list[tuple[str, str]]:
         return [("grpc.ssl_target_name_override", self.server_name)] if self.server_name else []
+
+
+def client_tls(
+    ca: Path | None, cert: Path | None = None, key: Path | None = None, server_name: str | None = None
+) -> ClientTls:
+    """ClientTls from files, every one read now."""
+    return ClientTls(
+        read_pem(ca, "CA certificate") if ca is not None else None,
+        read_pem(cert, "client certificate") if cert is not None else None,
+        read_pem(key, "client key") if key is not None else None,
+        server_name,
+    )
 
 
 def peer_certificate_name(context: grpc.aio.ServicerContext) -> str | None:

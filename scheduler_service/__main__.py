@@ -7,9 +7,16 @@ import logging
 import sys
 from pathlib import Path
 
-from protos.transport_security import ClientTls, ServerTls, TlsConfigError, server_tls
+from protos.transport_security import (
+    ClientTls,
+    ServerTls,
+    TlsConfigError,
+    client_tls,
+    server_tls,
+)
 from scheduler_service.core.policy import Policy, StepMode
 from scheduler_service.core.router import DEFAULT_TOKENS_PER_REQUEST
+from scheduler_service.core.sampling_params import SamplingDefaults
 from scheduler_service.service.api_keys import load_api_keys
 from scheduler_service.service.discovery import (
     DEFAULT_RESOLVE_INTERVAL_S,
@@ -28,6 +35,7 @@ from scheduler_service.service.server import (
     ServerSettings,
     serve,
 )
+from scheduler_service.text.generation_config import load_sampling_defaults
 from scheduler_service.text.tokenizer import TextProcessor
 
 logger = logging.getLogger("scheduler_service")
@@ -74,6 +82,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--step-timeout-factor", type=float, default=DEFAULT_STEP_TIMEOUT_FACTOR)
     parser.add_argument("--tokenizer", type=Path, help="tokenizer folder; without it only token-id prompts are accepted")
+    parser.add_argument(
+        "--generation-config",
+        default="auto",
+        metavar="auto|none|DIR",
+        help="sampling defaults for fields a request leaves unset (temperature, top_k, top_p, "
+        "min_p, repetition_penalty, max_tokens): auto reads generation_config.json in the "
+        "--tokenizer folder, DIR the one in DIR; none (or vllm) keeps the built-in ones "
+        "(temperature 1, top_p 1, top_k 0, min_p 0, repetition_penalty 1, max_tokens unset)",
+    )
     parser.add_argument("--max-num-seqs", type=positive, default=256, help="most requests running at once")
     parser.add_argument("--max-num-batched-tokens", type=positive, default=2048, help="most tokens computed per step")
     parser.add_argument("--policy", choices=[p.value for p in Policy], default="fcfs")
@@ -138,19 +155,27 @@ def security_settings(
     """TLS of the client API, its API keys and TLS to executors; every file is read now, so a
     wrong path or a missing half of a pair stops the start with a message."""
     tls = server_tls(args.tls_cert, args.tls_key)
-    if tls is not None:
-        tls.credentials()
     keys = load_api_keys(args.api_key_file) if args.api_key_file else None
     executor_tls = None
     if args.executor_tls_cert or args.executor_tls_key or args.executor_tls_server_name:
         if args.executor_tls_ca is None:
             raise TlsConfigError("--executor-tls-cert/-key/-server-name need --executor-tls-ca")
     if args.executor_tls_ca is not None:
-        executor_tls = ClientTls(
+        executor_tls = client_tls(
             args.executor_tls_ca, args.executor_tls_cert, args.executor_tls_key, args.executor_tls_server_name
         )
-        executor_tls.credentials()
     return tls, keys, executor_tls
+
+
+def sampling_defaults(choice: str, tokenizer: Path | None) -> SamplingDefaults:
+    if choice in ("none", "vllm"):
+        return SamplingDefaults()
+    if choice == "auto":
+        return load_sampling_defaults(tokenizer) if tokenizer is not None else SamplingDefaults()
+    folder = Path(choice)
+    if not folder.is_dir():
+        raise ValueError(f"--generation-config {choice!r} is not auto, none or a folder")
+    return load_sampling_defaults(folder)
 
 
 def intake_limits(args: argparse.Namespace) -> IntakeLimits:
@@ -180,6 +205,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         tls, api_keys, executor_tls = security_settings(args)
         limits = intake_limits(args)
+        defaults = sampling_defaults(args.generation_config, args.tokenizer)
     except ValueError as error:
         logger.error("event=scheduler_refused reason=%r", str(error))
         return 2
@@ -196,6 +222,7 @@ def main(argv: list[str] | None = None) -> int:
         scheduler_id=args.scheduler_id,
         resolve_interval_s=args.resolve_interval,
         limits=limits,
+        sampling_defaults=defaults,
         tls=tls,
         api_keys=api_keys,
         executor_tls=executor_tls,
@@ -215,8 +242,8 @@ def main(argv: list[str] | None = None) -> int:
         ),
     )
     logger.info(
-        "event=scheduler_starting port=%d executors=%s tokenizer=%s",
-        args.port, ",".join(args.executor), args.tokenizer,
+        "event=scheduler_starting port=%d executors=%s tokenizer=%s sampling_defaults=%r",
+        args.port, ",".join(args.executor), args.tokenizer, defaults,
     )
     return asyncio.run(serve(settings))
 

@@ -6,6 +6,33 @@ from protos.sampling_ranges import SAMPLING_RANGES, range_problems
 
 
 @dataclass(slots=True, frozen=True)
+class SamplingDefaults:
+    """What a request gets for each sampling field it leaves unset: the model's
+    generation_config.json where it sets one (text/generation_config.py), else these."""
+
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    max_tokens: int | None = None
+    # Where the values come from, for ModelInfo and the start-up log.
+    source: str = "built-in"
+
+    def problems(self) -> list[str]:
+        """Every value a request could not have, as a sentence."""
+        params = SamplingParams(
+            max_tokens=self.max_tokens,
+            temperature=self.temperature,
+            top_k=self.top_k,
+            top_p=self.top_p,
+            min_p=self.min_p,
+            repetition_penalty=self.repetition_penalty,
+        )
+        return params.problems(vocab_size=0, max_logprobs=0)
+
+
+@dataclass(slots=True, frozen=True)
 class SamplingParams:
     max_tokens: int | None = None
     min_tokens: int = 0

@@ -18,8 +18,10 @@ from typing import IO
 # module wrote them.
 logger = logging.getLogger("scheduler_service.launch")
 
-# The executor drains in-flight calls for 5 s on SIGTERM; a little more before SIGKILL.
-STOP_GRACE_S = 10.0
+# Both services drain on SIGTERM for up to their --drain-timeout (25 s): the scheduler lets its
+# running streams finish, the executor waits for the scheduler's stream to end. A little more
+# before SIGKILL.
+STOP_GRACE_S = 30.0
 POLL_S = 0.05
 # linux/prctl.h
 PR_SET_PDEATHSIG = 1

@@ -296,6 +296,10 @@ class Engine:
             "event=requests_moved to=%s count=%d", lane.address, len(moved)
         )
 
+    def executor_draining(self, lane: ExecutorLane) -> None:
+        logger.info("event=executor_shutting_down address=%s placed=%d", lane.address, lane.scheduler.load if lane.scheduler else 0)
+        self.drain(lane.address)
+
     def lane_drained(self, lane: ExecutorLane) -> None:
         self._count(lane)
         self._report_serving()

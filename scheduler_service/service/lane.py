@@ -79,6 +79,8 @@ class LaneHooks(Protocol):
 
     def lane_drained(self, lane: ExecutorLane) -> None: ...
 
+    def executor_draining(self, lane: ExecutorLane) -> None: ...
+
     def deliver(self, lane: ExecutorLane, output: StepOutput, updates: StepUpdates) -> None: ...
 
 
@@ -108,6 +110,10 @@ class ExecutorLane:
         self.resumed = asyncio.Event()
         # Set to take the lane out for good (its executor left the service).
         self.retired = False
+        # Set when the executor itself asked for the drain (it is shutting down): once drained,
+        # the lane reaches for it again instead of waiting for an admin's resume, so a restarted
+        # executor at the same address is taken back.
+        self.rejoin_after_drain = False
         self._step_times: deque[float] = deque(maxlen=STEP_TIME_WINDOW)
         # Steps with work this executor ran for us, over every connection.
         self.num_steps = 0
@@ -135,7 +141,10 @@ class ExecutorLane:
     async def run(self) -> None:
         """Reaches, drives, and on loss reaches again, until retired."""
         while not self.retired:
-            if self.state is LaneState.DRAINED:
+            if self.state is LaneState.DRAINED and self.rejoin_after_drain:
+                self.rejoin_after_drain = False
+                self._set_state(LaneState.DOWN, "the executor drained for its shutdown")
+            elif self.state is LaneState.DRAINED:
                 await self.resumed.wait()
                 self.resumed.clear()
                 self._set_state(LaneState.CONNECTING, "resumed")
@@ -223,6 +232,9 @@ class ExecutorLane:
             self.num_steps += had_work
             output = output_from_proto(result)
             self.hooks.deliver(self, output, scheduler.update(output))
+            if result.draining and self.state is LaneState.UP:
+                self.rejoin_after_drain = True
+                self.hooks.executor_draining(self)
 
     def _config(self, info: executor_pb2.ExecutorInfo) -> SchedulerConfig:
         options = self.options

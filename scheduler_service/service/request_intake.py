@@ -20,7 +20,7 @@ from protos.splitserve.executor.v1 import executor_pb2
 from protos.splitserve.v1 import generation_pb2 as pb
 from scheduler_service.core.errors import ErrorKind, RequestRejected
 from scheduler_service.core.request import Request
-from scheduler_service.core.sampling_params import SamplingParams
+from scheduler_service.core.sampling_params import SamplingDefaults, SamplingParams
 from scheduler_service.service.intake_limits import (
     IntakeLimits,
     check_generate,
@@ -39,17 +39,20 @@ class Intake:
     worker thread (one, so big requests queue behind each other and leave the other cores to
     the engine and the executors)."""
 
-    def __init__(self, text: TextProcessor | None, limits: IntakeLimits) -> None:
+    def __init__(
+        self, text: TextProcessor | None, limits: IntakeLimits, defaults: SamplingDefaults = SamplingDefaults()
+    ) -> None:
         self.text = text
         self.limits = limits
+        self.defaults = defaults
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="intake")
 
     async def generate_request(self, message: pb.GenerateRequest, info: executor_pb2.ExecutorInfo) -> Request:
         check_generate(message, self.limits, info.max_model_len)
         if _is_small(message, "prompt"):
-            return build_request(message, self.text, info)
+            return build_request(message, self.text, info, self.defaults)
         return await asyncio.get_running_loop().run_in_executor(
-            self._worker, build_request, message, self.text, info
+            self._worker, build_request, message, self.text, info, self.defaults
         )
 
     async def token_ids(self, message: pb.TokenizeRequest, max_model_len: int | None) -> list[int]:
@@ -75,19 +78,21 @@ def _is_small(message: pb.GenerateRequest | pb.TokenizeRequest, field: str) -> b
     return kind is None or len(message.token_ids.ids) <= INLINE_TOKEN_IDS
 
 
-def sampling_from_proto(message: pb.SamplingParams) -> SamplingParams:
+def sampling_from_proto(message: pb.SamplingParams, defaults: SamplingDefaults) -> SamplingParams:
+    """A field the request leaves unset takes its default."""
+
     def optional(name: str, default: float | int | None) -> float | int | None:
         return getattr(message, name) if message.HasField(name) else default
 
     return SamplingParams(
-        max_tokens=optional("max_tokens", None),
+        max_tokens=optional("max_tokens", defaults.max_tokens),
         min_tokens=message.min_tokens,
-        temperature=optional("temperature", 1.0),
-        top_k=message.top_k,
-        top_p=optional("top_p", 1.0),
-        min_p=message.min_p,
+        temperature=optional("temperature", defaults.temperature),
+        top_k=optional("top_k", defaults.top_k),
+        top_p=optional("top_p", defaults.top_p),
+        min_p=optional("min_p", defaults.min_p),
         seed=optional("seed", None),
-        repetition_penalty=optional("repetition_penalty", 1.0),
+        repetition_penalty=optional("repetition_penalty", defaults.repetition_penalty),
         presence_penalty=message.presence_penalty,
         frequency_penalty=message.frequency_penalty,
         stop=tuple(message.stop),
@@ -128,7 +133,10 @@ def prompt_token_ids(
 
 
 def build_request(
-    message: pb.GenerateRequest, text: TextProcessor | None, info: executor_pb2.ExecutorInfo
+    message: pb.GenerateRequest,
+    text: TextProcessor | None,
+    info: executor_pb2.ExecutorInfo,
+    defaults: SamplingDefaults,
 ) -> Request:
     """The scheduler's request, its prefix blocks hashed for the executors' block size."""
     vocab_size, max_logprobs = info.vocab_size, info.max_logprobs
@@ -141,7 +149,7 @@ def build_request(
             ErrorKind.INVALID,
             f"prompt token ids {outside[:10]} are outside the vocabulary of {vocab_size}",
         )
-    sampling = sampling_from_proto(message.sampling)
+    sampling = sampling_from_proto(message.sampling, defaults)
     problems = sampling.problems(vocab_size, max_logprobs)
     if sampling.stop and text is None:
         problems.append("stop strings need a tokenizer (start the server with --tokenizer)")

@@ -23,6 +23,7 @@ from protos.splitserve.v1 import (
     generation_pb2_grpc,
 )
 from protos.transport_security import ClientTls, ServerTls
+from scheduler_service.core.sampling_params import SamplingDefaults
 from scheduler_service.service.admin_servicer import AdminServicer
 from scheduler_service.service.api_keys import ApiKeyInterceptor
 from scheduler_service.service.discovery import DEFAULT_RESOLVE_INTERVAL_S, discover
@@ -59,6 +60,7 @@ class ServerSettings:
     scheduler_id: str | None = None
     resolve_interval_s: float = DEFAULT_RESOLVE_INTERVAL_S
     limits: IntakeLimits = field(default_factory=IntakeLimits)
+    sampling_defaults: SamplingDefaults = field(default_factory=SamplingDefaults)
     # TLS on the client API.
     tls: ServerTls | None = None
     # Bearer tokens a client must present (None: no token needed).
@@ -90,7 +92,7 @@ async def serve(settings: ServerSettings) -> int:
 
     link_factory = functools.partial(ExecutorLink, tls=settings.executor_tls)
     engine = Engine("", settings.text, settings.options, metrics, report_serving, link_factory)
-    intake = Intake(settings.text, settings.limits)
+    intake = Intake(settings.text, settings.limits, settings.sampling_defaults)
     interceptors: list[grpc.aio.ServerInterceptor] = [MessageParsingInterceptor()]
     if settings.api_keys is not None:
         # First in the chain: an unauthenticated call is refused before its request is parsed.
@@ -152,7 +154,7 @@ async def serve(settings: ServerSettings) -> int:
         settings.host, port, port, executors, engine.scheduler_id,
         "on" if settings.tls else "off",
         len(settings.api_keys) if settings.api_keys else "off",
-        "off" if settings.executor_tls is None else "mutual" if settings.executor_tls.cert else "server",
+        "off" if settings.executor_tls is None else "mutual" if settings.executor_tls.mutual else "server",
         receive_limit,
     )
 

@@ -9,6 +9,7 @@ from protos.splitserve.executor.v1 import executor_pb2
 from protos.splitserve.v1 import generation_pb2 as pb
 from protos.splitserve.v1 import generation_pb2_grpc
 from scheduler_service.core.errors import ErrorKind, RequestError, RequestRejected
+from scheduler_service.core.sampling_params import SamplingDefaults
 from scheduler_service.service.engine import DRAINING_MESSAGE, Engine
 from scheduler_service.service.executor_status import executor_status
 from scheduler_service.service.output_stream import OutputStream
@@ -103,6 +104,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             has_chat_template=bool(text and text.has_chat_template),
             block_size=info.block_size,
             max_logprobs=info.max_logprobs,
+            sampling_defaults=defaults_to_proto(self.intake.defaults),
         )
 
     async def GetServerStatus(
@@ -143,3 +145,15 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             addresses = ", ".join(sorted(self.engine.lanes)) or "none configured"
             raise RequestRejected(ErrorKind.UNAVAILABLE, f"no executor has been reached yet ({addresses})")
         return self.engine.info
+
+
+def defaults_to_proto(defaults: SamplingDefaults) -> pb.SamplingDefaults:
+    return pb.SamplingDefaults(
+        temperature=defaults.temperature,
+        top_k=defaults.top_k,
+        top_p=defaults.top_p,
+        min_p=defaults.min_p,
+        repetition_penalty=defaults.repetition_penalty,
+        max_tokens=defaults.max_tokens,
+        source=defaults.source,
+    )

@@ -19,16 +19,8 @@ more than a random-weight model would, while proving the volume holds what the o
 
 from __future__ import annotations
 
-import os
 import re
-import signal
-import socket
-import subprocess
-import sys
-import time
 import urllib.request
-from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -36,17 +28,22 @@ import pytest
 import yaml
 
 from clients import Client
+from tests.helpers.compose_services import (
+    REPO_ROOT,
+    LocalStandIns,
+    RunningServices,
+    bring_up,
+    free_ports,
+    seconds,
+    startup_order,
+)
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
 COMPOSE_FILE = REPO_ROOT / "docker-compose.yml"
 SERVICES = {"prepare-model", "executor", "scheduler"}
 VOLUME_MOUNT = "models:/models"
 MODEL_PATH = "/models/SmolLM2-135M-Instruct"
 # Ports the compose file fixes: scheduler, executor, scheduler metrics.
 FIXED_PORTS = (50051, 50052, 9400)
-# Names that reach a service from another container, and the wildcard a server binds.
-CONTAINER_HOSTS = {"executor", "scheduler", "127.0.0.1", "localhost", "0.0.0.0"}
-HOST_PORT = re.compile(r"([\w.-]+):(\d+)")
 
 
 @pytest.fixture(scope="module")
@@ -58,38 +55,6 @@ def compose() -> dict[str, Any]:
 def flag(command: list[str], name: str) -> str:
     assert name in command, f"{name} missing from {command}"
     return command[command.index(name) + 1]
-
-
-def seconds(duration: str) -> float:
-    """Compose durations as used in the file: '5s', '2m', '500ms'."""
-    match = re.fullmatch(r"(\d+)(ms|s|m)", duration)
-    assert match, f"unsupported duration {duration!r}"
-    return int(match.group(1)) * {"ms": 0.001, "s": 1.0, "m": 60.0}[match.group(2)]
-
-
-def startup_order(services: dict[str, Any]) -> list[str]:
-    """Services in an order where each comes after everything it depends on."""
-    order: list[str] = []
-
-    def visit(name: str, path: tuple[str, ...]) -> None:
-        assert name not in path, f"dependency cycle through {name}"
-        if name not in order:
-            for dependency in services[name].get("depends_on", {}):
-                visit(dependency, (*path, name))
-            order.append(name)
-
-    for name in sorted(services):
-        visit(name, ())
-    return order
-
-
-def dependency_condition(services: dict[str, Any], service: str) -> set[str]:
-    """The conditions other services wait on before starting after `service`."""
-    return {
-        spec["depends_on"][service]["condition"]
-        for spec in services.values()
-        if service in spec.get("depends_on", {})
-    }
 
 
 # --- structure -------------------------------------------------------------------------------
@@ -179,107 +144,6 @@ def test_dockerfile_builds_what_compose_runs() -> None:
 # --- the services, run as local processes ----------------------------------------------------
 
 
-@dataclass(slots=True, frozen=True)
-class LocalStandIns:
-    """Maps container paths, hosts and ports onto this machine (see the module docstring)."""
-
-    volume: Path
-    ports: dict[int, int]
-
-    def arg(self, text: str) -> str:
-        if text.startswith("/models"):
-            return str(self.volume) + text.removeprefix("/models")
-        if text == "0.0.0.0":
-            return "127.0.0.1"
-        if match := HOST_PORT.fullmatch(text):
-            host, port = match.group(1), int(match.group(2))
-            if host in CONTAINER_HOSTS and port in self.ports:
-                return f"127.0.0.1:{self.ports[port]}"
-        if text.isdigit() and int(text) in self.ports:
-            return str(self.ports[int(text)])
-        return text
-
-    def command(self, command: list[str]) -> list[str]:
-        program = sys.executable if command[0] == "python" else command[0]
-        return [program, *(self.arg(text) for text in command[1:])]
-
-    def environment(self, spec: dict[str, Any]) -> dict[str, str]:
-        # The image's ENV lines hold nothing a local process needs beyond the service's own.
-        return {**os.environ, **{key: self.arg(str(value)) for key, value in spec.items()}}
-
-
-@dataclass(slots=True)
-class RunningServices:
-    log_dir: Path
-    processes: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
-
-    def start(self, name: str, command: list[str], env: dict[str, str]) -> None:
-        with (self.log_dir / f"{name}.log").open("wb") as log:
-            self.processes[name] = subprocess.Popen(
-                command, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT
-            )
-
-    def log(self, name: str) -> str:
-        return (self.log_dir / f"{name}.log").read_text(errors="replace")[-4000:]
-
-    def stop(self) -> dict[str, int]:
-        """SIGTERM in reverse start order, as `docker compose down` does."""
-        statuses = {}
-        for name, process in reversed(self.processes.items()):
-            if process.poll() is None:
-                process.send_signal(signal.SIGTERM)
-            try:
-                statuses[name] = process.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                statuses[name] = process.wait()
-        self.processes.clear()
-        return statuses
-
-
-def free_ports(count: int) -> list[int]:
-    sockets = [socket.socket() for _ in range(count)]
-    try:
-        for sock in sockets:
-            sock.bind(("127.0.0.1", 0))
-        return [sock.getsockname()[1] for sock in sockets]
-    finally:
-        for sock in sockets:
-            sock.close()
-
-
-def wait_healthy(
-    services: RunningServices, name: str, healthcheck: dict[str, Any], probe: list[str]
-) -> None:
-    """Runs the healthcheck command until it exits 0, within the time compose would allow."""
-    interval = seconds(healthcheck.get("start_interval", healthcheck["interval"]))
-    allowed = seconds(healthcheck["start_period"]) + healthcheck["retries"] * seconds(
-        healthcheck["interval"]
-    )
-    deadline = time.monotonic() + allowed
-    while True:
-        result = subprocess.run(
-            probe,
-            cwd=REPO_ROOT,
-            capture_output=True,
-            text=True,
-            timeout=seconds(healthcheck["timeout"]) + 10,
-        )
-        if result.returncode == 0:
-            return
-        process = services.processes[name]
-        assert process.poll() is None, f"{name} exited {process.returncode}:\n{services.log(name)}"
-        assert time.monotonic() < deadline, f"{name} unhealthy: {result.stdout}{services.log(name)}"
-        time.sleep(interval)
-
-
-@pytest.fixture
-def running(tmp_path: Path) -> Iterator[RunningServices]:
-    services = RunningServices(tmp_path)
-    yield services
-    services.stop()
-
-
 def test_services_come_up_in_order_and_answer(
     compose: dict[str, Any], tmp_path: Path, running: RunningServices
 ) -> None:
@@ -288,21 +152,9 @@ def test_services_come_up_in_order_and_answer(
         volume=tmp_path / "models-volume", ports=dict(zip(FIXED_PORTS, free_ports(3)))
     )
     stand_ins.volume.mkdir()
-    for name in startup_order(services):
-        spec = services[name]
-        command = stand_ins.command(spec["command"])
-        env = stand_ins.environment(spec.get("environment", {}))
-        if dependency_condition(services, name) == {"service_completed_successfully"}:
-            # The one-shot: it must finish, successfully, before its dependents start.
-            result = subprocess.run(
-                command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300
-            )
-            assert result.returncode == 0, result.stderr[-4000:]
-            assert result.stdout.splitlines()[-1] == stand_ins.arg(MODEL_PATH)
-            continue
-        running.start(name, command, env)
-        probe = stand_ins.command(spec["healthcheck"]["test"][1:])
-        wait_healthy(running, name, spec["healthcheck"], probe)
+    one_shots = bring_up(services, stand_ins, running)
+    # The one-shot says where it put the model, the path the servers read.
+    assert one_shots["prepare-model"].stdout.splitlines()[-1] == stand_ins.arg(MODEL_PATH)
 
     address = f"127.0.0.1:{stand_ins.ports[50051]}"
     with Client(address, timeout=60) as client:

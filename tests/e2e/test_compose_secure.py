@@ -18,7 +18,6 @@ import os
 import stat
 import subprocess
 import sys
-from collections.abc import Iterator
 from concurrent import futures
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
@@ -34,19 +33,16 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from clients import Client
 from clients.errors import SplitserveError
-from tests.e2e.test_compose import (
-    COMPOSE_FILE,
-    FIXED_PORTS,
+from tests.e2e.test_compose import COMPOSE_FILE, FIXED_PORTS, MODEL_PATH, flag
+from tests.helpers.compose_services import (
     HOST_PORT,
-    MODEL_PATH,
     REPO_ROOT,
     LocalStandIns,
     RunningServices,
+    bring_up,
     dependency_condition,
-    flag,
     free_ports,
     startup_order,
-    wait_healthy,
 )
 
 SECURE_FILE = REPO_ROOT / "docker-compose.secure.yml"
@@ -512,13 +508,6 @@ class SecureStandIns(LocalStandIns):
         return LocalStandIns.command(self, command)
 
 
-@pytest.fixture
-def running(tmp_path: Path) -> Iterator[RunningServices]:
-    services = RunningServices(tmp_path)
-    yield services
-    services.stop()
-
-
 def health_check(channel: grpc.Channel) -> int:
     stub = health_pb2_grpc.HealthStub(channel)
     return stub.Check(health_pb2.HealthCheckRequest(), timeout=10).status
@@ -537,19 +526,7 @@ def test_secured_services_come_up_and_demand_credentials(
     )
     stand_ins.volume.mkdir()
     stand_ins.certs.mkdir()
-    for name in startup_order(services):
-        spec = services[name]
-        command = stand_ins.command(spec["command"])
-        env = stand_ins.environment(spec.get("environment", {}))
-        if dependency_condition(services, name) == {"service_completed_successfully"}:
-            result = subprocess.run(
-                command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300
-            )
-            assert result.returncode == 0, (name, result.stderr[-4000:])
-            continue
-        running.start(name, command, env)
-        probe = stand_ins.command(spec["healthcheck"]["test"][1:])
-        wait_healthy(running, name, spec["healthcheck"], probe)
+    bring_up(services, stand_ins, running)
 
     def read(name: str) -> bytes:
         return (stand_ins.certs / name).read_bytes()

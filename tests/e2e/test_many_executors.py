@@ -238,6 +238,41 @@ def test_a_drained_executor_finishes_its_requests_then_takes_no_more(
         assert output == reference(prompt, max_tokens)
 
 
+def test_sigterm_on_an_executor_drains_it_without_losing_a_step_of_work(
+    executors: list[ExecutorProcess], reference: Reference
+) -> None:
+    """Kubernetes stopping an executor pod: the executor tells the scheduler on its next result,
+    the scheduler moves the requests queued there to the other executor and lets the running
+    ones finish, and the executor exits 0 as soon as the scheduler's stream ends."""
+    jobs = [(prompt, 40) for prompt, _ in workload(48, seed=36)]
+    victim, other = executors
+    scheduler = SchedulerProcess(_addresses(executors), max_num_batched_tokens=512)
+    try:
+        address = scheduler.wait_ready()
+        _wait_all_up(address, 2)
+        outputs = asyncio.run(
+            _streams_with_fault(address, jobs, lambda: victim.process.send_signal(signal.SIGTERM), after_steps=5)
+        )
+        exit_code = victim.process.wait(timeout=30)
+        later = [(prompt, 8) for prompt, _ in workload(8, seed=37)]
+        later_outputs = asyncio.run(stream_all(address, later))
+        status = _status(address)
+        scheduler_log = scheduler.log_text()
+    finally:
+        scheduler.close()
+    for (prompt, max_tokens), output in [*zip(jobs, outputs), *zip(later, later_outputs)]:
+        assert output == reference(prompt, max_tokens)
+    assert exit_code == 0
+    log = victim.log_text()
+    assert "event=executor_drained" in log and "drain_timed_out" not in log, log[-2000:]
+    # The executor was drained, never lost: no request had to be recomputed elsewhere.
+    assert f"event=executor_shutting_down address={victim.address}" in scheduler_log
+    assert f"address={victim.address} state=drained" in scheduler_log
+    assert "event=executor_lost" not in scheduler_log, scheduler_log[-3000:]
+    states = {e.address: e.state for e in status.executors}
+    assert states == {victim.address: pb.EXECUTOR_STATE_DOWN, other.address: pb.EXECUTOR_STATE_UP}
+
+
 def _executor(address: str, executor_address: str) -> pb.ExecutorStatus:
     return next(e for e in _status(address).executors if e.address == executor_address)
 

@@ -134,3 +134,21 @@ def test_logprobs_reach_the_client_as_the_model_computed_them(
         assert record.top_token_ids == top.indices.tolist()
         assert record.top_logprobs == pytest.approx(top.values.tolist(), abs=1e-4)
         assert record.logprob == pytest.approx(float(expected[position, token]), abs=1e-4)
+
+
+def test_unset_sampling_fields_follow_the_models_generation_config(
+    executor: str, reference: Reference, tmp_path: Path
+) -> None:
+    """A model whose generation_config.json asks for greedy decoding and 6 new tokens: a request
+    that sets neither gets exactly that; one that sets them gets its own."""
+    (tmp_path / "generation_config.json").write_text('{"temperature": 0.0, "max_new_tokens": 6}')
+    prompt = [5, 9, 13, 17, 21, 25, 29]
+    with start_scheduler(executor, generation_config=tmp_path) as address:
+        with Client(address) as client:
+            defaults = client.model_info().sampling_defaults
+            unset = client.generate(prompt_token_ids=prompt, ignore_eos=True)
+            own = client.generate(prompt_token_ids=prompt, ignore_eos=True, max_tokens=9, temperature=0)
+    assert (defaults.temperature, defaults.max_tokens) == (0.0, 6)
+    assert defaults.source == str(tmp_path / "generation_config.json")
+    assert unset.token_ids == reference(prompt, 6) and unset.finish_reason == "length"
+    assert own.token_ids == reference(prompt, 9)

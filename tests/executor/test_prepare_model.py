@@ -2,12 +2,20 @@
 
 from __future__ import annotations
 
+import json
+import shutil
 import time
 from pathlib import Path
 
 import pytest
 
-from executor_service.prepare_model import COMPLETE_MARKER, is_prepared, prepare_model
+from executor_service.prepare_model import (
+    COMPLETE_MARKER,
+    RECOMMENDED_SAMPLING,
+    is_prepared,
+    prepare_model,
+)
+from scheduler_service.text.generation_config import load_sampling_defaults
 
 
 @pytest.fixture
@@ -28,6 +36,25 @@ def test_second_call_returns_at_once(prepared: Path) -> None:
     started = time.monotonic()
     assert prepare_model(prepared) == prepared
     assert time.monotonic() - started < 1.0
+
+
+def test_generation_config_holds_the_model_cards_sampling(prepared: Path) -> None:
+    defaults = load_sampling_defaults(prepared)
+    assert (defaults.temperature, defaults.top_p) == (0.2, 0.9)
+    assert defaults.top_k == 0 and defaults.max_tokens is None
+    config = json.loads((prepared / "generation_config.json").read_text())
+    assert config["eos_token_id"] == 2
+
+
+def test_a_folder_prepared_before_the_sampling_defaults_gets_them(prepared: Path, tmp_path: Path) -> None:
+    older = tmp_path / "older"
+    shutil.copytree(prepared, older, ignore=shutil.ignore_patterns("*.safetensors"))
+    config_path = older / "generation_config.json"
+    config = json.loads(config_path.read_text())
+    config_path.write_text(json.dumps({k: v for k, v in config.items() if k not in RECOMMENDED_SAMPLING}))
+    assert load_sampling_defaults(older).temperature == 1.0
+    assert prepare_model(older) == older
+    assert json.loads(config_path.read_text()) == config
 
 
 def test_incomplete_folder_is_not_taken_as_ready(tmp_path: Path) -> None:

@@ -194,7 +194,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model_id", "vocab_size", "max_model_len", "eos_token_ids", "has_tokenizer", "has_chat_template", "block_size", "max_logprobs")
+    __slots__ = ("model_id", "vocab_size", "max_model_len", "eos_token_ids", "has_tokenizer", "has_chat_template", "block_size", "max_logprobs", "sampling_defaults")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
@@ -203,6 +203,7 @@ class ModelInfo(_message.Message):
     HAS_CHAT_TEMPLATE_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_DEFAULTS_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     vocab_size: int
     max_model_len: int
@@ -211,7 +212,26 @@ class ModelInfo(_message.Message):
     has_chat_template: bool
     block_size: int
     max_logprobs: int
-    def __init__(self, model_id: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., has_tokenizer: _Optional[bool] = ..., has_chat_template: _Optional[bool] = ..., block_size: _Optional[int] = ..., max_logprobs: _Optional[int] = ...) -> None: ...
+    sampling_defaults: SamplingDefaults
+    def __init__(self, model_id: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., has_tokenizer: _Optional[bool] = ..., has_chat_template: _Optional[bool] = ..., block_size: _Optional[int] = ..., max_logprobs: _Optional[int] = ..., sampling_defaults: _Optional[_Union[SamplingDefaults, _Mapping]] = ...) -> None: ...
+
+class SamplingDefaults(_message.Message):
+    __slots__ = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "max_tokens", "source")
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    MIN_P_FIELD_NUMBER: _ClassVar[int]
+    REPETITION_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    temperature: float
+    top_k: int
+    top_p: float
+    min_p: float
+    repetition_penalty: float
+    max_tokens: int
+    source: str
+    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., min_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., max_tokens: _Optional[int] = ..., source: _Optional[str] = ...) -> None: ...
 
 class GetServerStatusRequest(_message.Message):
     __slots__ = ()

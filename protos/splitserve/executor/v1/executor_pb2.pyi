@@ -159,7 +159,7 @@ class StepFailure(_message.Message):
     def __init__(self, message: _Optional[str] = ..., request_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class StepResult(_message.Message):
-    __slots__ = ("step_id", "outputs", "rejected", "forward_time_s", "step_time_s", "failure", "decode_token_ids")
+    __slots__ = ("step_id", "outputs", "rejected", "forward_time_s", "step_time_s", "failure", "decode_token_ids", "draining")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     OUTPUTS_FIELD_NUMBER: _ClassVar[int]
     REJECTED_FIELD_NUMBER: _ClassVar[int]
@@ -167,6 +167,7 @@ class StepResult(_message.Message):
     STEP_TIME_S_FIELD_NUMBER: _ClassVar[int]
     FAILURE_FIELD_NUMBER: _ClassVar[int]
     DECODE_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     outputs: _containers.RepeatedCompositeFieldContainer[RequestOutput]
     rejected: _containers.RepeatedCompositeFieldContainer[RejectedRequest]
@@ -174,4 +175,5 @@ class StepResult(_message.Message):
     step_time_s: float
     failure: StepFailure
     decode_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, step_id: _Optional[int] = ..., outputs: _Optional[_Iterable[_Union[RequestOutput, _Mapping]]] = ..., rejected: _Optional[_Iterable[_Union[RejectedRequest, _Mapping]]] = ..., forward_time_s: _Optional[float] = ..., step_time_s: _Optional[float] = ..., failure: _Optional[_Union[StepFailure, _Mapping]] = ..., decode_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    draining: bool
+    def __init__(self, step_id: _Optional[int] = ..., outputs: _Optional[_Iterable[_Union[RequestOutput, _Mapping]]] = ..., rejected: _Optional[_Iterable[_Union[RejectedRequest, _Mapping]]] = ..., forward_time_s: _Optional[float] = ..., step_time_s: _Optional[float] = ..., failure: _Optional[_Union[StepFailure, _Mapping]] = ..., decode_token_ids: _Optional[_Iterable[int]] = ..., draining: _Optional[bool] = ...) -> None: ...
