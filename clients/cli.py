@@ -16,6 +16,7 @@ from google.protobuf.message import Message
 from clients.errors import SplitserveError
 from clients.request_builder import GenerateOptions
 from clients.sync_client import Client
+from protos.cli_help import DefaultsHelpFormatter
 
 logger = logging.getLogger("clients.cli")
 API_KEY_ENV = "SPLITSERVE_API_KEY"
@@ -24,12 +25,14 @@ API_KEY_ENV = "SPLITSERVE_API_KEY"
 DEFAULT_MAX_TOKENS = 256
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m clients", description=__doc__)
+def build_parser(prog: str = "python -m clients") -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=DefaultsHelpFormatter)
     parser.add_argument("-v", "--verbose", action="store_true", help="log to stderr")
     commands = parser.add_subparsers(dest="command", required=True)
 
-    generate = commands.add_parser("generate", help="stream the answer to a prompt")
+    generate = commands.add_parser(
+        "generate", help="stream the answer to a prompt", formatter_class=DefaultsHelpFormatter
+    )
     _add_server(generate)
     generate.add_argument("prompt")
     generate.add_argument("--chat", action="store_true", help="send the prompt as a user turn")
@@ -37,8 +40,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-tokens",
         type=int,
         default=DEFAULT_MAX_TOKENS,
-        help="most tokens to generate (default: %(default)s; 0 leaves it to the server, which "
-        "runs to the model's maximum length unless its generation config sets a limit)",
+        help="most tokens to generate; 0 leaves it to the server, which runs to the model's "
+        "maximum length unless its generation config sets a limit",
     )
     sampling = "default: the server's, from the model's generation_config.json (see `status`)"
     generate.add_argument("--temperature", type=float, help=f"0 is greedy ({sampling})")
@@ -47,12 +50,16 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--seed", type=int, help="same seed, same tokens (default: random)")
     generate.add_argument("--stop", action="append", help="stop string (repeatable)")
 
-    tokenize = commands.add_parser("tokenize", help="print the token ids of a text")
+    tokenize = commands.add_parser(
+        "tokenize", help="print the token ids of a text", formatter_class=DefaultsHelpFormatter
+    )
     _add_server(tokenize)
     tokenize.add_argument("text")
     tokenize.add_argument("--chat", action="store_true", help="tokenize as a user turn")
 
-    status = commands.add_parser("status", help="print the model and the server's state")
+    status = commands.add_parser(
+        "status", help="print the model and the server's state", formatter_class=DefaultsHelpFormatter
+    )
     _add_server(status)
     return parser
 
@@ -80,8 +87,8 @@ def _api_key(args: argparse.Namespace) -> str | None:
     return os.environ.get(API_KEY_ENV) or None
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+def main(argv: Sequence[str] | None = None, prog: str = "python -m clients") -> int:
+    args = build_parser(prog).parse_args(argv)
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING,
         stream=sys.stderr,

@@ -19,32 +19,46 @@ from executor_service.settings import (
     parse_size,
 )
 from executor_service.startup import build_executor
+from protos.cli_help import DefaultsHelpFormatter
 from protos.transport_security import TlsConfigError, server_tls
 
 logger = logging.getLogger("executor_service")
 
 
-def parse_args(argv: list[str] | None) -> ExecutorSettings:
+def parse_args(argv: list[str] | None, prog: str = "python -m executor_service") -> ExecutorSettings:
     parser = argparse.ArgumentParser(
-        prog="python -m executor_service", description="Serve the splitserve Executor API."
+        prog=prog,
+        description="Serve the splitserve Executor API.",
+        formatter_class=DefaultsHelpFormatter,
     )
     parser.add_argument("--model", type=Path, required=True, help="local Hugging Face model folder")
     parser.add_argument("--port", type=int, required=True, help="0 picks a free port")
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 in containers)")
+    parser.add_argument("--device", default="auto", help="auto (cuda when torch sees a GPU), cpu, cuda or cuda:N")
     parser.add_argument(
-        "--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"]
+        "--dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        help="auto: bfloat16 on CUDA, float32 on CPU",
     )
-    parser.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE)
+    parser.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE, help="tokens per KV block")
     budget = parser.add_mutually_exclusive_group()
-    budget.add_argument("--num-kv-blocks", type=int, default=None)
     budget.add_argument(
-        "--kv-cache-memory", type=parse_size, default=None, help="e.g. 512MiB, 2GiB"
+        "--num-kv-blocks",
+        type=int,
+        default=None,
+        help="KV cache size in blocks (default: 1 GiB on CPU; on CUDA the free memory after a "
+        "profiling pass)",
+    )
+    budget.add_argument(
+        "--kv-cache-memory", type=parse_size, default=None, help="KV cache size in bytes, e.g. 512MiB, 2GiB"
     )
     parser.add_argument("--max-model-len", type=int, default=None, help="cap below the model's own")
-    parser.add_argument("--max-logprobs", type=int, default=20)
-    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
-    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    parser.add_argument("--max-logprobs", type=int, default=20, help="most top logprobs a request may ask for")
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    parser.add_argument(
+        "--gpu-memory-utilization", type=float, default=0.9, help="share of GPU memory the executor may use"
+    )
     parser.add_argument(
         "--attention-backend",
         default="auto",
@@ -126,13 +140,13 @@ def parse_args(argv: list[str] | None) -> ExecutorSettings:
     )
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, prog: str = "python -m executor_service") -> int:
     logging.basicConfig(
         level=logging.INFO,
         stream=sys.stderr,
         format="%(asctime)s level=%(levelname)s logger=%(name)s %(message)s",
     )
-    settings = parse_args(argv)
+    settings = parse_args(argv, prog)
     logger.info("event=executor_starting model=%s port=%d", settings.model_dir, settings.port)
     try:
         executor = build_executor(settings)

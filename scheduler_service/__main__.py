@@ -7,6 +7,7 @@ import logging
 import sys
 from pathlib import Path
 
+from protos.cli_help import DefaultsHelpFormatter
 from protos.transport_security import (
     ClientTls,
     ServerTls,
@@ -48,8 +49,12 @@ def positive(value: str) -> int:
     return number
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m scheduler_service", description="Serve the splitserve Generation API.")
+def parse_args(argv: list[str] | None, prog: str = "python -m scheduler_service") -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog=prog,
+        description="Serve the splitserve Generation API.",
+        formatter_class=DefaultsHelpFormatter,
+    )
     parser.add_argument("--port", type=int, required=True, help="gRPC port for clients; 0 picks a free one")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 in containers)")
     parser.add_argument(
@@ -80,7 +85,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="seconds a step result may take before its executor counts as lost, at least "
         "(the deadline is this or --step-timeout-factor x the slowest recent step)",
     )
-    parser.add_argument("--step-timeout-factor", type=float, default=DEFAULT_STEP_TIMEOUT_FACTOR)
+    parser.add_argument(
+        "--step-timeout-factor",
+        type=float,
+        default=DEFAULT_STEP_TIMEOUT_FACTOR,
+        help="see --step-timeout-floor",
+    )
     parser.add_argument("--tokenizer", type=Path, help="tokenizer folder; without it only token-id prompts are accepted")
     parser.add_argument(
         "--generation-config",
@@ -93,8 +103,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--max-num-seqs", type=positive, default=256, help="most requests running at once")
     parser.add_argument("--max-num-batched-tokens", type=positive, default=2048, help="most tokens computed per step")
-    parser.add_argument("--policy", choices=[p.value for p in Policy], default="fcfs")
-    parser.add_argument("--mode", choices=[m.value for m in StepMode], default="mixed")
+    parser.add_argument(
+        "--policy",
+        choices=[p.value for p in Policy],
+        default="fcfs",
+        help="queue order; under priority, lower request priority values run first",
+    )
+    parser.add_argument(
+        "--mode",
+        choices=[m.value for m in StepMode],
+        default="mixed",
+        help="mixed: decodes and prefill chunks share steps; prefill-first: a step with prefill "
+        "work runs only that; decode-first: new requests start only when none is running",
+    )
     parser.add_argument("--max-waiting", type=positive, default=10_000, help="queue length past which requests are refused")
     parser.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port")
     parser.add_argument(
@@ -195,13 +216,13 @@ def intake_limits(args: argparse.Namespace) -> IntakeLimits:
     )
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, prog: str = "python -m scheduler_service") -> int:
     logging.basicConfig(
         level=logging.INFO,
         stream=sys.stderr,
         format="%(asctime)s level=%(levelname)s logger=%(name)s %(message)s",
     )
-    args = parse_args(argv)
+    args = parse_args(argv, prog)
     try:
         tls, api_keys, executor_tls = security_settings(args)
         limits = intake_limits(args)

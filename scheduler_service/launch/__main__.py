@@ -17,13 +17,13 @@ from scheduler_service.launch.ports import PortTaken
 logger = logging.getLogger("scheduler_service.launch")
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None, prog: str = "python -m scheduler_service.launch") -> int:
     logging.basicConfig(
         level=logging.INFO,
         stream=sys.stderr,
         format="%(asctime)s level=%(levelname)s logger=%(name)s %(message)s",
     )
-    launcher = Launcher(parse_args(argv))
+    launcher = Launcher(parse_args(argv, prog))
     # Only a flag: the launcher acts on it at its next poll, never between two arbitrary lines.
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, lambda _signum, _frame: launcher.children.stop_requested.set())

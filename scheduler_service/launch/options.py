@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from protos.cli_help import DefaultsHelpFormatter
 from scheduler_service.launch.ports import free_port
 
 DEFAULT_QUESTION = "What is the capital of France?"
@@ -42,9 +43,10 @@ def default_threads() -> int:
     return max(1, len(os.sched_getaffinity(0)) - 1)
 
 
-def parse_args(argv: Sequence[str] | None) -> LaunchOptions:
+def parse_args(argv: Sequence[str] | None, prog: str = "python -m scheduler_service.launch") -> LaunchOptions:
     parser = argparse.ArgumentParser(
-        prog="python -m scheduler_service.launch",
+        prog=prog,
+        formatter_class=DefaultsHelpFormatter,
         description="Start an executor and the scheduler with the default model and ask it a "
         "question.",
     )

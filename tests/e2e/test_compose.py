@@ -10,7 +10,8 @@ has not is substituted, and nothing else:
   network: all services share this machine's loopback);
 - the fixed ports 50051/50052/9400 -> free ports picked here (other tests, and a developer's
   `make run`, may hold the defaults);
-- `python` -> this interpreter, and the working directory -> the repository root (the image's
+- `python` -> this interpreter, `splitserve` -> the command this virtualenv installed, and the
+  working directory -> the repository root (the image's
   WORKDIR /app holds the same tree, which is where deploy/health_probe.py is found).
 The model is the real one, written by the real prepare-model command into the stand-in volume:
 that one-shot is what this test is for, and once it has run, serving SmolLM2 costs only seconds
@@ -66,7 +67,7 @@ def test_three_services_from_one_image(compose: dict[str, Any]) -> None:
     assert {spec["build"] for spec in services.values()} == {"."}
     assert len({spec["image"] for spec in services.values()}) == 1
     for name, spec in services.items():
-        assert spec["command"][:2] == ["python", "-m"], name
+        assert spec["command"][0] == "splitserve", name
 
 
 def test_dependency_conditions(compose: dict[str, Any]) -> None:

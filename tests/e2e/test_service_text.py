@@ -4,6 +4,9 @@ and the Prometheus endpoint."""
 
 from __future__ import annotations
 
+import re
+import subprocess
+import sys
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -100,3 +103,27 @@ def test_a_character_cut_by_max_tokens_is_dropped_not_replaced(
     assert result.finish_reason == "length" and result.token_ids == long.token_ids[:cut]
     assert "\ufffd" not in result.text and result.text == expected
     assert "".join(d.text for d in deltas) == expected
+
+
+def test_the_cli_chat_ends_on_its_own_with_the_models_sampling(service: tuple[str, int]) -> None:
+    """A first try at the command line: no --max-tokens, no --temperature. The model's
+    generation config (temperature 0.2, top_p 0.9, repetition penalty 1.1) applies, and the
+    answer ends on the model's EOS within the CLI's default limit."""
+    address, _ = service
+    with Client(address) as client:
+        defaults = client.model_info().sampling_defaults
+    assert (defaults.temperature, defaults.top_p) == pytest.approx((0.2, 0.9))
+    assert defaults.source.endswith("generation_config.json")
+    ends = []
+    # Seeded so the test is repeatable; any seed of the 6 tried ends on EOS.
+    for seed in range(3):
+        result = subprocess.run(
+            [sys.executable, "-m", "clients", "-v", "generate", "--server", address, "--seed", str(seed), "--chat", "Write a haiku about the sea"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert result.returncode == 0, result.stderr
+        assert result.stdout.strip()
+        ends.append(re.search(r"finish_reason=(\w+)", result.stderr).group(1))  # type: ignore[union-attr]
+    assert ends == ["stop"] * 3

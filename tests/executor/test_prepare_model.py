@@ -40,7 +40,7 @@ def test_second_call_returns_at_once(prepared: Path) -> None:
 
 def test_generation_config_holds_the_model_cards_sampling(prepared: Path) -> None:
     defaults = load_sampling_defaults(prepared)
-    assert (defaults.temperature, defaults.top_p) == (0.2, 0.9)
+    assert (defaults.temperature, defaults.top_p, defaults.repetition_penalty) == (0.2, 0.9, 1.1)
     assert defaults.top_k == 0 and defaults.max_tokens is None
     config = json.loads((prepared / "generation_config.json").read_text())
     assert config["eos_token_id"] == 2

@@ -1,7 +1,7 @@
 """Compose services run as plain local processes, for tests on machines without a Docker engine.
 
 `LocalStandIns` maps what a container has onto this machine (the volume, service hostnames, fixed
-ports, `python`); `bring_up` starts the services in dependency order, runs the one-shots to
+ports, `python` and `splitserve`); `bring_up` starts the services in dependency order, runs the one-shots to
 their end, and waits for each server's own healthcheck to pass; `RunningServices` stops them as
 `docker compose down` does. tests/e2e/test_compose.py says what is substituted and why.
 """
@@ -78,8 +78,16 @@ class LocalStandIns:
         return text
 
     def command(self, command: list[str]) -> list[str]:
-        program = sys.executable if command[0] == "python" else command[0]
-        return [program, *(self.arg(text) for text in command[1:])]
+        return [*self.program(command[0]), *(self.arg(text) for text in command[1:])]
+
+    @staticmethod
+    def program(name: str) -> list[str]:
+        # The image installs the project: its `python` and `splitserve` are this virtualenv's.
+        if name == "python":
+            return [sys.executable]
+        if name == "splitserve":
+            return [str(Path(sys.executable).parent / "splitserve")]
+        return [name]
 
     def environment(self, spec: dict[str, Any]) -> dict[str, str]:
         # The image's ENV lines hold nothing a local process needs beyond the service's own.

@@ -1,0 +1,76 @@
+"""The `splitserve` command: one installed entry point whose subcommands are the services and
+tools, in the ecosystem's habit (`vllm serve`, `text-generation-launcher`).
+
+    splitserve run            the default model, an executor and a scheduler (make run)
+    splitserve scheduler ...  python -m scheduler_service
+    splitserve executor ...   python -m executor_service
+    splitserve gateway ...    python -m clients.openai_gateway
+    splitserve generate|tokenize|status ...   python -m clients
+    splitserve prepare-model  python -m executor_service.prepare_model
+
+Each subcommand takes exactly the flags of the module it names (`splitserve X --help` lists
+them with their defaults). A subcommand's module is imported only when it runs, so an executor
+container never loads the scheduler, nor a client torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+PROG = "splitserve"
+
+
+@dataclass(slots=True, frozen=True)
+class Subcommand:
+    module: str
+    summary: str
+    # Words put before the user's arguments (the client CLI's own subcommand).
+    prefix: tuple[str, ...] = ()
+
+
+SUBCOMMANDS: dict[str, Subcommand] = {
+    "run": Subcommand(
+        "scheduler_service.launch.__main__",
+        "start an executor and a scheduler with the default model, and print where they listen",
+    ),
+    "scheduler": Subcommand("scheduler_service.__main__", "serve the Generation API in front of executors"),
+    "executor": Subcommand("executor_service.__main__", "serve a model's forward passes to a scheduler"),
+    "gateway": Subcommand("clients.openai_gateway.__main__", "serve the OpenAI HTTP API over a scheduler"),
+    "generate": Subcommand("clients.cli", "stream the answer to a prompt", ("generate",)),
+    "tokenize": Subcommand("clients.cli", "print the token ids of a text", ("tokenize",)),
+    "status": Subcommand("clients.cli", "print the model and the server's state", ("status",)),
+    "prepare-model": Subcommand(
+        "executor_service.prepare_model", "prepare the default model (SmolLM2-135M-Instruct) once"
+    ),
+}
+
+
+def usage() -> str:
+    width = max(len(name) for name in SUBCOMMANDS)
+    lines = [f"usage: {PROG} COMMAND [flags]   ({PROG} COMMAND --help lists a command's flags)", "", "commands:"]
+    lines += [f"  {name:<{width}}  {command.summary}" for name, command in SUBCOMMANDS.items()]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] in ("-h", "--help"):
+        sys.stdout.write(usage())
+        return 0 if args else 2
+    name, rest = args[0], args[1:]
+    command = SUBCOMMANDS.get(name)
+    if command is None:
+        sys.stderr.write(f"{PROG}: unknown command {name!r}\n\n{usage()}")
+        return 2
+    entry: Callable[..., int] = importlib.import_module(command.module).main
+    if command.prefix:
+        # The client CLI names its own subcommand; its usage line then reads `splitserve generate`.
+        return entry([*command.prefix, *rest], prog=PROG)
+    return entry(rest, prog=f"{PROG} {name}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
