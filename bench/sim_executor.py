@@ -70,6 +70,10 @@ class TimedRunner:
         self.requests.clear()
         self.handles.clear()
 
+    def num_kv_blocks_in_use(self) -> int:
+        # Simulated: no KV is held.
+        return 0
+
     def execute(self, plan: executor_pb2.StepPlan) -> executor_pb2.StepResult:
         started = time.monotonic()
         for request_id in plan.dropped_request_ids:

@@ -99,6 +99,7 @@ def parse_args(argv: list[str] | None, prog: str = "python -m executor_service")
         help="also serve grpc.health.v1 alone, in plaintext, on this port (for probes that cannot "
         "do TLS)",
     )
+    parser.add_argument("--metrics-port", type=int, help="serve Prometheus metrics over HTTP on this port")
     parser.add_argument(
         "--drain-timeout",
         type=float,
@@ -137,6 +138,7 @@ def parse_args(argv: list[str] | None, prog: str = "python -m executor_service")
         tls=tls,
         health_port=args.health_port,
         drain_timeout_s=args.drain_timeout,
+        metrics_port=args.metrics_port,
     )
 
 
@@ -164,6 +166,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m executor_service"
         tls=settings.tls,
         health_port=settings.health_port,
         drain_timeout_s=settings.drain_timeout_s,
+        metrics_port=settings.metrics_port,
     )
     asyncio.run(serve(executor, options))
     return 0

@@ -94,6 +94,9 @@ class ModelRunner:
         self.requests.clear()
         self.handles.clear()
 
+    def num_kv_blocks_in_use(self) -> int:
+        return len({block for state in self.requests.values() for block in state.block_ids})
+
     def _forget(self, request_id: str) -> None:
         state = self.requests.pop(request_id, None)
         if state is not None and self.handles.get(state.handle) is state:

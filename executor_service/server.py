@@ -16,7 +16,9 @@ from typing import Protocol
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+from prometheus_client import start_http_server
 
+from executor_service.metrics import ExecutorMetrics
 from executor_service.settings import DEFAULT_DRAIN_TIMEOUT_S
 from protos.health_port import start_health_port
 from protos.limits import MAX_MESSAGE_BYTES
@@ -33,6 +35,10 @@ class StepRunner(Protocol):
     def execute(self, plan: executor_pb2.StepPlan) -> executor_pb2.StepResult: ...
 
     def drop_all_requests(self) -> None: ...
+
+    def num_kv_blocks_in_use(self) -> int:
+        """Distinct blocks in the block tables of the requests held (worker thread only)."""
+        ...
 
 
 class ServedExecutor(Protocol):
@@ -107,11 +113,16 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
     which keeps the event loop free for Describe and health checks."""
 
     def __init__(
-        self, executor: ServedExecutor, worker: ThreadPoolExecutor, lease_timeout_s: float
+        self,
+        executor: ServedExecutor,
+        worker: ThreadPoolExecutor,
+        lease_timeout_s: float,
+        metrics: ExecutorMetrics,
     ) -> None:
         self._executor = executor
         self._worker = worker
         self._lease_timeout_s = lease_timeout_s
+        self._metrics = metrics
         self._active: _Stream | None = None
         self._stream_numbers = itertools.count(1)
         # Set by SIGTERM: results tell the holder, and no new stream is taken.
@@ -207,7 +218,9 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
         """On the worker thread. None for a plan of a stream that ended while it was queued."""
         if stream.skip_plans.is_set():
             return None
-        return self._executor.runner.execute(plan)
+        result = self._executor.runner.execute(plan)
+        self._metrics.observe_step(plan, result)
+        return result
 
     async def _read_plans(
         self, plans: AsyncIterator[executor_pb2.StepPlan], stream: _Stream
@@ -248,6 +261,8 @@ class ServeOptions:
     # Plaintext port serving only grpc.health.v1, for probes that cannot do (mutual) TLS.
     health_port: int | None = None
     drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S
+    # Prometheus metrics over HTTP on this port (off when None).
+    metrics_port: int | None = None
 
 
 async def serve(executor: ServedExecutor, options: ServeOptions) -> None:
@@ -265,7 +280,9 @@ async def serve(executor: ServedExecutor, options: ServeOptions) -> None:
             *KEEPALIVE_OPTIONS,
         ]
     )
-    servicer = ExecutorServicer(executor, worker, options.lease_timeout_s)
+    runner = executor.runner
+    metrics = ExecutorMetrics(executor.info.num_kv_blocks, runner.num_kv_blocks_in_use)
+    servicer = ExecutorServicer(executor, worker, options.lease_timeout_s, metrics)
     executor_pb2_grpc.add_ExecutorServicer_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -284,6 +301,9 @@ async def serve(executor: ServedExecutor, options: ServeOptions) -> None:
     if options.health_port is not None:
         health_server, bound_health = await start_health_port(health_servicer, host, options.health_port)
         logger.info("event=health_port_listening address=%s:%d", host, bound_health)
+    if options.metrics_port is not None:
+        start_http_server(options.metrics_port, addr=host, registry=metrics.registry)
+        logger.info("event=metrics_listening address=%s:%d", host, options.metrics_port)
     for service in ("", SERVICE_NAME):
         await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
     stop = asyncio.Event()

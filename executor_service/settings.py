@@ -67,6 +67,8 @@ class ExecutorSettings:
     # Plaintext grpc.health.v1-only port for probes.
     health_port: int | None = None
     drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S
+    # Prometheus metrics over HTTP on this port (off when None).
+    metrics_port: int | None = None
 
 
 def parse_size(text: str) -> int:

@@ -11,6 +11,7 @@ request's stream goes on where it stopped.
 import asyncio
 import itertools
 import logging
+import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
@@ -296,6 +297,9 @@ class Engine:
             "event=requests_moved to=%s count=%d", lane.address, len(moved)
         )
 
+    def lane_state_changed(self, lane: ExecutorLane) -> None:
+        self.metrics.executor_changed(lane.address, lane.state.value)
+
     def executor_draining(self, lane: ExecutorLane) -> None:
         logger.info("event=executor_shutting_down address=%s placed=%d", lane.address, lane.scheduler.load if lane.scheduler else 0)
         self.drain(lane.address)
@@ -307,8 +311,6 @@ class Engine:
             self._forget_lane(lane)
 
     def deliver(self, lane: ExecutorLane, output: StepOutput, updates: StepUpdates) -> None:
-        self.metrics.step_time.observe(output.step_time_s)
-        self.metrics.forward_time.observe(output.forward_time_s)
         for update in updates.updates:
             self._deliver(lane, update)
         self._deliver_decoded(lane, updates.decoded_requests, updates.decoded_token_ids)
@@ -328,6 +330,8 @@ class Engine:
             return
         self.metrics.generation_tokens.inc(len(update.new_token_ids))
         stream = _stream_of(request)
+        if update.new_token_ids:
+            self._observe_inter_token(stream, time.monotonic())
         message, stop_string = stream.add_tokens(update.new_token_ids, update.new_logprobs)
         if stop_string is not None and lane.scheduler is not None:
             lane.scheduler.stop_at_string(request, stop_string)
@@ -342,14 +346,21 @@ class Engine:
         """Steady decodes' tokens: one each, none finishing (the scheduler saw to that), so
         only a stop string can end one here."""
         self.metrics.generation_tokens.inc(len(token_ids))
+        now = time.monotonic()
         for request, token in zip(requests, token_ids, strict=True):
             stream = _stream_of(request)
+            self._observe_inter_token(stream, now)
             message, stop_string = stream.add_tokens([token], ())
             if stop_string is not None and lane.scheduler is not None:
                 lane.scheduler.stop_at_string(request, stop_string)
                 self._close(request, message)
             else:
                 stream.send(message)
+
+    def _observe_inter_token(self, stream: OutputStream, now: float) -> None:
+        if stream.last_tokens_at is not None:
+            self.metrics.inter_token.observe(now - stream.last_tokens_at)
+        stream.last_tokens_at = now
 
     def _place(self, requests: Iterable[Request]) -> None:
         """Puts requests that have no lane on the lanes taking work, or keeps them unplaced."""
@@ -425,6 +436,7 @@ class Engine:
         if task is not None:
             task.cancel()
         asyncio.get_running_loop().create_task(lane.link.close())
+        self.metrics.executor_removed(lane.address)
         logger.info("event=executor_removed address=%s", lane.address)
 
     def _report_serving(self) -> None:
@@ -452,8 +464,13 @@ class Engine:
         self.metrics.waiting.set(self.num_waiting)
         total = free = 0
         for lane in self._serving_lanes():
-            total += lane.scheduler.kv.pool.num_blocks
-            free += lane.scheduler.kv.num_free_blocks
+            lane_total, lane_free = lane.scheduler.kv.pool.num_blocks, lane.scheduler.kv.num_free_blocks
+            total += lane_total
+            free += lane_free
+            self.metrics.executor_requests.labels(executor=lane.address).set(lane.scheduler.load)
+            self.metrics.executor_kv_usage.labels(executor=lane.address).set(
+                1.0 - lane_free / lane_total if lane_total else 0.0
+            )
         self.metrics.kv_usage.set(1.0 - free / total if total else 0.0)
 
 

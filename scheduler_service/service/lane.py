@@ -81,6 +81,8 @@ class LaneHooks(Protocol):
 
     def executor_draining(self, lane: ExecutorLane) -> None: ...
 
+    def lane_state_changed(self, lane: ExecutorLane) -> None: ...
+
     def deliver(self, lane: ExecutorLane, output: StepOutput, updates: StepUpdates) -> None: ...
 
 
@@ -251,6 +253,7 @@ class ExecutorLane:
 
     def _set_state(self, state: LaneState, reason: str) -> None:
         self.state, self.reason = state, reason
+        self.hooks.lane_state_changed(self)
         logger.info(
             "event=executor_state address=%s state=%s reason=%r incarnation=%s",
             self.address,

@@ -1,10 +1,16 @@
-"""Prometheus metrics of the scheduler, named like vLLM's (splitserve: instead of vllm:)."""
+"""Prometheus metrics of the scheduler, named like vLLM's (splitserve: instead of vllm:), so its
+dashboards map over by the prefix; one scheduler serves one model, so there is no model_name
+label. The executors export their own step timings (executor_service/metrics.py)."""
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from scheduler_service.core.request import Request
 
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+TOKEN_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+LENGTH_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000)
+# Executor states as ExecutorStatus names them, one series each.
+EXECUTOR_STATES = ("connecting", "up", "draining", "drained", "refused", "down")
 
 
 class SchedulerMetrics:
@@ -19,7 +25,12 @@ class SchedulerMetrics:
         self.executors_up = Gauge("splitserve:executors_up", "Executors answering.", registry=r)
         self.prompt_tokens = Counter("splitserve:prompt_tokens", "Prompt tokens of finished requests.", registry=r)
         self.generation_tokens = Counter("splitserve:generation_tokens", "Tokens generated.", registry=r)
-        self.prefix_cache_hits = Counter("splitserve:prefix_cache_hits", "Prompt tokens served from the prefix cache.", registry=r)
+        self.prefix_cache_queries = Counter(
+            "splitserve:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", registry=r
+        )
+        self.prefix_cache_hits = Counter(
+            "splitserve:prefix_cache_hits", "Prompt tokens served from the prefix cache.", registry=r
+        )
         self.preemptions = Counter("splitserve:num_preemptions", "Requests preempted (recomputed).", registry=r)
         self.finished = Counter(
             "splitserve:request_success", "Finished requests by finish reason.", ["finished_reason"], registry=r
@@ -27,30 +38,45 @@ class SchedulerMetrics:
         self.ttft = Histogram(
             "splitserve:time_to_first_token_seconds", "Arrival to first token.", buckets=LATENCY_BUCKETS, registry=r
         )
+        self.inter_token = Histogram(
+            "splitserve:inter_token_latency_seconds",
+            "Time between two deliveries of tokens to a request.",
+            buckets=TOKEN_LATENCY_BUCKETS,
+            registry=r,
+        )
         self.e2e = Histogram(
             "splitserve:e2e_request_latency_seconds", "Arrival to finish.", buckets=LATENCY_BUCKETS, registry=r
         )
         self.queue_time = Histogram(
             "splitserve:request_queue_time_seconds", "Arrival to first admission.", buckets=LATENCY_BUCKETS, registry=r
         )
-        self.step_time = Histogram(
-            "splitserve:executor_step_seconds",
-            "Executor time per step, from taking the plan to answering it.",
-            buckets=LATENCY_BUCKETS,
+        self.request_prompt_tokens = Histogram(
+            "splitserve:request_prompt_tokens", "Prompt length of finished requests.", buckets=LENGTH_BUCKETS, registry=r
+        )
+        self.request_generation_tokens = Histogram(
+            "splitserve:request_generation_tokens", "Output length of finished requests.", buckets=LENGTH_BUCKETS, registry=r
+        )
+        self.executor_state = Gauge(
+            "splitserve:executor_state",
+            "1 for each executor's current state (connecting, up, draining, drained, refused, down).",
+            ["executor", "state"],
             registry=r,
         )
-        self.forward_time = Histogram(
-            "splitserve:executor_forward_seconds",
-            "Executor time per step in the forward pass and sampling.",
-            buckets=LATENCY_BUCKETS,
-            registry=r,
+        self.executor_requests = Gauge(
+            "splitserve:executor_num_requests", "Requests placed on each executor.", ["executor"], registry=r
+        )
+        self.executor_kv_usage = Gauge(
+            "splitserve:executor_kv_cache_usage_perc", "Share of each executor's KV blocks in use.", ["executor"], registry=r
         )
 
     def request_finished(self, request: Request) -> None:
         reason = request.finish_reason.value if request.finish_reason else "abort"
         self.finished.labels(finished_reason=reason).inc()
         self.prompt_tokens.inc(request.num_prompt_tokens)
+        self.prefix_cache_queries.inc(request.num_prompt_tokens)
         self.prefix_cache_hits.inc(request.num_cached_tokens)
+        self.request_prompt_tokens.observe(request.num_prompt_tokens)
+        self.request_generation_tokens.observe(request.num_output_tokens)
         arrival = request.arrival_time
         if request.first_scheduled_time is not None:
             self.queue_time.observe(request.first_scheduled_time - arrival)
@@ -58,3 +84,16 @@ class SchedulerMetrics:
             self.ttft.observe(request.first_token_time - arrival)
         if request.finish_time is not None:
             self.e2e.observe(request.finish_time - arrival)
+
+    def executor_changed(self, address: str, state: str) -> None:
+        for name in EXECUTOR_STATES:
+            self.executor_state.labels(executor=address, state=name).set(1.0 if name == state else 0.0)
+
+    def executor_removed(self, address: str) -> None:
+        for name in EXECUTOR_STATES:
+            self.executor_state.remove(address, name)
+        for gauge in (self.executor_requests, self.executor_kv_usage):
+            try:
+                gauge.remove(address)
+            except KeyError:
+                pass

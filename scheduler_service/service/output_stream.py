@@ -31,6 +31,8 @@ class OutputStream:
         self._items: deque[StreamItem] = deque()
         self._ready = asyncio.Event()
         self.closed = False
+        # When tokens last reached this stream (time.monotonic), for the inter-token latency.
+        self.last_tokens_at: float | None = None
         self._detokenizer = (
             IncrementalDetokenizer(
                 text.tokenizer,

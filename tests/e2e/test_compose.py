@@ -35,16 +35,18 @@ from tests.helpers.compose_services import (
     RunningServices,
     bring_up,
     free_ports,
+    own_services,
     seconds,
     startup_order,
 )
 
 COMPOSE_FILE = REPO_ROOT / "docker-compose.yml"
 SERVICES = {"prepare-model", "executor", "scheduler"}
+MONITORING = {"prometheus", "grafana"}
 VOLUME_MOUNT = "models:/models"
 MODEL_PATH = "/models/SmolLM2-135M-Instruct"
-# Ports the compose file fixes: scheduler, executor, scheduler metrics.
-FIXED_PORTS = (50051, 50052, 9400)
+# Ports the compose file fixes: scheduler, executor, scheduler metrics, executor metrics.
+FIXED_PORTS = (50051, 50052, 9400, 9401)
 
 
 @pytest.fixture(scope="module")
@@ -62,16 +64,16 @@ def flag(command: list[str], name: str) -> str:
 
 
 def test_three_services_from_one_image(compose: dict[str, Any]) -> None:
-    services = compose["services"]
+    assert set(compose["services"]) == SERVICES | MONITORING
+    services = own_services(compose["services"])
     assert set(services) == SERVICES
-    assert {spec["build"] for spec in services.values()} == {"."}
     assert len({spec["image"] for spec in services.values()}) == 1
     for name, spec in services.items():
         assert spec["command"][0] == "splitserve", name
 
 
 def test_dependency_conditions(compose: dict[str, Any]) -> None:
-    services = compose["services"]
+    services = own_services(compose["services"])
     assert startup_order(services) == ["prepare-model", "executor", "scheduler"]
     assert services["executor"]["depends_on"] == {
         "prepare-model": {"condition": "service_completed_successfully"}
@@ -96,7 +98,7 @@ def test_healthchecks_probe_each_server_over_grpc_health(compose: dict[str, Any]
 
 
 def test_one_volume_holds_the_model_for_all_three(compose: dict[str, Any]) -> None:
-    services = compose["services"]
+    services = own_services(compose["services"])
     assert "models" in compose["volumes"]
     for name, spec in services.items():
         assert VOLUME_MOUNT in spec["volumes"], name
@@ -120,6 +122,38 @@ def test_addresses_and_published_ports(compose: dict[str, Any]) -> None:
     metrics = flag(scheduler["command"], "--metrics-port")
     assert sorted(scheduler["ports"]) == sorted([f"{port}:{port}", f"{metrics}:{metrics}"])
     assert "ports" not in services["prepare-model"]
+
+
+def test_prometheus_scrapes_both_services_and_grafana_shows_the_dashboard(
+    compose: dict[str, Any],
+) -> None:
+    services = compose["services"]
+    prometheus, grafana = services["prometheus"], services["grafana"]
+    for spec in (prometheus, grafana):
+        # A pinned release: `latest` would change what a deployment runs under it.
+        assert re.fullmatch(r"[\w./-]+:v?\d+\.\d+\.\d+", spec["image"]), spec["image"]
+        for mount in spec["volumes"]:
+            source = mount.split(":")[0]
+            assert (REPO_ROOT / source).exists(), mount
+    config = yaml.safe_load((REPO_ROOT / "deploy/prometheus/prometheus.yml").read_text())
+    targets = {
+        target for job in config["scrape_configs"] for group in job["static_configs"] for target in group["targets"]
+    }
+    executor, scheduler = services["executor"]["command"], services["scheduler"]["command"]
+    assert targets == {
+        f"scheduler:{flag(scheduler, '--metrics-port')}",
+        f"executor:{flag(executor, '--metrics-port')}",
+    }
+    assert flag(executor, "--metrics-port") in [str(p) for p in services["executor"]["expose"]]
+    datasource = yaml.safe_load(
+        (REPO_ROOT / "deploy/grafana/provisioning/datasources/prometheus.yml").read_text()
+    )["datasources"][0]
+    assert datasource["url"] == "http://prometheus:9090"
+    # The dashboard's panels name the datasource by this uid.
+    dashboard = (REPO_ROOT / "deploy/grafana/dashboards/splitserve.json").read_text()
+    assert f'"uid": "{datasource["uid"]}"' in dashboard
+    home = grafana["environment"]["GF_DASHBOARDS_DEFAULT_HOME_DASHBOARD_PATH"]
+    assert home.startswith("/var/lib/grafana/dashboards/")
 
 
 def test_executor_threads_match_openmp(compose: dict[str, Any]) -> None:
@@ -150,10 +184,10 @@ def test_services_come_up_in_order_and_answer(
 ) -> None:
     services = compose["services"]
     stand_ins = LocalStandIns(
-        volume=tmp_path / "models-volume", ports=dict(zip(FIXED_PORTS, free_ports(3)))
+        volume=tmp_path / "models-volume", ports=dict(zip(FIXED_PORTS, free_ports(len(FIXED_PORTS))))
     )
     stand_ins.volume.mkdir()
-    one_shots = bring_up(services, stand_ins, running)
+    one_shots = bring_up(own_services(services), stand_ins, running)
     # The one-shot says where it put the model, the path the servers read.
     assert one_shots["prepare-model"].stdout.splitlines()[-1] == stand_ins.arg(MODEL_PATH)
 
@@ -167,9 +201,10 @@ def test_services_come_up_in_order_and_answer(
     assert result.usage is not None
     assert result.usage.prompt_tokens > 0 and result.usage.completion_tokens > 0
 
-    with urllib.request.urlopen(f"http://127.0.0.1:{stand_ins.ports[9400]}/metrics") as reply:
-        assert reply.status == 200
-        assert b"# HELP" in reply.read()
+    for port in (9400, 9401):
+        with urllib.request.urlopen(f"http://127.0.0.1:{stand_ins.ports[port]}/metrics") as reply:
+            assert reply.status == 200
+            assert b"# HELP splitserve:" in reply.read()
 
     statuses = running.stop()
     assert statuses == {"scheduler": 0, "executor": 0}

@@ -42,6 +42,7 @@ from tests.helpers.compose_services import (
     bring_up,
     dependency_condition,
     free_ports,
+    own_services,
     startup_order,
 )
 
@@ -526,7 +527,7 @@ def test_secured_services_come_up_and_demand_credentials(
     )
     stand_ins.volume.mkdir()
     stand_ins.certs.mkdir()
-    bring_up(services, stand_ins, running)
+    bring_up(own_services(services), stand_ins, running)
 
     def read(name: str) -> bytes:
         return (stand_ins.certs / name).read_bytes()

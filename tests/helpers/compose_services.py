@@ -159,6 +159,12 @@ def wait_healthy(
         time.sleep(interval)
 
 
+def own_services(services: dict[str, Any]) -> dict[str, Any]:
+    """The services built from this repository's image (the rest, such as Prometheus and
+    Grafana, run images of their own that have no local stand-in)."""
+    return {name: spec for name, spec in services.items() if spec.get("build") == "."}
+
+
 def bring_up(
     services: dict[str, Any], stand_ins: LocalStandIns, running: RunningServices
 ) -> dict[str, subprocess.CompletedProcess[str]]:

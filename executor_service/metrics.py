@@ -1,0 +1,86 @@
+"""Prometheus metrics of one executor: what each step cost and carried, and its KV use.
+
+Named like the scheduler's (splitserve:executor_...), in a registry of the executor's own. Steps
+are observed on the worker thread that ran them; the blocks in use are counted there too, at
+most once a second, because counting walks every request's block table.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from protos.splitserve.executor.v1 import executor_pb2
+
+TIME_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+REQUEST_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+KV_COUNT_INTERVAL_S = 1.0
+
+
+class ExecutorMetrics:
+    def __init__(
+        self,
+        num_kv_blocks: int,
+        blocks_in_use: Callable[[], int],
+        registry: CollectorRegistry | None = None,
+    ) -> None:
+        self.registry = registry or CollectorRegistry()
+        r = self.registry
+        self._blocks_in_use = blocks_in_use
+        self._counted_at = 0.0
+        self.forward_time = Histogram(
+            "splitserve:executor_forward_time_seconds",
+            "Seconds per step in the model forward pass and sampling.",
+            buckets=TIME_BUCKETS,
+            registry=r,
+        )
+        self.step_time = Histogram(
+            "splitserve:executor_step_time_seconds",
+            "Seconds per step from taking the plan to answering it (input building included).",
+            buckets=TIME_BUCKETS,
+            registry=r,
+        )
+        self.step_tokens = Histogram(
+            "splitserve:executor_step_tokens", "Tokens computed per step.", buckets=TOKEN_BUCKETS, registry=r
+        )
+        self.step_requests = Histogram(
+            "splitserve:executor_step_requests", "Requests advanced per step.", buckets=REQUEST_BUCKETS, registry=r
+        )
+        self.steps = Counter("splitserve:executor_steps", "Steps run (plans with work).", registry=r)
+        self.step_failures = Counter(
+            "splitserve:executor_step_failures", "Steps whose forward pass raised.", registry=r
+        )
+        self.kv_blocks_total = Gauge(
+            "splitserve:executor_kv_blocks_total", "KV cache blocks this executor holds.", registry=r
+        )
+        self.kv_blocks_in_use = Gauge(
+            "splitserve:executor_kv_blocks_in_use",
+            "KV cache blocks in the block tables of the requests this executor holds.",
+            registry=r,
+        )
+        self.kv_blocks_total.set(num_kv_blocks)
+
+    def observe_step(self, plan: executor_pb2.StepPlan, result: executor_pb2.StepResult) -> None:
+        """On the worker thread, after the plan ran."""
+        tokens = (
+            sum(entry.num_scheduled_tokens for entry in plan.new_requests)
+            + sum(entry.num_scheduled_tokens for entry in plan.continuing_requests)
+            + len(plan.decode_handles)
+        )
+        if tokens:
+            self.steps.inc()
+            self.forward_time.observe(result.forward_time_s)
+            self.step_time.observe(result.step_time_s)
+            self.step_tokens.observe(tokens)
+            self.step_requests.observe(
+                len(plan.new_requests) + len(plan.continuing_requests) + len(plan.decode_handles)
+            )
+        if result.HasField("failure"):
+            self.step_failures.inc()
+        now = time.monotonic()
+        if now - self._counted_at >= KV_COUNT_INTERVAL_S:
+            self._counted_at = now
+            self.kv_blocks_in_use.set(self._blocks_in_use())
