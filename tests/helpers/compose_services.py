@@ -23,6 +23,7 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 # Names that reach a service from another container, and the wildcard a server binds.
 CONTAINER_HOSTS = {"executor", "scheduler", "127.0.0.1", "localhost", "0.0.0.0"}
 HOST_PORT = re.compile(r"([\w.-]+):(\d+)")
+URL = re.compile(r"(https?://)([\w.-]+:\d+)(/.*)?")
 
 
 def seconds(duration: str) -> float:
@@ -69,6 +70,8 @@ class LocalStandIns:
             return str(self.volume) + text.removeprefix("/models")
         if text == "0.0.0.0":
             return "127.0.0.1"
+        if match := URL.fullmatch(text):
+            return f"{match.group(1)}{self.arg(match.group(2))}{match.group(3) or ''}"
         if match := HOST_PORT.fullmatch(text):
             host, port = match.group(1), int(match.group(2))
             if host in CONTAINER_HOSTS and port in self.ports:

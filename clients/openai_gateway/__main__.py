@@ -1,0 +1,123 @@
+"""`python -m clients.openai_gateway --port 8000 --server HOST:PORT`: the OpenAI-compatible HTTP
+gateway in front of a scheduler. Logs `event=gateway_ready address=HOST:PORT` once it listens
+(with --port 0, the port the system picked)."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import socket
+import sys
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import uvicorn
+
+from clients.openai_gateway.app import GatewaySettings, create_app
+from protos.cli_help import DefaultsHelpFormatter
+
+logger = logging.getLogger("clients.openai_gateway")
+
+
+def parse_args(argv: Sequence[str] | None, prog: str = "python -m clients.openai_gateway") -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog=prog,
+        description=__doc__,
+        formatter_class=DefaultsHelpFormatter,
+    )
+    parser.add_argument("--port", type=int, required=True, help="HTTP port (0: any free one)")
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    parser.add_argument("--server", required=True, metavar="HOST:PORT", help="the scheduler's client API")
+    parser.add_argument(
+        "--served-model-name",
+        help="the name clients must send as `model` (default: the model_id GetModelInfo reports)",
+    )
+    parser.add_argument("--tls-ca", type=Path, help="PEM CA of the scheduler's certificate: connect over TLS")
+    parser.add_argument("--tls", action="store_true", help="connect over TLS trusting the system's root certificates")
+    parser.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=25.0,
+        help="after SIGTERM, seconds open responses get to finish before they are cut",
+    )
+    return parser.parse_args(argv)
+
+
+class GatewayServer(uvicorn.Server):
+    """uvicorn's server, logging the ready line once the application started and it listens."""
+
+    def __init__(self, config: uvicorn.Config, listener: socket.socket, settings: GatewaySettings) -> None:
+        super().__init__(config)
+        self._listener = listener
+        self._settings = settings
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        with super().capture_signals():
+            yield
+            # uvicorn re-raises SIGTERM after its graceful shutdown, so the process would die of
+            # it; a drained stop is a clean exit (status 0) here, as for the other services.
+            self._captured_signals.clear()
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets=sockets)
+        if self.started:
+            host, port = self._listener.getsockname()[:2]
+            address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+            logger.info(
+                "event=gateway_ready address=%s server=%s served_model_name=%s tls=%s",
+                address, self._settings.server, self._settings.served_model_name,
+                self._settings.tls or self._settings.root_certificates is not None,
+            )
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """The listening socket, bound here so that port 0 gets one port for every address family
+    and the ready line can name it."""
+    family, kind, proto, _, address = socket.getaddrinfo(
+        host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+    )[0]
+    listener = socket.socket(family, kind, proto)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.bind(address)
+    listener.listen(socket.SOMAXCONN)
+    listener.setblocking(False)
+    return listener
+
+
+def main(argv: Sequence[str] | None = None, prog: str = "python -m clients.openai_gateway") -> int:
+    logging.basicConfig(
+        level=logging.INFO,
+        stream=sys.stderr,
+        format="%(asctime)s level=%(levelname)s logger=%(name)s %(message)s",
+    )
+    args = parse_args(argv, prog)
+    try:
+        root_certificates = args.tls_ca.read_bytes() if args.tls_ca else None
+        listener = listen(args.host, args.port)
+    except OSError as error:
+        logger.error("event=gateway_refused reason=%r", str(error))
+        return 2
+    settings = GatewaySettings(
+        server=args.server,
+        served_model_name=args.served_model_name,
+        root_certificates=root_certificates,
+        tls=args.tls,
+    )
+    config = uvicorn.Config(
+        create_app(settings),
+        # Our logging setup stays; uvicorn's own lines (not key=value) only for warnings. The
+        # routes log each request as structured lines, so its access log is off.
+        log_config=None,
+        log_level="warning",
+        access_log=False,
+        timeout_graceful_shutdown=args.drain_timeout,
+    )
+    server = GatewayServer(config, listener, settings)
+    server.run(sockets=[listener])
+    return 0 if server.started else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,195 @@
+"""The FastAPI application: the OpenAI-compatible routes over one shared AsyncClient (one gRPC
+channel for every request; each call carries its caller's bearer token)."""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from clients.async_client import AsyncClient
+from clients.errors import SplitserveError
+from clients.openai_gateway.auth import bearer_token
+from clients.openai_gateway.errors import bad_request, install_error_handlers
+from clients.openai_gateway.responses import (
+    ChatShaper,
+    CompletionShaper,
+    ResponseContext,
+    Shaper,
+)
+from clients.openai_gateway.schemas import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    SamplingFields,
+)
+from clients.openai_gateway.served_model import ServedModel
+from clients.openai_gateway.streaming import (
+    ClientDisconnected,
+    EventStreamResponse,
+    collect,
+    event_stream,
+    first_delta,
+)
+from clients.openai_gateway.translate import GenerateCall, chat_call, completion_call
+from protos.splitserve.v1 import generation_pb2 as pb
+
+logger = logging.getLogger(__name__)
+
+# nginx's code for "the client closed the connection": nobody receives it, but logs show it.
+CLIENT_CLOSED_REQUEST = 499
+
+
+@dataclass(slots=True, frozen=True)
+class GatewaySettings:
+    server: str
+    served_model_name: str | None = None
+    root_certificates: bytes | None = None
+    tls: bool = False
+    health_timeout_s: float = 5.0
+
+
+@dataclass(slots=True, frozen=True)
+class Gateway:
+    client: AsyncClient
+    model: ServedModel
+    settings: GatewaySettings
+    started: int
+
+
+def create_app(settings: GatewaySettings) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        # A grpc.aio channel belongs to the event loop that made it: the server's, so here.
+        async with AsyncClient(
+            settings.server, root_certificates=settings.root_certificates, tls=settings.tls
+        ) as client:
+            model = ServedModel(client, settings.served_model_name)
+            app.state.gateway = Gateway(client, model, settings, int(time.time()))
+            yield
+
+    app = FastAPI(title="splitserve OpenAI-compatible gateway", lifespan=lifespan)
+    install_error_handlers(app)
+    app.include_router(router)
+    return app
+
+
+def current_gateway(request: Request) -> Gateway:
+    return request.app.state.gateway
+
+
+GatewayDep = Annotated[Gateway, Depends(current_gateway)]
+ApiKey = Annotated[str | None, Depends(bearer_token)]
+router = APIRouter()
+
+
+@router.post("/v1/completions")
+async def completions(
+    body: CompletionRequest, request: Request, gateway: GatewayDep, api_key: ApiKey
+) -> Response:
+    request_id = f"cmpl-{uuid.uuid4().hex}"
+    call = completion_call(body, request_id)
+    context = await _context(gateway, body, api_key, request_id, body.logprobs is not None)
+    return await _respond(request, gateway, call, api_key, CompletionShaper(context), bool(body.stream))
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(
+    body: ChatCompletionRequest, request: Request, gateway: GatewayDep, api_key: ApiKey
+) -> Response:
+    request_id = f"chatcmpl-{uuid.uuid4().hex}"
+    call = chat_call(body, request_id)
+    context = await _context(gateway, body, api_key, request_id, bool(body.logprobs))
+    return await _respond(request, gateway, call, api_key, ChatShaper(context), bool(body.stream))
+
+
+@router.get("/v1/models")
+async def list_models(gateway: GatewayDep, api_key: ApiKey) -> JSONResponse:
+    info = await gateway.model.info(api_key)
+    return JSONResponse({"object": "list", "data": [_model_card(gateway, info)]})
+
+
+@router.get("/v1/models/{model:path}")
+async def retrieve_model(model: str, gateway: GatewayDep, api_key: ApiKey) -> JSONResponse:
+    await gateway.model.resolve(model, api_key)
+    return JSONResponse(_model_card(gateway, await gateway.model.info(api_key)))
+
+
+@router.get("/health")
+async def health(gateway: GatewayDep) -> JSONResponse:
+    try:
+        serving = await gateway.client.serving(timeout=gateway.settings.health_timeout_s)
+    except SplitserveError as error:
+        logger.info("event=health_unreachable code=%s details=%r", error.code.name, error.details)
+        serving = False
+    status = "serving" if serving else "not_serving"
+    return JSONResponse({"status": status}, status_code=200 if serving else 503)
+
+
+def _model_card(gateway: Gateway, info: pb.ModelInfo) -> dict[str, Any]:
+    return {
+        "id": gateway.model.name(info),
+        "object": "model",
+        "created": gateway.started,
+        "owned_by": "splitserve",
+        "root": info.model_id,
+        "max_model_len": info.max_model_len,
+    }
+
+
+async def _context(
+    gateway: Gateway, body: SamplingFields, api_key: str | None, request_id: str, want_logprobs: bool
+) -> ResponseContext:
+    return ResponseContext(
+        id=request_id,
+        created=int(time.time()),
+        model=await gateway.model.resolve(body.model, api_key),
+        include_usage=bool(body.stream_options and body.stream_options.include_usage),
+        want_logprobs=want_logprobs,
+    )
+
+
+async def _respond(
+    request: Request,
+    gateway: Gateway,
+    call: GenerateCall,
+    api_key: str | None,
+    shaper: Shaper,
+    streaming: bool,
+) -> Response:
+    request_id = call.request_id
+    try:
+        stream = gateway.client.stream(
+            call.prompt,
+            prompt_token_ids=call.prompt_token_ids,
+            messages=call.messages,
+            api_key=api_key,
+            **call.options,
+        )
+    except ValueError as error:
+        raise bad_request(str(error)) from None
+    try:
+        if streaming:
+            first = await first_delta(request, stream)
+            return EventStreamResponse(event_stream(stream, first, shaper, request_id))
+        payload = shaper.whole(await collect(request, stream))
+    except ClientDisconnected:
+        logger.info(
+            "event=client_disconnected request_id=%s streaming=%s",
+            request_id, "true" if streaming else "false",
+        )
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
+    usage = payload["usage"] or {}
+    logger.info(
+        "event=request_finished request_id=%s streaming=false finish_reason=%s prompt_tokens=%s "
+        "completion_tokens=%s",
+        request_id, payload["choices"][0]["finish_reason"], usage.get("prompt_tokens"),
+        usage.get("completion_tokens"),
+    )
+    return JSONResponse(payload)

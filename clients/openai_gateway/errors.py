@@ -1,0 +1,139 @@
+"""Errors in OpenAI's JSON shape, `{"error": {"message", "type", "param", "code"}}`, with the
+HTTP status a client of OpenAI's API expects, for the gateway's own refusals and for the
+scheduler's gRPC statuses alike."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import grpc
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
+
+from clients.errors import SplitserveError
+
+logger = logging.getLogger(__name__)
+
+HTTP_STATUS: dict[grpc.StatusCode, int] = {
+    grpc.StatusCode.INVALID_ARGUMENT: 400,
+    grpc.StatusCode.FAILED_PRECONDITION: 400,
+    grpc.StatusCode.UNAUTHENTICATED: 401,
+    grpc.StatusCode.PERMISSION_DENIED: 403,
+    grpc.StatusCode.NOT_FOUND: 404,
+    grpc.StatusCode.ALREADY_EXISTS: 409,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
+    grpc.StatusCode.UNAVAILABLE: 503,
+    grpc.StatusCode.DEADLINE_EXCEEDED: 504,
+}
+
+ERROR_TYPES: dict[int, str] = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    409: "conflict_error",
+    429: "rate_limit_error",
+}
+
+
+class GatewayError(Exception):
+    """A request that ends with an OpenAI-style error response (or SSE error event)."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        error_type: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.error_type = error_type or ERROR_TYPES.get(status, "server_error")
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.error_type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+    def response(self, request: Request) -> JSONResponse:
+        logger.info(
+            "event=request_refused path=%s status=%d code=%s message=%r",
+            request.url.path, self.status, self.code, self.message,
+        )
+        return JSONResponse(self.body(), status_code=self.status)
+
+
+def bad_request(message: str, param: str | None = None) -> GatewayError:
+    return GatewayError(400, message, param=param)
+
+
+def unsupported(param: str, message: str) -> GatewayError:
+    return GatewayError(400, message, param=param, code="unsupported_parameter")
+
+
+def from_splitserve(error: SplitserveError) -> GatewayError:
+    """The scheduler's status as HTTP; its message is passed on unchanged (it names the field)."""
+    return GatewayError(
+        HTTP_STATUS.get(error.code, 500),
+        error.details or error.code.name,
+        code=error.code.name.lower(),
+    )
+
+
+def validation_error(error: RequestValidationError) -> GatewayError:
+    """Pydantic's complaints as one 400 (FastAPI's default is a 422 in its own shape)."""
+    problems: list[str] = []
+    first_param: str | None = None
+    unknown_field = False
+    for item in error.errors():
+        if item.get("type") == "json_invalid":
+            # Its location is a character position, not a field.
+            reason = item.get("ctx", {}).get("error", "")
+            problems.append(f"the body is not valid JSON ({reason})")
+            continue
+        path = ".".join(str(part) for part in item.get("loc", ()) if part != "body") or "body"
+        first_param = first_param or path
+        if item.get("type") == "extra_forbidden":
+            unknown_field = True
+            problems.append(f"{path}: unsupported field (this server does not implement it)")
+        else:
+            problems.append(f"{path}: {item.get('msg', 'invalid value')}")
+    code = "unsupported_parameter" if unknown_field else None
+    return GatewayError(400, "; ".join(problems), param=first_param, code=code)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(GatewayError)
+    async def on_gateway_error(request: Request, error: GatewayError) -> JSONResponse:
+        return error.response(request)
+
+    @app.exception_handler(SplitserveError)
+    async def on_splitserve_error(request: Request, error: SplitserveError) -> JSONResponse:
+        return from_splitserve(error).response(request)
+
+    @app.exception_handler(RequestValidationError)
+    async def on_validation_error(request: Request, error: RequestValidationError) -> JSONResponse:
+        return validation_error(error).response(request)
+
+    @app.exception_handler(HTTPException)
+    async def on_http_error(request: Request, error: HTTPException) -> JSONResponse:
+        # Unknown routes and methods, in the same shape as every other error.
+        return GatewayError(error.status_code, str(error.detail)).response(request)
+
+    @app.exception_handler(Exception)
+    async def on_unexpected_error(request: Request, error: Exception) -> JSONResponse:
+        logger.exception("event=gateway_internal_error path=%s", request.url.path)
+        return GatewayError(500, f"internal error: {type(error).__name__}").response(request)

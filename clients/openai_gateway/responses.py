@@ -1,0 +1,171 @@
+"""Response bodies and stream chunks in OpenAI's shapes, built from the client's deltas.
+
+A shaper turns one request's deltas into either the whole response (`whole`) or the chunks of
+its event stream (`opening`, `chunks`, `closing`); the completions and chat shapers differ only
+in the shapes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from clients.openai_gateway.errors import GatewayError
+from clients.openai_gateway.logprobs import CompletionLogprobs, chat_logprobs
+from clients.results import GenerationDelta, GenerationResult, ResultAssembler, Usage
+
+
+@dataclass(slots=True, frozen=True)
+class ResponseContext:
+    """What every body and chunk of one response repeats."""
+
+    id: str
+    created: int
+    model: str
+    include_usage: bool
+    want_logprobs: bool
+
+    def header(self, object_name: str) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "object": object_name,
+            "created": self.created,
+            "model": self.model,
+            "system_fingerprint": None,
+        }
+
+
+class Shaper(Protocol):
+    def whole(self, deltas: Sequence[GenerationDelta]) -> dict[str, Any]: ...
+
+    def opening(self) -> list[dict[str, Any]]: ...
+
+    def chunks(self, delta: GenerationDelta) -> list[dict[str, Any]]: ...
+
+    def closing(self, usage: Usage | None) -> list[dict[str, Any]]: ...
+
+
+def usage_body(usage: Usage | None) -> dict[str, Any] | None:
+    if usage is None:
+        return None
+    return {
+        "prompt_tokens": usage.prompt_tokens,
+        "completion_tokens": usage.completion_tokens,
+        "total_tokens": usage.prompt_tokens + usage.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": usage.cached_prompt_tokens},
+    }
+
+
+def finish_reason(delta: GenerationDelta) -> str | None:
+    """OpenAI's finish reason; a request the server aborted (shutdown, an operator's Abort) has
+    none there, so it ends as an error the client may retry."""
+    if delta.finish_reason == "abort":
+        raise GatewayError(503, "the server aborted the request", code="aborted")
+    return delta.finish_reason
+
+
+def assemble(deltas: Sequence[GenerationDelta], want_logprobs: bool) -> GenerationResult:
+    assembler = ResultAssembler(want_logprobs=want_logprobs)
+    for delta in deltas:
+        assembler.add(delta)
+    return assembler.result()
+
+
+def _stream_chunk(context: ResponseContext, object_name: str, choice: dict[str, Any]) -> dict[str, Any]:
+    chunk = {**context.header(object_name), "choices": [choice]}
+    if context.include_usage:
+        # OpenAI: with include_usage every chunk has a usage field, null but on the last one.
+        chunk["usage"] = None
+    return chunk
+
+
+def _usage_chunk(context: ResponseContext, object_name: str, usage: Usage | None) -> list[dict[str, Any]]:
+    if not context.include_usage:
+        return []
+    return [{**context.header(object_name), "choices": [], "usage": usage_body(usage)}]
+
+
+@dataclass(slots=True)
+class CompletionShaper:
+    context: ResponseContext
+    logprobs: CompletionLogprobs = field(default_factory=CompletionLogprobs)
+
+    def whole(self, deltas: Sequence[GenerationDelta]) -> dict[str, Any]:
+        result = assemble(deltas, self.context.want_logprobs)
+        reason = finish_reason(deltas[-1])
+        choice = {
+            "index": 0,
+            "text": result.text,
+            "logprobs": self.logprobs.whole(list(deltas)) if self.context.want_logprobs else None,
+            "finish_reason": reason,
+        }
+        return {
+            **self.context.header("text_completion"),
+            "choices": [choice],
+            "usage": usage_body(result.usage),
+        }
+
+    def opening(self) -> list[dict[str, Any]]:
+        return []
+
+    def chunks(self, delta: GenerationDelta) -> list[dict[str, Any]]:
+        reason = finish_reason(delta)
+        if not delta.text and reason is None and not (self.context.want_logprobs and delta.logprobs):
+            return []
+        choice = {
+            "index": 0,
+            "text": delta.text,
+            "logprobs": self.logprobs.fragment(delta) if self.context.want_logprobs else None,
+            "finish_reason": reason,
+        }
+        return [_stream_chunk(self.context, "text_completion", choice)]
+
+    def closing(self, usage: Usage | None) -> list[dict[str, Any]]:
+        return _usage_chunk(self.context, "text_completion", usage)
+
+
+@dataclass(slots=True)
+class ChatShaper:
+    context: ResponseContext
+
+    def whole(self, deltas: Sequence[GenerationDelta]) -> dict[str, Any]:
+        result = assemble(deltas, self.context.want_logprobs)
+        reason = finish_reason(deltas[-1])
+        choice = {
+            "index": 0,
+            "message": {"role": "assistant", "content": result.text, "refusal": None},
+            "logprobs": chat_logprobs(result.logprobs) if result.logprobs is not None else None,
+            "finish_reason": reason,
+        }
+        return {
+            **self.context.header("chat.completion"),
+            "choices": [choice],
+            "usage": usage_body(result.usage),
+        }
+
+    def opening(self) -> list[dict[str, Any]]:
+        # OpenAI's first chunk names the role, with empty content.
+        choice = {
+            "index": 0,
+            "delta": {"role": "assistant", "content": ""},
+            "logprobs": None,
+            "finish_reason": None,
+        }
+        return [_stream_chunk(self.context, "chat.completion.chunk", choice)]
+
+    def chunks(self, delta: GenerationDelta) -> list[dict[str, Any]]:
+        reason = finish_reason(delta)
+        with_logprobs = self.context.want_logprobs and bool(delta.logprobs)
+        if not delta.text and reason is None and not with_logprobs:
+            return []
+        choice = {
+            "index": 0,
+            "delta": {"content": delta.text} if delta.text else {},
+            "logprobs": chat_logprobs(delta.logprobs) if with_logprobs else None,
+            "finish_reason": reason,
+        }
+        return [_stream_chunk(self.context, "chat.completion.chunk", choice)]
+
+    def closing(self, usage: Usage | None) -> list[dict[str, Any]]:
+        return _usage_chunk(self.context, "chat.completion.chunk", usage)

@@ -1,0 +1,95 @@
+"""The JSON bodies the gateway accepts, named as OpenAI's API names them, plus vLLM's extra
+sampling fields. Every field defaults to None so that what a caller leaves out stays unset all
+the way to the scheduler, which then applies the model's own defaults.
+
+Fields outside these models are refused (extra="forbid"): a feature this server does not have
+must fail loudly rather than be dropped. Fields OpenAI defines but that only some values of are
+supported (n, echo, tools, ...) are declared here and checked in translate.py, which can say why.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict
+
+
+class Body(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class StreamOptions(Body):
+    include_usage: bool | None = None
+
+
+class ContentPart(BaseModel):
+    # Other part types (image_url, input_audio, file) carry other fields; they are let through
+    # here so translate.py can refuse them by name instead of with a schema mismatch.
+    model_config = ConfigDict(extra="allow")
+
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(Body):
+    role: str
+    content: str | list[ContentPart] | None = None
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    type: str
+
+
+class SamplingFields(Body):
+    """What both endpoints share: the model, sampling, stop conditions and streaming."""
+
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    n: int | None = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    logit_bias: dict[str, float] | None = None
+    # OpenAI uses it for abuse monitoring only; it changes nothing in the output.
+    user: str | None = None
+    # vLLM's extra fields (sent by the openai package through extra_body).
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: bool | None = None
+    min_tokens: int | None = None
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool | None = None
+    priority: int | None = None
+    cache_salt: str | None = None
+
+
+class CompletionRequest(SamplingFields):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    # Number of most likely alternatives per token, as the legacy completions API takes it.
+    logprobs: int | None = None
+    echo: bool | None = None
+    best_of: int | None = None
+    suffix: str | None = None
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    response_format: ResponseFormat | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    functions: list[dict[str, Any]] | None = None
+    function_call: str | dict[str, Any] | None = None
+    # vLLM's: False renders the chat without the assistant prefix.
+    add_generation_prompt: bool | None = None

@@ -1,0 +1,147 @@
+"""HTTP request bodies -> the keyword arguments of AsyncClient.stream.
+
+Only what the caller set is passed on: every sampling field left out stays None, and so unset in
+the gRPC request, where the scheduler applies the model's generation_config.json defaults. The
+gateway never fills in defaults of its own. Features the API names but this server lacks are
+refused here with a 400 that says which.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import cast
+
+from clients.openai_gateway.errors import bad_request, unsupported
+from clients.openai_gateway.schemas import (
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    SamplingFields,
+)
+from clients.request_builder import GenerateOptions
+
+
+@dataclass(slots=True, frozen=True)
+class GenerateCall:
+    """One Generate call: exactly one of the three prompt forms, and the options."""
+
+    prompt: str | None
+    prompt_token_ids: list[int] | None
+    messages: list[dict[str, str]] | None
+    options: GenerateOptions
+
+    @property
+    def request_id(self) -> str:
+        return self.options.get("request_id") or ""
+
+
+def completion_call(body: CompletionRequest, request_id: str) -> GenerateCall:
+    _check_common(body)
+    if body.echo:
+        raise unsupported("echo", "echo is not supported")
+    if body.best_of not in (None, 1):
+        raise unsupported("best_of", "best_of is not supported (only 1)")
+    if body.suffix is not None:
+        raise unsupported("suffix", "suffix (insertion) is not supported")
+    options = _sampling(body, request_id, max_tokens=body.max_tokens, logprobs=body.logprobs)
+    prompt = _single_prompt(body.prompt)
+    if isinstance(prompt, str):
+        return GenerateCall(prompt, None, None, options)
+    return GenerateCall(None, prompt, None, options)
+
+
+def chat_call(body: ChatCompletionRequest, request_id: str) -> GenerateCall:
+    _check_common(body)
+    if body.tools or body.functions:
+        raise unsupported("tools" if body.tools else "functions", "tool calling is not supported")
+    for name, choice in (("tool_choice", body.tool_choice), ("function_call", body.function_call)):
+        if choice not in (None, "none"):
+            raise unsupported(name, "tool calling is not supported")
+    if body.parallel_tool_calls:
+        raise unsupported("parallel_tool_calls", "tool calling is not supported")
+    if body.response_format is not None and body.response_format.type != "text":
+        raise unsupported(
+            "response_format",
+            f"response_format {body.response_format.type!r} is not supported (only 'text')",
+        )
+    if body.top_logprobs is not None and not body.logprobs:
+        raise bad_request("top_logprobs needs logprobs set to true", "top_logprobs")
+    logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    # OpenAI deprecated max_tokens for chat in favour of max_completion_tokens.
+    max_tokens = body.max_tokens if body.max_completion_tokens is None else body.max_completion_tokens
+    options = _sampling(body, request_id, max_tokens=max_tokens, logprobs=logprobs)
+    if body.add_generation_prompt is not None:
+        options["add_generation_prompt"] = body.add_generation_prompt
+    messages = [_chat_turn(index, message) for index, message in enumerate(body.messages)]
+    return GenerateCall(None, None, messages, options)
+
+
+def _single_prompt(prompt: str | list[int] | list[str] | list[list[int]]) -> str | list[int]:
+    """The one prompt of a request: text or token ids, alone or as a list of one."""
+    if isinstance(prompt, str):
+        return prompt
+    if not prompt or isinstance(prompt[0], int):
+        # pydantic matched one member of the union, so the list is all ids.
+        return cast(list[int], prompt)
+    if len(prompt) != 1:
+        # OpenAI answers a batch with one choice per prompt, in one response: not supported.
+        raise unsupported(
+            "prompt", "several prompts in one request are not supported; send one request per prompt"
+        )
+    return prompt[0]
+
+
+def _check_common(body: SamplingFields) -> None:
+    if body.n not in (None, 1):
+        raise unsupported("n", "only n=1 is supported; send one request per completion")
+    if body.logit_bias:
+        raise unsupported("logit_bias", "logit_bias is not supported")
+    if body.stream_options is not None and not body.stream:
+        raise bad_request("stream_options is only allowed with stream=true", "stream_options")
+
+
+def _sampling(
+    body: SamplingFields, request_id: str, *, max_tokens: int | None, logprobs: int | None
+) -> GenerateOptions:
+    options = GenerateOptions(
+        max_tokens=max_tokens,
+        temperature=body.temperature,
+        top_p=body.top_p,
+        # vLLM (and its clients) spell "all tokens" -1; the API spells it 0.
+        top_k=0 if body.top_k == -1 else body.top_k,
+        min_p=body.min_p,
+        seed=body.seed,
+        repetition_penalty=body.repetition_penalty,
+        presence_penalty=body.presence_penalty,
+        frequency_penalty=body.frequency_penalty,
+        stop=body.stop,
+        stop_token_ids=body.stop_token_ids,
+        ignore_eos=body.ignore_eos,
+        logprobs=logprobs,
+        min_tokens=body.min_tokens,
+        skip_special_tokens=body.skip_special_tokens,
+        cache_salt=body.cache_salt,
+        # The response's id, so the scheduler's log lines name the same request.
+        request_id=request_id,
+    )
+    if body.priority is not None:
+        options["priority"] = body.priority
+    return options
+
+
+def _chat_turn(index: int, message: ChatMessage) -> dict[str, str]:
+    content = message.content
+    if content is None:
+        raise bad_request(f"messages[{index}].content is required", f"messages.{index}.content")
+    if isinstance(content, str):
+        return {"role": message.role, "content": content}
+    texts: list[str] = []
+    for part_index, part in enumerate(content):
+        param = f"messages.{index}.content.{part_index}"
+        if part.type != "text":
+            raise unsupported(param, f"content parts of type {part.type!r} are not supported (only 'text')")
+        if part.text is None:
+            raise bad_request(f"{param}: a text part needs its text", param)
+        texts.append(part.text)
+    # Parts joined by newlines, as vLLM renders a multi-part text message.
+    return {"role": message.role, "content": "\n".join(texts)}

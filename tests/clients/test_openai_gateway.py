@@ -1,0 +1,504 @@
+"""The OpenAI-compatible gateway driven by the official `openai` package, against real processes:
+a random-weight Llama executor, a scheduler with Qwen3's tokenizer (chat template included), an
+API key file and TLS, and the gateway in front of it (trusting the scheduler's CA). Answers are checked against the gRPC client
+API's for the same request; aborts are checked through the scheduler's GetServerStatus."""
+
+from __future__ import annotations
+
+import asyncio
+import http.client
+import json
+import re
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+import openai
+import pytest
+import trustme
+
+from clients import Client, SplitserveError
+from clients.openai_gateway.errors import from_splitserve
+from clients.openai_gateway.schemas import ChatCompletionRequest, CompletionRequest
+from clients.openai_gateway.translate import chat_call, completion_call
+from clients.request_builder import build_generate_request
+from protos.splitserve.v1 import generation_pb2 as pb
+from tests.helpers.executor_process import start_executor
+from tests.helpers.gateway_process import GatewayProcess, start_gateway
+from tests.helpers.model_factory import build_model
+from tests.helpers.scheduler_process import SchedulerProcess
+from tests.helpers.service_process import free_port
+from tests.helpers.tokenizer_assets import qwen3_tokenizer_dir
+
+API_KEY = "gateway-test-key-0123456789"
+MODEL_NAME = "tiny-llama"
+# Qwen3's tokenizer: the random model's vocabulary must hold every id it makes.
+VOCAB_SIZE = 151_936
+# Long enough that a request without max_tokens would run for a long while: what the abort
+# tests cut short.
+MAX_MODEL_LEN = 8192
+PROMPT = "The quick brown fox jumps over the lazy dog, and then it runs far away into the woods"
+MESSAGES = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "What is the capital of France?"},
+]
+IGNORE_EOS = {"ignore_eos": True}
+
+
+@dataclass(slots=True, frozen=True)
+class Stack:
+    scheduler: str
+    # The CA of the scheduler's TLS certificate.
+    ca: Path
+    scheduler_process: SchedulerProcess
+    gateway: str
+    gateway_process: GatewayProcess
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    folder = tmp_path_factory.mktemp("gateway")
+    model_dir = build_model(
+        "llama", folder / "llama", seed=9, vocab_size=VOCAB_SIZE, max_position_embeddings=MAX_MODEL_LEN
+    )
+    keys = folder / "api-keys"
+    keys.write_text(f"{API_KEY}\n")
+    ca = trustme.CA()
+    ca.cert_pem.write_to_path(str(folder / "ca.pem"))
+    certificate = ca.issue_cert("127.0.0.1", "localhost")
+    certificate.cert_chain_pems[0].write_to_path(str(folder / "server.pem"))
+    certificate.private_key_pem.write_to_path(str(folder / "server-key.pem"))
+    with start_executor(model_dir, num_kv_blocks=1024) as (executor, _):
+        scheduler = SchedulerProcess(
+            executor,
+            tokenizer=qwen3_tokenizer_dir(),
+            api_key_file=keys,
+            tls_cert=folder / "server.pem",
+            tls_key=folder / "server-key.pem",
+        )
+        try:
+            address = scheduler.wait_ready(timeout_s=120.0)
+            gateway = GatewayProcess(address, served_model_name=MODEL_NAME, tls_ca=folder / "ca.pem")
+            try:
+                ready = gateway.wait_ready(timeout_s=60.0)
+                yield Stack(address, folder / "ca.pem", scheduler, ready, gateway)
+            finally:
+                gateway.close()
+        finally:
+            scheduler.close()
+
+
+@pytest.fixture(scope="module")
+def oai(stack: Stack) -> Iterator[openai.OpenAI]:
+    # No retries: a test that expects an error must see the first answer.
+    with openai.OpenAI(
+        base_url=f"http://{stack.gateway}/v1", api_key=API_KEY, max_retries=0, timeout=60.0
+    ) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def grpc_client(stack: Stack) -> Iterator[Client]:
+    with Client(
+        stack.scheduler, api_key=API_KEY, root_certificates=stack.ca.read_bytes(), timeout=60.0
+    ) as client:
+        yield client
+
+
+def http_request(
+    address: str, method: str, path: str, body: dict[str, Any] | None = None, token: str | None = API_KEY
+) -> tuple[int, dict[str, Any]]:
+    connection = http.client.HTTPConnection(address, timeout=60)
+    headers = {"Content-Type": "application/json"}
+    if token is not None:
+        headers["Authorization"] = f"Bearer {token}"
+    try:
+        connection.request(method, path, body=json.dumps(body) if body is not None else None, headers=headers)
+        response = connection.getresponse()
+        return response.status, json.loads(response.read() or b"{}")
+    finally:
+        connection.close()
+
+
+def wait_until_idle(client: Client, timeout_s: float = 10.0) -> pb.ServerStatus:
+    """The scheduler's status once nothing runs and every KV block is free (or at timeout)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        status = client.server_status()
+        idle = status.num_running == 0 and status.num_waiting == 0
+        if (idle and status.kv_blocks_free == status.kv_blocks_total) or time.monotonic() > deadline:
+            return status
+        time.sleep(0.1)
+
+
+# --- translation (no processes) ---------------------------------------------------------------
+
+
+def test_fields_the_caller_left_out_stay_unset_for_the_models_defaults() -> None:
+    for call in (
+        chat_call(ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}]), "chatcmpl-1"),
+        completion_call(CompletionRequest(prompt="hi"), "cmpl-1"),
+    ):
+        request = build_generate_request(
+            call.prompt, prompt_token_ids=call.prompt_token_ids, messages=call.messages, **call.options
+        )
+        for name in ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "repetition_penalty", "logprobs"):
+            assert not request.sampling.HasField(name), name
+
+
+def test_chat_fields_map_as_openai_and_vllm_define_them() -> None:
+    body = ChatCompletionRequest(
+        messages=[{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}],
+        max_tokens=50,
+        max_completion_tokens=6,
+        top_k=-1,
+        logprobs=True,
+        top_logprobs=3,
+        temperature=0,
+    )
+    call = chat_call(body, "chatcmpl-1")
+    assert call.messages == [{"role": "user", "content": "a\nb"}]
+    assert call.options["max_tokens"] == 6 and call.options["top_k"] == 0
+    assert call.options["logprobs"] == 3 and call.options["temperature"] == 0
+
+
+@pytest.mark.parametrize(
+    ("code", "status"),
+    [
+        (grpc.StatusCode.INVALID_ARGUMENT, 400),
+        (grpc.StatusCode.FAILED_PRECONDITION, 400),
+        (grpc.StatusCode.UNAUTHENTICATED, 401),
+        (grpc.StatusCode.PERMISSION_DENIED, 403),
+        (grpc.StatusCode.NOT_FOUND, 404),
+        (grpc.StatusCode.ALREADY_EXISTS, 409),
+        (grpc.StatusCode.RESOURCE_EXHAUSTED, 429),
+        (grpc.StatusCode.UNAVAILABLE, 503),
+        (grpc.StatusCode.DEADLINE_EXCEEDED, 504),
+        (grpc.StatusCode.INTERNAL, 500),
+        (grpc.StatusCode.UNKNOWN, 500),
+    ],
+)
+def test_grpc_statuses_become_http_statuses(code: grpc.StatusCode, status: int) -> None:
+    error = from_splitserve(SplitserveError(code, "the scheduler's reason"))
+    assert error.status == status
+    assert error.body()["error"]["message"] == "the scheduler's reason"
+    assert error.body()["error"]["code"] == code.name.lower()
+
+
+# --- completions ------------------------------------------------------------------------------
+
+
+def test_completion_answers_as_the_grpc_api_does(oai: openai.OpenAI, grpc_client: Client) -> None:
+    expected = grpc_client.generate(prompt=PROMPT, max_tokens=8, temperature=0, ignore_eos=True)
+    completion = oai.completions.create(
+        model=MODEL_NAME, prompt=PROMPT, max_tokens=8, temperature=0, extra_body=IGNORE_EOS
+    )
+    assert completion.id.startswith("cmpl-") and completion.object == "text_completion"
+    assert completion.model == MODEL_NAME and completion.created > 0
+    choice = completion.choices[0]
+    assert (choice.index, choice.text, choice.finish_reason) == (0, expected.text, "length")
+    usage = completion.usage
+    assert (usage.prompt_tokens, usage.completion_tokens) == (expected.usage.prompt_tokens, 8)
+    assert usage.total_tokens == usage.prompt_tokens + 8
+    # The same prompt just ran: its full blocks come from the prefix cache.
+    assert usage.prompt_tokens_details.cached_tokens >= 16
+
+    token_ids = [5, 17, 40, 99, 1234]
+    by_ids = grpc_client.generate(prompt_token_ids=token_ids, max_tokens=4, temperature=0, ignore_eos=True)
+    completion = oai.completions.create(
+        model=MODEL_NAME, prompt=token_ids, max_tokens=4, temperature=0, extra_body=IGNORE_EOS
+    )
+    assert completion.choices[0].text == by_ids.text and completion.usage.prompt_tokens == 5
+
+
+def test_completion_stream_ends_with_a_usage_chunk(oai: openai.OpenAI, grpc_client: Client) -> None:
+    expected = grpc_client.generate(prompt=PROMPT, max_tokens=8, temperature=0, ignore_eos=True)
+    arguments: dict[str, Any] = dict(
+        model=MODEL_NAME, prompt=PROMPT, max_tokens=8, temperature=0, stream=True, extra_body=IGNORE_EOS
+    )
+    chunks = list(oai.completions.create(**arguments, stream_options={"include_usage": True}))
+    *text_chunks, usage_chunk = chunks
+    assert "".join(chunk.choices[0].text for chunk in text_chunks) == expected.text
+    assert text_chunks[-1].choices[0].finish_reason == "length"
+    assert all(chunk.choices[0].finish_reason is None for chunk in text_chunks[:-1])
+    assert all(chunk.usage is None for chunk in text_chunks)
+    assert usage_chunk.choices == [] and usage_chunk.usage.completion_tokens == 8
+    assert usage_chunk.usage.total_tokens == expected.usage.prompt_tokens + 8
+    assert {chunk.id for chunk in chunks} == {chunks[0].id} and chunks[0].id.startswith("cmpl-")
+    assert {chunk.object for chunk in chunks} == {"text_completion"}
+
+    without_usage = list(oai.completions.create(**arguments))
+    assert all(chunk.choices and chunk.usage is None for chunk in without_usage)
+
+
+# --- chat -------------------------------------------------------------------------------------
+
+
+def test_chat_answers_as_the_grpc_api_does(oai: openai.OpenAI, grpc_client: Client) -> None:
+    expected = grpc_client.generate(messages=MESSAGES, max_tokens=6, temperature=0, ignore_eos=True)
+    # max_completion_tokens wins over max_tokens.
+    chat = oai.chat.completions.create(
+        model=MODEL_NAME, messages=MESSAGES, max_tokens=50, max_completion_tokens=6, temperature=0,
+        extra_body=IGNORE_EOS,
+    )
+    assert chat.id.startswith("chatcmpl-") and chat.object == "chat.completion" and chat.model == MODEL_NAME
+    choice = chat.choices[0]
+    assert (choice.message.role, choice.message.content) == ("assistant", expected.text)
+    assert choice.finish_reason == "length" and choice.logprobs is None
+    assert (chat.usage.prompt_tokens, chat.usage.completion_tokens) == (expected.usage.prompt_tokens, 6)
+
+    as_parts = [{"role": m["role"], "content": [{"type": "text", "text": m["content"]}]} for m in MESSAGES]
+    chat = oai.chat.completions.create(
+        model=MODEL_NAME, messages=as_parts, max_completion_tokens=6, temperature=0, extra_body=IGNORE_EOS
+    )
+    assert chat.choices[0].message.content == expected.text
+
+
+def test_chat_stream_names_the_role_then_streams_the_answer(oai: openai.OpenAI, grpc_client: Client) -> None:
+    expected = grpc_client.generate(messages=MESSAGES, max_tokens=6, temperature=0, ignore_eos=True)
+    chunks = list(
+        oai.chat.completions.create(
+            model=MODEL_NAME, messages=MESSAGES, max_completion_tokens=6, temperature=0, stream=True,
+            stream_options={"include_usage": True}, extra_body=IGNORE_EOS,
+        )
+    )
+    *answer, usage_chunk = chunks
+    assert answer[0].choices[0].delta.role == "assistant"
+    assert "".join(chunk.choices[0].delta.content or "" for chunk in answer) == expected.text
+    assert answer[-1].choices[0].finish_reason == "length"
+    assert {chunk.object for chunk in chunks} == {"chat.completion.chunk"}
+    assert usage_chunk.choices == [] and usage_chunk.usage.completion_tokens == 6
+
+
+def test_concurrent_streams_share_the_gateways_channel(stack: Stack) -> None:
+    async def one(client: openai.AsyncOpenAI, seed: int) -> tuple[str, int]:
+        stream = await client.chat.completions.create(
+            model=MODEL_NAME, messages=MESSAGES, max_completion_tokens=8, seed=seed, stream=True,
+            stream_options={"include_usage": True}, extra_body=IGNORE_EOS,
+        )
+        chunks = [chunk async for chunk in stream]
+        text = "".join(chunk.choices[0].delta.content or "" for chunk in chunks if chunk.choices)
+        return text, chunks[-1].usage.completion_tokens
+
+    async def run() -> list[tuple[str, int]]:
+        async with openai.AsyncOpenAI(
+            base_url=f"http://{stack.gateway}/v1", api_key=API_KEY, max_retries=0
+        ) as client:
+            return await asyncio.gather(*(one(client, seed) for seed in range(8)))
+
+    answers = asyncio.run(run())
+    assert [tokens for _, tokens in answers] == [8] * 8
+    assert len({text for text, _ in answers}) > 1  # eight seeds, not one answer copied
+
+
+# --- sampling ---------------------------------------------------------------------------------
+
+
+def test_the_same_seed_gives_the_same_answer(oai: openai.OpenAI) -> None:
+    def sample(seed: int) -> str:
+        completion = oai.completions.create(
+            model=MODEL_NAME, prompt=PROMPT, max_tokens=12, temperature=1.0, seed=seed, extra_body=IGNORE_EOS
+        )
+        return completion.choices[0].text
+
+    first = sample(1234)
+    assert sample(1234) == first
+    assert sample(4321) != first
+
+
+def test_stop_strings_end_the_answer_before_them(oai: openai.OpenAI, grpc_client: Client) -> None:
+    full = grpc_client.generate(prompt=PROMPT, max_tokens=24, temperature=0, ignore_eos=True).text
+    stop = full[len(full) // 2 : len(full) // 2 + 3]
+    expected = full[: full.index(stop)]
+    arguments: dict[str, Any] = dict(
+        model=MODEL_NAME, prompt=PROMPT, max_tokens=24, temperature=0, extra_body=IGNORE_EOS
+    )
+    completion = oai.completions.create(**arguments, stop=stop)
+    assert (completion.choices[0].text, completion.choices[0].finish_reason) == (expected, "stop")
+    chunks = list(oai.completions.create(**arguments, stop=[stop, "never-in-the-answer"], stream=True))
+    assert "".join(chunk.choices[0].text for chunk in chunks) == expected
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_completion_logprobs_name_tokens_by_id(oai: openai.OpenAI, grpc_client: Client) -> None:
+    expected = grpc_client.generate(prompt=PROMPT, max_tokens=4, temperature=0, ignore_eos=True, logprobs=2)
+    completion = oai.completions.create(
+        model=MODEL_NAME, prompt=PROMPT, max_tokens=4, temperature=0, logprobs=2, extra_body=IGNORE_EOS
+    )
+    logprobs = completion.choices[0].logprobs
+    assert logprobs.tokens == [f"token_id:{token}" for token in expected.token_ids]
+    assert logprobs.token_logprobs == pytest.approx([record.logprob for record in expected.logprobs])
+    for top, record in zip(logprobs.top_logprobs, expected.logprobs, strict=True):
+        assert top == pytest.approx(
+            {f"token_id:{t}": lp for t, lp in zip(record.top_token_ids, record.top_logprobs, strict=True)}
+        )
+        # Greedy: the sampled token is the most likely one.
+        assert record.token_id == record.top_token_ids[0]
+    offsets = logprobs.text_offset
+    assert offsets[0] == 0 and offsets == sorted(offsets) and offsets[-1] <= len(completion.choices[0].text)
+
+
+def test_chat_logprobs_in_openai_format(oai: openai.OpenAI, grpc_client: Client) -> None:
+    expected = grpc_client.generate(messages=MESSAGES, max_tokens=4, temperature=0, ignore_eos=True, logprobs=3)
+    arguments: dict[str, Any] = dict(
+        model=MODEL_NAME, messages=MESSAGES, max_completion_tokens=4, temperature=0, logprobs=True,
+        top_logprobs=3, extra_body=IGNORE_EOS,
+    )
+    content = oai.chat.completions.create(**arguments).choices[0].logprobs.content
+    assert [entry.token for entry in content] == [f"token_id:{token}" for token in expected.token_ids]
+    assert [entry.logprob for entry in content] == pytest.approx([r.logprob for r in expected.logprobs])
+    for entry, record in zip(content, expected.logprobs, strict=True):
+        assert [top.token for top in entry.top_logprobs] == [f"token_id:{t}" for t in record.top_token_ids]
+        assert [top.logprob for top in entry.top_logprobs] == pytest.approx(record.top_logprobs)
+    streamed = [
+        entry
+        for chunk in oai.chat.completions.create(**arguments, stream=True)
+        if chunk.choices and chunk.choices[0].logprobs
+        for entry in chunk.choices[0].logprobs.content
+    ]
+    assert [entry.token for entry in streamed] == [entry.token for entry in content]
+
+
+# --- errors -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [
+        ({"temperature": -1}, "temperature"),  # the scheduler's own message
+        ({"n": 2}, "n=1"),
+        ({"echo": True}, "echo"),
+        ({"prompt": ["one", "two"]}, "several prompts"),
+        ({"extra_body": {"best_guess": 1}}, "best_guess: unsupported field"),
+        ({"extra_body": {"max_tokens": "many"}}, "max_tokens"),
+        ({"logit_bias": {"5": 1.0}}, "logit_bias"),
+    ],
+)
+def test_bad_completion_requests_get_400(oai: openai.OpenAI, arguments: dict[str, Any], message: str) -> None:
+    request: dict[str, Any] = {"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": 2, **arguments}
+    for stream in (False, True):
+        with pytest.raises(openai.BadRequestError) as error:
+            oai.completions.create(**request, stream=stream)
+        assert error.value.status_code == 400 and message in error.value.body["message"]
+        assert error.value.body["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [
+        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tool calling"),
+        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, "image_url"),
+        ({"top_logprobs": 2}, "logprobs"),
+    ],
+)
+def test_unsupported_chat_features_get_400(oai: openai.OpenAI, arguments: dict[str, Any], message: str) -> None:
+    request: dict[str, Any] = {"model": MODEL_NAME, "messages": MESSAGES, "max_tokens": 2, **arguments}
+    with pytest.raises(openai.BadRequestError) as error:
+        oai.chat.completions.create(**request)
+    assert message in error.value.body["message"]
+
+
+def test_an_unknown_model_is_not_found(oai: openai.OpenAI) -> None:
+    with pytest.raises(openai.NotFoundError) as error:
+        oai.completions.create(model="gpt-4o", prompt=PROMPT, max_tokens=2)
+    assert error.value.status_code == 404 and error.value.code == "model_not_found"
+
+
+def test_the_callers_key_is_what_the_scheduler_checks(stack: Stack) -> None:
+    with openai.OpenAI(base_url=f"http://{stack.gateway}/v1", api_key="wrong-key-0123456789abc", max_retries=0) as wrong:
+        for call in (
+            lambda: wrong.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=2),
+            lambda: wrong.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, max_tokens=2, stream=True),
+            wrong.models.list,
+            # A wrong key learns nothing about which model names exist.
+            lambda: wrong.completions.create(model="gpt-4o", prompt=PROMPT, max_tokens=2),
+        ):
+            with pytest.raises(openai.AuthenticationError) as error:
+                call()
+            assert error.value.status_code == 401 and "not valid" in error.value.body["message"]
+    status, body = http_request(
+        stack.gateway, "POST", "/v1/completions", {"model": MODEL_NAME, "prompt": "hi"}, token=None
+    )
+    assert status == 401 and "needs an API key" in body["error"]["message"]
+
+
+def test_an_error_after_the_stream_started_arrives_as_an_error_event(
+    oai: openai.OpenAI, grpc_client: Client
+) -> None:
+    stream = oai.completions.create(
+        model=MODEL_NAME, prompt=PROMPT, stream=True, temperature=0, extra_body=IGNORE_EOS
+    )
+    first = next(stream)
+    # An operator's Abort (or a scheduler shutting down) ends the stream without an OpenAI
+    # finish reason: the client sees an error event instead of a clean end.
+    assert grpc_client.abort(first.id)
+    with pytest.raises(openai.APIError) as error:
+        for _ in stream:
+            pass
+    assert error.value.code == "aborted" and "aborted" in error.value.message
+    assert wait_until_idle(grpc_client).num_running == 0
+
+
+# --- models and health ------------------------------------------------------------------------
+
+
+def test_models_and_health(stack: Stack, oai: openai.OpenAI, grpc_client: Client) -> None:
+    models = oai.models.list().data
+    assert [model.id for model in models] == [MODEL_NAME]
+    assert models[0].object == "model" and models[0].model_extra["max_model_len"] == MAX_MODEL_LEN
+    assert oai.models.retrieve(MODEL_NAME).id == MODEL_NAME
+    assert http_request(stack.gateway, "GET", "/health", token=None) == (200, {"status": "serving"})
+
+    # Without --served-model-name the model goes by the executor's model_id.
+    model_id = grpc_client.model_info().model_id
+    with start_gateway(stack.scheduler, tls_ca=stack.ca) as address:
+        with openai.OpenAI(base_url=f"http://{address}/v1", api_key=API_KEY, max_retries=0) as plain:
+            assert [model.id for model in plain.models.list().data] == [model_id]
+            completion = plain.completions.create(model=model_id, prompt=PROMPT, max_tokens=2)
+            assert completion.model == model_id and completion.usage.completion_tokens <= 2
+
+
+def test_without_a_scheduler_health_and_requests_say_unavailable() -> None:
+    with start_gateway(f"127.0.0.1:{free_port()}", served_model_name=MODEL_NAME) as address:
+        assert http_request(address, "GET", "/health", token=None) == (503, {"status": "not_serving"})
+        with openai.OpenAI(base_url=f"http://{address}/v1", api_key=API_KEY, max_retries=0) as orphan:
+            with pytest.raises(openai.InternalServerError) as error:
+                orphan.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=2)
+    assert error.value.status_code == 503 and error.value.code == "unavailable"
+
+
+# --- clients that go away ---------------------------------------------------------------------
+
+
+def test_a_stream_whose_client_disconnects_is_aborted(
+    stack: Stack, oai: openai.OpenAI, grpc_client: Client
+) -> None:
+    # No max_tokens and ignore_eos: left alone it would run to the model's 8,192 tokens.
+    stream = oai.chat.completions.create(
+        model=MODEL_NAME, messages=MESSAGES, stream=True, temperature=0, extra_body=IGNORE_EOS
+    )
+    chunks = [next(stream) for _ in range(3)]
+    assert grpc_client.server_status().num_running == 1
+    stream.close()
+    status = wait_until_idle(grpc_client)
+    assert status.num_running == 0 and status.kv_blocks_free == status.kv_blocks_total
+    assert f"event=request_cancelled request_id={chunks[0].id}" in stack.scheduler_process.log_text()
+
+
+def test_a_request_whose_client_disconnects_is_aborted(
+    stack: Stack, oai: openai.OpenAI, grpc_client: Client
+) -> None:
+    cancelled_before = stack.scheduler_process.log_text().count("event=request_cancelled")
+    with pytest.raises(openai.APITimeoutError):
+        # The client gives up after 2 s and closes its connection, long before the answer.
+        oai.with_options(timeout=2.0).completions.create(model=MODEL_NAME, prompt=PROMPT, extra_body=IGNORE_EOS)
+    status = wait_until_idle(grpc_client)
+    assert status.num_running == 0 and status.kv_blocks_free == status.kv_blocks_total
+    assert stack.scheduler_process.log_text().count("event=request_cancelled") == cancelled_before + 1
+    gateway_log = stack.gateway_process.log_text()
+    assert re.search(r"event=client_disconnected request_id=cmpl-\w+ streaming=false", gateway_log)
+

@@ -1,0 +1,452 @@
+"""deploy/kubernetes, checked without a cluster: both overlays rendered by a real kustomize
+(kubectl's built-in one), every object validated against the Kubernetes schemas in strict mode,
+and what a user would notice on a cluster checked against the code: container arguments parsed by
+the services' own parsers, probes and Services on ports those arguments open, executors found
+through the headless Service, Secrets holding the files deploy/make_certs.py writes (made with the
+commands deploy/kubernetes/README.md gives) and certificates naming what the pods dial."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import math
+import re
+import shlex
+import subprocess
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import kubernetes_validate
+import pytest
+from cryptography import x509
+
+from executor_service.__main__ import parse_args as parse_executor_args
+from executor_service.server import SHUTDOWN_GRACE_S as EXECUTOR_STOP_S
+from scheduler_service.__main__ import parse_args as parse_scheduler_args
+from scheduler_service.__main__ import security_settings
+from scheduler_service.service.discovery import DNS_PREFIX, split_target
+from scheduler_service.service.server import SHUTDOWN_GRACE_S as SCHEDULER_STOP_S
+from tests.helpers.kustomize_render import (
+    Object,
+    container_argv,
+    container_env,
+    cpu_cores,
+    kustomize_command,
+    render,
+)
+
+REPO = Path(__file__).resolve().parents[2]
+KUBERNETES = REPO / "deploy" / "kubernetes"
+# A recent release kubernetes-validate ships schemas for; strict: unknown fields are errors.
+KUBERNETES_VERSION = "1.35"
+COMMANDS = ("executor", "scheduler", "gateway", "prepare-model")
+WORKLOADS = ("Deployment", "StatefulSet")
+# Files of make_certs' output that must never reach a pod: the CA's signing key, the client's key.
+ADMIN_ONLY = {"ca-key.pem", "client-api-key"}
+# The gateway arrived after the services; its containers are checked once its parser exists.
+GATEWAY_MISSING = importlib.util.find_spec("clients.openai_gateway") is None
+# How long each server takes to stop once its drain is over (uvicorn's is part of its drain).
+STOP_S = {"executor": EXECUTOR_STOP_S, "scheduler": SCHEDULER_STOP_S, "gateway": 0.0}
+
+RENDERER = kustomize_command()
+pytestmark = pytest.mark.skipif(
+    RENDERER is None,
+    reason="no kustomize renderer: needs kubectl (its built-in kustomize) or kustomize on PATH",
+)
+
+
+# --- rendering and the documented commands ---------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Rendered:
+    overlay: str
+    objects: list[Object]
+
+    def of_kind(self, kind: str) -> list[Object]:
+        return [o for o in self.objects if o["kind"] == kind]
+
+    def one(self, kind: str, name: str) -> Object:
+        return next(o for o in self.of_kind(kind) if o["metadata"]["name"] == name)
+
+    def workloads(self) -> list[Object]:
+        return [o for o in self.objects if o["kind"] in WORKLOADS]
+
+    @property
+    def namespace(self) -> str:
+        [namespace] = {o["metadata"]["namespace"] for o in self.objects}
+        return namespace
+
+
+@pytest.fixture(scope="module", params=["cpu", "gpu"])
+def rendered(request: pytest.FixtureRequest) -> Rendered:
+    assert RENDERER is not None
+    return Rendered(request.param, render(RENDERER, KUBERNETES / "overlays" / request.param))
+
+
+def documented_commands() -> list[list[str]]:
+    """Every command line in deploy/kubernetes/README.md's code blocks, continuations joined."""
+    blocks = re.findall(r"```\n(.*?)```", (KUBERNETES / "README.md").read_text(), re.S)
+    lines = "\n".join(blocks).replace("\\\n", " ").splitlines()
+    return [words for line in lines if (words := shlex.split(line, comments=True))]
+
+
+@dataclass(frozen=True)
+class Certs:
+    folder: Path
+    # What make_certs wrote.
+    written: set[str]
+    # Secret name -> its keys, and the namespace, from the documented `kubectl create secret`s.
+    secrets: dict[str, set[str]]
+    namespaces: set[str]
+
+
+@pytest.fixture(scope="module")
+def certs(tmp_path_factory: pytest.TempPathFactory) -> Certs:
+    commands = documented_commands()
+    make_certs = next(c for c in commands if c[:2] == ["python", "deploy/make_certs.py"])
+    folder = tmp_path_factory.mktemp("certs")
+    made = subprocess.run(
+        [sys.executable, make_certs[1], str(folder), *make_certs[3:]],
+        cwd=REPO, capture_output=True, text=True, timeout=60,
+    )
+    assert made.returncode == 0, made.stderr
+    secrets: dict[str, set[str]] = {}
+    namespaces = set()
+    for words in commands:
+        if words[:1] == ["kubectl"] and "create secret generic" in " ".join(words):
+            sources = [w.removeprefix("--from-file=") for w in words if w.startswith("--from-file=")]
+            # --from-file=PATH names the key after the file: the files must be make_certs' own.
+            assert all(Path(s).parent == Path(make_certs[2]) for s in sources), sources
+            secrets[words[words.index("generic") + 1]] = {Path(s).name for s in sources}
+            namespaces.add(words[words.index("-n") + 1])
+    return Certs(folder, {p.name for p in folder.iterdir()}, secrets, namespaces)
+
+
+# --- the pods' processes ---------------------------------------------------------------------
+
+
+def pod_spec(workload: Object) -> Object:
+    return workload["spec"]["template"]["spec"]
+
+
+def containers(workload: Object) -> list[Object]:
+    pod = pod_spec(workload)
+    return [*pod.get("initContainers", []), *pod["containers"]]
+
+
+def secret_files(workload: Object, container: Object, certs: Certs) -> dict[str, Path]:
+    """Container path of each Secret file mounted in the container -> make_certs' file."""
+    volumes = {v["name"]: v for v in pod_spec(workload).get("volumes", [])}
+    files = {}
+    for mount in container.get("volumeMounts", []):
+        secret = volumes[mount["name"]].get("secret")
+        for item in secret.get("items", []) if secret else []:
+            files[f"{mount['mountPath']}/{item['path']}"] = certs.folder / item["key"]
+    return files
+
+
+@dataclass(frozen=True)
+class Process:
+    workload: Object
+    container: Object
+    command: str
+    # Arguments as the kubelet passes them, Secret paths moved to make_certs' output folder.
+    args: list[str]
+    parsed: Any
+
+    @property
+    def opened_ports(self) -> set[int]:
+        names = {"executor": ("port", "health_port", "metrics_port"), "gateway": ("port",),
+                 "scheduler": ("port", "health_port", "metrics_port")}
+        ports = {getattr(self.parsed, name) for name in names.get(self.command, ())}
+        return ports - {None}
+
+    def container_port(self, port: int | str) -> int:
+        if isinstance(port, int):
+            return port
+        return next(p["containerPort"] for p in self.container["ports"] if p["name"] == port)
+
+
+def parse(command: str, args: list[str]) -> Any:
+    if command == "executor":
+        return parse_executor_args(args)
+    if command == "scheduler":
+        return parse_scheduler_args(args)
+    if command == "gateway":
+        return importlib.import_module("clients.openai_gateway.__main__").parse_args(args)
+    # prepare-model's only flag; its parser lives inside main(), which prepares the model.
+    assert args[:1] == ["--cache-dir"] and len(args) == 2, args
+    return argparse.Namespace(cache_dir=Path(args[1]))
+
+
+def processes(rendered: Rendered, certs: Certs) -> Iterator[Process]:
+    for workload in rendered.workloads():
+        for container in containers(workload):
+            argv = container_argv(workload, container)
+            assert argv[0] == "splitserve" and argv[1] in COMMANDS, argv
+            if argv[1] == "gateway" and GATEWAY_MISSING:
+                continue
+            files = secret_files(workload, container, certs)
+            args = [str(files.get(arg, arg)) for arg in argv[2:]]
+            yield Process(workload, container, argv[1], args, parse(argv[1], args))
+
+
+def process(rendered: Rendered, certs: Certs, command: str) -> Process:
+    if command == "gateway" and GATEWAY_MISSING:
+        pytest.skip("clients.openai_gateway does not exist yet: the gateway's arguments are unchecked")
+    return next(p for p in processes(rendered, certs) if p.command == command)
+
+
+def selects(selector: dict[str, str], workload: Object) -> bool:
+    labels = workload["spec"]["template"]["metadata"]["labels"]
+    return selector.items() <= labels.items()
+
+
+def selected(rendered: Rendered, selector: dict[str, str]) -> list[str]:
+    return [w["metadata"]["name"] for w in rendered.workloads() if selects(selector, w)]
+
+
+# --- the checks ------------------------------------------------------------------------------
+
+
+def test_every_object_is_valid_for_kubernetes_in_strict_mode(rendered: Rendered) -> None:
+    kinds = {o["kind"] for o in rendered.objects}
+    assert {"StatefulSet", "Deployment", "Service", "PodDisruptionBudget"} <= kinds
+    problems = []
+    for obj in rendered.objects:
+        try:
+            kubernetes_validate.validate(obj, KUBERNETES_VERSION, strict=True)
+        except kubernetes_validate.ValidationError as error:
+            # The path and the message: the exception itself prints the whole schema.
+            where = "/".join(map(str, error.absolute_path))
+            problems.append(f"{obj['kind']}/{obj['metadata']['name']} at {where}: {error.message}")
+    assert not problems, "\n".join(problems)
+
+
+def test_every_container_runs_splitserve_with_arguments_its_parser_accepts(
+    rendered: Rendered, certs: Certs
+) -> None:
+    seen = {p.command for p in processes(rendered, certs)}
+    assert seen == set(COMMANDS) - ({"gateway"} if GATEWAY_MISSING else set())
+    scheduler = process(rendered, certs, "scheduler").parsed
+    # Reads every TLS file and the API keys, checks the pairs: what the scheduler does at start
+    # (the executor's parser already read its own).
+    server_tls, api_keys, executor_tls = security_settings(scheduler)
+    assert server_tls is not None and api_keys and executor_tls is not None and executor_tls.mutual
+    assert process(rendered, certs, "executor").parsed.tls.mutual
+    gateway = process(rendered, certs, "gateway").parsed
+    assert gateway.tls_ca.read_bytes().startswith(b"-----BEGIN CERTIFICATE")
+
+
+def test_each_subcommand_runs_the_module_whose_parser_checked_it(
+    rendered: Rendered, certs: Certs
+) -> None:
+    command = pytest.importorskip("scheduler_service.launch.command")
+    modules = {
+        "executor": "executor_service.__main__",
+        "scheduler": "scheduler_service.__main__",
+        "gateway": "clients.openai_gateway.__main__",
+        "prepare-model": "executor_service.prepare_model",
+    }
+    for proc in processes(rendered, certs):
+        assert command.SUBCOMMANDS[proc.command].module == modules[proc.command]
+
+
+def test_probes_and_container_ports_are_ports_the_arguments_open(rendered: Rendered, certs: Certs) -> None:
+    for proc in processes(rendered, certs):
+        for declared in proc.container.get("ports", []):
+            assert declared["containerPort"] in proc.opened_ports, (proc.command, declared)
+        for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
+            probe = proc.container.get(kind)
+            if proc.command == "prepare-model":
+                assert probe is None
+                continue
+            assert probe is not None, (proc.command, kind)
+            action = next(key for key in ("grpc", "tcpSocket", "httpGet") if key in probe)
+            port = proc.container_port(probe[action]["port"])
+            assert port in proc.opened_ports, (proc.command, kind, port)
+            if action == "grpc":
+                # The main ports speak TLS, which the kubelet cannot: the plaintext health port.
+                assert port == proc.parsed.health_port, (proc.command, kind)
+
+
+def test_services_reach_ports_their_pods_open(rendered: Rendered, certs: Certs) -> None:
+    by_workload = {p.workload["metadata"]["name"]: p for p in processes(rendered, certs)
+                   if p.command != "prepare-model"}
+    for service in rendered.of_kind("Service"):
+        [target] = selected(rendered, service["spec"]["selector"])
+        proc = by_workload[target]
+        for port in service["spec"]["ports"]:
+            target_port = proc.container_port(port["targetPort"])
+            assert target_port in proc.opened_ports, port
+            # Inside the cluster each port keeps the number the README and the flags use.
+            assert target_port == port["port"], port
+    # The gateway's --server is the scheduler's client API, through its Service.
+    gateway, scheduler = process(rendered, certs, "gateway"), process(rendered, certs, "scheduler")
+    host, _, port = gateway.parsed.server.rpartition(":")
+    service = rendered.one("Service", host)
+    assert selected(rendered, service["spec"]["selector"]) == [scheduler.workload["metadata"]["name"]]
+    [dialled] = [p for p in service["spec"]["ports"] if p["port"] == int(port)]
+    assert scheduler.container_port(dialled["targetPort"]) == scheduler.parsed.port
+
+
+def test_the_scheduler_drives_every_pod_of_the_headless_executor_service(
+    rendered: Rendered, certs: Certs
+) -> None:
+    scheduler = process(rendered, certs, "scheduler")
+    executor = process(rendered, certs, "executor")
+    [target] = scheduler.parsed.executor
+    assert target.startswith(DNS_PREFIX)
+    host, port = split_target(target)
+    service_name, namespace, *domain = host.split(".")
+    # Written as $(POD_NAMESPACE), expanded from the downward API as the kubelet does.
+    assert "$(POD_NAMESPACE)" in " ".join(scheduler.container["args"])
+    assert namespace == rendered.namespace
+    assert domain == ["svc", "cluster", "local"]
+    service = rendered.one("Service", service_name)
+    assert service["spec"]["clusterIP"] == "None"
+    assert service["spec"]["publishNotReadyAddresses"] is False
+    assert selected(rendered, service["spec"]["selector"]) == [executor.workload["metadata"]["name"]]
+    assert executor.workload["kind"] == "StatefulSet"
+    assert executor.workload["spec"]["serviceName"] == service_name
+    assert port == executor.parsed.port
+    assert [executor.container_port(p["targetPort"]) for p in service["spec"]["ports"]] == [port]
+
+
+def test_disruption_budgets_select_one_workload_each(rendered: Rendered) -> None:
+    budgets = {b["metadata"]["name"]: selected(rendered, b["spec"]["selector"]["matchLabels"])
+               for b in rendered.of_kind("PodDisruptionBudget")}
+    assert budgets["splitserve-executor"] == ["splitserve-executor"]
+    assert all(len(names) == 1 for names in budgets.values()), budgets
+    # One scheduler, never two at once: replaced, not surged, and no budget to block drains.
+    scheduler = rendered.one("Deployment", "splitserve-scheduler")
+    assert scheduler["spec"]["replicas"] == 1 and scheduler["spec"]["strategy"]["type"] == "Recreate"
+    assert not any("splitserve-scheduler" in names for names in budgets.values())
+
+
+def test_the_network_policy_lets_the_scheduler_and_the_probes_in(rendered: Rendered, certs: Certs) -> None:
+    executor = process(rendered, certs, "executor")
+    scheduler = process(rendered, certs, "scheduler")
+    [policy] = rendered.of_kind("NetworkPolicy")
+    assert selected(rendered, policy["spec"]["podSelector"]["matchLabels"]) == ["splitserve-executor"]
+    allowed_from_scheduler, allowed_from_anyone = set(), set()
+    for rule in policy["spec"]["ingress"]:
+        ports = {executor.container_port(p["port"]) for p in rule["ports"]}
+        sources = [s["podSelector"]["matchLabels"] for s in rule.get("from", [])]
+        if not sources:
+            allowed_from_anyone |= ports
+        elif any(selects(s, scheduler.workload) for s in sources):
+            allowed_from_scheduler |= ports
+    assert executor.parsed.port in allowed_from_scheduler
+    assert executor.parsed.port not in allowed_from_anyone
+    assert executor.parsed.health_port in allowed_from_anyone
+
+
+def test_secrets_hold_only_files_make_certs_writes_and_pods_can_read_them(
+    rendered: Rendered, certs: Certs
+) -> None:
+    assert certs.namespaces == {rendered.namespace}
+    for documented in certs.secrets.values():
+        assert documented <= certs.written - ADMIN_ONLY
+    for workload in rendered.workloads():
+        pod = pod_spec(workload)
+        assert pod["securityContext"]["fsGroup"] == pod["securityContext"]["runAsGroup"]
+        for volume in pod.get("volumes", []):
+            if "secret" not in volume:
+                continue
+            secret = volume["secret"]
+            keys = {item["key"] for item in secret["items"]}
+            assert keys <= certs.secrets[secret["secretName"]], (workload["metadata"]["name"], keys)
+            # Group-readable (fsGroup), nothing for others.
+            assert secret["defaultMode"] & 0o040 and not secret["defaultMode"] & 0o007
+            mounts = [m for c in containers(workload) for m in c.get("volumeMounts", [])
+                      if m["name"] == volume["name"]]
+            assert mounts and all(m.get("readOnly") for m in mounts)
+
+
+def test_certificates_name_what_the_pods_dial(rendered: Rendered, certs: Certs) -> None:
+    def names(pem: str) -> set[str]:
+        cert = x509.load_pem_x509_certificate((certs.folder / pem).read_bytes())
+        san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+        return set(san.get_values_for_type(x509.DNSName))
+
+    scheduler = process(rendered, certs, "scheduler").parsed
+    assert scheduler.executor_tls_server_name in names("executor.pem")
+    gateway = process(rendered, certs, "gateway").parsed
+    host = gateway.server.rpartition(":")[0]
+    assert host in names("scheduler.pem")
+    # Clients in other namespaces dial the qualified name.
+    assert f"{host}.{rendered.namespace}.svc" in names("scheduler.pem")
+    assert gateway.tls_ca == certs.folder / "ca.pem"
+
+
+def test_termination_grace_outlasts_the_drain(rendered: Rendered, certs: Certs) -> None:
+    for proc in processes(rendered, certs):
+        if proc.command not in STOP_S:
+            continue
+        parsed = proc.parsed
+        drain = parsed.drain_timeout_s if proc.command == "executor" else parsed.drain_timeout
+        grace = pod_spec(proc.workload)["terminationGracePeriodSeconds"]
+        assert grace > drain + STOP_S[proc.command], (proc.command, grace, drain)
+
+
+def test_executor_threads_follow_its_cpu_request(rendered: Rendered, certs: Certs) -> None:
+    executor = process(rendered, certs, "executor")
+    cores = math.ceil(cpu_cores(executor.container["resources"]["requests"]["cpu"]))
+    assert executor.parsed.threads == cores
+    assert container_env(executor.workload, executor.container)["OMP_NUM_THREADS"] == str(cores)
+
+
+def test_read_only_root_filesystems_leave_the_caches_writable(rendered: Rendered, certs: Certs) -> None:
+    for proc in processes(rendered, certs):
+        pod = pod_spec(proc.workload)
+        assert pod["securityContext"]["runAsNonRoot"] and pod["securityContext"]["runAsUser"] == 10001
+        assert proc.container["securityContext"]["readOnlyRootFilesystem"] is True
+        scratch = {v["name"] for v in pod["volumes"] if "emptyDir" in v}
+        writable = [m["mountPath"] for m in proc.container["volumeMounts"]
+                    if m["name"] in scratch and not m.get("readOnly")]
+        env = container_env(proc.workload, proc.container)
+        # HOME: whatever a library caches under ~; the executor also compiles its kernel.
+        needed = ["HOME", *(["SPLITSERVE_KERNEL_CACHE"] if proc.command == "executor" else [])]
+        for variable in needed:
+            assert any(Path(env[variable]).is_relative_to(w) for w in writable), (proc.command, variable)
+
+
+def mounted_volume(container: Object, path: Path) -> str:
+    [name] = [m["name"] for m in container["volumeMounts"] if path.is_relative_to(m["mountPath"])]
+    return name
+
+
+def test_the_services_read_the_model_their_init_container_prepared(rendered: Rendered, certs: Certs) -> None:
+    served = {"executor": "model_dir", "scheduler": "tokenizer"}
+    for proc in processes(rendered, certs):
+        if proc.command not in served:
+            continue
+        [prepare] = [p for p in processes(rendered, certs)
+                     if p.workload is proc.workload and p.command == "prepare-model"]
+        folder = getattr(proc.parsed, served[proc.command])
+        assert folder == prepare.parsed.cache_dir
+        # The same pod volume at the same place: what the init container wrote.
+        volume = mounted_volume(proc.container, folder)
+        assert volume == mounted_volume(prepare.container, folder)
+        emptied = {v["name"] for v in pod_spec(proc.workload)["volumes"] if "emptyDir" in v}
+        assert volume in emptied
+
+
+def test_only_the_gpu_overlay_asks_for_gpus(rendered: Rendered, certs: Certs) -> None:
+    executor = process(rendered, certs, "executor")
+    gpus = {(p.workload["metadata"]["name"], p.container["name"]):
+            p.container.get("resources", {}).get("limits", {}).get("nvidia.com/gpu")
+            for p in processes(rendered, certs)}
+    if rendered.overlay == "gpu":
+        assert executor.parsed.device == "cuda"
+        assert gpus.pop(("splitserve-executor", "executor")) == 1
+        assert pod_spec(executor.workload)["tolerations"]
+    else:
+        assert executor.parsed.device == "cpu"
+    assert not any(gpus.values()), gpus
