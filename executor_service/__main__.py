@@ -20,6 +20,7 @@ from executor_service.settings import (
 )
 from executor_service.startup import build_executor
 from protos.cli_help import DefaultsHelpFormatter
+from protos.log_format import FORMATS, configure_logging
 from protos.transport_security import TlsConfigError, server_tls
 
 logger = logging.getLogger("executor_service")
@@ -101,6 +102,9 @@ def parse_args(argv: list[str] | None, prog: str = "python -m executor_service")
     )
     parser.add_argument("--metrics-port", type=int, help="serve Prometheus metrics over HTTP on this port")
     parser.add_argument(
+        "--log-format", choices=FORMATS, default="text", help="text: key=value lines; json: one JSON object per line"
+    )
+    parser.add_argument(
         "--drain-timeout",
         type=float,
         default=DEFAULT_DRAIN_TIMEOUT_S,
@@ -139,16 +143,13 @@ def parse_args(argv: list[str] | None, prog: str = "python -m executor_service")
         health_port=args.health_port,
         drain_timeout_s=args.drain_timeout,
         metrics_port=args.metrics_port,
+        log_format=args.log_format,
     )
 
 
 def main(argv: list[str] | None = None, prog: str = "python -m executor_service") -> int:
-    logging.basicConfig(
-        level=logging.INFO,
-        stream=sys.stderr,
-        format="%(asctime)s level=%(levelname)s logger=%(name)s %(message)s",
-    )
     settings = parse_args(argv, prog)
+    configure_logging(settings.log_format)
     logger.info("event=executor_starting model=%s port=%d", settings.model_dir, settings.port)
     try:
         executor = build_executor(settings)

@@ -69,6 +69,8 @@ class ExecutorSettings:
     drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S
     # Prometheus metrics over HTTP on this port (off when None).
     metrics_port: int | None = None
+    # text or json (protos/log_format.py).
+    log_format: str = "text"
 
 
 def parse_size(text: str) -> int:

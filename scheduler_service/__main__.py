@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from protos.cli_help import DefaultsHelpFormatter
+from protos.log_format import FORMATS, configure_logging
 from protos.transport_security import (
     ClientTls,
     ServerTls,
@@ -36,6 +37,7 @@ from scheduler_service.service.server import (
     ServerSettings,
     serve,
 )
+from scheduler_service.service.tracing import NO_TRACING, OtelTracing, Tracing
 from scheduler_service.text.generation_config import load_sampling_defaults
 from scheduler_service.text.tokenizer import TextProcessor
 
@@ -125,6 +127,20 @@ def parse_args(argv: list[str] | None, prog: str = "python -m scheduler_service"
         help="on SIGTERM: seconds the requests in flight get to finish (new ones are refused "
         "with UNAVAILABLE and health turns NOT_SERVING) before the rest are aborted",
     )
+    parser.add_argument(
+        "--log-format", choices=FORMATS, default="text", help="text: key=value lines; json: one JSON object per line"
+    )
+    parser.add_argument(
+        "--otlp-traces-endpoint",
+        metavar="HOST:PORT",
+        help="export OpenTelemetry spans of requests and steps over OTLP/gRPC to this collector "
+        "(needs the tracing extra); callers' W3C traceparent is continued. Off when unset",
+    )
+    parser.add_argument(
+        "--otlp-traces-insecure",
+        action="store_true",
+        help="send spans to the collector without TLS",
+    )
     _add_security_flags(parser)
     _add_cap_flags(parser)
     return parser.parse_args(argv)
@@ -188,6 +204,17 @@ def security_settings(
     return tls, keys, executor_tls
 
 
+def tracing_of(args: argparse.Namespace) -> Tracing:
+    if args.otlp_traces_endpoint is None:
+        return NO_TRACING
+    try:
+        return OtelTracing.exporting_to(args.otlp_traces_endpoint, insecure=args.otlp_traces_insecure)
+    except ImportError as missing:
+        raise ValueError(
+            f"--otlp-traces-endpoint needs OpenTelemetry (pip install 'splitserve[tracing]'): {missing}"
+        ) from None
+
+
 def sampling_defaults(choice: str, tokenizer: Path | None) -> SamplingDefaults:
     if choice in ("none", "vllm"):
         return SamplingDefaults()
@@ -217,16 +244,13 @@ def intake_limits(args: argparse.Namespace) -> IntakeLimits:
 
 
 def main(argv: list[str] | None = None, prog: str = "python -m scheduler_service") -> int:
-    logging.basicConfig(
-        level=logging.INFO,
-        stream=sys.stderr,
-        format="%(asctime)s level=%(levelname)s logger=%(name)s %(message)s",
-    )
     args = parse_args(argv, prog)
+    configure_logging(args.log_format)
     try:
         tls, api_keys, executor_tls = security_settings(args)
         limits = intake_limits(args)
         defaults = sampling_defaults(args.generation_config, args.tokenizer)
+        tracing = tracing_of(args)
     except ValueError as error:
         logger.error("event=scheduler_refused reason=%r", str(error))
         return 2
@@ -244,6 +268,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m scheduler_service
         resolve_interval_s=args.resolve_interval,
         limits=limits,
         sampling_defaults=defaults,
+        tracing=tracing,
         tls=tls,
         api_keys=api_keys,
         executor_tls=executor_tls,

@@ -16,6 +16,7 @@ import uvicorn
 
 from clients.openai_gateway.app import GatewaySettings, create_app
 from protos.cli_help import DefaultsHelpFormatter
+from protos.log_format import FORMATS, configure_logging
 
 logger = logging.getLogger("clients.openai_gateway")
 
@@ -35,6 +36,9 @@ def parse_args(argv: Sequence[str] | None, prog: str = "python -m clients.openai
     )
     parser.add_argument("--tls-ca", type=Path, help="PEM CA of the scheduler's certificate: connect over TLS")
     parser.add_argument("--tls", action="store_true", help="connect over TLS trusting the system's root certificates")
+    parser.add_argument(
+        "--log-format", choices=FORMATS, default="text", help="text: key=value lines; json: one JSON object per line"
+    )
     parser.add_argument(
         "--drain-timeout",
         type=float,
@@ -87,12 +91,8 @@ def listen(host: str, port: int) -> socket.socket:
 
 
 def main(argv: Sequence[str] | None = None, prog: str = "python -m clients.openai_gateway") -> int:
-    logging.basicConfig(
-        level=logging.INFO,
-        stream=sys.stderr,
-        format="%(asctime)s level=%(levelname)s logger=%(name)s %(message)s",
-    )
     args = parse_args(argv, prog)
+    configure_logging(args.log_format)
     try:
         root_certificates = args.tls_ca.read_bytes() if args.tls_ca else None
         listener = listen(args.host, args.port)

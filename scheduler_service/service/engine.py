@@ -12,7 +12,7 @@ import asyncio
 import itertools
 import logging
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from protos.splitserve.executor.v1 import executor_pb2
@@ -25,6 +25,7 @@ from scheduler_service.service.executor_link import ExecutorLink
 from scheduler_service.service.lane import ExecutorLane, LaneOptions, LaneState
 from scheduler_service.service.metrics import SchedulerMetrics
 from scheduler_service.service.output_stream import OutputStream
+from scheduler_service.service.tracing import NO_TRACING, Tracing
 from scheduler_service.text.tokenizer import TextProcessor
 
 logger = logging.getLogger(__name__)
@@ -60,11 +61,13 @@ class Engine:
         metrics: SchedulerMetrics,
         on_serving: Callable[[bool], None] = lambda serving: None,
         link_factory: Callable[[str, str], ExecutorLink] = ExecutorLink,
+        tracing: Tracing = NO_TRACING,
     ) -> None:
         self.scheduler_id = scheduler_id
         self.text = text
         self.options = options
         self.metrics = metrics
+        self.tracing = tracing
         self.on_serving = on_serving
         self._link_factory = link_factory
         self.lanes: dict[str, ExecutorLane] = {}
@@ -146,7 +149,7 @@ class Engine:
 
     # ---- requests ----------------------------------------------------------------------------
 
-    def submit(self, request: Request) -> OutputStream:
+    def submit(self, request: Request, trace_carrier: Mapping[str, str] | None = None) -> OutputStream:
         info = self.info
         if self.draining:
             raise RequestRejected(ErrorKind.UNAVAILABLE, DRAINING_MESSAGE)
@@ -176,7 +179,10 @@ class Engine:
                 f"largest KV cache of any executor ({largest} tokens)",
             )
         request.arrival_index = next(self._arrivals)
+        request.arrival_time = request.arrival_time or time.monotonic()
         stream = request.output = OutputStream(request, self.text)
+        if self.tracing.enabled:
+            self.tracing.request_started(stream, trace_carrier or {})
         if serving:
             lane = serving[self._route(request, serving)]
             lane.scheduler.add_request(request)
@@ -311,9 +317,13 @@ class Engine:
             self._forget_lane(lane)
 
     def deliver(self, lane: ExecutorLane, output: StepOutput, updates: StepUpdates) -> None:
+        received_ns = time.time_ns() if self.tracing.enabled else 0
         for update in updates.updates:
             self._deliver(lane, update)
         self._deliver_decoded(lane, updates.decoded_requests, updates.decoded_token_ids)
+        if self.tracing.enabled:
+            requests = [update.request for update in updates.updates] + updates.decoded_requests
+            self.tracing.step_done(lane.address, output, requests, received_ns)
         self._count(lane)
         self._observe_queues()
 
@@ -401,12 +411,14 @@ class Engine:
         if not stream.closed:
             stream.close(message)
             self.metrics.request_finished(request)
+            self.tracing.request_finished(stream)
 
     def _fail(self, request: Request, error: RequestError) -> None:
         stream = _stream_of(request)
         if not stream.closed:
             stream.fail(error)
             self.metrics.request_finished(request)
+            self.tracing.request_finished(stream)
 
     def _find(self, request_id: str) -> Request | None:
         for lane in self.lanes.values():

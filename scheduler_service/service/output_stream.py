@@ -3,6 +3,7 @@
 import asyncio
 from collections import deque
 from collections.abc import Sequence
+from typing import Any
 
 from protos.splitserve.executor.v1 import executor_pb2
 from protos.splitserve.v1 import generation_pb2 as pb
@@ -33,6 +34,10 @@ class OutputStream:
         self.closed = False
         # When tokens last reached this stream (time.monotonic), for the inter-token latency.
         self.last_tokens_at: float | None = None
+        # The request's span while tracing is on (service/tracing.py), else None.
+        self.trace_span: Any = None
+        # Why the request failed, once it has.
+        self.error: RequestError | None = None
         self._detokenizer = (
             IncrementalDetokenizer(
                 text.tokenizer,
@@ -105,6 +110,7 @@ class OutputStream:
 
     def fail(self, error: RequestError) -> None:
         if not self.closed:
+            self.error = error
             self.send(error)
             self.closed = True
 

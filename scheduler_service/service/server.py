@@ -35,6 +35,7 @@ from scheduler_service.service.message_parsing import MessageParsingInterceptor
 from scheduler_service.service.metrics import SchedulerMetrics
 from scheduler_service.service.request_intake import Intake
 from scheduler_service.service.servicer import GenerationServicer
+from scheduler_service.service.tracing import NO_TRACING, Tracing
 from scheduler_service.text.tokenizer import TextProcessor
 
 logger = logging.getLogger(__name__)
@@ -71,6 +72,8 @@ class ServerSettings:
     health_port: int | None = None
     # On SIGTERM, seconds the requests in flight get to finish before they are aborted.
     drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S
+    # Where spans go (service/tracing.py); NO_TRACING keeps tracing off and free.
+    tracing: Tracing = NO_TRACING
 
 
 async def serve(settings: ServerSettings) -> int:
@@ -91,7 +94,9 @@ async def serve(settings: ServerSettings) -> int:
             task.add_done_callback(health_updates.discard)
 
     link_factory = functools.partial(ExecutorLink, tls=settings.executor_tls)
-    engine = Engine("", settings.text, settings.options, metrics, report_serving, link_factory)
+    engine = Engine(
+        "", settings.text, settings.options, metrics, report_serving, link_factory, settings.tracing
+    )
     intake = Intake(settings.text, settings.limits, settings.sampling_defaults)
     interceptors: list[grpc.aio.ServerInterceptor] = [MessageParsingInterceptor()]
     if settings.api_keys is not None:
@@ -194,6 +199,8 @@ async def serve(settings: ServerSettings) -> int:
     waiter.cancel()
     intake.close()
     await engine.close()
+    # Flushes the spans still batched for export.
+    settings.tracing.shutdown()
     logger.info("event=scheduler_stopped")
     return 1 if failed else 0
 

@@ -15,6 +15,7 @@ from scheduler_service.service.executor_status import executor_status
 from scheduler_service.service.output_stream import OutputStream
 from scheduler_service.service.request_intake import Intake
 from scheduler_service.service.status_codes import STATUS_CODES
+from scheduler_service.service.tracing import TRACE_CONTEXT_KEYS
 
 logger = logging.getLogger(__name__)
 
@@ -29,7 +30,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:
         try:
-            stream = await self._submit(request)
+            stream = await self._submit(request, context)
         except RequestRejected as rejected:
             refusal: RequestError | None = RequestError(rejected.kind, str(rejected))
         else:
@@ -64,12 +65,18 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             request_done.num_output_tokens,
         )
 
-    async def _submit(self, request: pb.GenerateRequest) -> OutputStream:
+    async def _submit(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> OutputStream:
         """The new request's output stream; RequestRejected saying why it cannot run."""
         if self.engine.draining:
             raise RequestRejected(ErrorKind.UNAVAILABLE, DRAINING_MESSAGE)
         info = self._info()
-        return self.engine.submit(await self.intake.generate_request(request, info))
+        scheduled = await self.intake.generate_request(request, info)
+        carrier = {}
+        if self.engine.tracing.enabled:
+            # The caller's W3C trace context, which the request's span continues.
+            metadata = context.invocation_metadata() or ()
+            carrier = {key: value for key, value in metadata if key in TRACE_CONTEXT_KEYS}
+        return self.engine.submit(scheduled, carrier)
 
     def _cancel(self, stream: OutputStream) -> None:
         if self.engine.cancel(stream):
