@@ -15,7 +15,10 @@ from pathlib import Path
 import grpc
 import pytest
 import torch
-from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
+from opentelemetry.proto.collector.trace.v1 import (
+    trace_service_pb2,
+    trace_service_pb2_grpc,
+)
 from opentelemetry.proto.trace.v1 import trace_pb2
 
 from clients import Client
