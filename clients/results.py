@@ -37,6 +37,10 @@ class TokenLogprob:
     logprob: float
     top_token_ids: list[int]
     top_logprobs: list[float]
+    # The tokens' text as UTF-8 bytes (a token may hold part of a character); None, and empty,
+    # when the server has no tokenizer.
+    token_bytes: bytes | None = None
+    top_token_bytes: list[bytes] = field(default_factory=list)
 
 
 @dataclass(slots=True, frozen=True)
@@ -88,7 +92,14 @@ def delta_from_response(response: pb.GenerateResponse) -> GenerationDelta:
         token_ids=list(response.token_ids),
         text=response.text,
         logprobs=[
-            TokenLogprob(lp.token_id, lp.logprob, list(lp.top_token_ids), list(lp.top_logprobs))
+            TokenLogprob(
+                lp.token_id,
+                lp.logprob,
+                list(lp.top_token_ids),
+                list(lp.top_logprobs),
+                lp.token_bytes or None,
+                list(lp.top_token_bytes),
+            )
             for lp in response.logprobs
         ],
         finish_reason=FINISH_REASONS.get(response.finish_reason),

@@ -1,11 +1,10 @@
 """Log-probabilities in OpenAI's two formats (legacy completions, chat).
 
-The Generation API reports token ids only (TokenLogprob: token_id, logprob, top_token_ids,
-top_logprobs); it has no text per token, and per-token text cannot be derived correctly from the
-streamed text, which may lag the tokens. Tokens are therefore named as vLLM names them under
---return-tokens-as-token-ids, "token_id:<id>", and `bytes` is null (OpenAI allows null where a
-token has no byte form known). Adding each token's bytes to TokenLogprob would let real token
-text replace token_name() here and nowhere else.
+The scheduler reports each token's bytes (TokenLogprob.token_bytes) when it has a tokenizer. A
+token's text is its bytes decoded; a token that holds part of a UTF-8 character is named as
+OpenAI names one, "bytes:" and its bytes escaped ("bytes:\\xe4\\xbd"), with `bytes` the exact
+list. Without a tokenizer, tokens are named as vLLM names them under
+--return-tokens-as-token-ids, "token_id:<id>", and `bytes` is null.
 """
 
 from __future__ import annotations
@@ -20,8 +19,23 @@ from clients.results import GenerationDelta, TokenLogprob
 LOWEST_LOGPROB = -9999.0
 
 
-def token_name(token_id: int) -> str:
-    return f"token_id:{token_id}"
+def token_name(token_id: int, token_bytes: bytes | None) -> str:
+    if token_bytes is None:
+        return f"token_id:{token_id}"
+    try:
+        return token_bytes.decode("utf-8")
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{byte:02x}" for byte in token_bytes)
+
+
+def byte_list(token_bytes: bytes | None) -> list[int] | None:
+    return list(token_bytes) if token_bytes is not None else None
+
+
+def _top(record: TokenLogprob) -> list[tuple[int, bytes | None, float]]:
+    """(id, bytes, logprob) of each top token."""
+    top_bytes: list[bytes | None] = list(record.top_token_bytes) or [None] * len(record.top_token_ids)
+    return list(zip(record.top_token_ids, top_bytes, record.top_logprobs, strict=True))
 
 
 def finite(logprob: float) -> float:
@@ -43,7 +57,7 @@ class CompletionLogprobs:
     def fragment(self, delta: GenerationDelta) -> dict[str, Any]:
         records = delta.logprobs
         fragment = {
-            "tokens": [token_name(record.token_id) for record in records],
+            "tokens": [token_name(record.token_id, record.token_bytes) for record in records],
             "token_logprobs": [finite(record.logprob) for record in records],
             "top_logprobs": [_top_dict(record) for record in records],
             "text_offset": [self.offset] * len(records),
@@ -62,13 +76,10 @@ class CompletionLogprobs:
 
 
 def _top_dict(record: TokenLogprob) -> dict[str, float]:
-    top = {
-        token_name(token_id): finite(logprob)
-        for token_id, logprob in zip(record.top_token_ids, record.top_logprobs, strict=True)
-    }
+    top = {token_name(token_id, raw): finite(logprob) for token_id, raw, logprob in _top(record)}
     # As vLLM and OpenAI do, the sampled token is always among the entries, even when it is not
     # one of the most likely (or none were asked for).
-    top.setdefault(token_name(record.token_id), finite(record.logprob))
+    top.setdefault(token_name(record.token_id, record.token_bytes), finite(record.logprob))
     return top
 
 
@@ -79,11 +90,11 @@ def chat_logprobs(records: list[TokenLogprob]) -> dict[str, Any]:
 
 def _chat_token(record: TokenLogprob) -> dict[str, Any]:
     return {
-        "token": token_name(record.token_id),
+        "token": token_name(record.token_id, record.token_bytes),
         "logprob": finite(record.logprob),
-        "bytes": None,
+        "bytes": byte_list(record.token_bytes),
         "top_logprobs": [
-            {"token": token_name(token_id), "logprob": finite(logprob), "bytes": None}
-            for token_id, logprob in zip(record.top_token_ids, record.top_logprobs, strict=True)
+            {"token": token_name(token_id, raw), "logprob": finite(logprob), "bytes": byte_list(raw)}
+            for token_id, raw, logprob in _top(record)
         ],
     }

@@ -29,6 +29,7 @@ class OutputStream:
 
     def __init__(self, request: Request, text: TextProcessor | None) -> None:
         self.request = request
+        self._text = text
         self._items: deque[StreamItem] = deque()
         self._ready = asyncio.Event()
         self.closed = False
@@ -56,9 +57,15 @@ class OutputStream:
         """The message for newly sampled tokens and the stop string they completed, if any."""
         message = pb.GenerateResponse(request_id=self.request.request_id, token_ids=token_ids)
         for record in logprobs:
-            # The executor's and the client API's TokenLogprob share one wire format
-            # (tests/protos/test_protos.py holds them to it), so the record passes through as bytes.
-            message.logprobs.add().MergeFromString(record.SerializeToString())
+            # The client API's TokenLogprob extends the executor's wire format
+            # (tests/protos/test_protos.py holds them to it), so the record passes through as
+            # bytes, and gains each token's text bytes where there is a tokenizer.
+            entry = message.logprobs.add()
+            entry.MergeFromString(record.SerializeToString())
+            if self._text is not None:
+                token_bytes = self._text.token_bytes
+                entry.token_bytes = token_bytes(entry.token_id)
+                entry.top_token_bytes.extend([token_bytes(token) for token in entry.top_token_ids])
         if self._detokenizer is None:
             return message, None
         step = self._detokenizer.push(token_ids)

@@ -17,6 +17,8 @@ from pathlib import Path
 from tokenizers import Tokenizer
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
+from scheduler_service.text.token_bytes import TokenBytes
+
 logger = logging.getLogger(__name__)
 
 # A chat turn as a (role, content) pair or as {"role": ..., "content": ...}.
@@ -45,6 +47,8 @@ class TextProcessor:
         by_length = sorted(specials, key=len, reverse=True)
         self._special_text = re.compile("|".join(map(re.escape, by_length)) or "(?!)")
         self._plain_backend = _plain_text_backend(tokenizer)
+        # Each token's bytes, for logprobs.
+        self.token_bytes = TokenBytes(tokenizer)
 
     @classmethod
     def from_pretrained(cls, tokenizer_dir: str | Path) -> TextProcessor:

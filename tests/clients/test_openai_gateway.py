@@ -323,17 +323,26 @@ def test_stop_strings_end_the_answer_before_them(oai: openai.OpenAI, grpc_client
     assert chunks[-1].choices[0].finish_reason == "stop"
 
 
-def test_completion_logprobs_name_tokens_by_id(oai: openai.OpenAI, grpc_client: Client) -> None:
+def openai_token(raw: bytes | None) -> str:
+    """How OpenAI names a token: its text, or its escaped bytes when they are part of a character."""
+    assert raw is not None, "the scheduler has a tokenizer, so every token comes with its bytes"
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{byte:02x}" for byte in raw)
+
+
+def test_completion_logprobs_name_tokens_by_their_text(oai: openai.OpenAI, grpc_client: Client) -> None:
     expected = grpc_client.generate(prompt=PROMPT, max_tokens=4, temperature=0, ignore_eos=True, logprobs=2)
     completion = oai.completions.create(
         model=MODEL_NAME, prompt=PROMPT, max_tokens=4, temperature=0, logprobs=2, extra_body=IGNORE_EOS
     )
     logprobs = completion.choices[0].logprobs
-    assert logprobs.tokens == [f"token_id:{token}" for token in expected.token_ids]
+    assert logprobs.tokens == [openai_token(record.token_bytes) for record in expected.logprobs]
     assert logprobs.token_logprobs == pytest.approx([record.logprob for record in expected.logprobs])
     for top, record in zip(logprobs.top_logprobs, expected.logprobs, strict=True):
         assert top == pytest.approx(
-            {f"token_id:{t}": lp for t, lp in zip(record.top_token_ids, record.top_logprobs, strict=True)}
+            {openai_token(raw): lp for raw, lp in zip(record.top_token_bytes, record.top_logprobs, strict=True)}
         )
         # Greedy: the sampled token is the most likely one.
         assert record.token_id == record.top_token_ids[0]
@@ -348,10 +357,12 @@ def test_chat_logprobs_in_openai_format(oai: openai.OpenAI, grpc_client: Client)
         top_logprobs=3, extra_body=IGNORE_EOS,
     )
     content = oai.chat.completions.create(**arguments).choices[0].logprobs.content
-    assert [entry.token for entry in content] == [f"token_id:{token}" for token in expected.token_ids]
+    assert [entry.token for entry in content] == [openai_token(r.token_bytes) for r in expected.logprobs]
+    assert [entry.bytes for entry in content] == [list(r.token_bytes or b"") for r in expected.logprobs]
     assert [entry.logprob for entry in content] == pytest.approx([r.logprob for r in expected.logprobs])
     for entry, record in zip(content, expected.logprobs, strict=True):
-        assert [top.token for top in entry.top_logprobs] == [f"token_id:{t}" for t in record.top_token_ids]
+        assert [top.token for top in entry.top_logprobs] == [openai_token(raw) for raw in record.top_token_bytes]
+        assert [top.bytes for top in entry.top_logprobs] == [list(raw) for raw in record.top_token_bytes]
         assert [top.logprob for top in entry.top_logprobs] == pytest.approx(record.top_logprobs)
     streamed = [
         entry

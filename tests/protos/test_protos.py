@@ -52,7 +52,9 @@ def test_executor_and_client_token_logprobs_share_one_wire_format() -> None:
     """The scheduler passes the executor's logprob records to clients as bytes."""
     executor_fields = executor_pb2.TokenLogprob.DESCRIPTOR.fields
     client_fields = generation_pb2.TokenLogprob.DESCRIPTOR.fields
-    assert _shape(executor_fields) == _shape(client_fields)
+    # The client's record extends the executor's (the scheduler adds each token's bytes).
+    assert _shape(executor_fields) == _shape(client_fields)[: len(executor_fields)]
+    assert [f.name for f in client_fields[len(executor_fields) :]] == ["token_bytes", "top_token_bytes"]
     record = executor_pb2.TokenLogprob(
         token_id=7, logprob=-0.5, top_token_ids=[7, 3], top_logprobs=[-0.5, -1.25]
     )

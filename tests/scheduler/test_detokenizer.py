@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from scheduler_service.text.detokenizer import DetokenizerStep, IncrementalDetokenizer
+from scheduler_service.text.token_bytes import TokenBytes
 from tests.helpers.tokenizer_assets import (
     gpt2_tokenizer_dir,
     qwen3_tokenizer_dir,
@@ -269,3 +270,31 @@ def test_a_character_cut_off_by_the_end_of_the_output_is_dropped_not_replaced(
         streamed = "".join(detokenizer.push([token]).text_delta for token in ids[:end])
         assert streamed + detokenizer.flush() == text.rstrip("\ufffd"), end
     assert cuts >= 2
+
+
+
+def _is_whole_text(raw: bytes) -> bool:
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize("source", ["gpt2", "qwen3", "sentencepiece"])
+def test_token_bytes_spell_the_text_exactly(source: str, tmp_path: Path) -> None:
+    """Each token's bytes, for logprobs: together they are the text's UTF-8 bytes, even where
+    one token holds only part of a character (CJK in GPT-2's vocabulary, byte fallback)."""
+    tokenizer = {
+        "gpt2": lambda: AutoTokenizer.from_pretrained(gpt2_tokenizer_dir(tmp_path / "gpt2")),
+        "qwen3": lambda: AutoTokenizer.from_pretrained(qwen3_tokenizer_dir()),
+        "sentencepiece": sentencepiece_style_tokenizer,
+    }[source]()
+    text = "Hello world\n é 你好, naïve café!"
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    token_bytes = TokenBytes(tokenizer)
+    pieces = [token_bytes(token) for token in ids]
+    # SentencePiece marks the start of the text with a space its decoder strips.
+    assert b"".join(pieces).removeprefix(b" " if source == "sentencepiece" else b"") == text.encode()
+    if source == "gpt2":
+        assert not all(_is_whole_text(piece) for piece in pieces)

@@ -24,17 +24,17 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n%protos/splitserve/v1/generation.proto\x12\rsplitserve.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"S\n\x04\x43hat\x12,\n\x08messages\x18\x01 \x03(\x0b\x32\x1a.splitserve.v1.ChatMessage\x12\x1d\n\x15\x61\x64\x64_generation_prompt\x18\x02 \x01(\x08\"\xd4\x03\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x02 \x01(\r\x12\x18\n\x0btemperature\x18\x03 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\rH\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x05 \x01(\x02H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x06 \x01(\x02H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x07 \x01(\x04H\x05\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x08 \x01(\x02H\x06\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\t \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\n \x01(\x02\x12\x0c\n\x04stop\x18\x0b \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0c \x03(\r\x12\x12\n\nignore_eos\x18\r \x01(\x08\x12\x15\n\x08logprobs\x18\x0e \x01(\rH\x07\x88\x01\x01\x12\x1b\n\x13keep_special_tokens\x18\x0f \x01(\x08\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x08\n\x06_min_pB\x07\n\x05_seedB\x15\n\x13_repetition_penaltyB\x0b\n\t_logprobs\"\xe9\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12,\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x17.splitserve.v1.TokenIdsH\x00\x12#\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x13.splitserve.v1.ChatH\x00\x12/\n\x08sampling\x18\x05 \x01(\x0b\x32\x1d.splitserve.v1.SamplingParams\x12\x10\n\x08priority\x18\x06 \x01(\x05\x12\x12\n\ncache_salt\x18\x07 \x01(\tB\x08\n\x06prompt\"^\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x15\n\rtop_token_ids\x18\x03 \x03(\r\x12\x14\n\x0ctop_logprobs\x18\x04 \x03(\x02\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"d\n\x07Timings\x12\x10\n\x08queued_s\x18\x01 \x01(\x01\x12\x1d\n\x15time_to_first_token_s\x18\x02 \x01(\x01\x12\x0f\n\x07total_s\x18\x03 \x01(\x01\x12\x17\n\x0fnum_preemptions\x18\x04 \x01(\r\"\x8d\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12-\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1b.splitserve.v1.TokenLogprob\x12\x32\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x1b.splitserve.v1.FinishReason\x12\x13\n\x0bstop_reason\x18\x06 \x01(\t\x12#\n\x05usage\x18\x07 \x01(\x0b\x32\x14.splitserve.v1.Usage\x12\'\n\x07timings\x18\x08 \x01(\x0b\x32\x16.splitserve.v1.Timings\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"O\n\x0fTokenizeRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12#\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x13.splitserve.v1.ChatH\x00\x42\x07\n\x05input\"5\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0e\n\x06tokens\x18\x02 \x03(\t\"\x15\n\x13GetModelInfoRequest\"\xf7\x01\n\tModelInfo\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\x12\x15\n\reos_token_ids\x18\x04 \x03(\r\x12\x15\n\rhas_tokenizer\x18\x05 \x01(\x08\x12\x19\n\x11has_chat_template\x18\x06 \x01(\x08\x12\x12\n\nblock_size\x18\x07 \x01(\r\x12\x14\n\x0cmax_logprobs\x18\x08 \x01(\r\x12:\n\x11sampling_defaults\x18\t \x01(\x0b\x32\x1f.splitserve.v1.SamplingDefaults\"\xa8\x01\n\x10SamplingDefaults\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\r\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x05 \x01(\x02\x12\x17\n\nmax_tokens\x18\x06 \x01(\rH\x00\x88\x01\x01\x12\x0e\n\x06source\x18\x07 \x01(\tB\r\n\x0b_max_tokens\"\x18\n\x16GetServerStatusRequest\"\xe4\x01\n\x0e\x45xecutorStatus\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12+\n\x05state\x18\x02 \x01(\x0e\x32\x1c.splitserve.v1.ExecutorState\x12\x16\n\x0eincarnation_id\x18\x03 \x01(\t\x12\x17\n\x0fkv_blocks_total\x18\x04 \x01(\r\x12\x16\n\x0ekv_blocks_free\x18\x05 \x01(\r\x12\x13\n\x0bnum_running\x18\x06 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x07 \x01(\r\x12\x0e\n\x06reason\x18\x08 \x01(\t\x12\x11\n\tnum_steps\x18\t \x01(\x04\"\x84\x02\n\x0cServerStatus\x12\x13\n\x0bnum_waiting\x18\x01 \x01(\r\x12\x13\n\x0bnum_running\x18\x02 \x01(\r\x12\x17\n\x0fkv_blocks_total\x18\x03 \x01(\r\x12\x16\n\x0ekv_blocks_free\x18\x04 \x01(\r\x12\x1d\n\x15prefix_cache_hit_rate\x18\x05 \x01(\x01\x12\x17\n\x0fnum_preemptions\x18\x06 \x01(\x04\x12\x11\n\tnum_steps\x18\x07 \x01(\x04\x12\x30\n\texecutors\x18\x08 \x03(\x0b\x32\x1d.splitserve.v1.ExecutorStatus\x12\x0e\n\x06policy\x18\t \x01(\t\x12\x0c\n\x04mode\x18\n \x01(\t*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03*\xb4\x01\n\rExecutorState\x12\x1e\n\x1a\x45XECUTOR_STATE_UNSPECIFIED\x10\x00\x12\x15\n\x11\x45XECUTOR_STATE_UP\x10\x01\x12\x17\n\x13\x45XECUTOR_STATE_DOWN\x10\x02\x12\x1b\n\x17\x45XECUTOR_STATE_DRAINING\x10\x03\x12\x1a\n\x16\x45XECUTOR_STATE_DRAINED\x10\x04\x12\x1a\n\x16\x45XECUTOR_STATE_REFUSED\x10\x05\x32\x91\x03\n\nGeneration\x12M\n\x08Generate\x12\x1e.splitserve.v1.GenerateRequest\x1a\x1f.splitserve.v1.GenerateResponse0\x01\x12\x42\n\x05\x41\x62ort\x12\x1b.splitserve.v1.AbortRequest\x1a\x1c.splitserve.v1.AbortResponse\x12K\n\x08Tokenize\x12\x1e.splitserve.v1.TokenizeRequest\x1a\x1f.splitserve.v1.TokenizeResponse\x12L\n\x0cGetModelInfo\x12\".splitserve.v1.GetModelInfoRequest\x1a\x18.splitserve.v1.ModelInfo\x12U\n\x0fGetServerStatus\x12%.splitserve.v1.GetServerStatusRequest\x1a\x1b.splitserve.v1.ServerStatusb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n%protos/splitserve/v1/generation.proto\x12\rsplitserve.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"S\n\x04\x43hat\x12,\n\x08messages\x18\x01 \x03(\x0b\x32\x1a.splitserve.v1.ChatMessage\x12\x1d\n\x15\x61\x64\x64_generation_prompt\x18\x02 \x01(\x08\"\xd4\x03\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x02 \x01(\r\x12\x18\n\x0btemperature\x18\x03 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\rH\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x05 \x01(\x02H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x06 \x01(\x02H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x07 \x01(\x04H\x05\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x08 \x01(\x02H\x06\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\t \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\n \x01(\x02\x12\x0c\n\x04stop\x18\x0b \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0c \x03(\r\x12\x12\n\nignore_eos\x18\r \x01(\x08\x12\x15\n\x08logprobs\x18\x0e \x01(\rH\x07\x88\x01\x01\x12\x1b\n\x13keep_special_tokens\x18\x0f \x01(\x08\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x08\n\x06_min_pB\x07\n\x05_seedB\x15\n\x13_repetition_penaltyB\x0b\n\t_logprobs\"\xe9\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12,\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x17.splitserve.v1.TokenIdsH\x00\x12#\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x13.splitserve.v1.ChatH\x00\x12/\n\x08sampling\x18\x05 \x01(\x0b\x32\x1d.splitserve.v1.SamplingParams\x12\x10\n\x08priority\x18\x06 \x01(\x05\x12\x12\n\ncache_salt\x18\x07 \x01(\tB\x08\n\x06prompt\"\x8c\x01\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x15\n\rtop_token_ids\x18\x03 \x03(\r\x12\x14\n\x0ctop_logprobs\x18\x04 \x03(\x02\x12\x13\n\x0btoken_bytes\x18\x05 \x01(\x0c\x12\x17\n\x0ftop_token_bytes\x18\x06 \x03(\x0c\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"d\n\x07Timings\x12\x10\n\x08queued_s\x18\x01 \x01(\x01\x12\x1d\n\x15time_to_first_token_s\x18\x02 \x01(\x01\x12\x0f\n\x07total_s\x18\x03 \x01(\x01\x12\x17\n\x0fnum_preemptions\x18\x04 \x01(\r\"\x8d\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12-\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1b.splitserve.v1.TokenLogprob\x12\x32\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x1b.splitserve.v1.FinishReason\x12\x13\n\x0bstop_reason\x18\x06 \x01(\t\x12#\n\x05usage\x18\x07 \x01(\x0b\x32\x14.splitserve.v1.Usage\x12\'\n\x07timings\x18\x08 \x01(\x0b\x32\x16.splitserve.v1.Timings\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"O\n\x0fTokenizeRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12#\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x13.splitserve.v1.ChatH\x00\x42\x07\n\x05input\"5\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0e\n\x06tokens\x18\x02 \x03(\t\"\x15\n\x13GetModelInfoRequest\"\xf7\x01\n\tModelInfo\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\x12\x15\n\reos_token_ids\x18\x04 \x03(\r\x12\x15\n\rhas_tokenizer\x18\x05 \x01(\x08\x12\x19\n\x11has_chat_template\x18\x06 \x01(\x08\x12\x12\n\nblock_size\x18\x07 \x01(\r\x12\x14\n\x0cmax_logprobs\x18\x08 \x01(\r\x12:\n\x11sampling_defaults\x18\t \x01(\x0b\x32\x1f.splitserve.v1.SamplingDefaults\"\xa8\x01\n\x10SamplingDefaults\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\r\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x05 \x01(\x02\x12\x17\n\nmax_tokens\x18\x06 \x01(\rH\x00\x88\x01\x01\x12\x0e\n\x06source\x18\x07 \x01(\tB\r\n\x0b_max_tokens\"\x18\n\x16GetServerStatusRequest\"\xe4\x01\n\x0e\x45xecutorStatus\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12+\n\x05state\x18\x02 \x01(\x0e\x32\x1c.splitserve.v1.ExecutorState\x12\x16\n\x0eincarnation_id\x18\x03 \x01(\t\x12\x17\n\x0fkv_blocks_total\x18\x04 \x01(\r\x12\x16\n\x0ekv_blocks_free\x18\x05 \x01(\r\x12\x13\n\x0bnum_running\x18\x06 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x07 \x01(\r\x12\x0e\n\x06reason\x18\x08 \x01(\t\x12\x11\n\tnum_steps\x18\t \x01(\x04\"\x84\x02\n\x0cServerStatus\x12\x13\n\x0bnum_waiting\x18\x01 \x01(\r\x12\x13\n\x0bnum_running\x18\x02 \x01(\r\x12\x17\n\x0fkv_blocks_total\x18\x03 \x01(\r\x12\x16\n\x0ekv_blocks_free\x18\x04 \x01(\r\x12\x1d\n\x15prefix_cache_hit_rate\x18\x05 \x01(\x01\x12\x17\n\x0fnum_preemptions\x18\x06 \x01(\x04\x12\x11\n\tnum_steps\x18\x07 \x01(\x04\x12\x30\n\texecutors\x18\x08 \x03(\x0b\x32\x1d.splitserve.v1.ExecutorStatus\x12\x0e\n\x06policy\x18\t \x01(\t\x12\x0c\n\x04mode\x18\n \x01(\t*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03*\xb4\x01\n\rExecutorState\x12\x1e\n\x1a\x45XECUTOR_STATE_UNSPECIFIED\x10\x00\x12\x15\n\x11\x45XECUTOR_STATE_UP\x10\x01\x12\x17\n\x13\x45XECUTOR_STATE_DOWN\x10\x02\x12\x1b\n\x17\x45XECUTOR_STATE_DRAINING\x10\x03\x12\x1a\n\x16\x45XECUTOR_STATE_DRAINED\x10\x04\x12\x1a\n\x16\x45XECUTOR_STATE_REFUSED\x10\x05\x32\x91\x03\n\nGeneration\x12M\n\x08Generate\x12\x1e.splitserve.v1.GenerateRequest\x1a\x1f.splitserve.v1.GenerateResponse0\x01\x12\x42\n\x05\x41\x62ort\x12\x1b.splitserve.v1.AbortRequest\x1a\x1c.splitserve.v1.AbortResponse\x12K\n\x08Tokenize\x12\x1e.splitserve.v1.TokenizeRequest\x1a\x1f.splitserve.v1.TokenizeResponse\x12L\n\x0cGetModelInfo\x12\".splitserve.v1.GetModelInfoRequest\x1a\x18.splitserve.v1.ModelInfo\x12U\n\x0fGetServerStatus\x12%.splitserve.v1.GetServerStatusRequest\x1a\x1b.splitserve.v1.ServerStatusb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'protos.splitserve.v1.generation_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=2646
-  _globals['_FINISHREASON']._serialized_end=2766
-  _globals['_EXECUTORSTATE']._serialized_start=2769
-  _globals['_EXECUTORSTATE']._serialized_end=2949
+  _globals['_FINISHREASON']._serialized_start=2693
+  _globals['_FINISHREASON']._serialized_end=2813
+  _globals['_EXECUTORSTATE']._serialized_start=2816
+  _globals['_EXECUTORSTATE']._serialized_end=2996
   _globals['_TOKENIDS']._serialized_start=56
   _globals['_TOKENIDS']._serialized_end=79
   _globals['_CHATMESSAGE']._serialized_start=81
@@ -45,34 +45,34 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SAMPLINGPARAMS']._serialized_end=681
   _globals['_GENERATEREQUEST']._serialized_start=684
   _globals['_GENERATEREQUEST']._serialized_end=917
-  _globals['_TOKENLOGPROB']._serialized_start=919
-  _globals['_TOKENLOGPROB']._serialized_end=1013
-  _globals['_USAGE']._serialized_start=1015
-  _globals['_USAGE']._serialized_end=1102
-  _globals['_TIMINGS']._serialized_start=1104
-  _globals['_TIMINGS']._serialized_end=1204
-  _globals['_GENERATERESPONSE']._serialized_start=1207
-  _globals['_GENERATERESPONSE']._serialized_end=1476
-  _globals['_ABORTREQUEST']._serialized_start=1478
-  _globals['_ABORTREQUEST']._serialized_end=1512
-  _globals['_ABORTRESPONSE']._serialized_start=1514
-  _globals['_ABORTRESPONSE']._serialized_end=1544
-  _globals['_TOKENIZEREQUEST']._serialized_start=1546
-  _globals['_TOKENIZEREQUEST']._serialized_end=1625
-  _globals['_TOKENIZERESPONSE']._serialized_start=1627
-  _globals['_TOKENIZERESPONSE']._serialized_end=1680
-  _globals['_GETMODELINFOREQUEST']._serialized_start=1682
-  _globals['_GETMODELINFOREQUEST']._serialized_end=1703
-  _globals['_MODELINFO']._serialized_start=1706
-  _globals['_MODELINFO']._serialized_end=1953
-  _globals['_SAMPLINGDEFAULTS']._serialized_start=1956
-  _globals['_SAMPLINGDEFAULTS']._serialized_end=2124
-  _globals['_GETSERVERSTATUSREQUEST']._serialized_start=2126
-  _globals['_GETSERVERSTATUSREQUEST']._serialized_end=2150
-  _globals['_EXECUTORSTATUS']._serialized_start=2153
-  _globals['_EXECUTORSTATUS']._serialized_end=2381
-  _globals['_SERVERSTATUS']._serialized_start=2384
-  _globals['_SERVERSTATUS']._serialized_end=2644
-  _globals['_GENERATION']._serialized_start=2952
-  _globals['_GENERATION']._serialized_end=3353
+  _globals['_TOKENLOGPROB']._serialized_start=920
+  _globals['_TOKENLOGPROB']._serialized_end=1060
+  _globals['_USAGE']._serialized_start=1062
+  _globals['_USAGE']._serialized_end=1149
+  _globals['_TIMINGS']._serialized_start=1151
+  _globals['_TIMINGS']._serialized_end=1251
+  _globals['_GENERATERESPONSE']._serialized_start=1254
+  _globals['_GENERATERESPONSE']._serialized_end=1523
+  _globals['_ABORTREQUEST']._serialized_start=1525
+  _globals['_ABORTREQUEST']._serialized_end=1559
+  _globals['_ABORTRESPONSE']._serialized_start=1561
+  _globals['_ABORTRESPONSE']._serialized_end=1591
+  _globals['_TOKENIZEREQUEST']._serialized_start=1593
+  _globals['_TOKENIZEREQUEST']._serialized_end=1672
+  _globals['_TOKENIZERESPONSE']._serialized_start=1674
+  _globals['_TOKENIZERESPONSE']._serialized_end=1727
+  _globals['_GETMODELINFOREQUEST']._serialized_start=1729
+  _globals['_GETMODELINFOREQUEST']._serialized_end=1750
+  _globals['_MODELINFO']._serialized_start=1753
+  _globals['_MODELINFO']._serialized_end=2000
+  _globals['_SAMPLINGDEFAULTS']._serialized_start=2003
+  _globals['_SAMPLINGDEFAULTS']._serialized_end=2171
+  _globals['_GETSERVERSTATUSREQUEST']._serialized_start=2173
+  _globals['_GETSERVERSTATUSREQUEST']._serialized_end=2197
+  _globals['_EXECUTORSTATUS']._serialized_start=2200
+  _globals['_EXECUTORSTATUS']._serialized_end=2428
+  _globals['_SERVERSTATUS']._serialized_start=2431
+  _globals['_SERVERSTATUS']._serialized_end=2691
+  _globals['_GENERATION']._serialized_start=2999
+  _globals['_GENERATION']._serialized_end=3400
 # @@protoc_insertion_point(module_scope)
