@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from types import TracebackType
 from typing import TypeVar, Unpack
 
@@ -147,18 +147,22 @@ class AsyncClient:
         prompt_token_ids: Sequence[int] | None = None,
         messages: Sequence[ChatMessage] | None = None,
         api_key: str | None = None,
+        trace_context: Mapping[str, str] | None = None,
         **options: Unpack[GenerateOptions],
     ) -> AsyncDeltaStream:
         """Starts one request; async-iterate the result for its output as it is generated.
 
         Bad arguments raise ValueError here. Leaving the loop early cancels the call, so the
         server aborts the request and frees its memory: at once under `async with`, else when
-        the stream is dropped.
+        the stream is dropped. trace_context: W3C `traceparent` (and `tracestate`) sent with
+        this call, so a tracing server's spans continue the caller's trace.
         """
         request = build_generate_request(
             prompt, prompt_token_ids=prompt_token_ids, messages=messages, **options
         )
         metadata = self._metadata_for(api_key)
+        if trace_context:
+            metadata = (*(metadata or ()), *trace_context.items())
         call = self._stub.Generate(request, timeout=self._timeout, metadata=metadata)
         return AsyncDeltaStream(call)
 

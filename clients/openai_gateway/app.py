@@ -41,6 +41,7 @@ from clients.openai_gateway.translate import GenerateCall, chat_call, completion
 from protos.splitserve.v1 import generation_pb2 as pb
 
 logger = logging.getLogger(__name__)
+TRACE_CONTEXT_HEADERS = ("traceparent", "tracestate")
 
 # nginx's code for "the client closed the connection": nobody receives it, but logs show it.
 CLIENT_CLOSED_REQUEST = 499
@@ -170,6 +171,10 @@ async def _respond(
             prompt_token_ids=call.prompt_token_ids,
             messages=call.messages,
             api_key=api_key,
+            # The caller's W3C trace context goes on, so a tracing scheduler continues its trace.
+            trace_context={
+                name: value for name in TRACE_CONTEXT_HEADERS if (value := request.headers.get(name))
+            },
             **call.options,
         )
     except ValueError as error:

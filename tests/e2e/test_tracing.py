@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+import urllib.request
 from collections.abc import Iterator
 from concurrent import futures
 from pathlib import Path
@@ -23,12 +24,16 @@ from opentelemetry.proto.trace.v1 import trace_pb2
 
 from clients import Client
 from tests.helpers.executor_process import start_executor
+from tests.helpers.gateway_process import start_gateway
 from tests.helpers.model_factory import build_model
 from tests.helpers.scheduler_process import SchedulerProcess
 
 torch.set_num_threads(1)
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 CALLER_SPAN_ID = "00f067aa0ba902b7"
+# The same caller, through the OpenAI-compatible gateway's HTTP traceparent header.
+HTTP_TRACE_ID = "0af7651916cd43dd8448eb211c80319c"
+HTTP_SPAN_ID = "b7ad6b7169203331"
 MAX_TOKENS = 12
 
 
@@ -67,6 +72,17 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_model("llama", tmp_path_factory.mktemp("tracing") / "llama", seed=5)
 
 
+def http_completion(gateway: str, traceparent: str) -> dict[str, object]:
+    body = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 3, "temperature": 0}
+    request = urllib.request.Request(
+        f"http://{gateway}/v1/completions",
+        data=json.dumps(body).encode(),
+        headers={"content-type": "application/json", "traceparent": traceparent},
+    )
+    with urllib.request.urlopen(request, timeout=60) as reply:
+        return json.loads(reply.read())
+
+
 def attributes(span: trace_pb2.Span) -> dict[str, object]:
     values: dict[str, object] = {}
     for attribute in span.attributes:
@@ -93,15 +109,22 @@ def test_a_traceparent_is_continued_and_the_spans_arrive_linked(
                     prompt_token_ids=[5, 6, 7, 8], max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True,
                     request_id="traced-1",
                 )
+            with start_gateway(address, served_model_name="tiny") as gateway:
+                completion = http_completion(gateway, f"00-{HTTP_TRACE_ID}-{HTTP_SPAN_ID}-01")
             deadline = time.monotonic() + 20
-            while not spans.named("splitserve.generate") and time.monotonic() < deadline:
+            while len(spans.named("splitserve.generate")) < 2 and time.monotonic() < deadline:
                 time.sleep(0.1)
             time.sleep(0.5)
             log_lines = scheduler.log_text().splitlines()
         finally:
             scheduler.close()
 
-    [generate] = spans.named("splitserve.generate")
+    by_trace = {span.trace_id.hex(): span for span in spans.named("splitserve.generate")}
+    assert set(by_trace) == {TRACE_ID, HTTP_TRACE_ID}
+    through_gateway = by_trace[HTTP_TRACE_ID]
+    assert through_gateway.parent_span_id.hex() == HTTP_SPAN_ID
+    assert attributes(through_gateway)["gen_ai.usage.output_tokens"] == completion["usage"]["completion_tokens"]
+    generate = by_trace[TRACE_ID]
     assert generate.trace_id.hex() == TRACE_ID
     assert generate.parent_span_id.hex() == CALLER_SPAN_ID
     assert generate.kind == trace_pb2.Span.SPAN_KIND_SERVER
@@ -109,7 +132,7 @@ def test_a_traceparent_is_continued_and_the_spans_arrive_linked(
     assert facts["splitserve.request_id"] == "traced-1"
     assert facts["gen_ai.usage.input_tokens"] == 4
     assert facts["gen_ai.usage.output_tokens"] == MAX_TOKENS == len(result.token_ids)
-    [queue] = spans.named("splitserve.queue")
+    [queue] = [span for span in spans.named("splitserve.queue") if span.trace_id == generate.trace_id]
     assert queue.trace_id == generate.trace_id and queue.parent_span_id == generate.span_id
     assert generate.start_time_unix_nano <= queue.start_time_unix_nano <= queue.end_time_unix_nano
     # Every step that advanced the request links to its span: one per generated token here.
