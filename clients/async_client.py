@@ -11,7 +11,7 @@ import grpc
 import grpc.aio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from clients.connection import Metadata, call_metadata, channel_credentials
+from clients.connection import CallMetadata, Metadata, channel_credentials
 from clients.errors import SplitserveError
 from clients.request_builder import (
     ChatMessage,
@@ -96,8 +96,7 @@ class AsyncClient:
         metadata: Metadata | None = None,
     ) -> None:
         self._timeout = timeout
-        self._caller_metadata = tuple(metadata or ())
-        self._metadata = call_metadata(metadata, api_key)
+        self._metadata = CallMetadata(metadata, api_key)
         credentials = channel_credentials(credentials, root_certificates, tls)
         if credentials is None:
             self._channel = grpc.aio.insecure_channel(address)
@@ -160,9 +159,7 @@ class AsyncClient:
         request = build_generate_request(
             prompt, prompt_token_ids=prompt_token_ids, messages=messages, **options
         )
-        metadata = self._metadata_for(api_key)
-        if trace_context:
-            metadata = (*(metadata or ()), *trace_context.items())
+        metadata = self._metadata(api_key, trace_context)
         call = self._stub.Generate(request, timeout=self._timeout, metadata=metadata)
         return AsyncDeltaStream(call)
 
@@ -203,16 +200,10 @@ class AsyncClient:
             raise SplitserveError.from_rpc_error(error) from None
         return response.status == health_pb2.HealthCheckResponse.SERVING
 
-    def _metadata_for(self, api_key: str | None) -> tuple[tuple[str, str], ...] | None:
-        """The call's metadata: with api_key instead of the client's own key when given."""
-        if api_key is None:
-            return self._metadata
-        return call_metadata(self._caller_metadata, api_key)
-
     async def _unary(
         self, method: Callable[..., Awaitable[Resp]], request: Req, api_key: str | None
     ) -> Resp:
-        metadata = self._metadata_for(api_key)
+        metadata = self._metadata(api_key)
         try:
             return await method(request, timeout=self._timeout, metadata=metadata)
         except grpc.RpcError as error:

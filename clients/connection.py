@@ -4,7 +4,7 @@ the same way."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import grpc
 
@@ -33,3 +33,20 @@ def call_metadata(metadata: Metadata | None, api_key: str | None) -> tuple[tuple
             raise ValueError("api_key must be a non-empty token without surrounding whitespace")
         pairs += (("authorization", f"Bearer {api_key}"),)
     return pairs or None
+
+
+class CallMetadata:
+    """A client's metadata for each call: its own, or with another API key (one channel serving
+    callers with keys of their own) and the caller's W3C trace context."""
+
+    def __init__(self, metadata: Metadata | None, api_key: str | None) -> None:
+        self._caller = tuple(metadata or ())
+        self._default = call_metadata(metadata, api_key)
+
+    def __call__(
+        self, api_key: str | None = None, trace_context: Mapping[str, str] | None = None
+    ) -> tuple[tuple[str, str], ...] | None:
+        pairs = self._default if api_key is None else call_metadata(self._caller, api_key)
+        if trace_context:
+            pairs = (*(pairs or ()), *trace_context.items())
+        return pairs

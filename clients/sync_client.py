@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from types import TracebackType
 from typing import Protocol, TypeVar, Unpack
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from clients.connection import Metadata, call_metadata, channel_credentials
+from clients.connection import CallMetadata, Metadata, channel_credentials
 from clients.errors import SplitserveError
 from clients.request_builder import (
     ChatMessage,
@@ -91,6 +92,9 @@ class Client:
         TLS. tls=True connects over TLS trusting the system's root certificates.
     credentials: any grpc.ChannelCredentials instead (not with root_certificates).
     metadata: (key, value) pairs sent with every call.
+
+    Each call also takes `api_key`, which replaces the client's own for that call only, and
+    generate()/stream() take `trace_context` (W3C traceparent, tracestate) for that request.
     """
 
     def __init__(
@@ -105,13 +109,14 @@ class Client:
         metadata: Metadata | None = None,
     ) -> None:
         self._timeout = timeout
-        self._metadata = call_metadata(metadata, api_key)
+        self._metadata = CallMetadata(metadata, api_key)
         credentials = channel_credentials(credentials, root_certificates, tls)
         if credentials is None:
             self._channel = grpc.insecure_channel(address)
         else:
             self._channel = grpc.secure_channel(address, credentials)
         self._stub = pb_grpc.GenerationStub(self._channel)
+        self._health = health_pb2_grpc.HealthStub(self._channel)
 
     def __enter__(self) -> Client:
         return self
@@ -133,12 +138,19 @@ class Client:
         *,
         prompt_token_ids: Sequence[int] | None = None,
         messages: Sequence[ChatMessage] | None = None,
+        api_key: str | None = None,
+        trace_context: Mapping[str, str] | None = None,
         **options: Unpack[GenerateOptions],
     ) -> GenerationResult:
         """Runs one request to the end and returns its whole output."""
         assembler = ResultAssembler(want_logprobs=options.get("logprobs") is not None)
         for delta in self.stream(
-            prompt, prompt_token_ids=prompt_token_ids, messages=messages, **options
+            prompt,
+            prompt_token_ids=prompt_token_ids,
+            messages=messages,
+            api_key=api_key,
+            trace_context=trace_context,
+            **options,
         ):
             assembler.add(delta)
         return assembler.result()
@@ -149,6 +161,8 @@ class Client:
         *,
         prompt_token_ids: Sequence[int] | None = None,
         messages: Sequence[ChatMessage] | None = None,
+        api_key: str | None = None,
+        trace_context: Mapping[str, str] | None = None,
         **options: Unpack[GenerateOptions],
     ) -> DeltaStream:
         """Starts one request; iterate the result for its output as it is generated.
@@ -160,13 +174,13 @@ class Client:
         request = build_generate_request(
             prompt, prompt_token_ids=prompt_token_ids, messages=messages, **options
         )
-        call = self._stub.Generate(request, timeout=self._timeout, metadata=self._metadata)
+        metadata = self._metadata(api_key, trace_context)
+        call = self._stub.Generate(request, timeout=self._timeout, metadata=metadata)
         return DeltaStream(call)
 
-    def abort(self, request_id: str) -> bool:
+    def abort(self, request_id: str, *, api_key: str | None = None) -> bool:
         """Aborts a request by id; False when none with that id was in flight."""
-        response = self._unary(self._stub.Abort, pb.AbortRequest(request_id=request_id))
-        return response.found
+        return self._unary(self._stub.Abort, pb.AbortRequest(request_id=request_id), api_key).found
 
     def tokenize(
         self,
@@ -174,18 +188,30 @@ class Client:
         messages: Sequence[ChatMessage] | None = None,
         *,
         add_generation_prompt: bool = True,
+        api_key: str | None = None,
     ) -> TokenizeResult:
         request = build_tokenize_request(text, messages, add_generation_prompt)
-        return tokenize_result(self._unary(self._stub.Tokenize, request))
+        return tokenize_result(self._unary(self._stub.Tokenize, request, api_key))
 
-    def model_info(self) -> pb.ModelInfo:
-        return self._unary(self._stub.GetModelInfo, pb.GetModelInfoRequest())
+    def model_info(self, *, api_key: str | None = None) -> pb.ModelInfo:
+        return self._unary(self._stub.GetModelInfo, pb.GetModelInfoRequest(), api_key)
 
-    def server_status(self) -> pb.ServerStatus:
-        return self._unary(self._stub.GetServerStatus, pb.GetServerStatusRequest())
+    def server_status(self, *, api_key: str | None = None) -> pb.ServerStatus:
+        return self._unary(self._stub.GetServerStatus, pb.GetServerStatusRequest(), api_key)
 
-    def _unary(self, method: Callable[..., Resp], request: Req) -> Resp:
+    def serving(self, *, timeout: float | None = None) -> bool:
+        """Whether the server reports SERVING on grpc.health.v1 (which needs no API key);
+        timeout replaces the client's for this probe."""
         try:
-            return method(request, timeout=self._timeout, metadata=self._metadata)
+            response = self._health.Check(
+                health_pb2.HealthCheckRequest(), timeout=self._timeout if timeout is None else timeout
+            )
+        except grpc.RpcError as error:
+            raise SplitserveError.from_rpc_error(error) from None
+        return response.status == health_pb2.HealthCheckResponse.SERVING
+
+    def _unary(self, method: Callable[..., Resp], request: Req, api_key: str | None = None) -> Resp:
+        try:
+            return method(request, timeout=self._timeout, metadata=self._metadata(api_key))
         except grpc.RpcError as error:
             raise SplitserveError.from_rpc_error(error) from None

@@ -128,6 +128,19 @@ def test_with_the_key_over_tls_a_request_is_served_as_by_transformers(
     assert result.token_ids == reference(prompt, 12)
 
 
+def test_one_client_can_call_with_each_callers_key(secured: Secured, pki: Pki) -> None:
+    """A client without a key of its own (a gateway serving many callers) passes each call's:
+    those calls are served, the rest refused; health needs none."""
+    with Client(secured.scheduler, root_certificates=pki.ca.read_bytes()) as client:
+        assert client.serving(timeout=10)
+        result = client.generate(prompt_token_ids=[5, 6], max_tokens=2, api_key=API_KEY)
+        assert len(result.token_ids) == 2
+        assert client.model_info(api_key=API_KEY).max_model_len == 256
+        with pytest.raises(SplitserveError) as refused:
+            client.server_status()
+        assert refused.value.code == grpc.StatusCode.UNAUTHENTICATED
+
+
 @pytest.mark.parametrize(
     ("api_key", "message"),
     [(None, "needs an API key"), ("wrong-key-0123456789abc", "not valid")],
