@@ -43,6 +43,10 @@ STEP_TIME_WINDOW = 32
 # covers the first steps (no history yet, CUDA warm-up, a long prefill).
 DEFAULT_STEP_TIMEOUT_FLOOR_S = 30.0
 DEFAULT_STEP_TIMEOUT_FACTOR = 10.0
+# An idle lane sends an empty plan at least this often: it keeps this scheduler's hold (a third
+# of the lease would do), and its answer is how an idle executor that got SIGTERM says it is
+# draining, so the executor can stop within seconds instead of a third of its lease.
+HEARTBEAT_MAX_S = 2.0
 
 
 class LaneState(enum.Enum):
@@ -202,7 +206,7 @@ class ExecutorLane:
         assert scheduler is not None and self.info is not None
         # (sent at, whether the plan had work) of each plan on the wire, oldest first.
         in_flight: deque[tuple[float, bool]] = deque()
-        heartbeat_s = (self.info.lease_timeout_s or 30.0) / 3
+        heartbeat_s = min(HEARTBEAT_MAX_S, (self.info.lease_timeout_s or 30.0) / 3)
         while True:
             if self.state is LaneState.DRAINING and scheduler.load == 0 and not in_flight:
                 self.link.close_stream()
