@@ -20,7 +20,8 @@ from executor_service.settings import (
 )
 from executor_service.startup import build_executor
 from protos.cli_help import DefaultsHelpFormatter
-from protos.log_format import FORMATS, configure_logging
+from protos.health_port import add_health_port_flag
+from protos.log_format import add_log_format_flag, configure_logging
 from protos.transport_security import TlsConfigError, server_tls
 
 logger = logging.getLogger("executor_service")
@@ -94,16 +95,9 @@ def parse_args(argv: list[str] | None, prog: str = "python -m executor_service")
         "TLS); the certificate's common name is then the scheduler's identity. Without it, "
         "anyone who reaches the port can run plans: never expose an executor without it",
     )
-    parser.add_argument(
-        "--health-port",
-        type=int,
-        help="also serve grpc.health.v1 alone, in plaintext, on this port (for probes that cannot "
-        "do TLS)",
-    )
+    add_health_port_flag(parser)
     parser.add_argument("--metrics-port", type=int, help="serve Prometheus metrics over HTTP on this port")
-    parser.add_argument(
-        "--log-format", choices=FORMATS, default="text", help="text: key=value lines; json: one JSON object per line"
-    )
+    add_log_format_flag(parser)
     parser.add_argument(
         "--drain-timeout",
         type=float,

@@ -4,8 +4,19 @@ would fail the handshake. It reports exactly what the main port's health service
 
 from __future__ import annotations
 
+import argparse
+
 import grpc
 from grpc_health.v1 import health, health_pb2_grpc
+
+
+def add_health_port_flag(parser: argparse._ActionsContainer) -> None:
+    parser.add_argument(
+        "--health-port",
+        type=int,
+        help="also serve grpc.health.v1 alone, in plaintext, on this port (for probes that cannot "
+        "do TLS)",
+    )
 
 
 async def start_health_port(

@@ -8,6 +8,7 @@ queryable without a grok pattern.
 
 from __future__ import annotations
 
+import argparse
 import ast
 import json
 import logging
@@ -52,6 +53,12 @@ class JsonFormatter(logging.Formatter):
         if record.exc_info:
             entry["exception"] = self.formatException(record.exc_info)
         return json.dumps(entry, ensure_ascii=False, default=str)
+
+
+def add_log_format_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--log-format", choices=FORMATS, default="text", help="text: key=value lines; json: one JSON object per line"
+    )
 
 
 def configure_logging(log_format: str = "text", level: int = logging.INFO) -> None:

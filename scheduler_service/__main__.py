@@ -8,7 +8,8 @@ import sys
 from pathlib import Path
 
 from protos.cli_help import DefaultsHelpFormatter
-from protos.log_format import FORMATS, configure_logging
+from protos.health_port import add_health_port_flag
+from protos.log_format import add_log_format_flag, configure_logging
 from protos.transport_security import (
     ClientTls,
     ServerTls,
@@ -127,9 +128,7 @@ def parse_args(argv: list[str] | None, prog: str = "python -m scheduler_service"
         help="on SIGTERM: seconds the requests in flight get to finish (new ones are refused "
         "with UNAVAILABLE and health turns NOT_SERVING) before the rest are aborted",
     )
-    parser.add_argument(
-        "--log-format", choices=FORMATS, default="text", help="text: key=value lines; json: one JSON object per line"
-    )
+    add_log_format_flag(parser)
     parser.add_argument(
         "--otlp-traces-endpoint",
         metavar="HOST:PORT",
@@ -164,7 +163,7 @@ def _add_security_flags(parser: argparse.ArgumentParser) -> None:
         help="name the executors' certificates carry, when it is not the address dialled "
         "(needed with dns:/// executors, which are dialled by IP)",
     )
-    group.add_argument("--health-port", type=int, help="also serve grpc.health.v1 alone, in plaintext, on this port (for probes that cannot do TLS)")
+    add_health_port_flag(group)
 
 
 def _add_cap_flags(parser: argparse.ArgumentParser) -> None:

@@ -16,7 +16,7 @@ import uvicorn
 
 from clients.openai_gateway.app import GatewaySettings, create_app
 from protos.cli_help import DefaultsHelpFormatter
-from protos.log_format import FORMATS, configure_logging
+from protos.log_format import add_log_format_flag, configure_logging
 
 logger = logging.getLogger("clients.openai_gateway")
 
@@ -36,9 +36,7 @@ def parse_args(argv: Sequence[str] | None, prog: str = "python -m clients.openai
     )
     parser.add_argument("--tls-ca", type=Path, help="PEM CA of the scheduler's certificate: connect over TLS")
     parser.add_argument("--tls", action="store_true", help="connect over TLS trusting the system's root certificates")
-    parser.add_argument(
-        "--log-format", choices=FORMATS, default="text", help="text: key=value lines; json: one JSON object per line"
-    )
+    add_log_format_flag(parser)
     parser.add_argument(
         "--drain-timeout",
         type=float,

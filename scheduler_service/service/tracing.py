@@ -87,7 +87,7 @@ class OtelTracing:
             "splitserve.generate",
             context=parent,
             kind=self._server_kind,
-            start_time=self._wall_ns(request.arrival_time) if request.arrival_time else None,
+            start_time=self._wall_ns(request.arrival_time),
             attributes={
                 "splitserve.request_id": request.request_id,
                 "gen_ai.operation.name": "text_completion",

@@ -7,18 +7,17 @@ import asyncio
 import json
 import re
 import time
-import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
-from prometheus_client.parser import text_string_to_metric_families
 
 from clients import AsyncClient, Client
 from tests.helpers.executor_process import start_executor
 from tests.helpers.greedy_client import stream_all
+from tests.helpers.metrics_scrape import Samples, scrape
 from tests.helpers.model_factory import build_model
 from tests.helpers.scheduler_process import start_scheduler
 from tests.helpers.service_process import free_port
@@ -34,23 +33,6 @@ PREFIX = [100 + i for i in range(4 * BLOCK_SIZE)]
 JOBS = [(PREFIX + [7 + i, 9, 11], 80) for i in range(24)]
 # A request long enough (940 tokens, 59 blocks) to be running when the executor next counts.
 LONG_PROMPT, LONG_TOKENS = [3] * 40, 900
-
-Samples = dict[str, float]
-
-
-def scrape(port: int) -> tuple[Samples, set[str]]:
-    """Every sample as name{labels} -> value, and the metric family names."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
-        text = reply.read().decode()
-    samples: Samples = {}
-    families = set()
-    for family in text_string_to_metric_families(text):
-        families.add(family.name)
-        for sample in family.samples:
-            labels = ",".join(f'{k}="{v}"' for k, v in sorted(sample.labels.items()))
-            samples[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
-    return samples, families
-
 
 @dataclass(slots=True)
 class Scraped:

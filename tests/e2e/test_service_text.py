@@ -7,7 +7,6 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,6 +15,7 @@ from transformers import AutoTokenizer
 
 from clients import Client
 from tests.helpers.executor_process import start_executor
+from tests.helpers.metrics_scrape import scrape
 from tests.helpers.scheduler_process import start_scheduler
 from tests.helpers.service_process import free_port
 
@@ -74,12 +74,7 @@ def test_metrics_endpoint_counts_requests_and_tokens(service: tuple[str, int]) -
     address, metrics_port = service
     with Client(address) as client:
         client.generate(prompt="Hello", max_tokens=3, temperature=0, ignore_eos=True)
-    body = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
-    samples = {
-        line.split(" ")[0]: float(line.split(" ")[1])
-        for line in body.splitlines()
-        if line and not line.startswith("#")
-    }
+    samples, _ = scrape(metrics_port)
     assert samples["splitserve:generation_tokens_total"] >= 3
     assert samples['splitserve:request_success_total{finished_reason="length"}'] >= 1
     assert samples["splitserve:executors_up"] == 1
