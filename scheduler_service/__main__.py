@@ -167,7 +167,7 @@ def _add_security_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_cap_flags(parser: argparse.ArgumentParser) -> None:
-    """Per-request caps (service/intake_limits.py); gRPC's receive limit follows from them."""
+    """Per-request caps (service/intake_limits.py); the receive limit follows from them."""
     caps = IntakeLimits()
     group = parser.add_argument_group("request caps (a request over one gets INVALID_ARGUMENT)")
     group.add_argument("--max-prompt-bytes", type=positive, default=caps.max_prompt_bytes, help="UTF-8 bytes of a text prompt or of a chat's contents together")
@@ -178,6 +178,13 @@ def _add_cap_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-stop-bytes", type=positive, default=caps.max_stop_bytes, help="UTF-8 bytes of one stop string")
     group.add_argument("--max-stop-token-ids", type=positive, default=caps.max_stop_token_ids)
     group.add_argument("--max-chat-messages", type=positive, default=caps.max_chat_messages)
+    group.add_argument(
+        "--max-message-bytes",
+        type=positive,
+        default=caps.max_message_bytes,
+        help="bytes of one message gRPC takes in at all (RESOURCE_EXHAUSTED beyond); a request "
+        "over what the caps above allow but under this gets INVALID_ARGUMENT naming its field",
+    )
     group.add_argument(
         "--chat-roles",
         default=",".join(sorted(caps.chat_roles)),
@@ -238,6 +245,7 @@ def intake_limits(args: argparse.Namespace) -> IntakeLimits:
         max_stop_bytes=args.max_stop_bytes,
         max_stop_token_ids=args.max_stop_token_ids,
         max_chat_messages=args.max_chat_messages,
+        max_message_bytes=args.max_message_bytes,
         chat_roles=roles,
     )
 

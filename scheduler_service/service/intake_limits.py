@@ -1,9 +1,11 @@
 """Caps on what one client request may carry, checked on the parsed message before any
 tokenizing, hashing or copying, so an oversized request costs its sender, not the server.
 
-Each cap is a flag (scheduler_service/__main__.py). gRPC's receive limit is derived from them:
-a message larger than any request the caps allow is refused by gRPC as soon as its length
-prefix is read (RESOURCE_EXHAUSTED), never buffered whole.
+Each cap is a flag (scheduler_service/__main__.py). The receive limit is derived from them: a
+message larger than any request the caps allow is refused from its length alone, before it is
+parsed (service/message_parsing.py), with INVALID_ARGUMENT naming its largest field. gRPC's
+own limit sits above that, at --max-message-bytes, as a ceiling on what is buffered at all:
+gRPC answers RESOURCE_EXHAUSTED there with no way to say which cap was broken.
 """
 
 from __future__ import annotations
@@ -36,6 +38,8 @@ class IntakeLimits:
     max_stop_bytes: int = 1024
     max_stop_token_ids: int = 256
     max_chat_messages: int = 512
+    # Bytes gRPC takes in for one message before it refuses it (RESOURCE_EXHAUSTED) unread.
+    max_message_bytes: int = 64 << 20
     # Roles a chat message may have; the chat template renders any string it is given, so
     # an unknown role would be written into the prompt verbatim.
     chat_roles: frozenset[str] = frozenset({"system", "user", "assistant", "tool"})
@@ -48,6 +52,10 @@ class IntakeLimits:
         )
         stops = self.max_stop_strings * (self.max_stop_bytes + 8) + self.max_stop_token_ids * TOKEN_ID_WIRE_BYTES
         return ENVELOPE_BYTES + prompt + stops + self.max_request_id_chars + self.max_cache_salt_bytes
+
+    def transport_limit_bytes(self) -> int:
+        """gRPC's receive limit: the ceiling, but never below what the caps allow."""
+        return max(self.max_message_bytes, self.receive_limit_bytes())
 
 
 def check_generate(message: pb.GenerateRequest, limits: IntakeLimits, max_model_len: int) -> None:

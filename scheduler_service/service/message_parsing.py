@@ -1,6 +1,7 @@
-"""Requests that do not parse (corrupt bytes, invalid UTF-8 in a string field) end with
-INVALID_ARGUMENT saying so. Left to grpc, a parse error inside its deserializer becomes UNKNOWN
-with a Python class name, which tells a client nothing it can act on."""
+"""Requests larger than the caps allow, or that do not parse (corrupt bytes, invalid UTF-8 in a
+string field), end with INVALID_ARGUMENT saying so. Left to grpc, a parse error inside its
+deserializer becomes UNKNOWN with a Python class name, and a message over its receive limit
+RESOURCE_EXHAUSTED without naming a field: neither tells a client what to change."""
 
 from __future__ import annotations
 
@@ -11,13 +12,21 @@ from typing import Any
 import grpc
 from google.protobuf.message import DecodeError
 
+from scheduler_service.service.wire_fields import largest_field
+
 logger = logging.getLogger(__name__)
 
 Deserializer = Callable[[bytes], Any]
 
 
 class MessageParsingInterceptor(grpc.aio.ServerInterceptor):
-    """Parses unary requests inside the call (streamed requests are left to grpc)."""
+    """Parses unary requests inside the call (streamed requests are left to grpc).
+
+    max_request_bytes: the largest request the intake caps allow; a bigger one is refused from
+    its length, unparsed, with its largest field named."""
+
+    def __init__(self, max_request_bytes: int) -> None:
+        self._max_request_bytes = max_request_bytes
 
     async def intercept_service(
         self,
@@ -27,7 +36,7 @@ class MessageParsingInterceptor(grpc.aio.ServerInterceptor):
         handler = await continuation(details)
         if handler is None or handler.request_streaming or handler.request_deserializer is None:
             return handler
-        parse = handler.request_deserializer
+        parse = _Parser(handler.request_deserializer, self._max_request_bytes)
         if handler.response_streaming:
             return handler._replace(
                 request_deserializer=None, unary_stream=_streaming(handler.unary_stream, parse)
@@ -35,34 +44,62 @@ class MessageParsingInterceptor(grpc.aio.ServerInterceptor):
         return handler._replace(request_deserializer=None, unary_unary=_unary(handler.unary_unary, parse))
 
 
-async def _parse_or_abort(raw: bytes, parse: Deserializer, context: grpc.aio.ServicerContext) -> Any:
+class _Parser:
+    def __init__(self, deserializer: Deserializer, max_bytes: int) -> None:
+        self.deserializer = deserializer
+        self.max_bytes = max_bytes
+
+    def too_big(self, raw: bytes) -> str | None:
+        """Why the message is refused unparsed, or None."""
+        if len(raw) <= self.max_bytes:
+            return None
+        reason = f"the request is {len(raw):,} bytes; the request caps allow at most {self.max_bytes:,}"
+        field = largest_field(raw)
+        if field is None:
+            return reason
+        # Generated deserializers are the message class's FromString.
+        descriptor = getattr(getattr(self.deserializer, "__self__", None), "DESCRIPTOR", None)
+        known = descriptor.fields_by_number.get(field.number) if descriptor is not None else None
+        name = known.name if known is not None else f"number {field.number}"
+        return f"{reason} (its field {name} takes {field.size_bytes:,}; see --max-prompt-bytes, --max-prompt-tokens, --max-cache-salt-bytes)"
+
+
+def _parse(raw: bytes, parse: _Parser) -> tuple[Any, str | None]:
+    """The message, or why it is refused (logged here)."""
+    refusal = parse.too_big(raw)
+    if refusal is not None:
+        logger.info("event=request_too_big bytes=%d limit=%d", len(raw), parse.max_bytes)
+        return None, refusal
     try:
-        return parse(raw)
+        return parse.deserializer(raw), None
     except DecodeError as error:
         logger.info("event=request_unparsable bytes=%d error=%r", len(raw), str(error))
-        await context.abort(
-            grpc.StatusCode.INVALID_ARGUMENT,
-            f"the request message does not parse ({error}); strings must be valid UTF-8",
-        )
+        return None, f"the request message does not parse ({error}); strings must be valid UTF-8"
 
 
 def _unary(
-    behavior: Callable[[Any, grpc.aio.ServicerContext], Awaitable[Any]], parse: Deserializer
+    behavior: Callable[[Any, grpc.aio.ServicerContext], Awaitable[Any]], parse: _Parser
 ) -> Callable[[bytes, grpc.aio.ServicerContext], Awaitable[Any]]:
     async def parsed(raw: bytes, context: grpc.aio.ServicerContext) -> Any:
-        return await behavior(await _parse_or_abort(raw, parse, context), context)
+        request, refusal = _parse(raw, parse)
+        del raw
+        if refusal is not None:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, refusal)
+        return await behavior(request, context)
 
     return parsed
 
 
 def _streaming(
-    behavior: Callable[[Any, grpc.aio.ServicerContext], AsyncIterator[Any]], parse: Deserializer
+    behavior: Callable[[Any, grpc.aio.ServicerContext], AsyncIterator[Any]], parse: _Parser
 ) -> Callable[[bytes, grpc.aio.ServicerContext], AsyncIterator[Any]]:
     async def parsed(raw: bytes, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-        request = await _parse_or_abort(raw, parse, context)
+        request, refusal = _parse(raw, parse)
         # Only the handler holds the message from here, so it can drop it long before its
         # stream ends, and before an abort (whose frames grpc keeps in reference cycles).
         del raw
+        if refusal is not None:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, refusal)
         responses = behavior(request, context)
         del request
         async for response in responses:

@@ -30,6 +30,7 @@ from scheduler_service.service.discovery import DEFAULT_RESOLVE_INTERVAL_S, disc
 from scheduler_service.service.engine import Engine, EngineOptions
 from scheduler_service.service.executor_link import ExecutorLink
 from scheduler_service.service.gc_tuning import tune_gc
+from scheduler_service.service.heap_tuning import Heap
 from scheduler_service.service.intake_limits import IntakeLimits
 from scheduler_service.service.message_parsing import MessageParsingInterceptor
 from scheduler_service.service.metrics import SchedulerMetrics
@@ -78,6 +79,7 @@ class ServerSettings:
 
 async def serve(settings: ServerSettings) -> int:
     """Serves until SIGTERM/SIGINT (exit status 0) or until the engine fails (1)."""
+    Heap.of_this_process().fix_mmap_threshold()
     metrics = SchedulerMetrics()
     health_servicer = health.aio.HealthServicer()
 
@@ -98,18 +100,18 @@ async def serve(settings: ServerSettings) -> int:
         "", settings.text, settings.options, metrics, report_serving, link_factory, settings.tracing
     )
     intake = Intake(settings.text, settings.limits, settings.sampling_defaults)
-    interceptors: list[grpc.aio.ServerInterceptor] = [MessageParsingInterceptor()]
+    receive_limit = settings.limits.receive_limit_bytes()
+    interceptors: list[grpc.aio.ServerInterceptor] = [MessageParsingInterceptor(receive_limit)]
     if settings.api_keys is not None:
         # First in the chain: an unauthenticated call is refused before its request is parsed.
         interceptors.insert(0, ApiKeyInterceptor(settings.api_keys))
-    receive_limit = settings.limits.receive_limit_bytes()
     server = grpc.aio.server(
         interceptors=interceptors,
         options=[
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-            # What the intake caps allow and no more: a bigger message is refused by gRPC from
-            # its length prefix, before it is buffered.
-            ("grpc.max_receive_message_length", receive_limit),
+            # A ceiling on what is buffered at all; between the caps' receive limit and this,
+            # a request is refused unparsed by MessageParsingInterceptor, naming its field.
+            ("grpc.max_receive_message_length", settings.limits.transport_limit_bytes()),
             # A second copy on a taken port must fail to bind, not silently share it.
             ("grpc.so_reuseport", 0),
             # Calls that arrived while the event loop was busy wait in grpc's backlog until the
@@ -155,12 +157,13 @@ async def serve(settings: ServerSettings) -> int:
     executors = ",".join(settings.executors)
     logger.info(
         "event=scheduler_listening address=%s:%d port=%d executors=%s scheduler_id=%s tls=%s "
-        "api_keys=%s executor_tls=%s receive_limit_bytes=%d",
+        "api_keys=%s executor_tls=%s receive_limit_bytes=%d max_message_bytes=%d",
         settings.host, port, port, executors, engine.scheduler_id,
         "on" if settings.tls else "off",
         len(settings.api_keys) if settings.api_keys else "off",
         "off" if settings.executor_tls is None else "mutual" if settings.executor_tls.mutual else "server",
         receive_limit,
+        settings.limits.transport_limit_bytes(),
     )
 
     async def connect_then_run() -> None:
