@@ -19,6 +19,7 @@ from executor_service.settings import (
     parse_size,
 )
 from executor_service.startup import build_executor
+from executor_service.tp_serve import serve_tensor_parallel
 from protos.cli_help import DefaultsHelpFormatter
 from protos.health_port import add_health_port_flag
 from protos.log_format import add_log_format_flag, configure_logging
@@ -99,6 +100,14 @@ def parse_args(argv: list[str] | None, prog: str = "python -m executor_service")
     parser.add_argument("--metrics-port", type=int, help="serve Prometheus metrics over HTTP on this port")
     add_log_format_flag(parser)
     parser.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        help="shard the model over N ranks with transformers' tensor-parallel plan (NCCL on "
+        "CUDA, one GPU per rank; gloo on CPU); the executor starts the other ranks itself, or "
+        "runs under torchrun --nproc-per-node N",
+    )
+    parser.add_argument(
         "--drain-timeout",
         type=float,
         default=DEFAULT_DRAIN_TIMEOUT_S,
@@ -112,6 +121,8 @@ def parse_args(argv: list[str] | None, prog: str = "python -m executor_service")
         parser.error(str(error))
     if args.drain_timeout < 0:
         parser.error("--drain-timeout must be >= 0")
+    if args.tensor_parallel_size < 1:
+        parser.error("--tensor-parallel-size must be >= 1")
     if args.block_size <= 0:
         parser.error("--block-size must be > 0")
     if args.num_kv_blocks is not None and args.num_kv_blocks <= 0:
@@ -138,22 +149,17 @@ def parse_args(argv: list[str] | None, prog: str = "python -m executor_service")
         drain_timeout_s=args.drain_timeout,
         metrics_port=args.metrics_port,
         log_format=args.log_format,
+        tensor_parallel_size=args.tensor_parallel_size,
     )
 
 
 def main(argv: list[str] | None = None, prog: str = "python -m executor_service") -> int:
     settings = parse_args(argv, prog)
     configure_logging(settings.log_format)
-    logger.info("event=executor_starting model=%s port=%d", settings.model_dir, settings.port)
-    try:
-        executor = build_executor(settings)
-    except UnsupportedModel as refusal:
-        # One line that says why, not a traceback: the model is the problem, not the code.
-        logger.error("event=executor_refused model_type=%s reason=%r", refusal.model_type, refusal.reason)
-        return 1
-    except BackendUnavailable as refusal:
-        logger.error("event=executor_refused reason=%r", str(refusal))
-        return 1
+    logger.info(
+        "event=executor_starting model=%s port=%d tensor_parallel_size=%d",
+        settings.model_dir, settings.port, settings.tensor_parallel_size,
+    )
     options = ServeOptions(
         host=settings.host,
         port=settings.port,
@@ -163,6 +169,17 @@ def main(argv: list[str] | None = None, prog: str = "python -m executor_service"
         drain_timeout_s=settings.drain_timeout_s,
         metrics_port=settings.metrics_port,
     )
+    try:
+        if settings.tensor_parallel_size > 1:
+            return serve_tensor_parallel(settings, options)
+        executor = build_executor(settings)
+    except UnsupportedModel as refusal:
+        # One line that says why, not a traceback: the model is the problem, not the code.
+        logger.error("event=executor_refused model_type=%s reason=%r", refusal.model_type, refusal.reason)
+        return 1
+    except BackendUnavailable as refusal:
+        logger.error("event=executor_refused reason=%r", str(refusal))
+        return 1
     asyncio.run(serve(executor, options))
     return 0
 

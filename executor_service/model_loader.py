@@ -13,6 +13,7 @@ from transformers import (
     PretrainedConfig,
     PreTrainedModel,
 )
+from transformers.distributed import DistributedConfig
 
 from executor_service.kv_geometry import probe_kv_geometry
 from executor_service.model_support import UnsupportedModel, check_config
@@ -70,11 +71,14 @@ def load_model(
     dtype: str = "auto",
     max_model_len: int | None = None,
     trust_remote_code: bool = False,
+    tensor_parallel_size: int = 1,
 ) -> LoadedModel:
     """Loads weights from a local folder only; nothing is ever downloaded.
 
     max_model_len caps the model's own length, and stands in for it when the config names none.
     trust_remote_code runs the modelling code the folder ships (config.json's auto_map).
+    tensor_parallel_size > 1 shards the weights over the initialized process group by the
+    model's own tensor-parallel plan (every rank calls this together).
     """
     if not (model_dir / "config.json").is_file():
         raise FileNotFoundError(f"{model_dir} holds no config.json")
@@ -85,10 +89,14 @@ def load_model(
         model_dir, local_files_only=True, trust_remote_code=trust_remote_code
     )
     check_config(config.model_type, config)
-    model = _instantiate(model_dir, config, torch_dtype, trust_remote_code)
-    model.to(torch_device)
-    model.eval()
     text_config = config.get_text_config()
+    if tensor_parallel_size > 1:
+        check_tensor_parallel(config.model_type, text_config, tensor_parallel_size)
+    model = _instantiate(model_dir, config, torch_dtype, trust_remote_code, tensor_parallel_size)
+    if tensor_parallel_size == 1:
+        # Sharded weights are placed on the rank's device as they load.
+        model.to(torch_device)
+    model.eval()
     vocab_size = int(model.get_output_embeddings().weight.shape[0])
     num_layers = int(text_config.num_hidden_layers)
     geometry = probe_kv_geometry(model, config.model_type, num_layers, torch_device)
@@ -126,10 +134,35 @@ def load_model(
     return loaded
 
 
+def check_tensor_parallel(model_type: str, text_config: PretrainedConfig, size: int) -> None:
+    """Refuses tensor parallelism the model has no plan for, or whose heads do not split evenly."""
+    if not getattr(text_config, "base_model_tp_plan", None):
+        raise UnsupportedModel(
+            model_type, "it has no tensor-parallel plan in transformers; run it with --tensor-parallel-size 1"
+        )
+    heads = int(text_config.num_attention_heads)
+    kv_heads = int(getattr(text_config, "num_key_value_heads", None) or heads)
+    if heads % size or kv_heads % size:
+        raise UnsupportedModel(
+            model_type,
+            f"its {heads} attention heads and {kv_heads} K/V heads do not split evenly over "
+            f"--tensor-parallel-size {size}",
+        )
+
+
 def _instantiate(
-    model_dir: Path, config: PretrainedConfig, dtype: torch.dtype, trust_remote_code: bool
+    model_dir: Path,
+    config: PretrainedConfig,
+    dtype: torch.dtype,
+    trust_remote_code: bool,
+    tensor_parallel_size: int,
 ) -> PreTrainedModel:
     """The model with our attention, or UnsupportedModel when it cannot take it."""
+    sharding = (
+        {"distributed_config": DistributedConfig(tp_size=tensor_parallel_size)}
+        if tensor_parallel_size > 1
+        else {}
+    )
     try:
         return AutoModelForCausalLM.from_pretrained(
             model_dir,
@@ -138,6 +171,7 @@ def _instantiate(
             attn_implementation=ATTENTION_NAME,
             local_files_only=True,
             trust_remote_code=trust_remote_code,
+            **sharding,
         )
     except KeyError as error:
         # Models that pick an attention class from a table keyed by implementation name have

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -46,10 +47,19 @@ class _Admitted:
 
 
 class ModelRunner:
+    """agree_on_tokens: under tensor parallelism, gives every rank rank 0's sampled tokens, so
+    the ranks' request states (the next step's inputs) never drift apart."""
+
     def __init__(
-        self, loaded: LoadedModel, kv_cache: PagedKVCache, limits: Limits, backend: str
+        self,
+        loaded: LoadedModel,
+        kv_cache: PagedKVCache,
+        limits: Limits,
+        backend: str,
+        agree_on_tokens: Callable[[list[int]], list[int]] | None = None,
     ) -> None:
         self.loaded = loaded
+        self._agree_on_tokens = agree_on_tokens
         self.kv_cache = kv_cache
         self.limits = limits
         self.backend = backend
@@ -109,6 +119,8 @@ class ModelRunner:
         inputs = build_step_inputs(work, self.kv_cache, self.backend, self.loaded.device)
         logits = compute_logits(self.loaded, inputs, self._use_logits_to_keep)
         sampled = sample(logits, [_sampling_row(s) for s in inputs.sampled], self._generator)
+        if self._agree_on_tokens is not None and sampled.token_ids:
+            sampled.token_ids = self._agree_on_tokens(sampled.token_ids)
         result.forward_time_s = time.perf_counter() - forward_started
         tokens = self._advance(admitted, inputs.sampled, sampled, result)
         if admitted.decodes:

@@ -71,6 +71,8 @@ class ExecutorSettings:
     metrics_port: int | None = None
     # text or json (protos/log_format.py).
     log_format: str = "text"
+    # Ranks the model is sharded over (tp_group.py); 1 runs it on one device.
+    tensor_parallel_size: int = 1
 
 
 def parse_size(text: str) -> int:

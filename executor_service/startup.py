@@ -16,6 +16,8 @@ from executor_service.packed_linear import pack_linears, packing_available
 from executor_service.paged_attention import select_backend
 from executor_service.self_check import run_self_check
 from executor_service.settings import ExecutorSettings
+from executor_service.tp_group import agree_on_min
+from executor_service.tp_steps import rank0_tokens
 from executor_service.validation import Limits
 from protos.splitserve.executor.v1 import executor_pb2
 
@@ -30,17 +32,22 @@ class ReadyExecutor:
     info: executor_pb2.ExecutorInfo
 
 
-def build_executor(settings: ExecutorSettings) -> ReadyExecutor:
+def build_executor(settings: ExecutorSettings, device: str | None = None) -> ReadyExecutor:
+    """device: this rank's device under tensor parallelism (every rank calls this together,
+    in the initialized group); settings.device otherwise."""
     if settings.threads is not None:
         torch.set_num_threads(settings.threads)
+    parallel = settings.tensor_parallel_size > 1
     loaded = load_model(
         settings.model_dir,
-        settings.device,
+        device or settings.device,
         settings.dtype,
         settings.max_model_len,
         settings.trust_remote_code,
+        settings.tensor_parallel_size,
     )
-    if settings.packed_linear and packing_available(loaded.device, loaded.dtype):
+    # Packing replaces the linear layers, which under TP hold sharded weights and collectives.
+    if settings.packed_linear and not parallel and packing_available(loaded.device, loaded.dtype):
         pack_linears(loaded.model)
     backend = select_backend(loaded.device, loaded.dtype, settings.attention_backend)
     shape = KVCacheShape(
@@ -52,6 +59,8 @@ def build_executor(settings: ExecutorSettings) -> ReadyExecutor:
         dtype=loaded.dtype,
     )
     num_blocks = decide_num_blocks(loaded, shape, settings, backend)
+    if parallel:
+        num_blocks = agree_on_min(num_blocks)
     kv_cache = PagedKVCache(shape, num_blocks, loaded.device)
     run_self_check(loaded, kv_cache, backend)
     # A request longer than the whole cache could never be scheduled, so the cache bounds it too.
@@ -77,5 +86,8 @@ def build_executor(settings: ExecutorSettings) -> ReadyExecutor:
         attention_backend=backend,
         lease_timeout_s=settings.lease_timeout_s,
         supports_decode_handles=True,
+        tensor_parallel_size=settings.tensor_parallel_size,
+        kv_cache_bytes=num_blocks * shape.bytes_per_block() * settings.tensor_parallel_size,
     )
-    return ReadyExecutor(runner=ModelRunner(loaded, kv_cache, limits, backend), info=info)
+    runner = ModelRunner(loaded, kv_cache, limits, backend, rank0_tokens if parallel else None)
+    return ReadyExecutor(runner=runner, info=info)

@@ -22,6 +22,9 @@ def executor_status(lane: ExecutorLane) -> pb.ExecutorStatus:
     )
     if lane.info is not None:
         status.incarnation_id = lane.info.incarnation_id
+        # Executors from before tensor parallelism leave these unset: one device.
+        status.tensor_parallel_size = lane.info.tensor_parallel_size or 1
+        status.kv_cache_bytes = lane.info.kv_cache_bytes
     scheduler = lane.scheduler
     if scheduler is not None:
         stats = scheduler.kv.stats()

@@ -1,4 +1,4 @@
-"""deploy/kubernetes, checked without a cluster: both overlays rendered by a real kustomize
+"""deploy/kubernetes, checked without a cluster: every overlay rendered by a real kustomize
 (kubectl's built-in one), every object validated against the Kubernetes schemas in strict mode,
 and what a user would notice on a cluster checked against the code: container arguments parsed by
 the services' own parsers, probes and Services on ports those arguments open, executors found
@@ -82,7 +82,7 @@ class Rendered:
         return namespace
 
 
-@pytest.fixture(scope="module", params=["cpu", "gpu"])
+@pytest.fixture(scope="module", params=["cpu", "gpu", "gpu-tp2"])
 def rendered(request: pytest.FixtureRequest) -> Rendered:
     assert RENDERER is not None
     return Rendered(request.param, render(RENDERER, KUBERNETES / "overlays" / request.param))
@@ -443,10 +443,21 @@ def test_only_the_gpu_overlay_asks_for_gpus(rendered: Rendered, certs: Certs) ->
     gpus = {(p.workload["metadata"]["name"], p.container["name"]):
             p.container.get("resources", {}).get("limits", {}).get("nvidia.com/gpu")
             for p in processes(rendered, certs)}
-    if rendered.overlay == "gpu":
+    if rendered.overlay.startswith("gpu"):
         assert executor.parsed.device == "cuda"
-        assert gpus.pop(("splitserve-executor", "executor")) == 1
+        # One GPU per rank, all in the executor's pod.
+        assert gpus.pop(("splitserve-executor", "executor")) == executor.parsed.tensor_parallel_size
         assert pod_spec(executor.workload)["tolerations"]
     else:
         assert executor.parsed.device == "cpu"
     assert not any(gpus.values()), gpus
+
+
+def test_ranks_of_a_sharded_executor_get_shared_memory(rendered: Rendered, certs: Certs) -> None:
+    executor = process(rendered, certs, "executor")
+    if executor.parsed.tensor_parallel_size == 1:
+        return
+    # NCCL between the ranks of one pod goes through /dev/shm, 64 MiB unless a volume widens it.
+    shm = mounted_volume(executor.container, Path("/dev/shm"))
+    [volume] = [v for v in pod_spec(executor.workload)["volumes"] if v["name"] == shm]
+    assert volume["emptyDir"]["medium"] == "Memory"

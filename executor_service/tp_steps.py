@@ -1,0 +1,90 @@
+"""How the ranks of a tensor-parallel executor run each step together.
+
+Rank 0 takes plans from the scheduler and broadcasts each one (its serialized bytes) before
+running it; the other ranks receive and run the same plan, so every rank makes the same
+collectives in the same order. Every rank's forward ends in the same gathered logits, and the
+tokens rank 0 samples are broadcast so every rank feeds the same tokens to the next step.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+
+import torch
+import torch.distributed as dist
+
+from executor_service.model_runner import ModelRunner
+from executor_service.tp_group import collective_device
+from protos.splitserve.executor.v1 import executor_pb2
+
+logger = logging.getLogger(__name__)
+
+
+class _Command(enum.IntEnum):
+    PLAN = 0
+    DROP_ALL = 1
+    STOP = 2
+
+
+class PlanBroadcaster:
+    """Rank 0's StepRunner: each plan goes to every rank, then runs here."""
+
+    def __init__(self, runner: ModelRunner) -> None:
+        self.runner = runner
+
+    def execute(self, plan: executor_pb2.StepPlan) -> executor_pb2.StepResult:
+        _send(_Command.PLAN, plan.SerializeToString())
+        return self.runner.execute(plan)
+
+    def drop_all_requests(self) -> None:
+        _send(_Command.DROP_ALL)
+        self.runner.drop_all_requests()
+
+    def num_kv_blocks_in_use(self) -> int:
+        return self.runner.num_kv_blocks_in_use()
+
+    def stop(self) -> None:
+        """Ends the followers' loops (on the thread that ran the plans)."""
+        _send(_Command.STOP)
+
+
+def follow_plans(runner: ModelRunner) -> None:
+    """A follower rank's loop: runs what rank 0 broadcasts until it says stop."""
+    steps = 0
+    while True:
+        command, payload = _receive()
+        if command is _Command.STOP:
+            logger.info("event=tp_follower_stopped steps=%d", steps)
+            return
+        if command is _Command.DROP_ALL:
+            runner.drop_all_requests()
+            continue
+        runner.execute(executor_pb2.StepPlan.FromString(payload))
+        steps += 1
+
+
+def rank0_tokens(token_ids: list[int]) -> list[int]:
+    """Rank 0's sampled tokens, on every rank (ModelRunner's token agreement under TP)."""
+    tokens = torch.tensor(token_ids, dtype=torch.int64, device=collective_device())
+    dist.broadcast(tokens, src=0)
+    return tokens.tolist()
+
+
+def _send(command: _Command, payload: bytes = b"") -> None:
+    device = collective_device()
+    dist.broadcast(torch.tensor([int(command), len(payload)], dtype=torch.int64, device=device), src=0)
+    if payload:
+        dist.broadcast(torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(device), src=0)
+
+
+def _receive() -> tuple[_Command, bytes]:
+    device = collective_device()
+    header = torch.empty(2, dtype=torch.int64, device=device)
+    dist.broadcast(header, src=0)
+    command, length = _Command(int(header[0])), int(header[1])
+    if not length:
+        return command, b""
+    payload = torch.empty(length, dtype=torch.uint8, device=device)
+    dist.broadcast(payload, src=0)
+    return command, payload.cpu().numpy().tobytes()
