@@ -4,18 +4,23 @@ Rank 0 takes plans from the scheduler and broadcasts each one (its serialized by
 running it; the other ranks receive and run the same plan, so every rank makes the same
 collectives in the same order. Every rank's forward ends in the same gathered logits, and the
 tokens rank 0 samples are broadcast so every rank feeds the same tokens to the next step.
+
+A step that fails on one rank leaves the others inside a collective it never joins, so a
+failed step ends the executor (exit RANK_LOST_EXIT) rather than failing just its requests as a
+single-device executor does; the other ranks follow it down (tp_group.py).
 """
 
 from __future__ import annotations
 
 import enum
 import logging
+import os
 
 import torch
 import torch.distributed as dist
 
 from executor_service.model_runner import ModelRunner
-from executor_service.tp_group import collective_device
+from executor_service.tp_group import RANK_LOST_EXIT, collective_device
 from protos.splitserve.executor.v1 import executor_pb2
 
 logger = logging.getLogger(__name__)
@@ -35,7 +40,7 @@ class PlanBroadcaster:
 
     def execute(self, plan: executor_pb2.StepPlan) -> executor_pb2.StepResult:
         _send(_Command.PLAN, plan.SerializeToString())
-        return self.runner.execute(plan)
+        return _unless_failed(self.runner.execute(plan), rank=0)
 
     def drop_all_requests(self) -> None:
         _send(_Command.DROP_ALL)
@@ -60,7 +65,7 @@ def follow_plans(runner: ModelRunner) -> None:
         if command is _Command.DROP_ALL:
             runner.drop_all_requests()
             continue
-        runner.execute(executor_pb2.StepPlan.FromString(payload))
+        _unless_failed(runner.execute(executor_pb2.StepPlan.FromString(payload)), rank=dist.get_rank())
         steps += 1
 
 
@@ -69,6 +74,17 @@ def rank0_tokens(token_ids: list[int]) -> list[int]:
     tokens = torch.tensor(token_ids, dtype=torch.int64, device=collective_device())
     dist.broadcast(tokens, src=0)
     return tokens.tolist()
+
+
+def _unless_failed(result: executor_pb2.StepResult, rank: int) -> executor_pb2.StepResult:
+    if result.HasField("failure"):
+        logger.error(
+            "event=tp_step_failed rank=%d step_id=%d error=%r action=executor_exits",
+            rank, result.step_id, result.failure.message,
+        )
+        logging.shutdown()
+        os._exit(RANK_LOST_EXIT)
+    return result
 
 
 def _send(command: _Command, payload: bytes = b"") -> None:
