@@ -1,6 +1,9 @@
-"""Limits and policies of one scheduler, fixed at start."""
+"""Limits and policies of one scheduler: fixed at start, but for the knobs an operator may turn
+while it runs."""
 
-from dataclasses import dataclass
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
 
 from scheduler_service.core.policy import Policy, StepMode
 
@@ -34,3 +37,27 @@ class SchedulerConfig:
         for name in ("num_kv_blocks", "block_size", "max_model_len", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+
+
+@dataclass(slots=True, frozen=True)
+class SchedulingKnobs:
+    """What the Admin API changes on a running scheduler, effective from the next step."""
+
+    policy: Policy
+    mode: StepMode
+    max_num_batched_tokens: int
+    max_num_seqs: int
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_batched_tokens", "max_num_seqs"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+
+    def applied_to(self, config: SchedulerConfig) -> SchedulerConfig:
+        return replace(
+            config,
+            policy=self.policy,
+            mode=self.mode,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            max_num_seqs=self.max_num_seqs,
+        )

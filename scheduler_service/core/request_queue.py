@@ -70,3 +70,11 @@ class WaitingQueue:
                 heapq.heapify(self._heap)
                 return True
         return False
+
+    def reordered(self, policy: Policy) -> "WaitingQueue":
+        """The same requests queued under another policy (a live policy change): under FCFS in
+        arrival order, under priority by rank."""
+        queue = WaitingQueue(policy)
+        for request in sorted(self, key=lambda r: r.arrival_index):
+            queue.add(request)
+        return queue

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from kv_manager import BlockHash, KVCacheManager, PrefixHit
 from kv_manager.prefix_hash import chain_hashes
-from scheduler_service.core.config import SchedulerConfig
+from scheduler_service.core.config import SchedulerConfig, SchedulingKnobs
 from scheduler_service.core.decode_set import BulkStep, DecodeSet
 from scheduler_service.core.errors import ErrorKind, RequestError, RequestRejected
 from scheduler_service.core.policy import StepMode, pick_victim
@@ -91,6 +91,12 @@ class Scheduler:
         # step id -> that step's bulk decodes, until its result is in.
         self._in_flight_bulk: dict[int, BulkStep] = {}
         self._handles = itertools.count(1)
+
+    def reconfigure(self, knobs: SchedulingKnobs) -> None:
+        """Plans from the next step on under these knobs; the queue is reordered at once."""
+        if knobs.policy is not self.config.policy:
+            self.waiting = self.waiting.reordered(knobs.policy)
+        self.config = knobs.applied_to(self.config)
 
     # ---- arrivals and departures -------------------------------------------------------------
 

@@ -1,12 +1,16 @@
-"""The Admin service: taking executors out of service and back (protos/splitserve/v1/admin.proto)."""
+"""The Admin service: taking executors out of service and back, and the scheduling knobs
+(protos/splitserve/v1/admin.proto)."""
 
 import logging
+from dataclasses import replace
 
 import grpc
 
 from protos.splitserve.v1 import admin_pb2, admin_pb2_grpc
 from protos.splitserve.v1 import generation_pb2 as pb
+from scheduler_service.core.config import SchedulingKnobs
 from scheduler_service.core.errors import RequestRejected
+from scheduler_service.core.policy import Policy, StepMode
 from scheduler_service.service.engine import Engine
 from scheduler_service.service.executor_status import executor_status
 from scheduler_service.service.status_codes import STATUS_CODES
@@ -37,3 +41,49 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
             await context.abort(STATUS_CODES[rejected.kind], str(rejected))
         logger.info("event=executor_resume_requested address=%r peer=%s", request.address, context.peer())
         return executor_status(lane)
+
+    async def GetSchedulingConfig(
+        self, request: admin_pb2.GetSchedulingConfigRequest, context: grpc.aio.ServicerContext
+    ) -> admin_pb2.SchedulingConfig:
+        return _to_proto(self.engine.knobs())
+
+    async def UpdateSchedulingConfig(
+        self, request: admin_pb2.UpdateSchedulingConfigRequest, context: grpc.aio.ServicerContext
+    ) -> admin_pb2.SchedulingConfig:
+        try:
+            knobs = _updated(self.engine.knobs(), request)
+        except ValueError as error:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+        self.engine.reconfigure(knobs)
+        logger.info("event=scheduling_update_requested peer=%s", context.peer())
+        return _to_proto(knobs)
+
+
+def _to_proto(knobs: SchedulingKnobs) -> admin_pb2.SchedulingConfig:
+    return admin_pb2.SchedulingConfig(
+        policy=knobs.policy.value,
+        mode=knobs.mode.value,
+        max_num_batched_tokens=knobs.max_num_batched_tokens,
+        max_num_seqs=knobs.max_num_seqs,
+    )
+
+
+def _updated(knobs: SchedulingKnobs, request: admin_pb2.UpdateSchedulingConfigRequest) -> SchedulingKnobs:
+    """The knobs with the request's fields applied; ValueError saying what is wrong."""
+    changes: dict[str, object] = {}
+    if request.HasField("policy"):
+        changes["policy"] = _choice(Policy, "policy", request.policy)
+    if request.HasField("mode"):
+        changes["mode"] = _choice(StepMode, "mode", request.mode)
+    for name in ("max_num_batched_tokens", "max_num_seqs"):
+        if request.HasField(name):
+            changes[name] = getattr(request, name)
+    return replace(knobs, **changes)
+
+
+def _choice(kind: type[Policy] | type[StepMode], name: str, value: str) -> Policy | StepMode:
+    try:
+        return kind(value)
+    except ValueError:
+        allowed = ", ".join(member.value for member in kind)
+        raise ValueError(f"{name} {value!r} is not one of {allowed}") from None

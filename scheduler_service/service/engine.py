@@ -13,10 +13,11 @@ import itertools
 import logging
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from protos.splitserve.executor.v1 import executor_pb2
 from protos.splitserve.v1 import generation_pb2 as pb
+from scheduler_service.core.config import SchedulingKnobs
 from scheduler_service.core.errors import ErrorKind, RequestError, RequestRejected
 from scheduler_service.core.request import FinishReason, Request
 from scheduler_service.core.router import DEFAULT_TOKENS_PER_REQUEST, route
@@ -125,6 +126,30 @@ class Engine:
         lane.resume()
         self._report_serving()
         return lane
+
+    def knobs(self) -> SchedulingKnobs:
+        lane = self.options.lane
+        return SchedulingKnobs(lane.policy, lane.mode, lane.max_num_batched_tokens, lane.max_num_seqs)
+
+    def reconfigure(self, knobs: SchedulingKnobs) -> None:
+        """Every executor's planner, and those of executors that join later, plan under these
+        knobs from their next step on."""
+        lane_options = replace(
+            self.options.lane,
+            policy=knobs.policy,
+            mode=knobs.mode,
+            max_num_batched_tokens=knobs.max_num_batched_tokens,
+            max_num_seqs=knobs.max_num_seqs,
+        )
+        self.options = replace(self.options, lane=lane_options)
+        for lane in self.lanes.values():
+            lane.options = lane_options
+            if lane.scheduler is not None:
+                lane.scheduler.reconfigure(knobs)
+        logger.info(
+            "event=scheduling_reconfigured policy=%s mode=%s max_num_batched_tokens=%d max_num_seqs=%d",
+            knobs.policy.value, knobs.mode.value, knobs.max_num_batched_tokens, knobs.max_num_seqs,
+        )
 
     async def wait_until_serving(self) -> None:
         await self._first_up.wait()

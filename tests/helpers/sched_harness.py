@@ -1,5 +1,6 @@
 """Drives a Scheduler against the SimulatedExecutor and records each step as one line."""
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from scheduler_service.core.config import SchedulerConfig
@@ -68,8 +69,10 @@ def run(
     arrivals: dict[int, list[Request]],
     max_steps: int = 500,
     fail_step: FailFn | None = None,
+    before_step: Callable[[int, Scheduler], None] | None = None,
 ) -> Run:
-    """Adds arrivals[n] before planning step n (1-based) and runs until every request finished."""
+    """Adds arrivals[n] before planning step n (1-based) and runs until every request finished.
+    before_step(n, scheduler) runs after step n's arrivals, before it is planned."""
     executor = SimulatedExecutor(config.num_kv_blocks, config.block_size, fail_step=fail_step)
     result = Run(Scheduler(config), executor)
     book = HandleBook()
@@ -79,6 +82,8 @@ def run(
         assert step <= max_steps, "scheduler did not finish"
         for request in arrivals.get(step, []):
             result.scheduler.add_request(request)
+        if before_step is not None:
+            before_step(step, result.scheduler)
         plan = result.scheduler.schedule()
         order = [r.request_id for r in result.scheduler.running]
         updates = result.scheduler.update(result.executor.execute(plan))

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from protos.splitserve.v1 import generation_pb2 as protos_dot_splitserve_dot_v1_dot_generation__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n protos/splitserve/v1/admin.proto\x12\rsplitserve.v1\x1a%protos/splitserve/v1/generation.proto\"\'\n\x14\x44rainExecutorRequest\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\"(\n\x15ResumeExecutorRequest\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t2\xb3\x01\n\x05\x41\x64min\x12S\n\rDrainExecutor\x12#.splitserve.v1.DrainExecutorRequest\x1a\x1d.splitserve.v1.ExecutorStatus\x12U\n\x0eResumeExecutor\x12$.splitserve.v1.ResumeExecutorRequest\x1a\x1d.splitserve.v1.ExecutorStatusb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n protos/splitserve/v1/admin.proto\x12\rsplitserve.v1\x1a%protos/splitserve/v1/generation.proto\"\'\n\x14\x44rainExecutorRequest\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\"(\n\x15ResumeExecutorRequest\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\"\x1c\n\x1aGetSchedulingConfigRequest\"f\n\x10SchedulingConfig\x12\x0e\n\x06policy\x18\x01 \x01(\t\x12\x0c\n\x04mode\x18\x02 \x01(\t\x12\x1e\n\x16max_num_batched_tokens\x18\x03 \x01(\r\x12\x14\n\x0cmax_num_seqs\x18\x04 \x01(\r\"\xc7\x01\n\x1dUpdateSchedulingConfigRequest\x12\x13\n\x06policy\x18\x01 \x01(\tH\x00\x88\x01\x01\x12\x11\n\x04mode\x18\x02 \x01(\tH\x01\x88\x01\x01\x12#\n\x16max_num_batched_tokens\x18\x03 \x01(\rH\x02\x88\x01\x01\x12\x19\n\x0cmax_num_seqs\x18\x04 \x01(\rH\x03\x88\x01\x01\x42\t\n\x07_policyB\x07\n\x05_modeB\x19\n\x17_max_num_batched_tokensB\x0f\n\r_max_num_seqs2\xff\x02\n\x05\x41\x64min\x12S\n\rDrainExecutor\x12#.splitserve.v1.DrainExecutorRequest\x1a\x1d.splitserve.v1.ExecutorStatus\x12U\n\x0eResumeExecutor\x12$.splitserve.v1.ResumeExecutorRequest\x1a\x1d.splitserve.v1.ExecutorStatus\x12\x61\n\x13GetSchedulingConfig\x12).splitserve.v1.GetSchedulingConfigRequest\x1a\x1f.splitserve.v1.SchedulingConfig\x12g\n\x16UpdateSchedulingConfig\x12,.splitserve.v1.UpdateSchedulingConfigRequest\x1a\x1f.splitserve.v1.SchedulingConfigb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,6 +36,12 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_DRAINEXECUTORREQUEST']._serialized_end=129
   _globals['_RESUMEEXECUTORREQUEST']._serialized_start=131
   _globals['_RESUMEEXECUTORREQUEST']._serialized_end=171
-  _globals['_ADMIN']._serialized_start=174
-  _globals['_ADMIN']._serialized_end=353
+  _globals['_GETSCHEDULINGCONFIGREQUEST']._serialized_start=173
+  _globals['_GETSCHEDULINGCONFIGREQUEST']._serialized_end=201
+  _globals['_SCHEDULINGCONFIG']._serialized_start=203
+  _globals['_SCHEDULINGCONFIG']._serialized_end=305
+  _globals['_UPDATESCHEDULINGCONFIGREQUEST']._serialized_start=308
+  _globals['_UPDATESCHEDULINGCONFIGREQUEST']._serialized_end=507
+  _globals['_ADMIN']._serialized_start=510
+  _globals['_ADMIN']._serialized_end=893
 # @@protoc_insertion_point(module_scope)

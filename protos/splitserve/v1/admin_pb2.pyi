@@ -16,3 +16,31 @@ class ResumeExecutorRequest(_message.Message):
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     address: str
     def __init__(self, address: _Optional[str] = ...) -> None: ...
+
+class GetSchedulingConfigRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class SchedulingConfig(_message.Message):
+    __slots__ = ("policy", "mode", "max_num_batched_tokens", "max_num_seqs")
+    POLICY_FIELD_NUMBER: _ClassVar[int]
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    MAX_NUM_BATCHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MAX_NUM_SEQS_FIELD_NUMBER: _ClassVar[int]
+    policy: str
+    mode: str
+    max_num_batched_tokens: int
+    max_num_seqs: int
+    def __init__(self, policy: _Optional[str] = ..., mode: _Optional[str] = ..., max_num_batched_tokens: _Optional[int] = ..., max_num_seqs: _Optional[int] = ...) -> None: ...
+
+class UpdateSchedulingConfigRequest(_message.Message):
+    __slots__ = ("policy", "mode", "max_num_batched_tokens", "max_num_seqs")
+    POLICY_FIELD_NUMBER: _ClassVar[int]
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    MAX_NUM_BATCHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MAX_NUM_SEQS_FIELD_NUMBER: _ClassVar[int]
+    policy: str
+    mode: str
+    max_num_batched_tokens: int
+    max_num_seqs: int
+    def __init__(self, policy: _Optional[str] = ..., mode: _Optional[str] = ..., max_num_batched_tokens: _Optional[int] = ..., max_num_seqs: _Optional[int] = ...) -> None: ...

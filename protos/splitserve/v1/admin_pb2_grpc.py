@@ -46,6 +46,16 @@ class AdminStub:
                 request_serializer=protos_dot_splitserve_dot_v1_dot_admin__pb2.ResumeExecutorRequest.SerializeToString,
                 response_deserializer=protos_dot_splitserve_dot_v1_dot_generation__pb2.ExecutorStatus.FromString,
                 _registered_method=True)
+        self.GetSchedulingConfig = channel.unary_unary(
+                '/splitserve.v1.Admin/GetSchedulingConfig',
+                request_serializer=protos_dot_splitserve_dot_v1_dot_admin__pb2.GetSchedulingConfigRequest.SerializeToString,
+                response_deserializer=protos_dot_splitserve_dot_v1_dot_admin__pb2.SchedulingConfig.FromString,
+                _registered_method=True)
+        self.UpdateSchedulingConfig = channel.unary_unary(
+                '/splitserve.v1.Admin/UpdateSchedulingConfig',
+                request_serializer=protos_dot_splitserve_dot_v1_dot_admin__pb2.UpdateSchedulingConfigRequest.SerializeToString,
+                response_deserializer=protos_dot_splitserve_dot_v1_dot_admin__pb2.SchedulingConfig.FromString,
+                _registered_method=True)
 
 
 class AdminServicer:
@@ -68,6 +78,23 @@ class AdminServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetSchedulingConfig(self, request, context):
+        """The scheduling knobs in force.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UpdateSchedulingConfig(self, request, context):
+        """Changes the knobs that are set (the others keep their values). Every executor's planner
+        uses them from its next step on (a plan already on the wire runs as planned), and the
+        waiting queues are reordered at once on a policy change. Returns the knobs now in force.
+        Errors: INVALID_ARGUMENT (an unknown policy or mode, a limit below 1).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AdminServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -80,6 +107,16 @@ def add_AdminServicer_to_server(servicer, server):
                     servicer.ResumeExecutor,
                     request_deserializer=protos_dot_splitserve_dot_v1_dot_admin__pb2.ResumeExecutorRequest.FromString,
                     response_serializer=protos_dot_splitserve_dot_v1_dot_generation__pb2.ExecutorStatus.SerializeToString,
+            ),
+            'GetSchedulingConfig': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetSchedulingConfig,
+                    request_deserializer=protos_dot_splitserve_dot_v1_dot_admin__pb2.GetSchedulingConfigRequest.FromString,
+                    response_serializer=protos_dot_splitserve_dot_v1_dot_admin__pb2.SchedulingConfig.SerializeToString,
+            ),
+            'UpdateSchedulingConfig': grpc.unary_unary_rpc_method_handler(
+                    servicer.UpdateSchedulingConfig,
+                    request_deserializer=protos_dot_splitserve_dot_v1_dot_admin__pb2.UpdateSchedulingConfigRequest.FromString,
+                    response_serializer=protos_dot_splitserve_dot_v1_dot_admin__pb2.SchedulingConfig.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -137,6 +174,60 @@ class Admin:
             '/splitserve.v1.Admin/ResumeExecutor',
             protos_dot_splitserve_dot_v1_dot_admin__pb2.ResumeExecutorRequest.SerializeToString,
             protos_dot_splitserve_dot_v1_dot_generation__pb2.ExecutorStatus.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetSchedulingConfig(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/splitserve.v1.Admin/GetSchedulingConfig',
+            protos_dot_splitserve_dot_v1_dot_admin__pb2.GetSchedulingConfigRequest.SerializeToString,
+            protos_dot_splitserve_dot_v1_dot_admin__pb2.SchedulingConfig.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UpdateSchedulingConfig(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/splitserve.v1.Admin/UpdateSchedulingConfig',
+            protos_dot_splitserve_dot_v1_dot_admin__pb2.UpdateSchedulingConfigRequest.SerializeToString,
+            protos_dot_splitserve_dot_v1_dot_admin__pb2.SchedulingConfig.FromString,
             options,
             channel_credentials,
             insecure,
