@@ -45,10 +45,13 @@ class Services:
 
 @contextmanager
 def running_services(
-    model_dir: Path, config: BenchConfig, executor_flags: dict[str, object] | None = None
+    model_dir: Path,
+    config: BenchConfig,
+    executor_flags: dict[str, object] | None = None,
+    scheduler_flags: dict[str, object] | None = None,
 ) -> Iterator[Services]:
     """Yields the scheduler's address and the pids; both processes get SIGTERM, then SIGKILL, on
-    any exit. executor_flags: more executor options, as ExecutorProcess takes them."""
+    any exit. executor_flags, scheduler_flags: more options, as the process helpers take them."""
     with ExitStack() as stack:
         threads = max(1, config.threads // config.executors)
         executors = [
@@ -72,6 +75,7 @@ def running_services(
             addresses,
             max_num_seqs=config.requests,
             max_num_batched_tokens=config.max_num_batched_tokens,
+            **(scheduler_flags or {}),
         )
         stack.callback(scheduler.close)
         address = scheduler.wait_ready(START_TIMEOUT_S)
@@ -142,7 +146,12 @@ def splitserve_label(config: BenchConfig) -> str:
     return f"splitserve ({config.executors} executor(s) x {threads} thread(s) + scheduler, gRPC)"
 
 
-def run_splitserve(model_dir: Path, prompts: list[list[int]], config: BenchConfig) -> SystemResult:
-    with running_services(model_dir, config) as services:
+def run_splitserve(
+    model_dir: Path,
+    prompts: list[list[int]],
+    config: BenchConfig,
+    scheduler_flags: dict[str, object] | None = None,
+) -> SystemResult:
+    with running_services(model_dir, config, scheduler_flags=scheduler_flags) as services:
         new_tokens = [config.new_tokens] * len(prompts)
         return asyncio.run(drive(services.address, prompts, new_tokens, splitserve_label(config)))

@@ -84,6 +84,15 @@ class ModelRunner:
                 self._fail_step(plan.step_id, admitted.work, error, result)
         elif admitted.decodes:
             result.decode_token_ids.extend([UNHELD_DECODE_TOKEN] * len(admitted.decodes))
+        if plan.want_held_requests:
+            result.held_requests.extend(
+                executor_pb2.HeldRequest(
+                    request_id=state.request_id,
+                    block_ids=state.block_ids,
+                    num_computed_tokens=state.num_computed_tokens,
+                )
+                for state in self.requests.values()
+            )
         result.step_time_s = time.perf_counter() - started
         logger.debug(
             "event=step step_id=%d requests=%d tokens=%d sampled=%d rejected=%d "

@@ -140,6 +140,10 @@ class KVCacheManager:
         entry = self._requests.get(request_id)
         return [b.block_id for b in entry.blocks] if entry else []
 
+    def block_tables(self) -> dict[str, list[int]]:
+        """Every request's block ids (for the audit)."""
+        return {request_id: [b.block_id for b in entry.blocks] for request_id, entry in self._requests.items()}
+
     def holds(self, request_id: str) -> bool:
         return request_id in self._requests
 

@@ -136,6 +136,13 @@ def parse_args(argv: list[str] | None, prog: str = "python -m scheduler_service"
         "(needs the tracing extra); callers' W3C traceparent is continued. Off when unset",
     )
     parser.add_argument(
+        "--trace-dir",
+        type=Path,
+        help="record every step of every executor and every request's arrival and end into "
+        "DIR (steps.jsonl, and trace.json for Perfetto), for `python -m scheduler_service.replay "
+        "DIR`. Off when unset",
+    )
+    parser.add_argument(
         "--otlp-traces-insecure",
         action="store_true",
         help="send spans to the collector without TLS",
@@ -276,6 +283,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m scheduler_service
         limits=limits,
         sampling_defaults=defaults,
         tracing=tracing,
+        trace_dir=args.trace_dir,
         tls=tls,
         api_keys=api_keys,
         executor_tls=executor_tls,

@@ -92,6 +92,26 @@ class Scheduler:
         self._in_flight_bulk: dict[int, BulkStep] = {}
         self._handles = itertools.count(1)
 
+    @property
+    def on_executor(self) -> frozenset[str]:
+        """Requests whose state the executor holds, once the plans sent so far have run."""
+        return frozenset(self._on_executor)
+
+    @property
+    def pending_drops(self) -> frozenset[str]:
+        """Requests the next plan tells the executor to drop (it may still hold them)."""
+        return frozenset(self._to_drop)
+
+    def decoded_in(self, plan: StepPlan) -> list[Request]:
+        """The steady decodes of a plan still in flight, in its decode_handles order."""
+        bulk = self._in_flight_bulk.get(plan.step_id)
+        return self.decodes.live(bulk) if bulk is not None else []
+
+    def computed_tokens(self, request: Request) -> int:
+        """Tokens whose K/V the executor has once the plans sent so far have run (a steady
+        decode's count lives in the decode set until it leaves)."""
+        return self.decodes.computed_of(request) if request in self.decodes else request.num_computed_tokens
+
     def reconfigure(self, knobs: SchedulingKnobs) -> None:
         """Plans from the next step on under these knobs; the queue is reordered at once."""
         if knobs.policy is not self.config.policy:

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from protos.limits import UNHELD_DECODE_TOKEN
 from scheduler_service.core.errors import ErrorKind, RequestError
-from scheduler_service.core.step_plan import StepOutput, StepPlan
+from scheduler_service.core.step_plan import HeldState, StepOutput, StepPlan
 
 TokenFn = Callable[[str, Sequence[int]], int]
 # Says why a plan's forward fails, or None when it runs, given the plan and the ids of the
@@ -58,6 +58,15 @@ class SimulatedExecutor:
     handles: dict[int, str] = field(default_factory=dict)
 
     def execute(self, plan: StepPlan) -> StepOutput:
+        output = self._run(plan)
+        if plan.want_held_requests:
+            output.held_requests = {
+                request_id: HeldState(tuple(state.block_ids), state.num_computed)
+                for request_id, state in self.requests.items()
+            }
+        return output
+
+    def _run(self, plan: StepPlan) -> StepOutput:
         if plan.step_id <= self.last_step_id:
             raise PlanMismatch(f"step {plan.step_id} after step {self.last_step_id}")
         self.last_step_id = plan.step_id

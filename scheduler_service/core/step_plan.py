@@ -63,6 +63,8 @@ class StepPlan:
     # Blocks appended to steady decodes first: decode_block_handles[i] gains decode_block_ids[i].
     decode_block_handles: list[int] = field(default_factory=list)
     decode_block_ids: list[int] = field(default_factory=list)
+    # Ask the executor for every request it holds after this plan (the audit).
+    want_held_requests: bool = False
 
     @property
     def num_scheduled_tokens(self) -> int:
@@ -75,6 +77,21 @@ class StepPlan:
     @property
     def has_work(self) -> bool:
         return bool(self.new_requests or self.continuing_requests or self.decode_handles)
+
+    def prefill_and_decode_tokens(self) -> tuple[int, int]:
+        """The step's batch composition: a one-token continuation counts as a decode (a
+        prefill chunk of one token is rare enough not to matter in a picture)."""
+        continuing = [r.num_scheduled_tokens for r in self.continuing_requests]
+        prefill = sum(r.num_scheduled_tokens for r in self.new_requests) + sum(n for n in continuing if n > 1)
+        return prefill, len(self.decode_handles) + continuing.count(1)
+
+
+@dataclass(slots=True, frozen=True)
+class HeldState:
+    """One request's state on the executor, as it reports it for an audit."""
+
+    block_ids: tuple[int, ...]
+    num_computed_tokens: int
 
 
 @dataclass(slots=True)
@@ -99,6 +116,8 @@ class StepOutput:
     # Set when the step's forward raised: no tokens, and the executor dropped the state of
     # every request the step ran (rejected entries excepted).
     failure: str | None = None
+    # When the plan asked: request id -> its state on the executor after the plan ran.
+    held_requests: dict[str, HeldState] | None = None
 
 
 @dataclass(slots=True)

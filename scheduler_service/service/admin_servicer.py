@@ -42,6 +42,26 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
         logger.info("event=executor_resume_requested address=%r peer=%s", request.address, context.peer())
         return executor_status(lane)
 
+    async def Audit(
+        self, request: admin_pb2.AuditRequest, context: grpc.aio.ServicerContext
+    ) -> admin_pb2.AuditReport:
+        report = admin_pb2.AuditReport()
+        for audit in await self.engine.audit():
+            report.executors.add(
+                address=audit.address,
+                audited=audit.audited,
+                skipped_reason=audit.skipped_reason,
+                mismatches=audit.mismatches,
+            )
+            report.num_mismatches += len(audit.mismatches)
+            if audit.mismatches:
+                logger.error(
+                    "event=audit_mismatch address=%s count=%d first=%r",
+                    audit.address, len(audit.mismatches), audit.mismatches[0],
+                )
+        logger.info("event=audit_done executors=%d mismatches=%d", len(report.executors), report.num_mismatches)
+        return report
+
     async def GetSchedulingConfig(
         self, request: admin_pb2.GetSchedulingConfigRequest, context: grpc.aio.ServicerContext
     ) -> admin_pb2.SchedulingConfig:

@@ -21,11 +21,18 @@ from scheduler_service.core.config import SchedulingKnobs
 from scheduler_service.core.errors import ErrorKind, RequestError, RequestRejected
 from scheduler_service.core.request import FinishReason, Request
 from scheduler_service.core.router import DEFAULT_TOKENS_PER_REQUEST, route
-from scheduler_service.core.step_plan import RequestUpdate, StepOutput, StepUpdates
+from scheduler_service.core.step_plan import (
+    RequestUpdate,
+    StepOutput,
+    StepPlan,
+    StepUpdates,
+)
 from scheduler_service.service.executor_link import ExecutorLink
 from scheduler_service.service.lane import ExecutorLane, LaneOptions, LaneState
+from scheduler_service.service.lane_audit import ExecutorAudit
 from scheduler_service.service.metrics import SchedulerMetrics
 from scheduler_service.service.output_stream import OutputStream
+from scheduler_service.service.step_trace import StepTrace
 from scheduler_service.service.tracing import NO_TRACING, Tracing
 from scheduler_service.text.tokenizer import TextProcessor
 
@@ -63,12 +70,15 @@ class Engine:
         on_serving: Callable[[bool], None] = lambda serving: None,
         link_factory: Callable[[str, str], ExecutorLink] = ExecutorLink,
         tracing: Tracing = NO_TRACING,
+        step_trace: StepTrace | None = None,
     ) -> None:
         self.scheduler_id = scheduler_id
         self.text = text
         self.options = options
         self.metrics = metrics
         self.tracing = tracing
+        # --trace-dir: every plan, result and request event, for replay (service/step_trace.py).
+        self.step_trace = step_trace
         self.on_serving = on_serving
         self._link_factory = link_factory
         self.lanes: dict[str, ExecutorLane] = {}
@@ -116,6 +126,7 @@ class Engine:
             lane.drain()
             assert lane.scheduler is not None
             queued = lane.scheduler.release_waiting(lane.scheduler.queued)
+            self._trace_left(lane, queued)
             self._place(queued)
             self._report_serving()
         return lane
@@ -126,6 +137,10 @@ class Engine:
         lane.resume()
         self._report_serving()
         return lane
+
+    async def audit(self) -> list[ExecutorAudit]:
+        """Every executor's block accounting checked end to end (lane.audit), together."""
+        return list(await asyncio.gather(*(lane.audit() for lane in self.lanes.values())))
 
     def knobs(self) -> SchedulingKnobs:
         lane = self.options.lane
@@ -211,6 +226,8 @@ class Engine:
         if serving:
             lane = serving[self._route(request, serving)]
             lane.scheduler.add_request(request)
+            if self.step_trace is not None:
+                self.step_trace.request_added(lane.address, request, lane.scheduler)
             lane.wake.set()
         else:
             # Executors were reached before, so one is expected back.
@@ -269,6 +286,8 @@ class Engine:
         return None
 
     def lane_up(self, lane: ExecutorLane) -> None:
+        if self.step_trace is not None and lane.scheduler is not None:
+            self.step_trace.executor_up(lane.address, lane.scheduler.config, lane.options.pipeline_depth)
         if self.info is None:
             self.info = lane.info
         self._counts_seen[lane.address] = (0, 0)
@@ -280,6 +299,8 @@ class Engine:
     def lane_lost(self, lane: ExecutorLane, reason: str) -> None:
         scheduler = lane.scheduler
         evicted = scheduler.evict_all() if scheduler is not None else []
+        if self.step_trace is not None:
+            self.step_trace.executor_lost(lane.address)
         self._count(lane)
         self._report_serving()
         keep = []
@@ -320,7 +341,12 @@ class Engine:
         if not worth_moving:
             return
         taken = donor.release_waiting(worth_moving)
+        donor_lane = next(other for other in self.lanes.values() if other.scheduler is donor)
+        self._trace_left(donor_lane, taken)
         moved = [request for request in taken if thief.adopt(request)]
+        if self.step_trace is not None:
+            for request in moved:
+                self.step_trace.request_added(lane.address, request, thief)
         for request in taken:
             if request.is_finished:
                 self._close(request)
@@ -341,7 +367,13 @@ class Engine:
         if lane.retired:
             self._forget_lane(lane)
 
+    def plan_sent(self, lane: ExecutorLane, plan: StepPlan, planned_at: float) -> None:
+        if self.step_trace is not None and lane.scheduler is not None:
+            self.step_trace.plan_sent(lane.address, plan, lane.scheduler.decoded_in(plan), planned_at)
+
     def deliver(self, lane: ExecutorLane, output: StepOutput, updates: StepUpdates) -> None:
+        if self.step_trace is not None and lane.scheduler is not None:
+            self.step_trace.result_applied(lane.address, output, updates, lane.scheduler)
         received_ns = time.time_ns() if self.tracing.enabled else 0
         for update in updates.updates:
             self._deliver(lane, update)
@@ -370,6 +402,7 @@ class Engine:
         message, stop_string = stream.add_tokens(update.new_token_ids, update.new_logprobs)
         if stop_string is not None and lane.scheduler is not None:
             lane.scheduler.stop_at_string(request, stop_string)
+            self._trace_ended(lane, request, "stop")
         if request.is_finished:
             self._close(request, message)
         else:
@@ -388,6 +421,7 @@ class Engine:
             message, stop_string = stream.add_tokens([token], ())
             if stop_string is not None and lane.scheduler is not None:
                 lane.scheduler.stop_at_string(request, stop_string)
+                self._trace_ended(lane, request, "stop")
                 self._close(request, message)
             else:
                 stream.send(message)
@@ -410,6 +444,8 @@ class Engine:
             lane = serving[index if index is not None else 0]
             if not lane.scheduler.adopt(request):
                 self._close(request)
+            elif self.step_trace is not None:
+                self.step_trace.request_added(lane.address, request, lane.scheduler)
             lane.wake.set()
         self.unplaced.sort(key=lambda r: r.arrival_index)
 
@@ -423,6 +459,7 @@ class Engine:
         lane = self._lane_of(request)
         if lane is not None and lane.scheduler is not None:
             lane.scheduler.finish(request, FinishReason.ABORT)
+            self._trace_ended(lane, request, "abort")
             lane.wake.set()
         else:
             # Unplaced: no scheduler holds it, so nothing else is to free.
@@ -430,6 +467,14 @@ class Engine:
             request.finish_reason = FinishReason.ABORT
         self._close(request)
         return True
+
+    def _trace_ended(self, lane: ExecutorLane, request: Request, how: str) -> None:
+        if self.step_trace is not None:
+            self.step_trace.request_ended(lane.address, request, how)
+
+    def _trace_left(self, lane: ExecutorLane, requests: Iterable[Request]) -> None:
+        for request in requests:
+            self._trace_ended(lane, request, "leave")
 
     def _close(self, request: Request, message: pb.GenerateResponse | None = None) -> None:
         stream = _stream_of(request)

@@ -20,14 +20,20 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from protos.splitserve.executor.v1 import executor_pb2
+from scheduler_service.core.audit import audit_executor
 from scheduler_service.core.config import SchedulerConfig
 from scheduler_service.core.policy import Policy, StepMode
 from scheduler_service.core.scheduler import Scheduler
-from scheduler_service.core.step_plan import StepOutput, StepUpdates
+from scheduler_service.core.step_plan import StepOutput, StepPlan, StepUpdates
 from scheduler_service.service.executor_link import (
     ExecutorLink,
     ExecutorLost,
     ExecutorRefused,
+)
+from scheduler_service.service.lane_audit import (
+    AuditAbandoned,
+    ExecutorAudit,
+    PendingAudits,
 )
 from scheduler_service.service.plan_codec import output_from_proto, plan_to_proto
 
@@ -85,6 +91,8 @@ class LaneHooks(Protocol):
 
     def executor_draining(self, lane: ExecutorLane) -> None: ...
 
+    def plan_sent(self, lane: ExecutorLane, plan: StepPlan, planned_at: float) -> None: ...
+
     def lane_state_changed(self, lane: ExecutorLane) -> None: ...
 
     def deliver(self, lane: ExecutorLane, output: StepOutput, updates: StepUpdates) -> None: ...
@@ -123,6 +131,7 @@ class ExecutorLane:
         self._step_times: deque[float] = deque(maxlen=STEP_TIME_WINDOW)
         # Steps with work this executor ran for us, over every connection.
         self.num_steps = 0
+        self.audits = PendingAudits()
 
     @property
     def serving(self) -> bool:
@@ -137,6 +146,19 @@ class ExecutorLane:
         if self.state is LaneState.UP:
             self._set_state(LaneState.DRAINING, "drain requested")
             self.wake.set()
+
+    async def audit(self) -> ExecutorAudit:
+        """Compares the executor's request states with this scheduler's books once no plan is
+        on the wire (core/audit.py)."""
+        if self.scheduler is None or self.state not in (LaneState.UP, LaneState.DRAINING):
+            return ExecutorAudit(self.address, False, f"the executor is {self.state.value}", ())
+        waiting = self.audits.ask()
+        self.wake.set()
+        try:
+            mismatches = await waiting
+        except AuditAbandoned as abandoned:
+            return ExecutorAudit(self.address, False, str(abandoned), ())
+        return ExecutorAudit(self.address, True, "", tuple(mismatches))
 
     def resume(self) -> None:
         if self.state is LaneState.DRAINING:
@@ -159,6 +181,7 @@ class ExecutorLane:
                 await self._drive()
             except ExecutorLost as lost:
                 self.link.close_stream()
+                self.audits.abandon(f"the executor was lost before it answered: {lost}")
                 self._set_state(LaneState.DOWN, str(lost))
                 self.hooks.lane_lost(self, str(lost))
                 self.scheduler = None
@@ -210,27 +233,35 @@ class ExecutorLane:
         while True:
             if self.state is LaneState.DRAINING and scheduler.load == 0 and not in_flight:
                 self.link.close_stream()
+                self.audits.abandon("the executor drained before it answered")
                 self._set_state(LaneState.DRAINED, "drained")
                 self.scheduler = None
                 self.hooks.lane_drained(self)
                 return
             if self.state is LaneState.UP and scheduler.load == 0:
                 self.hooks.lane_idle(self)
-            while len(in_flight) < self.options.pipeline_depth:
+            while len(in_flight) < self.options.pipeline_depth and not self.audits.wanted:
+                planned_at = time.monotonic()
                 plan = scheduler.schedule()
                 if not plan.has_work and not plan.dropped_request_ids:
                     break
-                await self.link.send(plan_to_proto(plan, scheduler.eos_token_ids))
-                in_flight.append((time.monotonic(), plan.has_work))
+                await self._send(plan, planned_at, in_flight)
+            if self.audits.wanted and not in_flight:
+                # Nothing on the wire: the executor's answer to this plan and the scheduler's
+                # books after its result cover the same plans.
+                planned_at = time.monotonic()
+                plan = scheduler.schedule()
+                plan.want_held_requests = True
+                await self._send(plan, planned_at, in_flight)
+                self.audits.sent(plan.step_id)
             if not in_flight:
                 self.wake.clear()
                 try:
                     await asyncio.wait_for(self.wake.wait(), heartbeat_s)
                 except TimeoutError:
                     # Nothing to do for a while: an empty plan keeps this scheduler's hold.
-                    plan = scheduler.schedule()
-                    await self.link.send(plan_to_proto(plan, scheduler.eos_token_ids))
-                    in_flight.append((time.monotonic(), False))
+                    planned_at = time.monotonic()
+                    await self._send(scheduler.schedule(), planned_at, in_flight)
                 continue
             result = await self.link.receive(self.step_deadline_s())
             sent_at, had_work = in_flight.popleft()
@@ -238,9 +269,17 @@ class ExecutorLane:
             self.num_steps += had_work
             output = output_from_proto(result)
             self.hooks.deliver(self, output, scheduler.update(output))
+            if self.audits.answers(output.step_id):
+                self.audits.answer(audit_executor(scheduler, output.held_requests or {}))
             if result.draining and self.state is LaneState.UP:
                 self.rejoin_after_drain = True
                 self.hooks.executor_draining(self)
+
+    async def _send(self, plan: StepPlan, planned_at: float, in_flight: deque[tuple[float, bool]]) -> None:
+        assert self.scheduler is not None
+        self.hooks.plan_sent(self, plan, planned_at)
+        await self.link.send(plan_to_proto(plan, self.scheduler.eos_token_ids))
+        in_flight.append((time.monotonic(), plan.has_work))
 
     def _config(self, info: executor_pb2.ExecutorInfo) -> SchedulerConfig:
         options = self.options

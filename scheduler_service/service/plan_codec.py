@@ -6,7 +6,7 @@ from protos import rpc_codes
 from protos.splitserve.executor.v1 import executor_pb2 as pb
 from scheduler_service.core.errors import ErrorKind, RequestError
 from scheduler_service.core.sampling_params import SamplingParams
-from scheduler_service.core.step_plan import StepOutput, StepPlan
+from scheduler_service.core.step_plan import HeldState, StepOutput, StepPlan
 
 # An entry the executor refused is wrong (INVALID_ARGUMENT) or tripped it (INTERNAL).
 _REJECTION_KINDS = {rpc_codes.INVALID_ARGUMENT: ErrorKind.INVALID, rpc_codes.INTERNAL: ErrorKind.INTERNAL}
@@ -36,7 +36,11 @@ def sampler_config(params: SamplingParams, eos_token_ids: Collection[int] = ()) 
 
 
 def plan_to_proto(plan: StepPlan, eos_token_ids: Collection[int] = ()) -> pb.StepPlan:
-    message = pb.StepPlan(step_id=plan.step_id, dropped_request_ids=plan.dropped_request_ids)
+    message = pb.StepPlan(
+        step_id=plan.step_id,
+        dropped_request_ids=plan.dropped_request_ids,
+        want_held_requests=plan.want_held_requests,
+    )
     for new in plan.new_requests:
         message.new_requests.append(
             pb.NewRequest(
@@ -81,4 +85,9 @@ def output_from_proto(result: pb.StepResult) -> StepOutput:
         output.rejected[rejected.request_id] = RequestError(kind, rejected.message)
     if result.HasField("failure"):
         output.failure = result.failure.message
+    if result.held_requests:
+        output.held_requests = {
+            held.request_id: HeldState(tuple(held.block_ids), held.num_computed_tokens)
+            for held in result.held_requests
+        }
     return output

@@ -8,6 +8,7 @@ import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -36,6 +37,7 @@ from scheduler_service.service.message_parsing import MessageParsingInterceptor
 from scheduler_service.service.metrics import SchedulerMetrics
 from scheduler_service.service.request_intake import Intake
 from scheduler_service.service.servicer import GenerationServicer
+from scheduler_service.service.step_trace import StepTrace
 from scheduler_service.service.tracing import NO_TRACING, Tracing
 from scheduler_service.text.tokenizer import TextProcessor
 
@@ -75,6 +77,8 @@ class ServerSettings:
     drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S
     # Where spans go (service/tracing.py); NO_TRACING keeps tracing off and free.
     tracing: Tracing = NO_TRACING
+    # Where the step trace goes (service/step_trace.py); None keeps it off.
+    trace_dir: Path | None = None
 
 
 async def serve(settings: ServerSettings) -> int:
@@ -96,8 +100,10 @@ async def serve(settings: ServerSettings) -> int:
             task.add_done_callback(health_updates.discard)
 
     link_factory = functools.partial(ExecutorLink, tls=settings.executor_tls)
+    step_trace = StepTrace(settings.trace_dir) if settings.trace_dir is not None else None
     engine = Engine(
-        "", settings.text, settings.options, metrics, report_serving, link_factory, settings.tracing
+        "", settings.text, settings.options, metrics, report_serving, link_factory, settings.tracing,
+        step_trace,
     )
     intake = Intake(settings.text, settings.limits, settings.sampling_defaults)
     receive_limit = settings.limits.receive_limit_bytes()
@@ -204,6 +210,8 @@ async def serve(settings: ServerSettings) -> int:
     await engine.close()
     # Flushes the spans still batched for export.
     settings.tracing.shutdown()
+    if step_trace is not None:
+        step_trace.close()
     logger.info("event=scheduler_stopped")
     return 1 if failed else 0
 

@@ -20,6 +20,7 @@ from clients import AsyncClient, Client
 from protos.splitserve.executor.v1 import executor_pb2, executor_pb2_grpc
 from protos.splitserve.v1 import admin_pb2, admin_pb2_grpc
 from protos.splitserve.v1 import generation_pb2 as pb
+from tests.helpers.block_audit import assert_books_agree
 from tests.helpers.executor_process import ExecutorProcess
 from tests.helpers.greedy_client import stream_all, workload
 from tests.helpers.greedy_reference import Reference
@@ -160,9 +161,13 @@ def test_an_executor_killed_or_frozen_under_load_loses_no_request_and_no_token(
         )
         elapsed = time.monotonic() - started
         status = _status(address)
+        # The survivor's books, after it took over the lost executor's requests.
+        report = assert_books_agree(address)
     for (prompt, max_tokens), output in zip(jobs, outputs, strict=True):
         assert output == reference(prompt, max_tokens)
     assert elapsed < 60, f"the streams took {elapsed:.0f} s"
+    survivor = next(e for e in report.executors if e.address != victim.address)
+    assert survivor.audited
     lost = next(e for e in status.executors if e.address == victim.address)
     assert lost.state != pb.EXECUTOR_STATE_UP and lost.reason
     assert status.num_preemptions >= 1 and status.num_running == status.num_waiting == 0

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from clients import AsyncClient, Client
+from tests.helpers.block_audit import assert_books_agree, audit_now
 from tests.helpers.executor_process import start_executor
 from tests.helpers.greedy_client import stream_all, workload
 from tests.helpers.greedy_reference import Reference
@@ -44,6 +45,7 @@ def test_32_concurrent_streams_match_transformers_and_free_every_block(executor:
         outputs = asyncio.run(stream_all(address, jobs))
         with Client(address) as client:
             status = client.server_status()
+        assert_books_agree(address)
     for (prompt, max_tokens), output in zip(jobs, outputs, strict=True):
         assert output == reference(prompt, max_tokens)
     assert status.kv_blocks_free == status.kv_blocks_total == 512
@@ -57,6 +59,7 @@ def test_outputs_survive_preemption_in_a_small_kv_pool(model_dir: Path, referenc
             outputs = asyncio.run(stream_all(address, jobs))
             with Client(address) as client:
                 status = client.server_status()
+            assert_books_agree(address)
     assert status.num_preemptions > 0, "the pool was meant to be too small for the batch"
     for (prompt, max_tokens), output in zip(jobs, outputs, strict=True):
         assert output == reference(prompt, max_tokens)
@@ -67,6 +70,8 @@ def test_cancelled_streams_free_their_blocks_at_once(executor: str, reference: R
     # The kept requests run long enough to be running still when every cancel has landed.
     keep = [(prompt, 200) for prompt, _ in workload(22, seed=3)]
     cancel = [(prompt, 500) for prompt, _ in workload(10, seed=4)]
+
+    audits = []
 
     async def scenario(address: str) -> tuple[list[list[int]], int]:
         cancelled = asyncio.Event()
@@ -96,6 +101,8 @@ def test_cancelled_streams_free_their_blocks_at_once(executor: str, reference: R
                     status = await client.server_status()
                     in_flight = status.num_running + status.num_waiting
                     if in_flight <= len(keep) or time.monotonic() > deadline:
+                        # The kept streams still run: the executor holds them mid-generation.
+                        audits.append(await audit_now(address))
                         return in_flight
 
             tasks = [run_to_end(p, m) for p, m in keep]
@@ -106,7 +113,10 @@ def test_cancelled_streams_free_their_blocks_at_once(executor: str, reference: R
         outputs, in_flight_after_cancel = asyncio.run(scenario(address))
         with Client(address) as client:
             status = client.server_status()
+        assert_books_agree(address)
     assert in_flight_after_cancel == len(keep), "cancelled requests still hold their places"
+    (during,) = audits
+    assert during.num_mismatches == 0 and [e.audited for e in during.executors] == [True], during
     for (prompt, max_tokens), output in zip(keep, outputs, strict=True):
         assert output == reference(prompt, max_tokens)
     assert status.kv_blocks_free == status.kv_blocks_total

@@ -10,6 +10,7 @@ from scheduler_service.core.sampling_params import SamplingParams
 from scheduler_service.core.scheduler import Scheduler
 from scheduler_service.core.sim_executor import FailFn, SimulatedExecutor
 from scheduler_service.core.step_plan import StepPlan
+from scheduler_service.replay.scenarios import Scenario, scenario_request
 
 
 def make_request(index: int, prompt_len: int, max_tokens: int, priority: int = 0) -> Request:
@@ -96,3 +97,9 @@ def run(
         result.plans.append(plan)
         result.lines.append(describe_step(plan, result.scheduler, book, order))
     return result
+
+
+def run_seed(scenario: Scenario) -> Run:
+    """A built-in scenario of scheduler_service.replay, through this harness."""
+    arrivals = {step: [scenario_request(*spec) for spec in specs] for step, specs in scenario.arrivals.items()}
+    return run(scenario.config, arrivals)

@@ -1,21 +1,19 @@
-"""The seed document's three scenarios, with the queues asserted step by step.
+"""The seed document's three scenarios (as built into scheduler_service.replay), with the
+queues asserted step by step.
 
 Each line: tokens scheduled per request in that step, then the waiting and running queues after
 the step's results came back. Prompts of request ri are distinct, so no prefix is shared.
 """
 
-from scheduler_service.core.config import SchedulerConfig
 from scheduler_service.core.policy import StepMode
-from tests.helpers.sched_harness import make_request, run
+from scheduler_service.replay.scenarios import SCENARIOS
+from tests.helpers.sched_harness import run_seed
 
 
 def test_prefill_first_starts_new_arrivals_at_once_and_pauses_decodes() -> None:
-    config = SchedulerConfig(
-        num_kv_blocks=100, block_size=10, max_model_len=1000, max_num_seqs=3, mode=StepMode.PREFILL_FIRST
-    )
-    initial = [make_request(i, 4, m) for i, m in enumerate([3, 3, 30, 10, 8])]
-    late = [make_request(i, 4, 5) for i in (5, 6, 7)]
-    result = run(config, {1: initial, 15: late})
+    scenario = SCENARIOS["prefill-first"]
+    assert scenario.config.mode is StepMode.PREFILL_FIRST and scenario.config.max_num_seqs == 3
+    result = run_seed(scenario)
     decode3 = "r2:1 r3:1 r4:1 | W: | R: r2 r3 r4"
     assert result.lines[:16] == [
         "r0:4 r1:4 r2:4 | W: r3 r4 | R: r0 r1 r2",
@@ -43,10 +41,9 @@ def test_prefill_first_starts_new_arrivals_at_once_and_pauses_decodes() -> None:
 
 
 def test_block_shortage_preempts_the_tail_back_to_the_head_of_waiting() -> None:
-    config = SchedulerConfig(
-        num_kv_blocks=3, block_size=10, max_model_len=1000, max_num_seqs=3, mode=StepMode.PREFILL_FIRST
-    )
-    result = run(config, {1: [make_request(i, 5, 8) for i in range(3)]})
+    scenario = SCENARIOS["preemption"]
+    assert (scenario.config.num_kv_blocks, scenario.config.block_size) == (3, 10)
+    result = run_seed(scenario)
     decode3 = "r0:1 r1:1 r2:1 | W: | R: r0 r1 r2"
     assert result.lines == [
         "r0:5 r1:5 r2:5 | W: | R: r0 r1 r2",
@@ -71,11 +68,9 @@ def test_block_shortage_preempts_the_tail_back_to_the_head_of_waiting() -> None:
 
 
 def test_decode_first_runs_admitted_requests_to_completion_before_new_ones() -> None:
-    config = SchedulerConfig(
-        num_kv_blocks=100, block_size=10, max_model_len=1000, max_num_seqs=3, mode=StepMode.DECODE_FIRST
-    )
-    requests = [make_request(i, p, m) for i, (p, m) in enumerate([(4, 3), (6, 5), (5, 4), (4, 2), (3, 3)])]
-    result = run(config, {1: requests})
+    scenario = SCENARIOS["decode-first"]
+    assert scenario.config.mode is StepMode.DECODE_FIRST
+    result = run_seed(scenario)
     assert result.lines == [
         "r0:4 r1:6 r2:5 | W: r3 r4 | R: r0 r1 r2",
         "r0:1 r1:1 r2:1 | W: r3 r4 | R: r0 r1 r2",

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from protos.splitserve.v1 import generation_pb2 as protos_dot_splitserve_dot_v1_dot_generation__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n protos/splitserve/v1/admin.proto\x12\rsplitserve.v1\x1a%protos/splitserve/v1/generation.proto\"\'\n\x14\x44rainExecutorRequest\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\"(\n\x15ResumeExecutorRequest\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\"\x1c\n\x1aGetSchedulingConfigRequest\"f\n\x10SchedulingConfig\x12\x0e\n\x06policy\x18\x01 \x01(\t\x12\x0c\n\x04mode\x18\x02 \x01(\t\x12\x1e\n\x16max_num_batched_tokens\x18\x03 \x01(\r\x12\x14\n\x0cmax_num_seqs\x18\x04 \x01(\r\"\xc7\x01\n\x1dUpdateSchedulingConfigRequest\x12\x13\n\x06policy\x18\x01 \x01(\tH\x00\x88\x01\x01\x12\x11\n\x04mode\x18\x02 \x01(\tH\x01\x88\x01\x01\x12#\n\x16max_num_batched_tokens\x18\x03 \x01(\rH\x02\x88\x01\x01\x12\x19\n\x0cmax_num_seqs\x18\x04 \x01(\rH\x03\x88\x01\x01\x42\t\n\x07_policyB\x07\n\x05_modeB\x19\n\x17_max_num_batched_tokensB\x0f\n\r_max_num_seqs2\xff\x02\n\x05\x41\x64min\x12S\n\rDrainExecutor\x12#.splitserve.v1.DrainExecutorRequest\x1a\x1d.splitserve.v1.ExecutorStatus\x12U\n\x0eResumeExecutor\x12$.splitserve.v1.ResumeExecutorRequest\x1a\x1d.splitserve.v1.ExecutorStatus\x12\x61\n\x13GetSchedulingConfig\x12).splitserve.v1.GetSchedulingConfigRequest\x1a\x1f.splitserve.v1.SchedulingConfig\x12g\n\x16UpdateSchedulingConfig\x12,.splitserve.v1.UpdateSchedulingConfigRequest\x1a\x1f.splitserve.v1.SchedulingConfigb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n protos/splitserve/v1/admin.proto\x12\rsplitserve.v1\x1a%protos/splitserve/v1/generation.proto\"\'\n\x14\x44rainExecutorRequest\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\"(\n\x15ResumeExecutorRequest\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\"\x1c\n\x1aGetSchedulingConfigRequest\"f\n\x10SchedulingConfig\x12\x0e\n\x06policy\x18\x01 \x01(\t\x12\x0c\n\x04mode\x18\x02 \x01(\t\x12\x1e\n\x16max_num_batched_tokens\x18\x03 \x01(\r\x12\x14\n\x0cmax_num_seqs\x18\x04 \x01(\r\"\xc7\x01\n\x1dUpdateSchedulingConfigRequest\x12\x13\n\x06policy\x18\x01 \x01(\tH\x00\x88\x01\x01\x12\x11\n\x04mode\x18\x02 \x01(\tH\x01\x88\x01\x01\x12#\n\x16max_num_batched_tokens\x18\x03 \x01(\rH\x02\x88\x01\x01\x12\x19\n\x0cmax_num_seqs\x18\x04 \x01(\rH\x03\x88\x01\x01\x42\t\n\x07_policyB\x07\n\x05_modeB\x19\n\x17_max_num_batched_tokensB\x0f\n\r_max_num_seqs\"\x0e\n\x0c\x41uditRequest\"V\n\x0b\x41uditReport\x12/\n\texecutors\x18\x01 \x03(\x0b\x32\x1c.splitserve.v1.ExecutorAudit\x12\x16\n\x0enum_mismatches\x18\x02 \x01(\r\"]\n\rExecutorAudit\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x0f\n\x07\x61udited\x18\x02 \x01(\x08\x12\x16\n\x0eskipped_reason\x18\x03 \x01(\t\x12\x12\n\nmismatches\x18\x04 \x03(\t2\xc1\x03\n\x05\x41\x64min\x12S\n\rDrainExecutor\x12#.splitserve.v1.DrainExecutorRequest\x1a\x1d.splitserve.v1.ExecutorStatus\x12U\n\x0eResumeExecutor\x12$.splitserve.v1.ResumeExecutorRequest\x1a\x1d.splitserve.v1.ExecutorStatus\x12\x61\n\x13GetSchedulingConfig\x12).splitserve.v1.GetSchedulingConfigRequest\x1a\x1f.splitserve.v1.SchedulingConfig\x12g\n\x16UpdateSchedulingConfig\x12,.splitserve.v1.UpdateSchedulingConfigRequest\x1a\x1f.splitserve.v1.SchedulingConfig\x12@\n\x05\x41udit\x12\x1b.splitserve.v1.AuditRequest\x1a\x1a.splitserve.v1.AuditReportb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -42,6 +42,12 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SCHEDULINGCONFIG']._serialized_end=305
   _globals['_UPDATESCHEDULINGCONFIGREQUEST']._serialized_start=308
   _globals['_UPDATESCHEDULINGCONFIGREQUEST']._serialized_end=507
-  _globals['_ADMIN']._serialized_start=510
-  _globals['_ADMIN']._serialized_end=893
+  _globals['_AUDITREQUEST']._serialized_start=509
+  _globals['_AUDITREQUEST']._serialized_end=523
+  _globals['_AUDITREPORT']._serialized_start=525
+  _globals['_AUDITREPORT']._serialized_end=611
+  _globals['_EXECUTORAUDIT']._serialized_start=613
+  _globals['_EXECUTORAUDIT']._serialized_end=706
+  _globals['_ADMIN']._serialized_start=709
+  _globals['_ADMIN']._serialized_end=1158
 # @@protoc_insertion_point(module_scope)

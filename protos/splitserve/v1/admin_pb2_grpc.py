@@ -56,6 +56,11 @@ class AdminStub:
                 request_serializer=protos_dot_splitserve_dot_v1_dot_admin__pb2.UpdateSchedulingConfigRequest.SerializeToString,
                 response_deserializer=protos_dot_splitserve_dot_v1_dot_admin__pb2.SchedulingConfig.FromString,
                 _registered_method=True)
+        self.Audit = channel.unary_unary(
+                '/splitserve.v1.Admin/Audit',
+                request_serializer=protos_dot_splitserve_dot_v1_dot_admin__pb2.AuditRequest.SerializeToString,
+                response_deserializer=protos_dot_splitserve_dot_v1_dot_admin__pb2.AuditReport.FromString,
+                _registered_method=True)
 
 
 class AdminServicer:
@@ -95,6 +100,17 @@ class AdminServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Audit(self, request, context):
+        """Checks block accounting end to end on every executor: every block of the executor's pool is
+        free, cached, or held by exactly the requests whose block tables name it, and the executor
+        holds exactly the requests the scheduler placed on it, with the same block tables and
+        computed tokens. Each executor pauses its pipeline for one step to answer. An executor that
+        is not up is listed as not audited, with why.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AdminServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -117,6 +133,11 @@ def add_AdminServicer_to_server(servicer, server):
                     servicer.UpdateSchedulingConfig,
                     request_deserializer=protos_dot_splitserve_dot_v1_dot_admin__pb2.UpdateSchedulingConfigRequest.FromString,
                     response_serializer=protos_dot_splitserve_dot_v1_dot_admin__pb2.SchedulingConfig.SerializeToString,
+            ),
+            'Audit': grpc.unary_unary_rpc_method_handler(
+                    servicer.Audit,
+                    request_deserializer=protos_dot_splitserve_dot_v1_dot_admin__pb2.AuditRequest.FromString,
+                    response_serializer=protos_dot_splitserve_dot_v1_dot_admin__pb2.AuditReport.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -228,6 +249,33 @@ class Admin:
             '/splitserve.v1.Admin/UpdateSchedulingConfig',
             protos_dot_splitserve_dot_v1_dot_admin__pb2.UpdateSchedulingConfigRequest.SerializeToString,
             protos_dot_splitserve_dot_v1_dot_admin__pb2.SchedulingConfig.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Audit(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/splitserve.v1.Admin/Audit',
+            protos_dot_splitserve_dot_v1_dot_admin__pb2.AuditRequest.SerializeToString,
+            protos_dot_splitserve_dot_v1_dot_admin__pb2.AuditReport.FromString,
             options,
             channel_credentials,
             insecure,

@@ -105,7 +105,7 @@ class ContinuingRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., num_scheduled_tokens: _Optional[int] = ..., new_block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StepPlan(_message.Message):
-    __slots__ = ("step_id", "new_requests", "continuing_requests", "dropped_request_ids", "decode_handles", "decode_block_handles", "decode_block_ids")
+    __slots__ = ("step_id", "new_requests", "continuing_requests", "dropped_request_ids", "decode_handles", "decode_block_handles", "decode_block_ids", "want_held_requests")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     NEW_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     CONTINUING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
@@ -113,6 +113,7 @@ class StepPlan(_message.Message):
     DECODE_HANDLES_FIELD_NUMBER: _ClassVar[int]
     DECODE_BLOCK_HANDLES_FIELD_NUMBER: _ClassVar[int]
     DECODE_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    WANT_HELD_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     new_requests: _containers.RepeatedCompositeFieldContainer[NewRequest]
     continuing_requests: _containers.RepeatedCompositeFieldContainer[ContinuingRequest]
@@ -120,7 +121,8 @@ class StepPlan(_message.Message):
     decode_handles: _containers.RepeatedScalarFieldContainer[int]
     decode_block_handles: _containers.RepeatedScalarFieldContainer[int]
     decode_block_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, step_id: _Optional[int] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., continuing_requests: _Optional[_Iterable[_Union[ContinuingRequest, _Mapping]]] = ..., dropped_request_ids: _Optional[_Iterable[str]] = ..., decode_handles: _Optional[_Iterable[int]] = ..., decode_block_handles: _Optional[_Iterable[int]] = ..., decode_block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    want_held_requests: bool
+    def __init__(self, step_id: _Optional[int] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., continuing_requests: _Optional[_Iterable[_Union[ContinuingRequest, _Mapping]]] = ..., dropped_request_ids: _Optional[_Iterable[str]] = ..., decode_handles: _Optional[_Iterable[int]] = ..., decode_block_handles: _Optional[_Iterable[int]] = ..., decode_block_ids: _Optional[_Iterable[int]] = ..., want_held_requests: _Optional[bool] = ...) -> None: ...
 
 class TokenLogprob(_message.Message):
     __slots__ = ("token_id", "logprob", "top_token_ids", "top_logprobs")
@@ -163,7 +165,7 @@ class StepFailure(_message.Message):
     def __init__(self, message: _Optional[str] = ..., request_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class StepResult(_message.Message):
-    __slots__ = ("step_id", "outputs", "rejected", "forward_time_s", "step_time_s", "failure", "decode_token_ids", "draining")
+    __slots__ = ("step_id", "outputs", "rejected", "forward_time_s", "step_time_s", "failure", "decode_token_ids", "draining", "held_requests")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     OUTPUTS_FIELD_NUMBER: _ClassVar[int]
     REJECTED_FIELD_NUMBER: _ClassVar[int]
@@ -172,6 +174,7 @@ class StepResult(_message.Message):
     FAILURE_FIELD_NUMBER: _ClassVar[int]
     DECODE_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
+    HELD_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     outputs: _containers.RepeatedCompositeFieldContainer[RequestOutput]
     rejected: _containers.RepeatedCompositeFieldContainer[RejectedRequest]
@@ -180,4 +183,15 @@ class StepResult(_message.Message):
     failure: StepFailure
     decode_token_ids: _containers.RepeatedScalarFieldContainer[int]
     draining: bool
-    def __init__(self, step_id: _Optional[int] = ..., outputs: _Optional[_Iterable[_Union[RequestOutput, _Mapping]]] = ..., rejected: _Optional[_Iterable[_Union[RejectedRequest, _Mapping]]] = ..., forward_time_s: _Optional[float] = ..., step_time_s: _Optional[float] = ..., failure: _Optional[_Union[StepFailure, _Mapping]] = ..., decode_token_ids: _Optional[_Iterable[int]] = ..., draining: _Optional[bool] = ...) -> None: ...
+    held_requests: _containers.RepeatedCompositeFieldContainer[HeldRequest]
+    def __init__(self, step_id: _Optional[int] = ..., outputs: _Optional[_Iterable[_Union[RequestOutput, _Mapping]]] = ..., rejected: _Optional[_Iterable[_Union[RejectedRequest, _Mapping]]] = ..., forward_time_s: _Optional[float] = ..., step_time_s: _Optional[float] = ..., failure: _Optional[_Union[StepFailure, _Mapping]] = ..., decode_token_ids: _Optional[_Iterable[int]] = ..., draining: _Optional[bool] = ..., held_requests: _Optional[_Iterable[_Union[HeldRequest, _Mapping]]] = ...) -> None: ...
+
+class HeldRequest(_message.Message):
+    __slots__ = ("request_id", "block_ids", "num_computed_tokens")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    num_computed_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[int] = ...) -> None: ...

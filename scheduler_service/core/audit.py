@@ -1,0 +1,41 @@
+"""The audit of one executor's block accounting, end to end: the scheduler's pool is
+consistent in itself (kv_manager/audit.py), and the executor holds exactly the requests the
+scheduler placed there, with the same block tables and computed tokens.
+
+Run only when no plan is on the wire (the lane waits for that), so both sides have seen the
+same plans.
+"""
+
+from collections.abc import Mapping
+
+from kv_manager.audit import pool_mismatches
+from scheduler_service.core.scheduler import Scheduler
+from scheduler_service.core.step_plan import HeldState
+
+
+def audit_executor(scheduler: Scheduler, held: Mapping[str, HeldState]) -> list[str]:
+    """Mismatches, one line each; empty when the books agree."""
+    found = pool_mismatches(scheduler.kv)
+    placed = scheduler.on_executor
+    for request_id in sorted(placed):
+        state = held.get(request_id)
+        if state is None:
+            found.append(f"request {request_id}: placed on the executor, which does not hold it")
+            continue
+        blocks = scheduler.kv.block_ids(request_id)
+        if list(state.block_ids) != blocks:
+            found.append(
+                f"request {request_id}: block table {list(state.block_ids)} on the executor, "
+                f"{blocks} in the scheduler"
+            )
+        request = scheduler.requests.get(request_id)
+        computed = scheduler.computed_tokens(request) if request is not None else None
+        if state.num_computed_tokens != computed:
+            found.append(
+                f"request {request_id}: {state.num_computed_tokens} tokens computed on the "
+                f"executor, {computed} in the scheduler"
+            )
+    # A request the scheduler is about to drop may be held or not: its blocks are free already.
+    for request_id in sorted(held.keys() - placed - scheduler.pending_drops):
+        found.append(f"request {request_id}: held by the executor, which the scheduler never placed there")
+    return found

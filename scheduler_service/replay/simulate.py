@@ -1,0 +1,208 @@
+"""One executor's timeline replayed through the real scheduler core against the simulated
+executor, on a simulated clock.
+
+Requests arrive at their recorded times, with prompts rebuilt from their block digests (so they
+share prefixes as the originals did), and end as they did: at their max_tokens, at an EOS the
+simulated executor emits after as many outputs as the original had when it stopped, or by
+their client's abort at its recorded time. The lane's loop is reproduced: up to pipeline_depth
+plans on the wire, the next planned as soon as a result is applied.
+
+While every plan so far equals the recorded one, plans are made at their recorded times and
+take their recorded durations, so an unchanged configuration reproduces the recorded schedule
+step for step; from the first plan that differs, the clock is the simulation's own and steps
+take what the fitted StepCost says.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from scheduler_service.core.config import SchedulerConfig, SchedulingKnobs
+from scheduler_service.core.policy import Policy, StepMode
+from scheduler_service.core.request import Request
+from scheduler_service.core.sampling_params import SamplingParams
+from scheduler_service.core.scheduler import Scheduler
+from scheduler_service.core.sim_executor import SimulatedExecutor, default_next_token
+from scheduler_service.core.step_plan import StepOutput, StepPlan
+from scheduler_service.replay.step_cost import StepCost
+from scheduler_service.replay.trace_reader import (
+    Signature,
+    Timeline,
+    TracedRequest,
+    signature,
+)
+
+# The simulated model's EOS: default_next_token never yields it.
+REPLAY_EOS = 2
+# Synthetic token ids: one run of block_size per distinct block digest, then each request's own.
+_FIRST_TOKEN = 10_000
+
+
+@dataclass(slots=True)
+class StepRecord:
+    """One simulated step, as the pictures and summaries use it."""
+
+    planned_s: float
+    done_s: float
+    signature: Signature
+    prefill_tokens: int
+    decode_tokens: int
+    # After its result was applied:
+    waiting: int
+    running: int
+    kv_used_blocks: int
+    preemptions: int
+
+
+@dataclass(slots=True)
+class Replayed:
+    address: str
+    config: SchedulerConfig
+    steps: list[StepRecord] = field(default_factory=list)
+    arrival_s: dict[str, float] = field(default_factory=dict)
+    first_token_s: dict[str, float] = field(default_factory=dict)
+    finished_s: dict[str, float] = field(default_factory=dict)
+    outputs: dict[str, int] = field(default_factory=dict)
+    # Leading plans equal to the recorded ones.
+    matched_steps: int = 0
+    num_recorded_steps: int = 0
+
+
+def config_of(timeline: Timeline) -> SchedulerConfig:
+    recorded = timeline.config
+    return SchedulerConfig(
+        num_kv_blocks=recorded["num_kv_blocks"], block_size=recorded["block_size"],
+        max_model_len=recorded["max_model_len"], max_num_seqs=recorded["max_num_seqs"],
+        max_num_batched_tokens=recorded["max_num_batched_tokens"], policy=Policy(recorded["policy"]),
+        mode=StepMode(recorded["mode"]), enable_chunked_prefill=recorded["enable_chunked_prefill"],
+        enable_prefix_caching=recorded["enable_prefix_caching"], bulk_decodes=recorded["bulk_decodes"],
+    )
+
+
+def replay_timeline(timeline: Timeline, knobs: SchedulingKnobs | None, cost: StepCost) -> Replayed:
+    config = config_of(timeline)
+    if knobs is not None:
+        config = knobs.applied_to(config)
+    return _Simulation(timeline, config, cost).run()
+
+
+class _Simulation:
+    def __init__(self, timeline: Timeline, config: SchedulerConfig, cost: StepCost) -> None:
+        self.timeline = timeline
+        self.cost = cost
+        self.depth = int(timeline.config.get("pipeline_depth", 2))
+        self.clock = 0.0
+        self.scheduler = Scheduler(config, eos_token_ids=(REPLAY_EOS,), clock=lambda: self.clock)
+        self.requests = _rebuild(timeline.requests.values(), config.block_size)
+        self._eos_after = {
+            r.request_id: r.outputs for r in timeline.requests.values() if r.finish == "stop" and r.outputs > 0
+        }
+        self._prompt_len = {r.request_id: len(r.prompt_token_ids) for r in self.requests}
+        self.executor = SimulatedExecutor(
+            config.num_kv_blocks, config.block_size, next_token=self._next_token, verify_kv=False
+        )
+        # (time, order, kind, request): arrivals and aborts, in time order.
+        self._events: list[tuple[float, int, str, Request]] = []
+        by_id = {r.request_id: r for r in self.requests}
+        for order, traced in enumerate(timeline.requests.values()):
+            request = by_id[traced.request_id]
+            heapq.heappush(self._events, (traced.arrival_s, order, "add", request))
+            if traced.aborted_s is not None:
+                heapq.heappush(self._events, (traced.aborted_s, order, "abort", request))
+        self.result = Replayed(timeline.address, config, num_recorded_steps=len(timeline.plans))
+
+    def run(self) -> Replayed:
+        scheduler, recorded = self.scheduler, self.timeline.plans
+        in_flight: deque[tuple[StepPlan, StepOutput, float, StepRecord]] = deque()
+        in_sync, last_done = True, 0.0
+        while True:
+            while len(in_flight) < self.depth:
+                index = self.result.matched_steps
+                planned = recorded[index].planned_s if in_sync and index < len(recorded) else self.clock
+                self._apply_events_before(max(planned, self.clock))
+                self.clock = max(planned, self.clock)
+                plan = scheduler.schedule()
+                if not plan.has_work and not plan.dropped_request_ids:
+                    break
+                decoded = [r.request_id for r in scheduler.decoded_in(plan)]
+                continuing = {c.request_id: c.num_scheduled_tokens for c in plan.continuing_requests}
+                shape = signature([n.request_id for n in plan.new_requests], continuing, decoded)
+                in_sync = in_sync and index < len(recorded) and shape == recorded[index].signature
+                prefill, decode = plan.prefill_and_decode_tokens()
+                start = max(self.clock, last_done)
+                last_done = start + (recorded[index].duration_s if in_sync else self.cost.seconds(prefill, decode))
+                if in_sync:
+                    self.result.matched_steps += 1
+                step = StepRecord(self.clock, last_done, shape, prefill, decode, 0, 0, 0, 0)
+                in_flight.append((plan, self.executor.execute(plan), last_done, step))
+            if not in_flight:
+                if not self._events:
+                    break
+                self.clock = max(self.clock, self._events[0][0])
+                self._apply_events_before(self.clock, inclusive=True)
+                continue
+            _, output, done, step = in_flight.popleft()
+            self._apply_events_before(done)
+            self.clock = max(self.clock, done)
+            self._apply(scheduler.update(output).updates, step)
+        return self.result
+
+    def _apply(self, updates: Sequence[object], step: StepRecord) -> None:
+        scheduler = self.scheduler
+        for update in updates:
+            request = update.request  # type: ignore[attr-defined]
+            request_id = request.request_id
+            if update.new_token_ids and request_id not in self.result.first_token_s:  # type: ignore[attr-defined]
+                self.result.first_token_s[request_id] = self.clock
+            if update.finished:  # type: ignore[attr-defined]
+                self.result.finished_s[request_id] = self.clock
+                self.result.outputs[request_id] = request.num_tokens - request.num_prompt_tokens
+        stats = scheduler.kv.stats()
+        step.waiting, step.running = scheduler.num_waiting, len(scheduler.running)
+        step.kv_used_blocks = stats.num_blocks - stats.num_free_blocks
+        step.preemptions = scheduler.num_preemptions
+        self.result.steps.append(step)
+
+    def _apply_events_before(self, t: float, inclusive: bool = False) -> None:
+        while self._events and (self._events[0][0] < t or (inclusive and self._events[0][0] <= t)):
+            at, _, kind, request = heapq.heappop(self._events)
+            if kind == "add":
+                self.result.arrival_s[request.request_id] = at
+                self.scheduler.add_request(request)
+            elif not request.is_finished:
+                self.scheduler.abort(request.request_id)
+                self.result.finished_s[request.request_id] = at
+
+    def _next_token(self, request_id: str, token_ids: Sequence[int]) -> int:
+        produced = len(token_ids) - self._prompt_len[request_id] + 1
+        if self._eos_after.get(request_id) == produced:
+            return REPLAY_EOS
+        return default_next_token(request_id, token_ids)
+
+
+def _rebuild(traced: Sequence[TracedRequest] | object, block_size: int) -> list[Request]:
+    """Requests with synthetic prompts: each distinct block digest becomes one run of
+    block_size token ids, so prompts share exactly the blocks the originals shared."""
+    blocks: dict[str, list[int]] = {}
+    next_id = _FIRST_TOKEN
+    rebuilt = []
+    for order, original in enumerate(traced):  # type: ignore[arg-type]
+        prompt: list[int] = []
+        for digest in original.block_digests:
+            if digest not in blocks:
+                blocks[digest] = list(range(next_id, next_id + block_size))
+                next_id += block_size
+            prompt += blocks[digest]
+        length = original.prompt_tokens + original.prior_outputs
+        own = length - len(prompt)
+        prompt += list(range(next_id, next_id + own))
+        next_id += own
+        stops = original.finish == "stop" and original.outputs > 0
+        sampling = SamplingParams(max_tokens=original.max_tokens, ignore_eos=not stops, temperature=0.0)
+        request = Request(original.request_id, prompt, sampling, priority=original.priority)
+        request.arrival_index = order
+        rebuilt.append(request)
+    return rebuilt

@@ -1,0 +1,137 @@
+"""The step trace (--trace-dir DIR): every plan each executor was sent and every result applied,
+every request's arrival and end, and the queues and KV use after each step.
+
+Two files: steps.jsonl, one JSON object per event (what scheduler_service.replay reads), and
+trace.json, the same steps as a Chrome/Perfetto trace (ui.perfetto.dev, chrome://tracing): one
+track per executor with a slice per step, and counter tracks for the queues and KV use.
+
+Prompts are not written: each is recorded as the digests of its full blocks (the prefix-cache
+hashes, so two prompts sharing a prefix share its digests) and its length, which is all that
+replaying its schedule needs.
+
+Events (field "e"), each with "t" (seconds since the trace began) and "x" (executor address):
+  up      an executor (re)joined: its planner's config
+  add     a request placed on an executor: id, prompt length, block digests, priority,
+          max_tokens, ignore_eos
+  plan    a plan sent: step, new ids, continuing {id: tokens}, steady-decode ids, dropped ids,
+          prefill and decode tokens
+  result  its result applied: step, forward seconds, and after it waiting, running, KV blocks
+          used and total, preemptions and prefix-hit tokens so far, and requests finished
+          with reason and output length
+  abort   a request ended by its client
+  stop    a request ended by a stop string (found in its text after a result)
+  leave   a waiting request moved to another executor
+  lost    the executor was lost: its requests leave with it
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import IO, Any
+
+from scheduler_service.core.config import SchedulerConfig
+from scheduler_service.core.request import Request
+from scheduler_service.core.scheduler import Scheduler
+from scheduler_service.core.step_plan import StepOutput, StepPlan, StepUpdates
+
+# Bytes of each prefix hash kept as its digest: collisions among a trace's blocks are negligible.
+DIGEST_BYTES = 8
+_TRACKS_PID = 1
+
+
+class StepTrace:
+    def __init__(self, directory: Path, clock: Callable[[], float] = time.monotonic) -> None:
+        directory.mkdir(parents=True, exist_ok=True)
+        self.directory = directory
+        self._clock = clock
+        self._start = clock()
+        self._events: IO[str] = (directory / "steps.jsonl").open("w", encoding="utf-8")
+        self._chrome: IO[str] = (directory / "trace.json").open("w", encoding="utf-8")
+        # The Chrome trace format allows an array left open, so an interrupted run still loads.
+        self._chrome.write("[\n")
+        self._tracks: dict[str, int] = {}
+        self._planned_at: dict[tuple[str, int], float] = {}
+
+    def now(self) -> float:
+        return self._clock() - self._start
+
+    def executor_up(self, address: str, config: SchedulerConfig, pipeline_depth: int) -> None:
+        self._write("up", address, config={
+            "num_kv_blocks": config.num_kv_blocks, "block_size": config.block_size,
+            "max_model_len": config.max_model_len, "max_num_seqs": config.max_num_seqs,
+            "max_num_batched_tokens": config.max_num_batched_tokens, "policy": config.policy.value,
+            "mode": config.mode.value, "enable_chunked_prefill": config.enable_chunked_prefill,
+            "enable_prefix_caching": config.enable_prefix_caching, "bulk_decodes": config.bulk_decodes,
+            "pipeline_depth": pipeline_depth,
+        })
+        track = self._tracks.setdefault(address, len(self._tracks) + 1)
+        self._chrome_event({"name": "thread_name", "ph": "M", "pid": _TRACKS_PID, "tid": track, "args": {"name": f"executor {address}"}})
+
+    def request_added(self, address: str, request: Request, scheduler: Scheduler) -> None:
+        digests = [block_hash[:DIGEST_BYTES].hex() for block_hash in scheduler.prefix_hashes(request)]
+        sampling = request.sampling
+        self._write(
+            "add", address, id=request.request_id, prompt=request.num_prompt_tokens,
+            outputs=request.num_tokens - request.num_prompt_tokens, blocks=digests,
+            priority=request.priority, max_tokens=sampling.max_tokens, ignore_eos=sampling.ignore_eos,
+        )
+
+    def plan_sent(self, address: str, plan: StepPlan, decoded: Iterable[Request], planned_at: float) -> None:
+        """planned_at: the clock's reading just before the plan was made."""
+        t = planned_at - self._start
+        new = [n.request_id for n in plan.new_requests]
+        continuing = {c.request_id: c.num_scheduled_tokens for c in plan.continuing_requests}
+        decodes = [r.request_id for r in decoded]
+        prefill, decode = plan.prefill_and_decode_tokens()
+        self._planned_at[(address, plan.step_id)] = t
+        self._write(
+            "plan", address, t=t, step=plan.step_id, new=new, cont=continuing, dec=decodes,
+            drop=list(plan.dropped_request_ids), prefill_tokens=prefill, decode_tokens=decode,
+        )
+
+    def result_applied(self, address: str, output: StepOutput, updates: StepUpdates, scheduler: Scheduler) -> None:
+        t = self.now()
+        stats = scheduler.kv.stats()
+        finished = [
+            {"id": u.request.request_id, "reason": u.request.finish_reason.value if u.request.finish_reason else None,
+             "outputs": u.request.num_tokens - u.request.num_prompt_tokens}
+            for u in updates.updates if u.finished
+        ]
+        waiting, running = scheduler.num_waiting, len(scheduler.running)
+        used = stats.num_blocks - stats.num_free_blocks
+        self._write(
+            "result", address, t=t, step=output.step_id, forward_s=output.forward_time_s,
+            waiting=waiting, running=running, kv_used=used, kv_total=stats.num_blocks,
+            preemptions=scheduler.num_preemptions, hit_tokens=stats.hit_tokens, finished=finished,
+        )
+        track = self._tracks.get(address, 0)
+        started = self._planned_at.pop((address, output.step_id), t)
+        self._chrome_event({"name": f"step {output.step_id}", "ph": "X", "pid": _TRACKS_PID, "tid": track,
+                            "ts": started * 1e6, "dur": max(0.0, t - started) * 1e6})
+        self._chrome_event({"name": f"queues {address}", "ph": "C", "pid": _TRACKS_PID, "ts": t * 1e6,
+                            "args": {"waiting": waiting, "running": running}})
+        self._chrome_event({"name": f"kv blocks {address}", "ph": "C", "pid": _TRACKS_PID, "ts": t * 1e6,
+                            "args": {"used": used}})
+
+    def executor_lost(self, address: str) -> None:
+        self._write("lost", address)
+
+    def request_ended(self, address: str, request: Request, how: str) -> None:
+        """how: abort, stop or leave."""
+        self._write(how, address, id=request.request_id, outputs=request.num_tokens - request.num_prompt_tokens)
+
+    def close(self) -> None:
+        self._events.close()
+        # A last event without the trailing comma closes the array: a finished trace is strict JSON.
+        self._chrome.write(json.dumps({"name": "process_name", "ph": "M", "pid": _TRACKS_PID, "args": {"name": "splitserve scheduler"}}) + "\n]\n")
+        self._chrome.close()
+
+    def _write(self, event: str, address: str, t: float | None = None, **fields: Any) -> None:
+        record = {"e": event, "t": round(self.now() if t is None else t, 6), "x": address, **fields}
+        self._events.write(json.dumps(record, separators=(",", ":")) + "\n")
+
+    def _chrome_event(self, event: dict[str, Any]) -> None:
+        self._chrome.write(json.dumps(event, separators=(",", ":")) + ",\n")
