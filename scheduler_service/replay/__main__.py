@@ -1,5 +1,5 @@
 """python -m scheduler_service.replay DIR [--policy fcfs,priority] [--mode ...]
-[--max-num-batched-tokens N,...] [--json OUT] [--png OUT.png]
+[--max-num-batched-tokens N,...] [--max-num-seqs N,...] [--executors N] [--json OUT] [--png OUT.png]
 python -m scheduler_service.replay --scenario prefill-first|preemption|decode-first --png OUT.png
 
 Replays a step trace (recorded with --trace-dir DIR) through the real scheduler core against the
@@ -21,6 +21,7 @@ from pathlib import Path
 from protos.cli_help import DefaultsHelpFormatter
 from scheduler_service.core.config import SchedulingKnobs
 from scheduler_service.core.policy import Policy, StepMode
+from scheduler_service.replay.fleet import replay_fleet
 from scheduler_service.replay.scenarios import SCENARIOS, run_scenario
 from scheduler_service.replay.simulate import Replayed, config_of, replay_timeline
 from scheduler_service.replay.step_cost import StepCost, fit_step_cost
@@ -37,6 +38,9 @@ def parse_args(argv: list[str] | None, prog: str) -> argparse.Namespace:
     parser.add_argument("--mode", help="comma-separated: mixed, prefill-first, decode-first")
     parser.add_argument("--max-num-batched-tokens", help="comma-separated token budgets")
     parser.add_argument("--max-num-seqs", help="comma-separated limits on running requests")
+    parser.add_argument(
+        "--executors", type=int, help="replay over this many simulated executors, each request routed by the scheduler's router (default: each recorded executor on its own)"
+    )
     parser.add_argument("--scenario", choices=sorted(SCENARIOS), help="a built-in scenario of the seed document instead of a trace")
     parser.add_argument("--json", type=Path, help="write the summaries (and the step-cost fit) here")
     parser.add_argument("--png", type=Path, help="draw queues, batches, KV use and preemptions here")
@@ -67,11 +71,21 @@ def label_of(knobs: SchedulingKnobs | None) -> str:
     return f"{knobs.policy.value}/{knobs.mode.value}/tokens={knobs.max_num_batched_tokens}/seqs={knobs.max_num_seqs}"
 
 
-def replay_trace(timelines: list[Timeline], grid: list[SchedulingKnobs | None], cost: StepCost) -> list[tuple[Summary, list[Replayed]]]:
+def replay_trace(
+    timelines: list[Timeline], grid: list[SchedulingKnobs | None], cost: StepCost, executors: int | None = None
+) -> list[tuple[Summary, list[Replayed]]]:
     runs = []
     for knobs in grid:
-        replays = [replay_timeline(timeline, knobs, cost) for timeline in timelines]
-        runs.append((summarize(label_of(knobs), replays), replays))
+        label = label_of(knobs)
+        if executors is None:
+            replays = [replay_timeline(timeline, knobs, cost) for timeline in timelines]
+        else:
+            config = config_of(timelines[0])
+            config = knobs.applied_to(config) if knobs is not None else config
+            depth = int(timelines[0].config.get("pipeline_depth", 2))
+            replays = replay_fleet(timelines, config, cost, executors, depth)
+            label = f"{label} x{executors} executors"
+        runs.append((summarize(label, replays), replays))
     return runs
 
 
@@ -117,7 +131,10 @@ def main(argv: list[str] | None = None, prog: str = "python -m scheduler_service
         except ValueError as bad:
             logger.error("event=replay_refused reason=%r", str(bad))
             return 2
-        runs = replay_trace(timelines, grid, cost)
+        if args.executors is not None and args.executors < 1:
+            logger.error("event=replay_refused reason=%r", "--executors must be at least 1")
+            return 2
+        runs = replay_trace(timelines, grid, cost, args.executors)
         print_table([summary for summary, _ in runs], cost)
     if args.json is not None:
         document = {"configurations": [summary.as_dict() for summary, _ in runs]}

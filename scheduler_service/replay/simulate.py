@@ -96,13 +96,11 @@ class _Simulation:
         self.depth = int(timeline.config.get("pipeline_depth", 2))
         self.clock = 0.0
         self.scheduler = Scheduler(config, eos_token_ids=(REPLAY_EOS,), clock=lambda: self.clock)
-        self.requests = _rebuild(timeline.requests.values(), config.block_size)
-        self._eos_after = {
-            r.request_id: r.outputs for r in timeline.requests.values() if r.finish == "stop" and r.outputs > 0
-        }
-        self._prompt_len = {r.request_id: len(r.prompt_token_ids) for r in self.requests}
+        self.requests = rebuild_requests(list(timeline.requests.values()), config.block_size)
         self.executor = SimulatedExecutor(
-            config.num_kv_blocks, config.block_size, next_token=self._next_token, verify_kv=False
+            config.num_kv_blocks, config.block_size,
+            next_token=SyntheticModel(list(timeline.requests.values()), self.requests).next_token,
+            verify_kv=False,
         )
         # (time, order, kind, request): arrivals and aborts, in time order.
         self._events: list[tuple[float, int, str, Request]] = []
@@ -176,20 +174,28 @@ class _Simulation:
                 self.scheduler.abort(request.request_id)
                 self.result.finished_s[request.request_id] = at
 
-    def _next_token(self, request_id: str, token_ids: Sequence[int]) -> int:
+class SyntheticModel:
+    """The simulated executor's tokens: deterministic, and EOS where the original request
+    stopped (EOS, a stop token or a stop string), after as many outputs as it had then."""
+
+    def __init__(self, traced: Sequence[TracedRequest], rebuilt: Sequence[Request]) -> None:
+        self._eos_after = {r.request_id: r.outputs for r in traced if r.finish == "stop" and r.outputs > 0}
+        self._prompt_len = {r.request_id: len(r.prompt_token_ids) for r in rebuilt}
+
+    def next_token(self, request_id: str, token_ids: Sequence[int]) -> int:
         produced = len(token_ids) - self._prompt_len[request_id] + 1
         if self._eos_after.get(request_id) == produced:
             return REPLAY_EOS
         return default_next_token(request_id, token_ids)
 
 
-def _rebuild(traced: Sequence[TracedRequest] | object, block_size: int) -> list[Request]:
+def rebuild_requests(traced: Sequence[TracedRequest], block_size: int) -> list[Request]:
     """Requests with synthetic prompts: each distinct block digest becomes one run of
     block_size token ids, so prompts share exactly the blocks the originals shared."""
     blocks: dict[str, list[int]] = {}
     next_id = _FIRST_TOKEN
     rebuilt = []
-    for order, original in enumerate(traced):  # type: ignore[arg-type]
+    for order, original in enumerate(traced):
         prompt: list[int] = []
         for digest in original.block_digests:
             if digest not in blocks:

@@ -16,7 +16,8 @@ import torch
 
 from clients import AsyncClient
 from scheduler_service.replay.__main__ import main as replay_main
-from scheduler_service.replay.simulate import replay_timeline
+from scheduler_service.replay.fleet import replay_fleet
+from scheduler_service.replay.simulate import config_of, replay_timeline
 from scheduler_service.replay.step_cost import fit_step_cost
 from scheduler_service.replay.trace_reader import read_trace
 from tests.helpers.executor_process import start_executor
@@ -112,3 +113,15 @@ def test_other_configurations_replay_to_a_table_json_and_a_picture(
     assert png.stat().st_size > 20_000
     printed = capsys.readouterr().out
     assert "step cost fitted to" in printed and "mean abs error" in printed
+
+
+def test_the_trace_replays_over_more_executors_with_every_request_routed(trace_dir: Path) -> None:
+    (timeline,) = read_trace(trace_dir)
+    config = config_of(timeline)
+    replays = replay_fleet([timeline], config, fit_step_cost(timeline.plans), executors=2)
+    assert all(r.steps for r in replays), "the router was meant to use both executors"
+    arrived = {i for r in replays for i in r.arrival_s}
+    assert arrived == set(timeline.requests)
+    outputs = {i: n for r in replays for i, n in r.outputs.items()}
+    # Every request that was not aborted ends as it did: at its length or its EOS.
+    assert outputs == {i: r.outputs for i, r in timeline.requests.items() if r.finish != "abort"}
