@@ -25,6 +25,10 @@ class BlockPool:
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         self._free: OrderedDict[int, KVBlock] = OrderedDict((b.block_id, b) for b in self.blocks)
         self._cached: dict[BlockHash, KVBlock] = {}
+        # Blocks handed out fresh, and blocks whose last holder let go, since the pool began
+        # (the step trace's per-step allocation and release counts are their differences).
+        self.num_allocated = 0
+        self.num_released = 0
 
     @property
     def num_blocks(self) -> int:
@@ -52,6 +56,7 @@ class BlockPool:
             self._evict(block)
             block.ref_count = 1
             taken.append(block)
+        self.num_allocated += count
         return taken
 
     def acquire(self, blocks: Iterable[KVBlock]) -> None:
@@ -73,6 +78,7 @@ class BlockPool:
             block.ref_count -= 1
             if block.ref_count == 0:
                 self._free[block.block_id] = block
+                self.num_released += 1
 
     def register(self, block: KVBlock, block_hash: BlockHash) -> None:
         """Indexes a full block by its content hash. A block already indexed under that hash

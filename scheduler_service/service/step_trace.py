@@ -16,8 +16,9 @@ Events (field "e"), each with "t" (seconds since the trace began) and "x" (execu
   plan    a plan sent: step, new ids, continuing {id: tokens}, steady-decode ids, dropped ids,
           prefill and decode tokens
   result  its result applied: step, forward seconds, and after it waiting, running, KV blocks
-          used and total, preemptions and prefix-hit tokens so far, and requests finished
-          with reason and output length
+          used and total; preemptions, prefix-hit tokens, blocks allocated and blocks released
+          so far (a step's own are the differences from the previous result); and requests
+          finished with reason and output length
   abort   a request ended by its client
   stop    a request ended by a stop string (found in its text after a result)
   leave   a waiting request moved to another executor
@@ -105,7 +106,9 @@ class StepTrace:
         self._write(
             "result", address, t=t, step=output.step_id, forward_s=output.forward_time_s,
             waiting=waiting, running=running, kv_used=used, kv_total=stats.num_blocks,
-            preemptions=scheduler.num_preemptions, hit_tokens=stats.hit_tokens, finished=finished,
+            preemptions=scheduler.num_preemptions, hit_tokens=stats.hit_tokens,
+            blocks_allocated=scheduler.kv.pool.num_allocated, blocks_released=scheduler.kv.pool.num_released,
+            finished=finished,
         )
         track = self._tracks.get(address, 0)
         started = self._planned_at.pop((address, output.step_id), t)

@@ -74,6 +74,9 @@ def test_an_unchanged_configuration_replays_the_recorded_schedule_step_for_step(
     results = [e for e in events if e["e"] == "result"]
     assert results[-1]["preemptions"] > 0, "the pool was meant to be too small"
     assert results[-1]["hit_tokens"] > 0, "the prompts were meant to share prefixes"
+    # The 24 blocks turned over more than once, and were all given back in the end.
+    assert results[-1]["blocks_allocated"] > 24 and results[-1]["kv_used"] == 0
+    assert all(a["blocks_allocated"] <= b["blocks_allocated"] for a, b in zip(results, results[1:]))
     assert any(e["e"] == "abort" for e in events)
     assert len(timeline.requests) == 25
     cost = fit_step_cost(timeline.plans)
