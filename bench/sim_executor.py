@@ -21,7 +21,7 @@ import os
 import time
 import uuid
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from executor_service.server import ServeOptions, serve
@@ -43,6 +43,8 @@ class _Held:
     num_tokens: int
     num_computed: int
     handle: int
+    # Its block table as the plans build it, for the scheduler's audit (Admin/Audit).
+    block_ids: list[int] = field(default_factory=list)
 
 
 @dataclass(slots=True, frozen=True)
@@ -81,7 +83,7 @@ class TimedRunner:
         result = executor_pb2.StepResult(step_id=plan.step_id)
         for new in plan.new_requests:
             self._forget(new.request_id)
-            held = _Held(new.request_id, len(new.token_ids), new.num_computed_tokens, new.handle)
+            held = _Held(new.request_id, len(new.token_ids), new.num_computed_tokens, new.handle, list(new.block_ids))
             self.requests[new.request_id] = held
             if new.handle:
                 self.handles[new.handle] = held
@@ -93,7 +95,11 @@ class TimedRunner:
                     request_id=cont.request_id, code=rpc_codes.INVALID_ARGUMENT, message="unknown request id"
                 )
                 continue
+            known.block_ids.extend(cont.new_block_ids)
             self._advance(known, cont.num_scheduled_tokens, result)
+        for handle, block_id in zip(plan.decode_block_handles, plan.decode_block_ids, strict=True):
+            if handle in self.handles:
+                self.handles[handle].block_ids.append(block_id)
         for handle in plan.decode_handles:
             held = self.handles.get(handle)
             if held is None:
@@ -110,6 +116,11 @@ class TimedRunner:
             self.steps += 1
             result.forward_time_s = result.step_time_s = finished - started
             self._write_stats(finished)
+        if plan.want_held_requests:
+            result.held_requests.extend(
+                executor_pb2.HeldRequest(request_id=h.request_id, block_ids=h.block_ids, num_computed_tokens=h.num_computed)
+                for h in self.requests.values()
+            )
         return result
 
     def _advance(self, held: _Held, num_tokens: int, result: executor_pb2.StepResult) -> None:
