@@ -20,10 +20,12 @@ from scheduler_service.replay.simulate import (
     Replayed,
     StepRecord,
     SyntheticModel,
+    planned_step,
     rebuild_requests,
+    record_result,
 )
 from scheduler_service.replay.step_cost import StepCost
-from scheduler_service.replay.trace_reader import Timeline, TracedRequest, signature
+from scheduler_service.replay.trace_reader import Timeline, TracedRequest
 
 
 @dataclass(slots=True)
@@ -90,30 +92,14 @@ def _plan(lane: _Lane, clock: float, depth: int, cost: StepCost) -> None:
         plan = scheduler.schedule()
         if not plan.has_work and not plan.dropped_request_ids:
             return
-        decoded = [r.request_id for r in scheduler.decoded_in(plan)]
-        continuing = {c.request_id: c.num_scheduled_tokens for c in plan.continuing_requests}
-        prefill, decode = plan.prefill_and_decode_tokens()
-        lane.busy_until = max(clock, lane.busy_until) + cost.seconds(prefill, decode)
-        shape = signature([n.request_id for n in plan.new_requests], continuing, decoded)
-        step = StepRecord(clock, lane.busy_until, shape, prefill, decode, 0, 0, 0, 0)
+        step = planned_step(scheduler, plan, clock, 0.0)
+        lane.busy_until = step.done_s = max(clock, lane.busy_until) + cost.seconds(step.prefill_tokens, step.decode_tokens)
         lane.in_flight.append((lane.executor.execute(plan), lane.busy_until, step))
 
 
 def _apply(lane: _Lane, clock: float) -> None:
     output, _, step = lane.in_flight.popleft()
-    scheduler, replayed = lane.scheduler, lane.replayed
-    for update in scheduler.update(output).updates:
-        request_id = update.request.request_id
-        if update.new_token_ids:
-            replayed.first_token_s.setdefault(request_id, clock)
-        if update.finished:
-            replayed.finished_s[request_id] = clock
-            replayed.outputs[request_id] = update.request.num_tokens - update.request.num_prompt_tokens
-    stats = scheduler.kv.stats()
-    step.waiting, step.running = scheduler.num_waiting, len(scheduler.running)
-    step.kv_used_blocks = stats.num_blocks - stats.num_free_blocks
-    step.preemptions = scheduler.num_preemptions
-    replayed.steps.append(step)
+    record_result(lane.replayed, lane.scheduler, lane.scheduler.update(output).updates, step, clock)
 
 
 def _first_placements(timelines: list[Timeline]) -> list[TracedRequest]:

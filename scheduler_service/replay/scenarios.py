@@ -17,8 +17,7 @@ from scheduler_service.core.request import Request
 from scheduler_service.core.sampling_params import SamplingParams
 from scheduler_service.core.scheduler import Scheduler
 from scheduler_service.core.sim_executor import SimulatedExecutor
-from scheduler_service.replay.simulate import Replayed, StepRecord
-from scheduler_service.replay.trace_reader import signature
+from scheduler_service.replay.simulate import Replayed, planned_step, record_result
 
 
 @dataclass(slots=True, frozen=True)
@@ -72,21 +71,7 @@ def run_scenario(scenario: Scenario, max_steps: int = 500) -> Replayed:
             scheduler.add_request(request)
             replayed.arrival_s[request.request_id] = float(step)
         plan = scheduler.schedule()
-        decoded = [r.request_id for r in scheduler.decoded_in(plan)]
-        continuing = {c.request_id: c.num_scheduled_tokens for c in plan.continuing_requests}
-        prefill, decode = plan.prefill_and_decode_tokens()
-        updates = scheduler.update(executor.execute(plan))
-        for update in updates.updates:
-            request_id = update.request.request_id
-            if update.new_token_ids:
-                replayed.first_token_s.setdefault(request_id, float(step))
-            if update.finished:
-                replayed.finished_s[request_id] = float(step)
-                replayed.outputs[request_id] = update.request.num_tokens - update.request.num_prompt_tokens
-        stats = scheduler.kv.stats()
-        replayed.steps.append(StepRecord(
-            float(step), float(step), signature([n.request_id for n in plan.new_requests], continuing, decoded),
-            prefill, decode, scheduler.num_waiting, len(scheduler.running),
-            stats.num_blocks - stats.num_free_blocks, scheduler.num_preemptions,
-        ))
+        step_record = planned_step(scheduler, plan, float(step), float(step))
+        updates = scheduler.update(executor.execute(plan)).updates
+        record_result(replayed, scheduler, updates, step_record, float(step))
     return replayed

@@ -26,7 +26,7 @@ from scheduler_service.core.request import Request
 from scheduler_service.core.sampling_params import SamplingParams
 from scheduler_service.core.scheduler import Scheduler
 from scheduler_service.core.sim_executor import SimulatedExecutor, default_next_token
-from scheduler_service.core.step_plan import StepOutput, StepPlan
+from scheduler_service.core.step_plan import RequestUpdate, StepOutput, StepPlan
 from scheduler_service.replay.step_cost import StepCost
 from scheduler_service.replay.trace_reader import (
     Signature,
@@ -69,6 +69,34 @@ class Replayed:
     # Leading plans equal to the recorded ones.
     matched_steps: int = 0
     num_recorded_steps: int = 0
+
+
+def planned_step(scheduler: Scheduler, plan: StepPlan, planned_s: float, done_s: float) -> StepRecord:
+    """The record of a plan just made; its queue and KV figures are filled in by
+    record_result once its result is applied."""
+    decoded = [r.request_id for r in scheduler.decoded_in(plan)]
+    continuing = {c.request_id: c.num_scheduled_tokens for c in plan.continuing_requests}
+    shape = signature([n.request_id for n in plan.new_requests], continuing, decoded)
+    prefill, decode = plan.prefill_and_decode_tokens()
+    return StepRecord(planned_s, done_s, shape, prefill, decode, 0, 0, 0, 0)
+
+
+def record_result(
+    replayed: Replayed, scheduler: Scheduler, updates: Sequence[RequestUpdate], step: StepRecord, clock: float
+) -> None:
+    """Notes first tokens and finishes at clock, and the queues and KV use after the step."""
+    for update in updates:
+        request = update.request
+        if update.new_token_ids:
+            replayed.first_token_s.setdefault(request.request_id, clock)
+        if update.finished:
+            replayed.finished_s[request.request_id] = clock
+            replayed.outputs[request.request_id] = request.num_tokens - request.num_prompt_tokens
+    stats = scheduler.kv.stats()
+    step.waiting, step.running = scheduler.num_waiting, len(scheduler.running)
+    step.kv_used_blocks = stats.num_blocks - stats.num_free_blocks
+    step.preemptions = scheduler.num_preemptions
+    replayed.steps.append(step)
 
 
 def config_of(timeline: Timeline) -> SchedulerConfig:
@@ -125,16 +153,12 @@ class _Simulation:
                 plan = scheduler.schedule()
                 if not plan.has_work and not plan.dropped_request_ids:
                     break
-                decoded = [r.request_id for r in scheduler.decoded_in(plan)]
-                continuing = {c.request_id: c.num_scheduled_tokens for c in plan.continuing_requests}
-                shape = signature([n.request_id for n in plan.new_requests], continuing, decoded)
-                in_sync = in_sync and index < len(recorded) and shape == recorded[index].signature
-                prefill, decode = plan.prefill_and_decode_tokens()
-                start = max(self.clock, last_done)
-                last_done = start + (recorded[index].duration_s if in_sync else self.cost.seconds(prefill, decode))
+                step = planned_step(scheduler, plan, self.clock, 0.0)
+                in_sync = in_sync and index < len(recorded) and step.signature == recorded[index].signature
+                duration = recorded[index].duration_s if in_sync else self.cost.seconds(step.prefill_tokens, step.decode_tokens)
+                last_done = step.done_s = max(self.clock, last_done) + duration
                 if in_sync:
                     self.result.matched_steps += 1
-                step = StepRecord(self.clock, last_done, shape, prefill, decode, 0, 0, 0, 0)
                 in_flight.append((plan, self.executor.execute(plan), last_done, step))
             if not in_flight:
                 if not self._events:
@@ -145,24 +169,8 @@ class _Simulation:
             _, output, done, step = in_flight.popleft()
             self._apply_events_before(done)
             self.clock = max(self.clock, done)
-            self._apply(scheduler.update(output).updates, step)
+            record_result(self.result, scheduler, scheduler.update(output).updates, step, self.clock)
         return self.result
-
-    def _apply(self, updates: Sequence[object], step: StepRecord) -> None:
-        scheduler = self.scheduler
-        for update in updates:
-            request = update.request  # type: ignore[attr-defined]
-            request_id = request.request_id
-            if update.new_token_ids and request_id not in self.result.first_token_s:  # type: ignore[attr-defined]
-                self.result.first_token_s[request_id] = self.clock
-            if update.finished:  # type: ignore[attr-defined]
-                self.result.finished_s[request_id] = self.clock
-                self.result.outputs[request_id] = request.num_tokens - request.num_prompt_tokens
-        stats = scheduler.kv.stats()
-        step.waiting, step.running = scheduler.num_waiting, len(scheduler.running)
-        step.kv_used_blocks = stats.num_blocks - stats.num_free_blocks
-        step.preemptions = scheduler.num_preemptions
-        self.result.steps.append(step)
 
     def _apply_events_before(self, t: float, inclusive: bool = False) -> None:
         while self._events and (self._events[0][0] < t or (inclusive and self._events[0][0] <= t)):
