@@ -12,9 +12,8 @@ import torch
 from protos.splitserve.executor.v1 import executor_pb2 as pb
 from scheduler_service.core.request import Request
 from scheduler_service.core.sampling_params import SamplingParams
-from scheduler_service.service.engine import Engine, EngineOptions
 from scheduler_service.service.executor_link import ExecutorLink
-from scheduler_service.service.metrics import SchedulerMetrics
+from tests.helpers.engine_in_process import engine_over
 from tests.helpers.executor_process import start_executor
 from tests.helpers.model_factory import build_model
 
@@ -44,40 +43,29 @@ def test_the_audit_is_clean_mid_generation_and_names_each_injected_mismatch(tmp_
     model_dir = build_model("llama", tmp_path / "llama")
 
     async def scenario(address: str) -> list[list[str]]:
-        links: list[TamperingLink] = []
-
-        def make_link(address: str, scheduler_id: str) -> TamperingLink:
-            links.append(TamperingLink(address, scheduler_id))
-            return links[-1]
-
-        engine = Engine("test", None, EngineOptions(), SchedulerMetrics(), link_factory=make_link)
-        engine.add_executor(address)
-        await engine.wait_until_serving()
-        runner = asyncio.create_task(engine.run())
-        streams = [
-            engine.submit(Request(f"r{i}", [5 + i] * (20 + i), SamplingParams(max_tokens=500, ignore_eos=True)))
-            for i in range(3)
-        ]
-        for stream in streams:
-            for _ in range(3):
-                await stream.next_item()
-        found = []
-        (clean,) = await engine.audit()
-        assert clean.audited, clean
-        found.append(list(clean.mismatches))
-        links[0].hide, links[0].shorten = "r1", "r2"
-        (tampered,) = await engine.audit()
-        found.append(list(tampered.mismatches))
-        links[0].hide = links[0].shorten = None
-        lane = next(iter(engine.lanes.values()))
-        block = lane.scheduler.kv.block_ids("r0")[0]
-        lane.scheduler.kv.pool.blocks[block].ref_count += 1
-        (corrupted,) = await engine.audit()
-        found.append(list(corrupted.mismatches))
-        lane.scheduler.kv.pool.blocks[block].ref_count -= 1
-        engine.abort_all()
-        runner.cancel()
-        await engine.close()
+        async with engine_over(address, TamperingLink) as (engine, links):
+            streams = [
+                engine.submit(Request(f"r{i}", [5 + i] * (20 + i), SamplingParams(max_tokens=500, ignore_eos=True)))
+                for i in range(3)
+            ]
+            for stream in streams:
+                for _ in range(3):
+                    await stream.next_item()
+            found = []
+            (clean,) = await engine.audit()
+            assert clean.audited, clean
+            found.append(list(clean.mismatches))
+            links[0].hide, links[0].shorten = "r1", "r2"
+            (tampered,) = await engine.audit()
+            found.append(list(tampered.mismatches))
+            links[0].hide = links[0].shorten = None
+            lane = next(iter(engine.lanes.values()))
+            block = lane.scheduler.kv.block_ids("r0")[0]
+            lane.scheduler.kv.pool.blocks[block].ref_count += 1
+            (corrupted,) = await engine.audit()
+            found.append(list(corrupted.mismatches))
+            lane.scheduler.kv.pool.blocks[block].ref_count -= 1
+            engine.abort_all()
         return found
 
     with start_executor(model_dir, num_kv_blocks=64, block_size=16) as (address, _):

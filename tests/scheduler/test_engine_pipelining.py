@@ -8,9 +8,8 @@ from pathlib import Path
 from protos.splitserve.executor.v1 import executor_pb2 as pb
 from scheduler_service.core.request import Request
 from scheduler_service.core.sampling_params import SamplingParams
-from scheduler_service.service.engine import Engine, EngineOptions
 from scheduler_service.service.executor_link import ExecutorLink
-from scheduler_service.service.metrics import SchedulerMetrics
+from tests.helpers.engine_in_process import engine_over
 from tests.helpers.executor_process import start_executor
 from tests.helpers.model_factory import build_model
 
@@ -36,25 +35,14 @@ def test_next_plan_is_sent_before_the_last_result_is_read(tmp_path: Path) -> Non
     model_dir = build_model("llama", tmp_path / "llama")
 
     async def scenario(address: str) -> list[tuple[str, int]]:
-        links: list[RecordingLink] = []
-
-        def make_link(address: str, scheduler_id: str) -> RecordingLink:
-            links.append(RecordingLink(address, scheduler_id))
-            return links[-1]
-
-        engine = Engine("test", None, EngineOptions(), SchedulerMetrics(), link_factory=make_link)
-        engine.add_executor(address)
-        await engine.wait_until_serving()
-        runner = asyncio.create_task(engine.run())
-        streams = [
-            engine.submit(Request(f"r{i}", [5 + i] * (3 + i), SamplingParams(max_tokens=12, ignore_eos=True)))
-            for i in range(4)
-        ]
-        for stream in streams:
-            while await stream.next_item() is not None:
-                pass
-        runner.cancel()
-        await engine.close()
+        async with engine_over(address, RecordingLink) as (engine, links):
+            streams = [
+                engine.submit(Request(f"r{i}", [5 + i] * (3 + i), SamplingParams(max_tokens=12, ignore_eos=True)))
+                for i in range(4)
+            ]
+            for stream in streams:
+                while await stream.next_item() is not None:
+                    pass
         # The handshake (step 0) opens the stream; the steps that matter follow it.
         return [event for event in links[0].events if event[1] > 0]
 
