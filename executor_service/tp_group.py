@@ -21,6 +21,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as torch_mp
 
+from executor_service.model_loader import resolve_device
+
 logger = logging.getLogger(__name__)
 
 # Exit status of a rank that stops because another rank died.
@@ -43,10 +45,9 @@ def launched_by_torchrun() -> bool:
 
 
 def rank_device(requested: str, local_rank: int) -> str:
-    """cuda:LOCAL_RANK when the executor runs on CUDA, else cpu."""
-    if requested == "auto":
-        requested = "cuda" if torch.cuda.is_available() else "cpu"
-    return f"cuda:{local_rank}" if requested.startswith("cuda") else "cpu"
+    """cuda:LOCAL_RANK when the executor runs on CUDA (--device, "auto" as on one device),
+    else cpu."""
+    return f"cuda:{local_rank}" if resolve_device(requested).type == "cuda" else "cpu"
 
 
 def join_group(place: RankPlace, address: str, port: int) -> None:

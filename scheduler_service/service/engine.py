@@ -324,13 +324,14 @@ class Engine:
         worth less than the requests queued ahead of it there (the router's exchange rate)."""
         thief = lane.scheduler
         donors = [
-            other.scheduler
+            other
             for other in self._serving_lanes()
             if other is not lane and other.scheduler is not None and other.scheduler.num_waiting
         ]
         if not donors or thief is None:
             return
-        donor = max(donors, key=lambda scheduler: scheduler.num_waiting)
+        donor_lane = max(donors, key=lambda other: other.scheduler.num_waiting)
+        donor = donor_lane.scheduler
         rate = self.options.route_tokens_per_request
         queued = donor.queued
         worth_moving = [
@@ -341,7 +342,6 @@ class Engine:
         if not worth_moving:
             return
         taken = donor.release_waiting(worth_moving)
-        donor_lane = next(other for other in self.lanes.values() if other.scheduler is donor)
         self._trace_left(donor_lane, taken)
         moved = [request for request in taken if thief.adopt(request)]
         if self.step_trace is not None:

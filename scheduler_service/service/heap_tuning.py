@@ -16,7 +16,6 @@ import ctypes
 import ctypes.util
 import logging
 import platform
-from dataclasses import dataclass
 
 logger = logging.getLogger(__name__)
 
@@ -24,20 +23,11 @@ M_MMAP_THRESHOLD = -3
 MMAP_THRESHOLD_BYTES = 1 << 20
 
 
-@dataclass(slots=True)
-class Heap:
-    """glibc's allocator controls; inert on another libc."""
-
-    libc: ctypes.CDLL | None
-
-    @classmethod
-    def of_this_process(cls) -> Heap:
-        if platform.libc_ver()[0] != "glibc":
-            logger.info("event=heap_tuning_skipped reason=%r", "not glibc")
-            return cls(None)
-        return cls(ctypes.CDLL(ctypes.util.find_library("c")))
-
-    def fix_mmap_threshold(self) -> None:
-        """Fixes the mmap threshold at 1 MiB."""
-        if self.libc is not None and self.libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES) != 1:
-            logger.warning("event=heap_tuning_failed option=M_MMAP_THRESHOLD")
+def fix_mmap_threshold() -> None:
+    """Fixes glibc's mmap threshold at 1 MiB; does nothing (and says so) on another libc."""
+    if platform.libc_ver()[0] != "glibc":
+        logger.info("event=heap_tuning_skipped reason=%r", "not glibc")
+        return
+    libc = ctypes.CDLL(ctypes.util.find_library("c"))
+    if libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES) != 1:
+        logger.warning("event=heap_tuning_failed option=M_MMAP_THRESHOLD")

@@ -31,7 +31,7 @@ from scheduler_service.service.discovery import DEFAULT_RESOLVE_INTERVAL_S, disc
 from scheduler_service.service.engine import Engine, EngineOptions
 from scheduler_service.service.executor_link import ExecutorLink
 from scheduler_service.service.gc_tuning import tune_gc
-from scheduler_service.service.heap_tuning import Heap
+from scheduler_service.service.heap_tuning import fix_mmap_threshold
 from scheduler_service.service.intake_limits import IntakeLimits
 from scheduler_service.service.message_parsing import MessageParsingInterceptor
 from scheduler_service.service.metrics import SchedulerMetrics
@@ -83,7 +83,7 @@ class ServerSettings:
 
 async def serve(settings: ServerSettings) -> int:
     """Serves until SIGTERM/SIGINT (exit status 0) or until the engine fails (1)."""
-    Heap.of_this_process().fix_mmap_threshold()
+    fix_mmap_threshold()
     metrics = SchedulerMetrics()
     health_servicer = health.aio.HealthServicer()
 
