@@ -53,6 +53,11 @@ class SchedulingKnobs:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
 
+    @classmethod
+    def of(cls, config: SchedulerConfig) -> SchedulingKnobs:
+        """The knobs a config runs under."""
+        return cls(config.policy, config.mode, config.max_num_batched_tokens, config.max_num_seqs)
+
     def applied_to(self, config: SchedulerConfig) -> SchedulerConfig:
         return replace(
             config,

@@ -124,8 +124,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m scheduler_service
             logger.error("event=replay_refused reason=%r", "the trace holds no executor")
             return 2
         cost = fit_step_cost([plan for timeline in timelines for plan in timeline.plans])
-        first = config_of(timelines[0])
-        recorded = SchedulingKnobs(first.policy, first.mode, first.max_num_batched_tokens, first.max_num_seqs)
+        recorded = SchedulingKnobs.of(config_of(timelines[0]))
         try:
             grid = knob_grid(args, recorded)
         except ValueError as bad:

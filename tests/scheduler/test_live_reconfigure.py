@@ -17,10 +17,6 @@ def config(**overrides: object) -> SchedulerConfig:
     return SchedulerConfig(**base)  # type: ignore[arg-type]
 
 
-def knobs_of(cfg: SchedulerConfig) -> SchedulingKnobs:
-    return SchedulingKnobs(cfg.policy, cfg.mode, cfg.max_num_batched_tokens, cfg.max_num_seqs)
-
-
 def arrivals() -> dict[int, list]:
     # One runs at a time; three wait, queued FCFS against their priorities.
     return {1: [make_request(0, 4, 6)], 2: [make_request(1, 4, 2, priority=5), make_request(2, 4, 2, priority=1), make_request(3, 4, 2, priority=3)]}
@@ -42,7 +38,7 @@ def test_switching_to_priority_reorders_the_queue_from_the_next_step() -> None:
 
     def switch(step: int, scheduler: Scheduler) -> None:
         if step == 3:
-            scheduler.reconfigure(replace(knobs_of(cfg), policy=Policy.PRIORITY))
+            scheduler.reconfigure(replace(SchedulingKnobs.of(cfg), policy=Policy.PRIORITY))
 
     unchanged = run(cfg, arrivals())
     switched = run(cfg, arrivals(), before_step=switch)
@@ -58,7 +54,7 @@ def test_a_smaller_token_budget_and_more_running_requests_apply_to_the_next_plan
 
     def tighten(step: int, scheduler: Scheduler) -> None:
         if step == 2:
-            scheduler.reconfigure(replace(knobs_of(cfg), max_num_batched_tokens=8, max_num_seqs=4))
+            scheduler.reconfigure(replace(SchedulingKnobs.of(cfg), max_num_batched_tokens=8, max_num_seqs=4))
 
     result = run(cfg, {1: [make_request(0, 60, 3), make_request(1, 60, 3)]}, before_step=tighten)
     assert result.plans[0].num_scheduled_tokens == 32
@@ -72,7 +68,7 @@ def test_switching_mode_to_decode_first_holds_new_requests_back() -> None:
 
     def decode_first(step: int, scheduler: Scheduler) -> None:
         if step == 2:
-            scheduler.reconfigure(replace(knobs_of(cfg), mode=StepMode.DECODE_FIRST))
+            scheduler.reconfigure(replace(SchedulingKnobs.of(cfg), mode=StepMode.DECODE_FIRST))
 
     arrivals = {1: [make_request(0, 4, 5)], 2: [make_request(1, 4, 2)]}
     assert run(cfg, arrivals).lines[1] == "r1:4 r0:1 | W: | R: r0 r1"
@@ -91,4 +87,4 @@ def test_switching_mode_to_decode_first_holds_new_requests_back() -> None:
 @pytest.mark.parametrize("name", ["max_num_batched_tokens", "max_num_seqs"])
 def test_limits_below_one_are_refused(name: str) -> None:
     with pytest.raises(ValueError, match=f"{name} must be at least 1"):
-        replace(knobs_of(config()), **{name: 0})
+        replace(SchedulingKnobs.of(config()), **{name: 0})
