@@ -84,8 +84,8 @@ def parse_args(argv: list[str] | None, prog: str = "python -m executor_service")
         "--no-packed-linear",
         dest="packed_linear",
         action="store_false",
-        help="keep linear layers on torch's default GEMM instead of oneDNN with packed weights "
-        "(CPU, float32)",
+        help="keep linear layers on torch's default GEMM instead of oneDNN with packed weights, "
+        "and transformers' own layer code instead of fused Llama layers (CPU, float32)",
     )
     parser.add_argument("--tls-cert", type=Path, help="PEM certificate (chain) of this executor; serves TLS")
     parser.add_argument("--tls-key", type=Path, help="PEM private key of --tls-cert")

@@ -96,6 +96,9 @@ class PagedDecode:
     # [batch, widest table] int64; short rows are padded with block 0, never read.
     block_table: torch.Tensor
     context_lens: torch.Tensor
+    # The decodes are the step's tokens 0..batch-1 in order (a pure decode step), so the kernel
+    # reads the queries and writes the output in place, with no gather and no scatter.
+    whole_step: bool = False
 
 
 @dataclass(slots=True, frozen=True)
@@ -185,10 +188,10 @@ def group_by_context(spans: list[SequenceSpan]) -> list[list[SequenceSpan]]:
     return groups
 
 
-def _paged_decode(spans: list[SequenceSpan], kv_cache: PagedKVCache) -> PagedDecode:
+def _paged_decode(spans: list[SequenceSpan], kv_cache: PagedKVCache, only_decodes: bool) -> PagedDecode:
     """The kernel reads raw memory, so what it will read is checked here once per step (the
     executor's validation already refuses such plans; this keeps a bug from reading past the
-    cache)."""
+    cache). only_decodes: the step has no prefill tokens."""
     block_size = kv_cache.block_size
     width = max(len(s.block_ids) for s in spans)
     for span in spans:
@@ -197,10 +200,12 @@ def _paged_decode(spans: list[SequenceSpan], kv_cache: PagedKVCache) -> PagedDec
                 f"decode over {span.context_len} tokens in blocks {span.block_ids[:8]}... "
                 f"does not fit a cache of {kv_cache.num_blocks} blocks"
             )
+    starts = [s.token_start for s in spans]
     return PagedDecode(
-        token_index=torch.tensor([s.token_start for s in spans]),
+        token_index=torch.tensor(starts),
         block_table=torch.tensor([_padded_blocks(s.block_ids, width) for s in spans], dtype=torch.long),
         context_lens=torch.tensor([s.context_len for s in spans], dtype=torch.long),
+        whole_step=only_decodes and starts == list(range(len(spans))),
     )
 
 
@@ -241,7 +246,7 @@ def build_step_attention(
                 )
         decode_spans = [s for s in spans if s.num_new == 1]
         if backend == "cpu_paged" and decode_spans:
-            paged_decode = _paged_decode(decode_spans, kv_cache)
+            paged_decode = _paged_decode(decode_spans, kv_cache, only_decodes=not prefills)
         else:
             decodes = [
                 _decode_attention(group, block_size, kv_cache.shape.num_kv_heads, device)

@@ -193,6 +193,9 @@ def _sdpa(
     step: StepAttention,
     shaping: _Shaping,
 ) -> torch.Tensor:
+    paged = step.paged_decode
+    if paged is not None and paged.whole_step:
+        return _kernel_decode(q, key_cache, value_cache, paged, step.kv_cache.block_size, shaping)
     out = q.new_empty(q.shape[0], q.shape[1], value_cache.shape[2])
     for seq in step.prefills:
         # [heads, new, dim] against [kv_heads, context, dim]
@@ -237,8 +240,9 @@ def _kernel_decode(
     shaping: _Shaping,
 ) -> torch.Tensor:
     """[batch, heads, value_dim] attention of every decode token, read from the blocks."""
+    queries = q.contiguous() if decodes.whole_step else q[decodes.token_index]
     return load_decode_kernel()(
-        q[decodes.token_index],
+        queries,
         key_cache,
         value_cache,
         decodes.block_table,

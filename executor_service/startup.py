@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
+from executor_service.fused_layers import fuse_layers
 from executor_service.kv_budget import decide_num_blocks
 from executor_service.kv_cache import KVCacheShape, PagedKVCache
 from executor_service.model_loader import dtype_name, load_model
@@ -48,6 +49,7 @@ def build_executor(settings: ExecutorSettings, device: str | None = None) -> Rea
     )
     # Packing replaces the linear layers, which under TP hold sharded weights and collectives.
     if settings.packed_linear and not parallel and packing_available(loaded.device, loaded.dtype):
+        fuse_layers(loaded.model)
         pack_linears(loaded.model)
     backend = select_backend(loaded.device, loaded.dtype, settings.attention_backend)
     shape = KVCacheShape(
