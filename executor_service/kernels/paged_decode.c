@@ -33,10 +33,12 @@ typedef struct {
 
 /* Blocks lie anywhere in the cache, and the hardware prefetcher stops at page boundaries: the
  * same row of the sequence's next block is asked for while this block's row is read, one block
- * (block_size rows) ahead of its use. */
+ * (block_size rows) ahead of its use. Into L2, not L1 (locality 2, not 3): a block's worth of
+ * lines in flight overflows L1's miss buffers, and on an AMD EPYC (2 threads, SmolLM2 shapes,
+ * 590 MB of K/V) that took the kernel from 36.7 ms to 22.3 ms, 16 to 26 GB/s. */
 static inline void prefetch_row(const float *row, int64_t floats) {
     for (int64_t i = 0; i < floats; i += 64 / (int64_t)sizeof(float))
-        __builtin_prefetch(row + i, 0, 3);
+        __builtin_prefetch(row + i, 0, 2);
 }
 
 /* Positions [first, last) of block bi that a sequence attends to (its window starts at
