@@ -82,6 +82,17 @@ static inline __attribute__((always_inline)) int task(const Args *a, int64_t b, 
     float *scores = malloc(sizeof(float) * (size_t)(nh * (n > 0 ? n : 1) + nh * VD + nh));
     if (scores == NULL) return 1;
     float *acc = scores + nh * (n > 0 ? n : 1), *inverse = acc + nh * VD;
+    /* The first blocks of both passes have no block before them to prefetch them. */
+    if (n > 0) {
+        const BlockSpan k0 =
+            block_span(a->key_cache, blocks, start / bs, bs, start, context, krow, kh0 * KD);
+        const BlockSpan v0 =
+            block_span(a->value_cache, blocks, start / bs, bs, start, context, vrow, kh0 * VD);
+        for (int64_t t = 0; t < k0.last - k0.first; t++) {
+            prefetch_row(k0.rows + t * krow, (kh1 - kh0) * KD);
+            prefetch_row(v0.rows + t * vrow, (kh1 - kh0) * VD);
+        }
+    }
 
     for (int64_t bi = start / bs; bi * bs < context; bi++) {
         const BlockSpan span =
