@@ -67,7 +67,8 @@ def parse_args(argv: list[str] | None, prog: str = "python -m executor_service")
         default="auto",
         choices=["auto", *BACKENDS],
         help="auto: flash_attn on CUDA in half precision when installed; cpu_paged (decode "
-        "attention by a C kernel built with the system's C compiler) on CPU in float32; else sdpa",
+        "and prefill attention by C kernels built with the system's C compiler) on CPU in "
+        "float32; else sdpa",
     )
     parser.add_argument(
         "--lease-timeout",

@@ -101,6 +101,25 @@ class PagedDecode:
     whole_step: bool = False
 
 
+# The prefill kernel's value product works in whole vectors of up to 16 floats (AVX-512) on
+# every machine; caches of other value widths keep their prefills on SDPA.
+PREFILL_KERNEL_VALUE_DIM_MULTIPLE = 16
+
+
+@dataclass(slots=True, frozen=True)
+class PagedPrefill:
+    """All sequences with several new tokens, for the prefill kernel that reads K/V from their
+    cache slots: sequence i's queries are tokens [token_start[i], + num_new[i]) at positions
+    [num_cached[i], + num_new[i]), and its context position p lies in slots[slot_start[i] + p].
+    Every tensor is int64 on the CPU."""
+
+    token_start: torch.Tensor
+    num_new: torch.Tensor
+    num_cached: torch.Tensor
+    slot_start: torch.Tensor
+    slots: torch.Tensor
+
+
 @dataclass(slots=True, frozen=True)
 class VarlenAttention:
     """Flattened context of every sequence, for fused varlen kernels."""
@@ -121,8 +140,9 @@ class StepAttention:
     # Decode sequences in groups of similar context length (see group_by_context).
     decodes: list[DecodeAttention]
     varlen: VarlenAttention | None
-    # Instead of `decodes`, with the cpu_paged backend.
+    # Instead of `decodes` and `prefills`, with the cpu_paged backend.
     paged_decode: PagedDecode | None = None
+    paged_prefill: PagedPrefill | None = None
 
 
 def _context_slots(span: SequenceSpan, block_size: int, start: int, end: int) -> torch.Tensor:
@@ -188,24 +208,46 @@ def group_by_context(spans: list[SequenceSpan]) -> list[list[SequenceSpan]]:
     return groups
 
 
-def _paged_decode(spans: list[SequenceSpan], kv_cache: PagedKVCache, only_decodes: bool) -> PagedDecode:
-    """The kernel reads raw memory, so what it will read is checked here once per step (the
+def _check_fits(spans: list[SequenceSpan], kv_cache: PagedKVCache) -> None:
+    """The kernels read raw memory, so what they will read is checked here once per step (the
     executor's validation already refuses such plans; this keeps a bug from reading past the
-    cache). only_decodes: the step has no prefill tokens."""
-    block_size = kv_cache.block_size
-    width = max(len(s.block_ids) for s in spans)
+    cache)."""
     for span in spans:
-        if len(span.block_ids) * block_size < span.context_len or max(span.block_ids) >= kv_cache.num_blocks:
+        if (
+            len(span.block_ids) * kv_cache.block_size < span.context_len
+            or max(span.block_ids) >= kv_cache.num_blocks
+        ):
             raise RuntimeError(
-                f"decode over {span.context_len} tokens in blocks {span.block_ids[:8]}... "
-                f"does not fit a cache of {kv_cache.num_blocks} blocks"
+                f"{span.context_len} tokens in blocks {span.block_ids[:8]}... "
+                f"do not fit a cache of {kv_cache.num_blocks} blocks"
             )
+
+
+def _paged_decode(spans: list[SequenceSpan], kv_cache: PagedKVCache, only_decodes: bool) -> PagedDecode:
+    """only_decodes: the step has no prefill tokens."""
+    _check_fits(spans, kv_cache)
+    width = max(len(s.block_ids) for s in spans)
     starts = [s.token_start for s in spans]
     return PagedDecode(
         token_index=torch.tensor(starts),
         block_table=torch.tensor([_padded_blocks(s.block_ids, width) for s in spans], dtype=torch.long),
         context_lens=torch.tensor([s.context_len for s in spans], dtype=torch.long),
         whole_step=only_decodes and starts == list(range(len(spans))),
+    )
+
+
+def _paged_prefill(spans: list[SequenceSpan], kv_cache: PagedKVCache) -> PagedPrefill:
+    _check_fits(spans, kv_cache)
+    lengths = [s.context_len for s in spans]
+    slot_start = [0]
+    for length in lengths[:-1]:
+        slot_start.append(slot_start[-1] + length)
+    return PagedPrefill(
+        token_start=torch.tensor([s.token_start for s in spans], dtype=torch.long),
+        num_new=torch.tensor([s.num_new for s in spans], dtype=torch.long),
+        num_cached=torch.tensor([s.num_cached for s in spans], dtype=torch.long),
+        slot_start=torch.tensor(slot_start, dtype=torch.long),
+        slots=torch.cat([_context_slots(s, kv_cache.block_size, 0, s.context_len) for s in spans]),
     )
 
 
@@ -223,7 +265,7 @@ def build_step_attention(
     varlen = None
     prefills: list[PrefillAttention] = []
     decodes: list[DecodeAttention] = []
-    paged_decode = None
+    paged_decode = paged_prefill = None
     if backend == "flash_attn":
         context_slots = [_context_slots(s, block_size, 0, s.context_len) for s in spans]
         varlen = VarlenAttention(
@@ -234,19 +276,24 @@ def build_step_attention(
             max_seqlen_k=max(s.context_len for s in spans),
         )
     else:
-        for span in spans:
-            if span.num_new > 1:
-                prefills.append(
-                    PrefillAttention(
-                        token_start=span.token_start,
-                        token_end=span.token_start + span.num_new,
-                        num_cached=span.num_cached,
-                        kv_slots=_context_slots(span, block_size, 0, span.context_len).to(device),
-                    )
+        prefill_spans = [s for s in spans if s.num_new > 1]
+        prefill_kernel = kv_cache.shape.value_dim % PREFILL_KERNEL_VALUE_DIM_MULTIPLE == 0
+        if backend == "cpu_paged" and prefill_kernel and prefill_spans:
+            paged_prefill = _paged_prefill(prefill_spans, kv_cache)
+            prefill_spans = []
+        for span in prefill_spans:
+            prefills.append(
+                PrefillAttention(
+                    token_start=span.token_start,
+                    token_end=span.token_start + span.num_new,
+                    num_cached=span.num_cached,
+                    kv_slots=_context_slots(span, block_size, 0, span.context_len).to(device),
                 )
+            )
         decode_spans = [s for s in spans if s.num_new == 1]
         if backend == "cpu_paged" and decode_spans:
-            paged_decode = _paged_decode(decode_spans, kv_cache, only_decodes=not prefills)
+            only_decodes = not prefills and paged_prefill is None
+            paged_decode = _paged_decode(decode_spans, kv_cache, only_decodes)
         else:
             decodes = [
                 _decode_attention(group, block_size, kv_cache.shape.num_kv_heads, device)
@@ -260,6 +307,7 @@ def build_step_attention(
         decodes=decodes,
         varlen=varlen,
         paged_decode=paged_decode,
+        paged_prefill=paged_prefill,
     )
 
 

@@ -30,8 +30,10 @@ from executor_service.attention_metadata import (
     PagedDecode,
     StepAttention,
 )
-from executor_service.decode_kernel import KernelUnavailable, load_decode_kernel
+from executor_service.cpu_kernels import KernelUnavailable, load_kernel_library
+from executor_service.decode_kernel import load_decode_kernel
 from executor_service.kv_cache import PagedKVCache
+from executor_service.prefill_kernel import load_prefill_kernel
 
 logger = logging.getLogger(__name__)
 
@@ -90,7 +92,7 @@ FLASH_ATTN_DTYPES = (torch.float16, torch.bfloat16)
 
 
 # sdpa: torch only (decodes gathered from their blocks into padded batches);
-# cpu_paged: decodes through our C kernel reading K/V where they lie, prefills through SDPA;
+# cpu_paged: decodes and prefills through our C kernels reading K/V where they lie;
 # flash_attn: CUDA varlen kernels.
 BACKENDS = ("sdpa", "cpu_paged", "flash_attn")
 
@@ -114,12 +116,12 @@ def select_backend(device: torch.device, dtype: torch.dtype, requested: str = "a
         )
     if requested in ("auto", "cpu_paged") and device.type == "cpu" and dtype == torch.float32:
         try:
-            load_decode_kernel()
+            load_kernel_library()
             return "cpu_paged"
         except KernelUnavailable as error:
             if requested == "cpu_paged":
                 raise BackendUnavailable(f"cpu_paged: {error}") from error
-            logger.warning("event=decode_kernel_unavailable fallback=sdpa reason=%r", str(error))
+            logger.warning("event=cpu_kernels_unavailable fallback=sdpa reason=%r", str(error))
     elif requested == "cpu_paged":
         raise BackendUnavailable("cpu_paged needs the CPU and float32")
     if requested in BACKENDS:
@@ -197,6 +199,18 @@ def _sdpa(
     if paged is not None and paged.whole_step:
         return _kernel_decode(q, key_cache, value_cache, paged, step.kv_cache.block_size, shaping)
     out = q.new_empty(q.shape[0], q.shape[1], value_cache.shape[2])
+    if step.paged_prefill is not None:
+        load_prefill_kernel()(
+            q,
+            key_cache,
+            value_cache,
+            step.paged_prefill,
+            shaping.scale if shaping.scale is not None else q.shape[-1] ** -0.5,
+            shaping.window,
+            shaping.softcap,
+            shaping.sinks,
+            out,
+        )
     for seq in step.prefills:
         # [heads, new, dim] against [kv_heads, context, dim]
         queries = q[seq.token_start : seq.token_end].transpose(0, 1)

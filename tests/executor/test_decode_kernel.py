@@ -4,6 +4,7 @@ kernel cannot be built falls back to SDPA, or refuses cpu_paged when it was aske
 
 from __future__ import annotations
 
+import ctypes
 from pathlib import Path
 
 import pytest
@@ -11,11 +12,8 @@ import torch
 
 from executor_service import decode_kernel, paged_attention
 from executor_service.attention_math import explicit_attention
-from executor_service.decode_kernel import (
-    KernelUnavailable,
-    build_kernel,
-    load_decode_kernel,
-)
+from executor_service.cpu_kernels import KernelUnavailable, build_kernel
+from executor_service.decode_kernel import load_decode_kernel
 from executor_service.kv_cache import KVCacheShape, PagedKVCache
 from executor_service.model_loader import load_model
 from executor_service.paged_attention import BackendUnavailable, select_backend
@@ -131,10 +129,10 @@ def test_without_a_compiler_auto_falls_back_to_sdpa_and_cpu_paged_is_refused(
     with pytest.raises(KernelUnavailable, match="no C compiler"):
         build_kernel()
 
-    def unavailable() -> decode_kernel.DecodeKernel:
+    def unavailable() -> ctypes.CDLL:
         raise KernelUnavailable("no C compiler: 'cc' is not on PATH")
 
-    monkeypatch.setattr(paged_attention, "load_decode_kernel", unavailable)
+    monkeypatch.setattr(paged_attention, "load_kernel_library", unavailable)
     assert select_backend(CPU, torch.float32) == "sdpa"
     with pytest.raises(BackendUnavailable, match="no C compiler"):
         select_backend(CPU, torch.float32, "cpu_paged")

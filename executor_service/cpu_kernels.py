@@ -1,0 +1,151 @@
+"""The C attention kernels (kernels/*.c): built once per machine into one shared library, loaded
+with ctypes. decode_kernel.py and prefill_kernel.py wrap its two functions.
+
+Plain C files need only the system's C compiler (no torch headers, no ninja) and build in about
+a second.
+
+The shared library is cached under $SPLITSERVE_KERNEL_CACHE (default
+$XDG_CACHE_HOME/splitserve/kernels, else ~/.cache/splitserve/kernels), keyed by the source,
+the flags, the compiler and the CPU's feature flags (it is built with -march=native), and is
+written under a temporary name and renamed, so executors starting together never load half a
+file.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+SOURCES = tuple(Path(__file__).with_name("kernels") / name for name in ("paged_decode.c", "paged_prefill.c"))
+# -ffast-math lets the exponentials and reductions vectorise (glibc's vector expf). Compiling
+# and linking are separate steps so that the link, without -ffast-math, does not pull in
+# crtfastmath.o, which would switch the whole process to flush-denormals-to-zero on load.
+COMPILE_FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffast-math", "-fPIC", "-std=gnu11")
+LINK_FLAGS = ("-shared", "-fopenmp")
+BUILD_TIMEOUT_S = 120.0
+
+
+class KernelUnavailable(RuntimeError):
+    """The kernel cannot be built or loaded here; the reason is the message."""
+
+
+def kernel_cache_dir() -> Path:
+    explicit = os.environ.get("SPLITSERVE_KERNEL_CACHE")
+    if explicit:
+        return Path(explicit)
+    base = os.environ.get("XDG_CACHE_HOME")
+    if not base:
+        try:
+            base = str(Path.home() / ".cache")
+        except RuntimeError:  # no home directory (some containers run as an unnamed uid)
+            base = tempfile.gettempdir()
+    return Path(base) / "splitserve" / "kernels"
+
+
+def _compiler() -> str:
+    name = os.environ.get("CC", "cc")
+    path = shutil.which(name)
+    if path is None:
+        raise KernelUnavailable(f"no C compiler: {name!r} is not on PATH (set CC)")
+    return path
+
+
+def _build_key(compiler: str) -> str:
+    try:
+        version = subprocess.run(
+            [compiler, "--version"], capture_output=True, text=True, timeout=30, check=True
+        ).stdout
+    except (OSError, subprocess.SubprocessError) as error:
+        raise KernelUnavailable(f"{compiler} --version failed: {error}") from error
+    digest = hashlib.sha256()
+    flags = " ".join((*COMPILE_FLAGS, *LINK_FLAGS)).encode()
+    for part in (*(source.read_bytes() for source in SOURCES), flags, version.encode(), _cpu_features()):
+        digest.update(part)
+        digest.update(b"\0")
+    return digest.hexdigest()[:16]
+
+
+def _cpu_features() -> bytes:
+    """What -march=native depends on: the architecture and, on Linux, the CPU's feature flags."""
+    features = platform.machine().encode()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return features + line.encode()
+    except OSError:
+        pass
+    return features + platform.processor().encode()
+
+
+def build_kernel() -> Path:
+    """The shared library's path, compiled first when this machine has none cached."""
+    compiler = _compiler()
+    directory = kernel_cache_dir()
+    target = directory / f"attention-{_build_key(compiler)}.so"
+    if target.is_file():
+        return target
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        scratch = Path(tempfile.mkdtemp(dir=directory, prefix=".build-"))
+    except OSError as error:
+        raise KernelUnavailable(f"kernel cache {directory} is not writable: {error}") from error
+    try:
+        objects = [scratch / f"{source.stem}.o" for source in SOURCES]
+        for source, obj in zip(SOURCES, objects, strict=True):
+            _run([compiler, *COMPILE_FLAGS, "-c", str(source), "-o", str(obj)])
+        library = scratch / "attention.so"
+        _run([compiler, *LINK_FLAGS, *map(str, objects), "-o", str(library), "-lm"])
+        os.replace(library, target)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    logger.info("event=cpu_kernels_built path=%s", target)
+    return target
+
+
+def _run(command: list[str]) -> None:
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
+    except (OSError, subprocess.SubprocessError) as error:
+        raise KernelUnavailable(f"{' '.join(command)} failed: {error}") from error
+    if done.returncode != 0:
+        raise KernelUnavailable(f"{' '.join(command)} failed: {done.stderr.strip()[-500:]}")
+
+
+def attention_function(library: ctypes.CDLL, name: str, pointers: int, sizes: int) -> Any:
+    """`name` from the library with its arguments declared: both kernels take `pointers`
+    tensors (void *), `sizes` int64 sizes, then scale, window, soft-cap and thread count, and
+    return 0, or 1 when their scratch memory could not be had."""
+    function = getattr(library, name)
+    function.argtypes = [ctypes.c_void_p] * pointers + [ctypes.c_int64] * sizes + [
+        ctypes.c_float,
+        ctypes.c_int64,
+        ctypes.c_float,
+        ctypes.c_int,
+    ]
+    function.restype = ctypes.c_int
+    return function
+
+
+@functools.cache
+def load_kernel_library() -> ctypes.CDLL:
+    """The library, built if needed; raises KernelUnavailable saying why it cannot be had.
+
+    Cached: a loaded shared library is process-wide and immutable, so one load serves every
+    step; a failure is not cached and is retried by the next caller.
+    """
+    library = build_kernel()
+    try:
+        return ctypes.CDLL(str(library))
+    except OSError as error:
+        raise KernelUnavailable(f"cannot load {library}: {error}") from error
