@@ -16,7 +16,7 @@ ENV PYTHONUNBUFFERED=1 \
     HF_HUB_OFFLINE=1 \
     SPLITSERVE_CACHE=/models/SmolLM2-135M-Instruct
 
-# A C compiler: the executor builds its decode attention kernel (executor_service/kernels) for
+# A C compiler: the executor builds its attention kernels (executor_service/kernels) for
 # the CPU it runs on, at first start; without one it falls back to the slower SDPA path.
 RUN apt-get update \
     && apt-get install --yes --no-install-recommends gcc libc6-dev \
