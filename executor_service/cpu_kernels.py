@@ -1,5 +1,5 @@
 """The C attention kernels (kernels/*.c): built once per machine into one shared library, loaded
-with ctypes. decode_kernel.py and prefill_kernel.py wrap its two functions.
+with ctypes. decode_kernel.py, prefill_kernel.py and layer_kernels.py wrap its functions.
 
 Plain C files need only the system's C compiler (no torch headers, no ninja) and build in about
 a second.
@@ -27,7 +27,10 @@ from typing import Any
 
 logger = logging.getLogger(__name__)
 
-SOURCES = tuple(Path(__file__).with_name("kernels") / name for name in ("paged_decode.c", "paged_prefill.c"))
+SOURCES = tuple(
+    Path(__file__).with_name("kernels") / name
+    for name in ("paged_decode.c", "paged_prefill.c", "layer_elementwise.c")
+)
 # -ffast-math lets the exponentials and reductions vectorise (glibc's vector expf). Compiling
 # and linking are separate steps so that the link, without -ffast-math, does not pull in
 # crtfastmath.o, which would switch the whole process to flush-denormals-to-zero on load.

@@ -8,9 +8,11 @@ from dataclasses import dataclass
 
 import torch
 
+from executor_service.cpu_kernels import KernelUnavailable
 from executor_service.fused_layers import fuse_layers
 from executor_service.kv_budget import decide_num_blocks
 from executor_service.kv_cache import KVCacheShape, PagedKVCache
+from executor_service.layer_kernels import LayerKernels, load_layer_kernels
 from executor_service.model_loader import dtype_name, load_model
 from executor_service.model_runner import ModelRunner
 from executor_service.packed_linear import pack_linears, packing_available
@@ -33,6 +35,15 @@ class ReadyExecutor:
     info: executor_pb2.ExecutorInfo
 
 
+def _layer_kernels() -> LayerKernels | None:
+    """The C elementwise passes, or None (torch's operations) where they cannot be built; the
+    reason is logged once, by the attention backend's choice."""
+    try:
+        return load_layer_kernels()
+    except KernelUnavailable:
+        return None
+
+
 def build_executor(settings: ExecutorSettings, device: str | None = None) -> ReadyExecutor:
     """device: this rank's device under tensor parallelism (every rank calls this together,
     in the initialized group); settings.device otherwise."""
@@ -49,7 +60,7 @@ def build_executor(settings: ExecutorSettings, device: str | None = None) -> Rea
     )
     # Packing replaces the linear layers, which under TP hold sharded weights and collectives.
     if settings.packed_linear and not parallel and packing_available(loaded.device, loaded.dtype):
-        fuse_layers(loaded.model)
+        fuse_layers(loaded.model, _layer_kernels())
         pack_linears(loaded.model)
     backend = select_backend(loaded.device, loaded.dtype, settings.attention_backend)
     shape = KVCacheShape(

@@ -1,0 +1,77 @@
+"""The C elementwise passes of the fused Llama layers (kernels/layer_elementwise.c): RMSNorm,
+RoPE in place, and SiLU-times-up, each one pass instead of torch's two to six operations.
+
+SmolLM2-135M (bench.step_profile, two runs each, interleaved, AMD EPYC, 2 threads): 2,048-token
+prefill steps 2,421/2,407 -> 2,348/2,275 ms, decode steps 81.7/78.5 -> 79.9/74.9 ms.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import torch
+
+from executor_service.cpu_kernels import load_kernel_library
+
+
+class LayerKernels:
+    """The three passes, with their argument types declared once. Each takes float32 tensors
+    and checks the layout the C code assumes."""
+
+    def __init__(self, library: ctypes.CDLL) -> None:
+        pointer, size, real, threads = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
+        self._rms_norm = _declare(library.rms_norm, [pointer] * 3 + [size] * 2 + [real, threads])
+        self._silu_mul = _declare(library.silu_mul, [pointer] * 2 + [size] * 2 + [threads])
+        self._rope = _declare(library.rope, [pointer] * 3 + [size] * 4 + [threads])
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """weight * x / sqrt(mean(x^2) + eps) over the last dimension."""
+        x = _float32(x).contiguous()
+        weight = _float32(weight).contiguous()
+        dim = x.shape[-1]
+        if weight.shape != (dim,):
+            raise ValueError(f"RMSNorm weight {tuple(weight.shape)} does not fit rows of {dim}")
+        out = torch.empty_like(x)
+        self._rms_norm(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.numel() // dim, dim, eps, torch.get_num_threads())
+        return out
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up, for [..., 2 * width] holding gate then up side by side."""
+        gate_up = _float32(gate_up).contiguous()
+        width = gate_up.shape[-1] // 2
+        if gate_up.shape[-1] != 2 * width:
+            raise ValueError(f"gate and up side by side need an even width, not {gate_up.shape[-1]}")
+        out = gate_up.new_empty(*gate_up.shape[:-1], width)
+        self._silu_mul(gate_up.data_ptr(), out.data_ptr(), out.numel() // max(width, 1), width, torch.get_num_threads())
+        return out
+
+    def rope_(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+        """x [rows, heads, dim] (heads contiguous, rows may be strided) rotated in place by
+        cos and sin [rows, dim]."""
+        rows, heads, dim = x.shape
+        _float32(x)
+        if x.stride(2) != 1 or x.stride(1) != dim or dim % 2:
+            raise ValueError(f"RoPE in place needs contiguous heads of even width, not strides {x.stride()}")
+        cos, sin = _float32(cos).contiguous(), _float32(sin).contiguous()
+        if cos.shape != (rows, dim) or sin.shape != (rows, dim):
+            raise ValueError(f"cos {tuple(cos.shape)} and sin {tuple(sin.shape)} are not {(rows, dim)}")
+        self._rope(x.data_ptr(), cos.data_ptr(), sin.data_ptr(), rows, heads, dim, x.stride(0), torch.get_num_threads())
+
+
+def _declare(function: ctypes._CFuncPtr, argtypes: list[type]) -> ctypes._CFuncPtr:
+    function.argtypes = argtypes
+    function.restype = None
+    return function
+
+
+def _float32(tensor: torch.Tensor) -> torch.Tensor:
+    if tensor.dtype != torch.float32 or tensor.device.type != "cpu":
+        raise ValueError(f"the layer kernels take float32 CPU tensors, not {tensor.dtype} on {tensor.device}")
+    return tensor
+
+
+@functools.cache
+def load_layer_kernels() -> LayerKernels:
+    """The kernels; raises cpu_kernels.KernelUnavailable saying why they cannot be had."""
+    return LayerKernels(load_kernel_library())
