@@ -51,6 +51,8 @@ class EngineOptions:
     max_waiting: int = 10_000
     # Routing: cached prompt tokens worth one more queued request (core/router.py).
     route_tokens_per_request: int = DEFAULT_TOKENS_PER_REQUEST
+    # Tokens a stream gathers before sending them (service/output_stream.py).
+    stream_interval: int = 1
 
 
 class EngineUnavailable(RequestRejected):
@@ -220,7 +222,7 @@ class Engine:
             )
         request.arrival_index = next(self._arrivals)
         request.arrival_time = request.arrival_time or time.monotonic()
-        stream = request.output = OutputStream(request, self.text)
+        stream = request.output = OutputStream(request, self.text, self.options.stream_interval)
         if self.tracing.enabled:
             self.tracing.request_started(stream, trace_carrier or {})
         if serving:

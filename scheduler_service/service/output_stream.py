@@ -25,13 +25,20 @@ StreamItem = pb.GenerateResponse | RequestError | None
 
 
 class OutputStream:
-    """Messages for one Generate call, queued for the servicer that streams them."""
+    """Messages for one Generate call, queued for the servicer that streams them.
 
-    def __init__(self, request: Request, text: TextProcessor | None) -> None:
+    stream_interval: tokens gathered before they are sent (the scheduler's --stream-interval).
+    The first token goes at once, for the time to first token, and so does anything that is not
+    a token message (the end of the stream, an error); held tokens leave with it."""
+
+    def __init__(self, request: Request, text: TextProcessor | None, stream_interval: int = 1) -> None:
         self.request = request
         self._text = text
         self._items: deque[StreamItem] = deque()
         self._ready = asyncio.Event()
+        self._stream_interval = stream_interval
+        self._held_tokens = 0
+        self._first_sent = False
         self.closed = False
         # When tokens last reached this stream (time.monotonic), for the inter-token latency.
         self.last_tokens_at: float | None = None
@@ -74,13 +81,20 @@ class OutputStream:
 
     def send(self, item: StreamItem) -> None:
         self._items.append(item)
+        if isinstance(item, pb.GenerateResponse) and self._first_sent:
+            self._held_tokens += len(item.token_ids)
+            if self._held_tokens < self._stream_interval:
+                return
+        self._first_sent = True
+        self._held_tokens = 0
         self._ready.set()
 
     async def next_item(self) -> StreamItem:
-        """The next item to send. Token messages queued behind a message are folded into it, so
-        a stream whose client or event loop fell behind catches up in one message instead of
-        one per step: the cost of sending stays per step, not per token."""
-        while not self._items:
+        """The next item to send, once the stream interval lets it go. Token messages queued
+        behind a message are folded into it, so a stream whose client or event loop fell behind
+        catches up in one message instead of one per step: the cost of sending stays per step,
+        not per token."""
+        while not (self._items and self._ready.is_set()):
             self._ready.clear()
             await self._ready.wait()
         item = self._items.popleft()
@@ -90,6 +104,8 @@ class OutputStream:
                 text = item.text + following.text
                 item.MergeFrom(following)
                 item.text = text
+        if not self._items:
+            self._ready.clear()
         return item
 
     def close(self, message: pb.GenerateResponse | None = None) -> None:

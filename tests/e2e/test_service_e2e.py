@@ -52,10 +52,14 @@ def test_32_concurrent_streams_match_transformers_and_free_every_block(executor:
     assert status.num_running == status.num_waiting == 0
 
 
-def test_outputs_survive_preemption_in_a_small_kv_pool(model_dir: Path, reference: Reference) -> None:
+def test_outputs_survive_preemption_in_a_small_kv_pool_with_tokens_sent_in_groups(
+    model_dir: Path, reference: Reference
+) -> None:
     jobs = workload(32, seed=2)
     with start_executor(model_dir, num_kv_blocks=40, block_size=BLOCK_SIZE) as (executor_address, _):
-        with start_scheduler(executor_address, max_num_seqs=32, max_num_batched_tokens=512) as address:
+        # Tokens held for a group when their request is preempted are sent all the same.
+        flags = {"max_num_seqs": 32, "max_num_batched_tokens": 512, "stream_interval": 3}
+        with start_scheduler(executor_address, **flags) as address:
             outputs = asyncio.run(stream_all(address, jobs))
             with Client(address) as client:
                 status = client.server_status()

@@ -1,5 +1,6 @@
 """A stream that fell behind catches up in one message: the tokens, text and logprobs of the
-messages queued behind the next one are folded into it, in order, and nothing else is."""
+messages queued behind the next one are folded into it, in order, and nothing else is. With a
+stream interval, tokens leave in groups, the first token and the end at once."""
 
 import asyncio
 
@@ -45,3 +46,32 @@ def test_an_error_is_never_folded_into_the_tokens_before_it() -> None:
     first, second = asyncio.run(scenario())
     assert isinstance(first, pb.GenerateResponse) and list(first.token_ids) == [5]
     assert second == RequestError(ErrorKind.INTERNAL, "lost")
+
+
+def test_a_stream_interval_sends_the_first_token_at_once_then_gathers_tokens() -> None:
+    async def scenario() -> list[object]:
+        request = Request("r", [1, 2], SamplingParams(max_tokens=9))
+        stream = OutputStream(request, None, stream_interval=3)
+        sent: list[object] = []
+
+        async def drain() -> None:
+            while (item := await stream.next_item()) is not None:
+                sent.append(item)
+
+        servicer = asyncio.create_task(drain())
+        for token in range(5, 11):
+            stream.send(_message([token], str(token)))
+            await asyncio.sleep(0)
+        await asyncio.sleep(0)
+        released = [list(m.token_ids) for m in sent]
+        request.finish_reason = FinishReason.LENGTH
+        stream.close(_message([11], "11"))
+        await servicer
+        return [released, sent]
+
+    released, sent = asyncio.run(scenario())
+    # The first token alone, then three at a time; the last two wait for the end, which
+    # takes them along with its own token.
+    assert released == [[5], [6, 7, 8]]
+    assert [list(m.token_ids) for m in sent] == [[5], [6, 7, 8], [9, 10, 11]]
+    assert sent[-1].text == "91011" and sent[-1].finish_reason == pb.FINISH_REASON_LENGTH
