@@ -104,6 +104,8 @@ class OutputStream:
                 text = item.text + following.text
                 item.MergeFrom(following)
                 item.text = text
+            # Tokens that arrived after the release leave with it, so none are held any more.
+            self._held_tokens = 0
         if not self._items:
             self._ready.clear()
         return item

@@ -75,3 +75,31 @@ def test_a_stream_interval_sends_the_first_token_at_once_then_gathers_tokens() -
     assert released == [[5], [6, 7, 8]]
     assert [list(m.token_ids) for m in sent] == [[5], [6, 7, 8], [9, 10, 11]]
     assert sent[-1].text == "91011" and sent[-1].finish_reason == pb.FINISH_REASON_LENGTH
+
+
+def test_tokens_that_leave_early_with_a_group_do_not_count_towards_the_next() -> None:
+    async def scenario() -> list[list[int]]:
+        request = Request("r", [1], SamplingParams(max_tokens=9))
+        stream = OutputStream(request, None, stream_interval=3)
+        sent: list[list[int]] = []
+
+        async def drain() -> None:
+            while (item := await stream.next_item()) is not None:
+                sent.append(list(item.token_ids))
+
+        servicer = asyncio.create_task(drain())
+        stream.send(_message([5], "a"))
+        await asyncio.sleep(0)
+        for token in (6, 7, 8, 9):  # the fourth arrives before the servicer takes the group
+            stream.send(_message([token], "b"))
+        for token in (10, 11, 12):
+            await asyncio.sleep(0)
+            stream.send(_message([token], "c"))
+        await asyncio.sleep(0)
+        groups = list(sent)
+        request.finish_reason = FinishReason.LENGTH
+        stream.close()
+        await servicer
+        return groups
+
+    assert asyncio.run(scenario()) == [[5], [6, 7, 8, 9], [10, 11, 12]]
