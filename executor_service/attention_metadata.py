@@ -6,6 +6,7 @@ is only the cache write, the gather and the kernel.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 import torch
@@ -238,10 +239,7 @@ def _paged_decode(spans: list[SequenceSpan], kv_cache: PagedKVCache, only_decode
 
 def _paged_prefill(spans: list[SequenceSpan], kv_cache: PagedKVCache) -> PagedPrefill:
     _check_fits(spans, kv_cache)
-    lengths = [s.context_len for s in spans]
-    slot_start = [0]
-    for length in lengths[:-1]:
-        slot_start.append(slot_start[-1] + length)
+    slot_start = list(itertools.accumulate((s.context_len for s in spans[:-1]), initial=0))
     return PagedPrefill(
         token_start=torch.tensor([s.token_start for s in spans], dtype=torch.long),
         num_new=torch.tensor([s.num_new for s in spans], dtype=torch.long),

@@ -1,11 +1,11 @@
-"""The C attention kernels (kernels/*.c): built once per machine into one shared library, loaded
-with ctypes. decode_kernel.py, prefill_kernel.py and layer_kernels.py wrap its functions.
+"""The C kernels (kernels/*.c): built once per machine into one shared library, loaded with
+ctypes. decode_kernel.py, prefill_kernel.py and layer_kernels.py wrap its functions.
 
 Plain C files need only the system's C compiler (no torch headers, no ninja) and build in about
 a second.
 
 The shared library is cached under $SPLITSERVE_KERNEL_CACHE (default
-$XDG_CACHE_HOME/splitserve/kernels, else ~/.cache/splitserve/kernels), keyed by the source,
+$XDG_CACHE_HOME/splitserve/kernels, else ~/.cache/splitserve/kernels), keyed by the sources,
 the flags, the compiler and the CPU's feature flags (it is built with -march=native), and is
 written under a temporary name and renamed, so executors starting together never load half a
 file.
@@ -95,7 +95,7 @@ def build_kernel() -> Path:
     """The shared library's path, compiled first when this machine has none cached."""
     compiler = _compiler()
     directory = kernel_cache_dir()
-    target = directory / f"attention-{_build_key(compiler)}.so"
+    target = directory / f"cpu-kernels-{_build_key(compiler)}.so"
     if target.is_file():
         return target
     try:
@@ -107,7 +107,7 @@ def build_kernel() -> Path:
         objects = [scratch / f"{source.stem}.o" for source in SOURCES]
         for source, obj in zip(SOURCES, objects, strict=True):
             _run([compiler, *COMPILE_FLAGS, "-c", str(source), "-o", str(obj)])
-        library = scratch / "attention.so"
+        library = scratch / "cpu-kernels.so"
         _run([compiler, *LINK_FLAGS, *map(str, objects), "-o", str(library), "-lm"])
         os.replace(library, target)
     finally:
@@ -125,19 +125,20 @@ def _run(command: list[str]) -> None:
         raise KernelUnavailable(f"{' '.join(command)} failed: {done.stderr.strip()[-500:]}")
 
 
-def attention_function(library: ctypes.CDLL, name: str, pointers: int, sizes: int) -> Any:
-    """`name` from the library with its arguments declared: both kernels take `pointers`
-    tensors (void *), `sizes` int64 sizes, then scale, window, soft-cap and thread count, and
-    return 0, or 1 when their scratch memory could not be had."""
-    function = getattr(library, name)
-    function.argtypes = [ctypes.c_void_p] * pointers + [ctypes.c_int64] * sizes + [
-        ctypes.c_float,
-        ctypes.c_int64,
-        ctypes.c_float,
-        ctypes.c_int,
-    ]
-    function.restype = ctypes.c_int
+def declare(function: Any, argtypes: list[Any], restype: Any) -> Any:
+    """`function` from the library, with its C signature declared for ctypes' conversions."""
+    function.argtypes = argtypes
+    function.restype = restype
     return function
+
+
+def attention_function(library: ctypes.CDLL, name: str, pointers: int, sizes: int) -> Any:
+    """`name` from the library with its arguments declared: both attention kernels take
+    `pointers` tensors (void *), `sizes` int64 sizes, then scale, window, soft-cap and thread
+    count, and return 0, or 1 when their scratch memory could not be had."""
+    tail = [ctypes.c_float, ctypes.c_int64, ctypes.c_float, ctypes.c_int]
+    argtypes = [ctypes.c_void_p] * pointers + [ctypes.c_int64] * sizes + tail
+    return declare(getattr(library, name), argtypes, ctypes.c_int)
 
 
 @functools.cache

@@ -39,7 +39,7 @@ class DecodeKernel:
 
         The C code trusts shapes and memory layout, so they are checked here; that every block
         id lies in the cache and every context fits its table is checked once per step, where
-        the table is built (attention_metadata.paged_decode).
+        the table is built (attention_metadata._paged_decode).
         """
         batch, heads, key_dim = queries.shape
         kv_heads, value_dim = key_cache.shape[1], value_cache.shape[2]

@@ -12,7 +12,7 @@ import functools
 
 import torch
 
-from executor_service.cpu_kernels import load_kernel_library
+from executor_service.cpu_kernels import declare, load_kernel_library
 
 
 class LayerKernels:
@@ -21,9 +21,9 @@ class LayerKernels:
 
     def __init__(self, library: ctypes.CDLL) -> None:
         pointer, size, real, threads = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
-        self._rms_norm = _declare(library.rms_norm, [pointer] * 3 + [size] * 2 + [real, threads])
-        self._silu_mul = _declare(library.silu_mul, [pointer] * 2 + [size] * 2 + [threads])
-        self._rope = _declare(library.rope, [pointer] * 3 + [size] * 4 + [threads])
+        self._rms_norm = declare(library.rms_norm, [pointer] * 3 + [size] * 2 + [real, threads], None)
+        self._silu_mul = declare(library.silu_mul, [pointer] * 2 + [size] * 2 + [threads], None)
+        self._rope = declare(library.rope, [pointer] * 3 + [size] * 4 + [threads], None)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """weight * x / sqrt(mean(x^2) + eps) over the last dimension."""
@@ -57,12 +57,6 @@ class LayerKernels:
         if cos.shape != (rows, dim) or sin.shape != (rows, dim):
             raise ValueError(f"cos {tuple(cos.shape)} and sin {tuple(sin.shape)} are not {(rows, dim)}")
         self._rope(x.data_ptr(), cos.data_ptr(), sin.data_ptr(), rows, heads, dim, x.stride(0), torch.get_num_threads())
-
-
-def _declare(function: ctypes._CFuncPtr, argtypes: list[type]) -> ctypes._CFuncPtr:
-    function.argtypes = argtypes
-    function.restype = None
-    return function
 
 
 def _float32(tensor: torch.Tensor) -> torch.Tensor:

@@ -44,7 +44,7 @@ class PrefillKernel:
         queries [tokens, heads, key_dim] (token rows may be strided, heads not), out [tokens,
         heads, value_dim] contiguous. The C code trusts shapes and memory layout, so they are
         checked here; that every slot lies in the cache is checked where the slots are made
-        (attention_metadata.paged_prefill).
+        (attention_metadata._paged_prefill).
         """
         tokens, heads, key_dim = queries.shape
         kv_heads, value_dim = key_cache.shape[1], value_cache.shape[2]

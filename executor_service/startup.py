@@ -37,7 +37,8 @@ class ReadyExecutor:
 
 def _layer_kernels() -> LayerKernels | None:
     """The C elementwise passes, or None (torch's operations) where they cannot be built; the
-    reason is logged once, by the attention backend's choice."""
+    event=layers_fused line says which, and under --attention-backend auto the backend's choice
+    logs why."""
     try:
         return load_layer_kernels()
     except KernelUnavailable:
