@@ -182,6 +182,10 @@ class _Shaping:
     softcap: float | None
     sinks: torch.Tensor | None
 
+    def kernel_scale(self, key_dim: int) -> float:
+        """The scale the C kernels apply: the layer's, else SDPA's default 1/sqrt(key_dim)."""
+        return self.scale if self.scale is not None else key_dim**-0.5
+
     @property
     def explicit(self) -> bool:
         """SDPA has neither soft-capping nor sinks."""
@@ -205,7 +209,7 @@ def _sdpa(
             key_cache,
             value_cache,
             step.paged_prefill,
-            shaping.scale if shaping.scale is not None else q.shape[-1] ** -0.5,
+            shaping.kernel_scale(q.shape[-1]),
             shaping.window,
             shaping.softcap,
             shaping.sinks,
@@ -262,7 +266,7 @@ def _kernel_decode(
         decodes.block_table,
         decodes.context_lens,
         block_size,
-        shaping.scale if shaping.scale is not None else q.shape[-1] ** -0.5,
+        shaping.kernel_scale(q.shape[-1]),
         shaping.window,
         shaping.softcap,
         shaping.sinks,
