@@ -10,7 +10,7 @@ from pathlib import Path
 
 from executor_service.model_support import UnsupportedModel
 from executor_service.paged_attention import BACKENDS, BackendUnavailable
-from executor_service.server import ServeOptions, serve
+from executor_service.server import ServeOptions, serve, step_thread
 from executor_service.settings import (
     DEFAULT_BLOCK_SIZE,
     DEFAULT_DRAIN_TIMEOUT_S,
@@ -173,7 +173,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m executor_service"
     try:
         if settings.tensor_parallel_size > 1:
             return serve_tensor_parallel(settings, options)
-        executor = build_executor(settings)
+        worker = step_thread()
+        executor = worker.submit(build_executor, settings).result()
     except UnsupportedModel as refusal:
         # One line that says why, not a traceback: the model is the problem, not the code.
         logger.error("event=executor_refused model_type=%s reason=%r", refusal.model_type, refusal.reason)
@@ -181,7 +182,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m executor_service"
     except BackendUnavailable as refusal:
         logger.error("event=executor_refused reason=%r", str(refusal))
         return 1
-    asyncio.run(serve(executor, options))
+    asyncio.run(serve(executor, options, worker))
     return 0
 
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch.distributed as dist
 
 from executor_service.model_support import UnsupportedModel
-from executor_service.server import ServeOptions, serve
+from executor_service.server import ServeOptions, serve, step_thread
 from executor_service.settings import ExecutorSettings
 from executor_service.startup import build_executor
 from executor_service.tp_group import (
@@ -67,9 +67,10 @@ def serve_tensor_parallel(settings: ExecutorSettings, options: ServeOptions) -> 
         watch_followers(followers, stopping)
     place = RankPlace(0, world, rank_device(settings.device, 0))
     join_group(place, address, port)
-    executor = build_executor(settings, place.device)
+    worker = step_thread()
+    executor = worker.submit(build_executor, settings, place.device).result()
     broadcaster = PlanBroadcaster(executor.runner)
-    asyncio.run(serve(_ShardedExecutor(broadcaster, executor.info), options))
+    asyncio.run(serve(_ShardedExecutor(broadcaster, executor.info), options, worker))
     stopping.set()
     broadcaster.stop()
     for process in followers:

@@ -134,3 +134,36 @@ def test_a_new_stream_supersedes_the_active_one(channel: grpc.Channel) -> None:
     assert tokens == old_tokens
     new.step(pb.StepPlan(step_id=4, dropped_request_ids=["owned"]))
     new.close()
+
+
+def _threads_under_the_process_name(pid: int) -> int:
+    """Threads that keep the process's own name: Python's and native pools' (OpenMP, OpenBLAS),
+    not gRPC's, which name theirs."""
+    tasks = Path(f"/proc/{pid}/task")
+    name = (tasks / str(pid) / "comm").read_text()
+    return sum((task / "comm").read_text() == name for task in tasks.iterdir())
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="counts threads through /proc")
+def test_a_served_executor_runs_one_team_of_openmp_threads(model_dir: Path) -> None:
+    # libgomp keeps a team per thread that starts parallel regions; a second team makes more
+    # OpenMP threads than --threads asks for, and libgomp then all but stops busy-waiting
+    # between regions, which slowed every decode step (executor_service.server.step_thread).
+    counts = {}
+    for threads in (1, 3):
+        executor = ExecutorProcess(model_dir, num_kv_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, threads=threads)
+        try:
+            with grpc.insecure_channel(executor.wait_ready()) as channel:
+                stream = PlanStream(channel)
+                prompt = pb.NewRequest(
+                    request_id="r", token_ids=list(range(5, 37)), block_ids=[0, 1, 2, 3], num_scheduled_tokens=32
+                )
+                assert stream.step(pb.StepPlan(step_id=1, new_requests=[prompt])).outputs[0].token_ids
+                stream.close()
+            counts[threads] = _threads_under_the_process_name(executor.process.pid)
+        finally:
+            executor.close()
+    # Three threads where one needs none: one OpenMP team, the step thread and two workers, and
+    # two workers of torch's pthreadpool, which torch.set_num_threads sizes the same way. A
+    # second OpenMP team would add two more.
+    assert counts[3] - counts[1] == 4
