@@ -1,4 +1,4 @@
-"""The C kernels (kernels/*.c): built once per machine into one shared library, loaded with
+"""The C kernels (kernels/*.c, with their header): built once per machine into one shared library, loaded with
 ctypes. decode_kernel.py, prefill_kernel.py and layer_kernels.py wrap its functions.
 
 Plain C files need only the system's C compiler (no torch headers, no ninja) and build in about
@@ -27,10 +27,10 @@ from typing import Any
 
 logger = logging.getLogger(__name__)
 
-SOURCES = tuple(
-    Path(__file__).with_name("kernels") / name
-    for name in ("paged_decode.c", "paged_prefill.c", "layer_elementwise.c")
-)
+KERNEL_DIR = Path(__file__).with_name("kernels")
+SOURCES = tuple(KERNEL_DIR / name for name in ("paged_decode.c", "paged_prefill.c", "layer_elementwise.c"))
+# Included by the sources; part of the build key like them.
+HEADERS = (KERNEL_DIR / "softmax_exp.h",)
 # -ffast-math lets the exponentials and reductions vectorise (glibc's vector expf). Compiling
 # and linking are separate steps so that the link, without -ffast-math, does not pull in
 # crtfastmath.o, which would switch the whole process to flush-denormals-to-zero on load.
@@ -73,7 +73,7 @@ def _build_key(compiler: str) -> str:
         raise KernelUnavailable(f"{compiler} --version failed: {error}") from error
     digest = hashlib.sha256()
     flags = " ".join((*COMPILE_FLAGS, *LINK_FLAGS)).encode()
-    for part in (*(source.read_bytes() for source in SOURCES), flags, version.encode(), _cpu_features()):
+    for part in (*(path.read_bytes() for path in (*SOURCES, *HEADERS)), flags, version.encode(), _cpu_features()):
         digest.update(part)
         digest.update(b"\0")
     return digest.hexdigest()[:16]

@@ -23,6 +23,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "softmax_exp.h"
+
 typedef struct {
     const float *q, *key_cache, *value_cache, *sinks;
     const int64_t *block_table, *context_lens;
@@ -122,7 +124,7 @@ static inline __attribute__((always_inline)) int task(const Args *a, int64_t b, 
         float sum = a->sinks != NULL ? expf(sink - peak) : 0.0f;
 #pragma omp simd reduction(+ : sum)
         for (int64_t t = 0; t < n; t++) {
-            row[t] = expf(row[t] - peak);
+            row[t] = softmax_exp(row[t] - peak);
             sum += row[t];
         }
         inverse[h] = sum > 0.0f ? 1.0f / sum : 0.0f;

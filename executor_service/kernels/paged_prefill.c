@@ -32,6 +32,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "softmax_exp.h"
+
 /* One native vector, and how many rows a micro-kernel keeps in registers: ROWS x 4 vector
  * accumulators plus 4 loaded vectors must fit the register file (32 registers with AVX-512 and
  * on AArch64, 16 with AVX and SSE). */
@@ -199,7 +201,7 @@ static inline __attribute__((always_inline)) int attend(const Args *a, int64_t s
             float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
             for (int64_t j = lo; j < hi; j++) {
-                w[j] = expf(w[j] - top);
+                w[j] = softmax_exp(w[j] - top);
                 sum += w[j];
             }
             for (int64_t j = 0; j < lo; j++) w[j] = 0.0f;
