@@ -15,7 +15,7 @@ from executor_service.paged_attention import select_backend
 from protos.splitserve.executor.v1 import executor_pb2 as pb
 from protos.splitserve.executor.v1 import executor_pb2_grpc as pb_grpc
 from tests.helpers.executor_driver import PlanStream
-from tests.helpers.executor_process import ExecutorProcess, executor_channel
+from tests.helpers.executor_process import ExecutorProcess, start_executor
 from tests.helpers.model_factory import EOS_TOKEN_ID, VOCAB_SIZE, build_model
 
 SERVICE = "splitserve.executor.v1.Executor"
@@ -29,9 +29,16 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def channel(model_dir: Path) -> Iterator[grpc.Channel]:
-    with executor_channel(model_dir, num_kv_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE) as channel:
-        yield channel
+def served(model_dir: Path) -> Iterator[tuple[grpc.Channel, int]]:
+    """A channel to an executor with one torch thread, and its pid."""
+    with start_executor(model_dir, num_kv_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE) as (address, process):
+        with grpc.insecure_channel(address) as channel:
+            yield channel, process.pid
+
+
+@pytest.fixture(scope="module")
+def channel(served: tuple[grpc.Channel, int]) -> grpc.Channel:
+    return served[0]
 
 
 def test_describe(channel: grpc.Channel, model_dir: Path) -> None:
@@ -145,24 +152,27 @@ def _threads_under_the_process_name(pid: int) -> int:
 
 
 @pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="counts threads through /proc")
-def test_a_served_executor_runs_one_team_of_openmp_threads(model_dir: Path) -> None:
+def test_a_served_executor_runs_one_team_of_openmp_threads(
+    served: tuple[grpc.Channel, int], model_dir: Path
+) -> None:
     # libgomp keeps a team per thread that starts parallel regions; a second team makes more
     # OpenMP threads than --threads asks for, and libgomp then all but stops busy-waiting
     # between regions, which slowed every decode step (executor_service.server.step_thread).
+    prompt = pb.NewRequest(
+        request_id="team", token_ids=list(range(5, 37)), block_ids=[0, 1, 2, 3], num_scheduled_tokens=32
+    )
     counts = {}
-    for threads in (1, 3):
-        executor = ExecutorProcess(model_dir, num_kv_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, threads=threads)
-        try:
-            with grpc.insecure_channel(executor.wait_ready()) as channel:
-                stream = PlanStream(channel)
-                prompt = pb.NewRequest(
-                    request_id="r", token_ids=list(range(5, 37)), block_ids=[0, 1, 2, 3], num_scheduled_tokens=32
-                )
-                assert stream.step(pb.StepPlan(step_id=1, new_requests=[prompt])).outputs[0].token_ids
-                stream.close()
-            counts[threads] = _threads_under_the_process_name(executor.process.pid)
-        finally:
-            executor.close()
+    one_thread_channel, one_thread_pid = served
+    stream = PlanStream(one_thread_channel)
+    assert stream.step(pb.StepPlan(step_id=1, new_requests=[prompt])).outputs[0].token_ids
+    stream.close()
+    counts[1] = _threads_under_the_process_name(one_thread_pid)
+    with start_executor(model_dir, num_kv_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, threads=3) as (address, process):
+        with grpc.insecure_channel(address) as channel:
+            stream = PlanStream(channel)
+            assert stream.step(pb.StepPlan(step_id=1, new_requests=[prompt])).outputs[0].token_ids
+            stream.close()
+        counts[3] = _threads_under_the_process_name(process.pid)
     # Three threads where one needs none: one OpenMP team, the step thread and two workers, and
     # two workers of torch's pthreadpool, which torch.set_num_threads sizes the same way. A
     # second OpenMP team would add two more.
