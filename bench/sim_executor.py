@@ -24,7 +24,7 @@ import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from executor_service.server import ServeOptions, serve
+from executor_service.server import ServeOptions, serve, step_thread
 from protos import rpc_codes
 from protos.limits import UNHELD_DECODE_TOKEN
 from protos.splitserve.executor.v1 import executor_pb2
@@ -180,7 +180,8 @@ def main() -> None:
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     executor = build(args.step_ms / 1000, args.num_kv_blocks, args.block_size, args.max_model_len, args.stats_file)
-    asyncio.run(serve(executor, ServeOptions(args.host, args.port, executor.info.lease_timeout_s)))
+    options = ServeOptions(args.host, args.port, executor.info.lease_timeout_s)
+    asyncio.run(serve(executor, options, step_thread()))
 
 
 if __name__ == "__main__":
