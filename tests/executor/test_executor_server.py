@@ -173,7 +173,7 @@ def test_a_served_executor_runs_one_team_of_openmp_threads(
             assert stream.step(pb.StepPlan(step_id=1, new_requests=[prompt])).outputs[0].token_ids
             stream.close()
         counts[3] = _threads_under_the_process_name(process.pid)
-    # Three threads where one needs none: one OpenMP team, the step thread and two workers, and
-    # two workers of torch's pthreadpool, which torch.set_num_threads sizes the same way. A
-    # second OpenMP team would add two more.
+    # Four threads more than with one: the two workers of the step thread's OpenMP team and two
+    # of torch's pthreadpool, which torch.set_num_threads sizes the same way. A second OpenMP
+    # team would add two more.
     assert counts[3] - counts[1] == 4
