@@ -25,11 +25,9 @@ from pathlib import Path
 
 import torch
 
-from bench.compare_models import RANDOM_LLAMA, RandomLlamaDims
+from bench.compare_models import FP32_BYTES, RANDOM_LLAMA, RandomLlamaDims
 from bench.compare_workloads import WorkloadSizes, build_workload
 from executor_service.packed_linear import PackedLinear
-
-FP32_BYTES = 4
 
 
 @dataclass(slots=True, frozen=True)
@@ -103,7 +101,8 @@ def measure_peak_flops(seconds: float = 1.0) -> float:
     """float32 GEMM rate through oneDNN's packed path, at a prefill MLP's shape."""
     packed = PackedLinear(torch.nn.Linear(512, 2816, bias=False))
     rows = torch.randn(2048, 512)
-    return 2 * 2048 * 512 * 2816 * _repeat(lambda: packed(rows), seconds)
+    flops = 2 * rows.shape[0] * packed.in_features * packed.out_features
+    return flops * _repeat(lambda: packed(rows), seconds)
 
 
 def measure_bandwidth(seconds: float = 1.0) -> float:
