@@ -1,6 +1,6 @@
 """The C kernels (kernels/*.c and the headers they include): built once per machine into one
-shared library, loaded with ctypes. decode_kernel.py, prefill_kernel.py and layer_kernels.py
-wrap its functions.
+shared library, loaded with ctypes. decode_kernel.py, prefill_kernel.py, layer_kernels.py and
+argmax_kernel.py wrap its functions.
 
 Plain C files need only the system's C compiler (no torch headers, no ninja) and build in about
 a second.
@@ -29,7 +29,9 @@ from typing import Any
 logger = logging.getLogger(__name__)
 
 KERNEL_DIR = Path(__file__).with_name("kernels")
-SOURCES = tuple(KERNEL_DIR / name for name in ("paged_decode.c", "paged_prefill.c", "layer_elementwise.c"))
+SOURCES = tuple(
+    KERNEL_DIR / name for name in ("paged_decode.c", "paged_prefill.c", "layer_elementwise.c", "row_argmax.c")
+)
 # Included by the sources, so part of the build key like them.
 HEADERS = tuple(sorted(KERNEL_DIR.glob("*.h")))
 # -ffast-math lets the exponentials and reductions vectorise (glibc's vector expf). Compiling

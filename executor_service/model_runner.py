@@ -17,7 +17,7 @@ from executor_service.kv_cache import PagedKVCache
 from executor_service.model_loader import LoadedModel
 from executor_service.plan_inputs import ScheduledWork, build_step_inputs
 from executor_service.request_state import RequestState, make_generator
-from executor_service.sampler import SampleResult, SamplingRow, sample
+from executor_service.sampler import Argmax, SampleResult, SamplingRow, sample
 from executor_service.sampler_settings import SamplerSettings
 from executor_service.validation import (
     Limits,
@@ -48,7 +48,8 @@ class _Admitted:
 
 class ModelRunner:
     """agree_on_tokens: under tensor parallelism, gives every rank rank 0's sampled tokens, so
-    the ranks' request states (the next step's inputs) never drift apart."""
+    the ranks' request states (the next step's inputs) never drift apart. argmax: what the
+    sampler's greedy rows take, torch's when None."""
 
     def __init__(
         self,
@@ -57,9 +58,11 @@ class ModelRunner:
         limits: Limits,
         backend: str,
         agree_on_tokens: Callable[[list[int]], list[int]] | None = None,
+        argmax: Argmax | None = None,
     ) -> None:
         self.loaded = loaded
         self._agree_on_tokens = agree_on_tokens
+        self._argmax = argmax
         self.kv_cache = kv_cache
         self.limits = limits
         self.backend = backend
@@ -127,7 +130,7 @@ class ModelRunner:
         work = admitted.work
         inputs = build_step_inputs(work, self.kv_cache, self.backend, self.loaded.device)
         logits = compute_logits(self.loaded, inputs, self._use_logits_to_keep)
-        sampled = sample(logits, [_sampling_row(s) for s in inputs.sampled], self._generator)
+        sampled = sample(logits, [_sampling_row(s) for s in inputs.sampled], self._generator, self._argmax)
         if self._agree_on_tokens is not None and sampled.token_ids:
             sampled.token_ids = self._agree_on_tokens(sampled.token_ids)
         result.forward_time_s = time.perf_counter() - forward_started

@@ -8,6 +8,7 @@ generator, so its tokens do not depend on what else is in the batch.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -37,9 +38,17 @@ class SampleResult:
     logprobs: list[TopLogprobs | None]
 
 
+# Each row's first largest index, as torch.argmax(dim=-1) gives it.
+Argmax = Callable[[torch.Tensor], torch.Tensor]
+
+
 def sample(
-    logits: torch.Tensor, rows: list[SamplingRow], default_generator: torch.Generator | None = None
+    logits: torch.Tensor,
+    rows: list[SamplingRow],
+    default_generator: torch.Generator | None = None,
+    argmax: Argmax | None = None,
 ) -> SampleResult:
+    """argmax: what greedy rows take (argmax_kernel.RowArgmax on CPU), torch's by default."""
     if logits.shape[0] != len(rows):
         raise ValueError(f"{logits.shape[0]} logit rows for {len(rows)} sampling rows")
     if not rows:
@@ -51,7 +60,7 @@ def sample(
     logits = mask_min_tokens_stop_ids(logits, rows)
     if any(r.params.has_penalties for r in rows):
         logits = apply_penalties(logits, rows)
-    tokens = logits.argmax(dim=-1)
+    tokens = argmax(logits) if argmax is not None else logits.argmax(dim=-1)
     random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
     if random_rows:
         index = torch.tensor(random_rows, device=logits.device)

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
+from executor_service.argmax_kernel import RowArgmax, load_row_argmax
 from executor_service.cpu_kernels import KernelUnavailable
 from executor_service.fused_layers import fuse_layers
 from executor_service.kv_budget import decide_num_blocks
@@ -42,6 +43,18 @@ def _layer_kernels() -> LayerKernels | None:
     try:
         return load_layer_kernels()
     except KernelUnavailable:
+        return None
+
+
+def _row_argmax(device: torch.device) -> RowArgmax | None:
+    """The C argmax for greedy rows on CPU; None (torch's) on other devices or where it cannot
+    be built, which an event=greedy_argmax line says."""
+    if device.type != "cpu":
+        return None
+    try:
+        return load_row_argmax()
+    except KernelUnavailable as error:
+        logger.info("event=greedy_argmax impl=torch reason=%r", str(error))
         return None
 
 
@@ -103,5 +116,7 @@ def build_executor(settings: ExecutorSettings, device: str | None = None) -> Rea
         tensor_parallel_size=settings.tensor_parallel_size,
         kv_cache_bytes=num_blocks * shape.bytes_per_block() * settings.tensor_parallel_size,
     )
-    runner = ModelRunner(loaded, kv_cache, limits, backend, rank0_tokens if parallel else None)
+    runner = ModelRunner(
+        loaded, kv_cache, limits, backend, rank0_tokens if parallel else None, _row_argmax(loaded.device)
+    )
     return ReadyExecutor(runner=runner, info=info)
