@@ -6,7 +6,7 @@ midway one executor is killed (SIGKILL) and restarted on its port. Afterwards ev
 greedy stream equals transformers' tokens, nobody met an error they did not cause, every KV
 block is free on every executor, both executors serve, and the scheduler's memory stayed flat.
 
-SPLITSERVE_SOAK_S sets the seconds of load (100 by default, to keep `make test` within its 15
+SPLITSERVE_SOAK_S sets the seconds of load (70 by default, to keep `make test` within its 15
 minutes on 2 cores; `make soak` runs 1800).
 """
 
@@ -41,7 +41,7 @@ from tests.helpers.service_process import free_port
 torch.set_num_threads(1)
 logger = logging.getLogger(__name__)
 
-SOAK_S = float(os.environ.get("SPLITSERVE_SOAK_S", "100"))
+SOAK_S = float(os.environ.get("SPLITSERVE_SOAK_S", "70"))
 CLIENTS = 24
 POOL_SIZE = 20
 MAX_PROMPT_TOKENS = 200
