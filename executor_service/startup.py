@@ -47,8 +47,8 @@ def _layer_kernels() -> LayerKernels | None:
 
 
 def _row_argmax(device: torch.device) -> RowArgmax | None:
-    """The C argmax for greedy rows on CPU; None (torch's) on other devices or where it cannot
-    be built, which an event=greedy_argmax line says."""
+    """The C argmax for greedy rows on CPU; None (torch's) on other devices, or where it cannot
+    be built, which an event=greedy_argmax line says with the reason."""
     if device.type != "cpu":
         return None
     try:
