@@ -56,6 +56,10 @@ class SystemRow:
     matching: int | None = None
     mismatches: list[Mismatch] = field(default_factory=list)
     ratio_to_baseline: float | None = None
+    # Output tok/s over splitserve's in the run of the same number. Runs are taken in turn, so
+    # the two of a pair met the machine in the same state: on a shared machine whose speed drifts
+    # by 10-20 % within minutes, these vary less than the medians' ratio.
+    run_ratios: list[float] = field(default_factory=list)
     # Peak RSS per process in the first run.
     rss_by_process: dict[str, int] = field(default_factory=dict)
     error: str | None = None
@@ -133,10 +137,22 @@ def mismatches(outputs: list[list[int]], reference: list[list[int]]) -> list[Mis
 
 
 def set_ratios(rows: list[SystemRow]) -> None:
-    base = next((r.median for r in rows if r.label == BASELINE and r.median is not None), None)
+    base = next((r for r in rows if r.label == BASELINE and r.median is not None), None)
+    if base is None or base.median is None:
+        return
     for row in rows:
-        if base is not None and row.median is not None:
-            row.ratio_to_baseline = row.median.output_tok_s / base.output_tok_s
+        if row.median is not None:
+            row.ratio_to_baseline = row.median.output_tok_s / base.median.output_tok_s
+            row.run_ratios = [
+                run.output_tok_s / base_run.output_tok_s for run, base_run in zip(row.runs, base.runs, strict=False)
+            ]
+
+
+def run_ratio_cell(ratios: list[float]) -> str:
+    """The run-by-run ratios' median and range, e.g. '1.04 (1.01-1.19)'."""
+    if not ratios:
+        return "n/a"
+    return f"{statistics.median(ratios):.2f} ({min(ratios):.2f}-{max(ratios):.2f})"
 
 
 def _num(value: float | None, fmt: str, scale: float = 1.0) -> str:
@@ -152,14 +168,15 @@ def format_table(report: WorkloadReport) -> str:
         f"every figure the median of {report.runs} run(s).",
         "",
         "| system | output tok/s | total tok/s | TTFT p50 s | TTFT p99 s | ITL p50 ms | ITL p99 ms "
-        "| peak RSS MiB | prompt tokens computed | ratio to splitserve | greedy = transformers |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| peak RSS MiB | prompt tokens computed | ratio to splitserve | run-by-run ratio ‡ "
+        "| greedy = transformers |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     marked = False
     for row in report.rows:
         m = row.median
         if m is None:
-            lines.append(f"| {row.label} | failed: {first_line(row.error)} |" + " |" * 10)
+            lines.append(f"| {row.label} | failed: {first_line(row.error)} |" + " |" * 11)
             continue
         mark = ""
         if row.itl_kind == ItlKind.REQUEST_MEAN:
@@ -176,6 +193,7 @@ def format_table(report: WorkloadReport) -> str:
             f"{m.peak_rss_mib:.0f}",
             _num(m.prompt_tokens_computed, ".0f"),
             _num(row.ratio_to_baseline, ".2f"),
+            run_ratio_cell(row.run_ratios),
             matching,
         ]
         lines.append("| " + " | ".join(cells) + " |")
@@ -184,6 +202,8 @@ def format_table(report: WorkloadReport) -> str:
             listed = ", ".join(f"request {m.request} from token {m.token}" for m in row.mismatches[:8])
             more = f" and {len(row.mismatches) - 8} more" if len(row.mismatches) > 8 else ""
             lines += ["", f"{row.label} differs from transformers: {listed}{more}."]
+    lines += ["", "‡ output tok/s over splitserve's in the same run number (runs are taken in turn, so a "
+              "pair shares the machine's state): median (least-most)."]
     if marked:
         lines += ["", "† per-request mean inter-token latency ((last - first token) / (tokens - 1), from the "
                   "engine's timestamps): vLLM's offline API gives no per-token times."]

@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 from bench.compare import available_systems, parse_args
+from bench.compare_report import RunFigures, SystemRow, run_ratio_cell, set_ratios
 from bench.compare_workloads import WorkloadSizes, build_workload
 from bench.peer_io import token_gaps
 from tests.helpers.service_process import REPO_ROOT
@@ -85,6 +86,8 @@ def test_splitserve_and_transformers_peers_in_one_run(tmp_path: Path) -> None:
         assert row["matching"] == 4, row["label"]
     shared_rows = rows_by_label(shared)
     assert shared_rows["splitserve"]["ratio_to_baseline"] == 1.0
+    assert shared_rows["splitserve"]["run_ratios"] == [1.0]
+    assert len(shared_rows["transformers"]["run_ratios"]) == 1
     # The 32-token system prompt is two blocks: computed once, then served from the cache.
     assert shared_rows["splitserve"]["median"]["prompt_tokens_computed"] < shared["prompt_tokens"]
     assert shared_rows["splitserve (no prefix cache)"]["median"]["prompt_tokens_computed"] == shared["prompt_tokens"]
@@ -139,3 +142,22 @@ def test_token_gaps_split_a_shared_arrival_evenly() -> None:
     # Two tokens in the first delta, then one, then three arriving together.
     assert token_gaps([1.0, 1.0, 1.5, 2.1, 2.1, 2.1]) == pytest.approx([0.0, 0.5, 0.2, 0.2, 0.2])
     assert token_gaps([0.3]) == []
+
+
+def _row(label: str, tokens_per_s: list[float]) -> SystemRow:
+    runs = [RunFigures(1.0, t, t, 0.1, 0.2, None, None, 100.0, None) for t in tokens_per_s]
+    median = RunFigures(1.0, sorted(tokens_per_s)[len(tokens_per_s) // 2], 0.0, 0.1, 0.2, None, None, 100.0, None)
+    return SystemRow(label, runs=runs, median=median)
+
+
+def test_run_by_run_ratios_pair_the_runs_taken_together() -> None:
+    # A slow spell in run 2 slows both systems; the medians' ratio mixes runs of different
+    # spells, the run-by-run ratios do not.
+    ours, theirs = _row("splitserve", [600.0, 400.0, 550.0]), _row("vllm", [500.0, 420.0, 600.0])
+    failed = SystemRow("transformers", error="it broke")
+    set_ratios([ours, theirs, failed])
+    assert theirs.ratio_to_baseline == pytest.approx(500 / 550)
+    assert theirs.run_ratios == pytest.approx([500 / 600, 420 / 400, 600 / 550])
+    assert run_ratio_cell(theirs.run_ratios) == "1.05 (0.83-1.09)"
+    assert ours.run_ratios == [1.0, 1.0, 1.0]
+    assert failed.run_ratios == [] and run_ratio_cell(failed.run_ratios) == "n/a"
