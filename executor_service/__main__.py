@@ -88,6 +88,13 @@ def parse_args(argv: list[str] | None, prog: str = "python -m executor_service")
         help="keep linear layers on torch's default GEMM instead of oneDNN with packed weights, "
         "and transformers' own layer code instead of fused Llama layers (CPU, float32)",
     )
+    parser.add_argument(
+        "--no-greedy-screen",
+        dest="greedy_screen",
+        action="store_false",
+        help="compute greedy rows' logits with the full float32 lm_head instead of the exact "
+        "int8 screen (CPU, float32, with packed linears)",
+    )
     parser.add_argument("--tls-cert", type=Path, help="PEM certificate (chain) of this executor; serves TLS")
     parser.add_argument("--tls-key", type=Path, help="PEM private key of --tls-cert")
     parser.add_argument(
@@ -145,6 +152,7 @@ def parse_args(argv: list[str] | None, prog: str = "python -m executor_service")
         attention_backend=args.attention_backend,
         lease_timeout_s=args.lease_timeout,
         packed_linear=args.packed_linear,
+        greedy_screen=args.greedy_screen,
         tls=tls,
         health_port=args.health_port,
         drain_timeout_s=args.drain_timeout,

@@ -1,6 +1,6 @@
 """The C kernels (kernels/*.c and the headers they include): built once per machine into one
-shared library, loaded with ctypes. decode_kernel.py, prefill_kernel.py, layer_kernels.py and
-argmax_kernel.py wrap its functions.
+shared library, loaded with ctypes. decode_kernel.py, prefill_kernel.py, layer_kernels.py,
+argmax_kernel.py and greedy_head.py wrap its functions.
 
 Plain C files need only the system's C compiler (no torch headers, no ninja) and build in about
 a second.
@@ -30,7 +30,8 @@ logger = logging.getLogger(__name__)
 
 KERNEL_DIR = Path(__file__).with_name("kernels")
 SOURCES = tuple(
-    KERNEL_DIR / name for name in ("paged_decode.c", "paged_prefill.c", "layer_elementwise.c", "row_argmax.c")
+    KERNEL_DIR / name
+    for name in ("paged_decode.c", "paged_prefill.c", "layer_elementwise.c", "row_argmax.c", "greedy_screen.c")
 )
 # Included by the sources, so part of the build key like them.
 HEADERS = tuple(sorted(KERNEL_DIR.glob("*.h")))

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import inspect
+from contextlib import nullcontext
 
 import torch
 
+from executor_service.greedy_head import ScreenedHead
 from executor_service.model_loader import LoadedModel
 from executor_service.paged_attention import STEP_KWARG, active_step
 from executor_service.plan_inputs import StepInputs
@@ -23,6 +25,8 @@ def compute_logits(
 
     Logits always come from the model's own head, so model-specific scaling or final-logit
     soft-capping stays intact; a model without logits_to_keep pays for the head over every token.
+    Where the head is a ScreenedHead (greedy_head.py), the rows of requests that read only the
+    argmax hold -inf outside the tokens that could be it.
     """
     common = {
         "input_ids": inputs.input_ids,
@@ -32,5 +36,15 @@ def compute_logits(
     }
     with active_step(inputs.attention):
         if use_logits_to_keep:
-            return loaded.model(**common, logits_to_keep=inputs.logits_indices).logits[0]
+            with _argmax_only_rows(loaded, inputs):
+                return loaded.model(**common, logits_to_keep=inputs.logits_indices).logits[0]
         return loaded.model(**common).logits[0, inputs.logits_indices]
+
+
+def _argmax_only_rows(loaded: LoadedModel, inputs: StepInputs) -> ScreenedHead | nullcontext[None]:
+    head = loaded.model.get_output_embeddings()
+    if not isinstance(head, ScreenedHead):
+        return nullcontext()
+    return head.argmax_only_rows(
+        [state.sampling.argmax_only(state.num_output_tokens) for state in inputs.sampled]
+    )

@@ -45,6 +45,10 @@ class RequestState:
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens :]
 
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
 
 _GOLDEN_GAMMA = 0x9E3779B97F4A7C15
 _SEED_MASK = (1 << 63) - 1

@@ -113,7 +113,8 @@ def _sequence(name: str, token_ids: list[int], prompt_len: int, block_ids: list[
         num_prompt_tokens=prompt_len,
         block_ids=block_ids,
         num_computed_tokens=0,
-        sampling=SamplerSettings(),
+        # Reads every logit, so a ScreenedHead (greedy_head.py) computes them all.
+        sampling=SamplerSettings(want_logprobs=True),
         generator=None,
     )
     return _Sequence(name, token_ids, prompt_len, state, [], [])

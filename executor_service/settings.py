@@ -62,6 +62,8 @@ class ExecutorSettings:
     lease_timeout_s: float = DEFAULT_LEASE_TIMEOUT_S
     # Linear layers through oneDNN with packed weights where the device and dtype allow it.
     packed_linear: bool = True
+    # Greedy rows' lm_head through the exact int8 screen (greedy_head.py), with packed linears.
+    greedy_screen: bool = True
     # TLS (mutual with a client CA) on the executor API; None serves plaintext.
     tls: ServerTls | None = None
     # Plaintext grpc.health.v1-only port for probes.

@@ -11,6 +11,7 @@ import torch
 from executor_service.argmax_kernel import RowArgmax, load_row_argmax
 from executor_service.cpu_kernels import KernelUnavailable
 from executor_service.fused_layers import fuse_layers
+from executor_service.greedy_head import install_greedy_screen, screenable_head
 from executor_service.kv_budget import decide_num_blocks
 from executor_service.kv_cache import KVCacheShape, PagedKVCache
 from executor_service.layer_kernels import LayerKernels, load_layer_kernels
@@ -75,7 +76,10 @@ def build_executor(settings: ExecutorSettings, device: str | None = None) -> Rea
     # Packing replaces the linear layers, which under TP hold sharded weights and collectives.
     if settings.packed_linear and not parallel and packing_available(loaded.device, loaded.dtype):
         fuse_layers(loaded.model, _layer_kernels())
+        head = screenable_head(loaded.model) if settings.greedy_screen else None
         pack_linears(loaded.model)
+        if head is not None:
+            install_greedy_screen(loaded.model, head.weight)
     backend = select_backend(loaded.device, loaded.dtype, settings.attention_backend)
     shape = KVCacheShape(
         num_layers=loaded.num_layers,

@@ -1,0 +1,123 @@
+/* Exact greedy logits from an int8 screen: the two passes around the integer matmul of
+   greedy_head.py.
+
+   quantize_rows rounds each hidden row h to int8 with a scale of its own, h = s q + d, and
+   reports what the bound needs of it. screened_logits takes the integer products Q = q p^T
+   (p: the weight rows rounded the same way, W_v = t_v p_v + e_v; as float32, exact below 2^24
+   and one rounding from exact above) and keeps, for each row, every token whose logit the
+   screen cannot rule out:
+
+       h . W_v = s t_v Q_v + s (q . e_v) + d . W_v
+       |h . W_v - s t_v Q_v| <= s |q| |e_v| + |d| |W_v|          (Cauchy-Schwarz)
+
+   A token whose upper bound is below some token's lower bound cannot be the argmax. The kept
+   tokens get their logit from a double-precision dot product of h and W_v; every other token
+   gets -inf, so the first largest index of the row is the greedy token. The bound is widened
+   for float32 rounding (the scales, the products, a full-precision matmul's own summation), so
+   no token a float32 matmul could make the largest is ever dropped. */
+#include <math.h>
+#include <stdint.h>
+
+typedef uint32_t __attribute__((may_alias)) float_bits;
+
+/* Relative widening of the Cauchy-Schwarz terms for the float32 arithmetic that computes them
+   and the bound itself (each a few units of 2^-24). */
+#define TERM_WIDEN (1.0f + 0x1p-10f)
+/* Widening by the screen value's own magnitude: s t_v Q_v is three roundings from exact (four
+   where Q_v itself was rounded to float32). */
+#define SCREEN_ROUNDING 0x1p-21f
+/* Absolute widening for underflow: logits this small are kept whole, never screened. */
+#define UNDERFLOW_FLOOR 0x1p-100f
+/* -inf, written as bits: -ffast-math lets the compiler assume no infinities in arithmetic. */
+#define NEGATIVE_INFINITY_BITS 0xff800000u
+
+/* hidden: rows of dim floats, row r at hidden + r * stride, finite and small enough that no
+   logit nor bound overflows (greedy_head.py checks). Out per row: q + 128 (dim uint8, the
+   zero point of oneDNN's u8 x s8 linear), its scale, s |q|, and |d| plus |h| times extra (the float32 rounding of a full
+   matmul and of d, added by the caller's constant). A row of zeros gets scale 1 and q = 0. */
+void quantize_rows(const float *hidden, int64_t rows, int64_t dim, int64_t stride, float extra, uint8_t *q,
+                   float *scale, float *a_term, float *b_term) {
+    for (int64_t r = 0; r < rows; r++) {
+        const float *h = hidden + r * stride;
+        uint8_t *qr = q + r * dim;
+        float largest = 0.0f;
+        for (int64_t i = 0; i < dim; i++) largest = fmaxf(largest, fabsf(h[i]));
+        float s = largest > 0.0f ? largest / 127.0f : 1.0f;
+        double q_sq = 0.0, d_sq = 0.0, h_sq = 0.0;
+        for (int64_t i = 0; i < dim; i++) {
+            float level = nearbyintf(h[i] / s);
+            level = fminf(fmaxf(level, -127.0f), 127.0f);
+            qr[i] = (uint8_t)((int)level + 128);
+            double d = (double)h[i] - (double)s * (double)level;
+            q_sq += (double)level * level;
+            d_sq += d * d;
+            h_sq += (double)h[i] * h[i];
+        }
+        scale[r] = s;
+        a_term[r] = (float)((double)s * sqrt(q_sq));
+        b_term[r] = (float)(sqrt(d_sq) + (double)extra * sqrt(h_sq));
+    }
+}
+
+static double dot(const float *x, const float *y, int64_t n) {
+    double acc = 0.0;
+    for (int64_t i = 0; i < n; i++) acc += (double)x[i] * (double)y[i];
+    return acc;
+}
+
+/* One token's screen value and the half-width of the interval that holds its logit. */
+static inline void screen_at(const float *row, int64_t v, float s, float a, float b, const float *vocab_scale,
+                             const float *vocab_error, const float *vocab_norm, float *screen, float *bound) {
+    float value = s * vocab_scale[v] * row[v];
+    *screen = value;
+    *bound = a * vocab_error[v] + b * vocab_norm[v] + SCREEN_ROUNDING * fabsf(value) + UNDERFLOW_FLOOR;
+}
+
+/* Tokens are checked a chunk at a time: a vectorised pass says whether the chunk keeps any,
+   and only such chunks (a few per row) are walked token by token. */
+enum { CHUNK = 64 };
+
+/* products: rows x vocab floats (q p^T); vocab_scale t_v, vocab_error |e_v|, vocab_norm |W_v|;
+   weight: vocab rows of dim floats. A row that keeps more than cap tokens is left unfinished
+   in out, for the caller to compute in full. counts[r]: the tokens row r kept, up to cap + 1. */
+void screened_logits(const float *products, int64_t rows, int64_t vocab, const float *scale,
+                     const float *a_term, const float *b_term, const float *vocab_scale,
+                     const float *vocab_error, const float *vocab_norm, const float *hidden,
+                     int64_t hidden_stride, const float *weight, int64_t dim, float *out,
+                     int64_t out_stride, int64_t cap, int64_t *counts, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *row = products + r * vocab;
+        const float s = scale[r], a = a_term[r] * TERM_WIDEN, b = b_term[r] * TERM_WIDEN;
+        float screen, bound;
+        /* The largest lower bound: no token whose upper bound is below it can be the argmax. */
+        screen_at(row, 0, s, a, b, vocab_scale, vocab_error, vocab_norm, &screen, &bound);
+        float floor = screen - bound;
+        for (int64_t v = 1; v < vocab; v++) {
+            screen_at(row, v, s, a, b, vocab_scale, vocab_error, vocab_norm, &screen, &bound);
+            floor = fmaxf(floor, screen - bound);
+        }
+        const float *h = hidden + r * hidden_stride;
+        float *logits = out + r * out_stride;
+        float_bits *logit_bits = (float_bits *)logits;
+        int64_t kept = 0;
+        for (int64_t start = 0; start < vocab && kept <= cap; start += CHUNK) {
+            int64_t end = start + CHUNK < vocab ? start + CHUNK : vocab;
+            int hit = 0;
+            for (int64_t v = start; v < end; v++) {
+                screen_at(row, v, s, a, b, vocab_scale, vocab_error, vocab_norm, &screen, &bound);
+                hit |= screen + bound >= floor;
+                logit_bits[v] = NEGATIVE_INFINITY_BITS;
+            }
+            if (!hit) continue;
+            for (int64_t v = start; v < end; v++) {
+                screen_at(row, v, s, a, b, vocab_scale, vocab_error, vocab_norm, &screen, &bound);
+                if (screen + bound >= floor) {
+                    logits[v] = (float)dot(h, weight + v * dim, dim);
+                    kept++;
+                }
+            }
+        }
+        counts[r] = kept;
+    }
+}

@@ -1,0 +1,245 @@
+"""The int8 screen of greedy rows keeps every token a float32 lm_head could make the largest,
+gives the kept tokens their logits and every other token -inf; rows that read more than the
+argmax, rows it cannot narrow and non-finite rows get the plain head's logits; an executor
+installs it where it applies and its greedy tokens stay those of the plain head."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+
+from executor_service import startup
+from executor_service.cpu_kernels import KernelUnavailable, load_kernel_library
+from executor_service.greedy_head import (
+    MIN_DIM,
+    GreedyScreen,
+    ScreenedHead,
+    matmul_rounding,
+    screenable_head,
+)
+from executor_service.packed_linear import PackedLinear
+from executor_service.sampler_settings import SamplerSettings
+from executor_service.settings import ExecutorSettings
+from protos.splitserve.executor.v1 import executor_pb2 as pb
+from tests.helpers.model_factory import build_config, build_model
+
+
+@pytest.fixture(scope="module")
+def library() -> object:
+    try:
+        library = load_kernel_library()
+    except KernelUnavailable as error:
+        pytest.skip(f"no C kernels here: {error}")
+    return library
+
+
+def exact_logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return hidden.double() @ weight.double().t()
+
+
+def assert_screen_keeps_every_contender(hidden: torch.Tensor, weight: torch.Tensor, logits: torch.Tensor) -> None:
+    """Every token within float32 rounding of the row's largest exact logit is kept, with its
+    exact logit rounded to float32; every other token is -inf."""
+    exact = exact_logits(hidden, weight)
+    band = matmul_rounding(weight.shape[1]) * hidden.double().norm(dim=1)[:, None] * weight.double().norm(dim=1)
+    contenders = exact + band >= (exact - band).amax(dim=1, keepdim=True)
+    kept = torch.isfinite(logits)
+    assert bool((kept | ~contenders).all()), "a token that could be the argmax was dropped"
+    assert bool((logits[~kept] == -math.inf).all())
+    # The C dot product adds in another order than torch's: one float32 step apart at most.
+    assert torch.allclose(logits[kept].double(), exact[kept], rtol=2**-22, atol=1e-30)
+
+
+def on_int8_grid(values: torch.Tensor) -> torch.Tensor:
+    """Rows near `values` that the screen's rounding represents exactly: integer levels whose
+    largest is 127, times a power of two."""
+    levels = torch.round(values / values.abs().amax(dim=1, keepdim=True) * 127)
+    exponent = torch.floor(torch.log2(values.abs().amax(dim=1, keepdim=True) / 127))
+    return levels * 2.0**exponent
+
+
+@st.composite
+def heads(draw: st.DrawFn) -> tuple[torch.Tensor, torch.Tensor]:
+    """A weight and hidden rows drawn so that each term of the bound must hold up on its own:
+    - one side on the int8 grid, so that the other side's rounding alone decides the order;
+    - twin vocabulary rows closer than int8 resolves (or, on the grid, one step apart) under
+      hidden rows lined up with them, where the exact logits and the screen may disagree;
+    - exact ties, one-ulp-apart rows, an outlier hidden dimension, magnitudes 1e-20 to 1e20."""
+    vocab = draw(st.integers(2, 300))
+    dim = draw(st.integers(MIN_DIM, 96))
+    rows = draw(st.integers(1, 6))
+    generator = torch.Generator().manual_seed(draw(st.integers(0, 2**31)))
+    weight = torch.randn(vocab, dim, generator=generator) * 10.0 ** draw(st.integers(-20, 20))
+    hidden = torch.randn(rows, dim, generator=generator) * 10.0 ** draw(st.integers(-20, 20))
+    if draw(st.booleans()):
+        weight[vocab - 1] = weight[0]
+    if draw(st.booleans()) and vocab > 2:
+        weight[1] = torch.nextafter(weight[0], torch.full_like(weight[0], math.inf))
+    if draw(st.booleans()):
+        hidden[:, draw(st.integers(0, dim - 1))] *= 1000.0
+    scenario = draw(st.sampled_from(["random", "grid-weight", "grid-weight-twins", "grid-hidden-twins"]))
+    if scenario.startswith("grid-weight"):
+        weight = on_int8_grid(weight)
+    if scenario == "grid-weight-twins":
+        # A twin one grid step away in many coordinates, and hidden rows along the first row
+        # on which the twin wins by a hair: int8 rounding of the hidden rows can reverse that.
+        step = weight[0].abs().max() / 127
+        signs = torch.randint(0, 2, (dim,), generator=generator).float() * 2 - 1
+        signs[weight[0].abs() >= 126 * step] = 0
+        weight[vocab - 1] = weight[0] + step * signs
+        hidden = weight[0] + torch.randn(rows, dim, generator=generator) * step * 3
+        margin = 1e-3 * hidden.abs().amax(dim=1)
+        hidden -= ((hidden @ signs - margin) / signs.square().sum().clamp(min=1))[:, None] * signs
+    if scenario == "grid-hidden-twins":
+        noise = torch.randn(dim, generator=generator) * weight[0].abs().max() * 1e-3
+        weight[vocab - 1] = weight[0] + noise
+        hidden = on_int8_grid(weight[0].expand(rows, dim) + torch.randn(rows, dim, generator=generator) * 1e-2 * weight[0].abs().max())
+    elif draw(st.booleans()):
+        # The hidden row lines up with a vocabulary row: a clear winner and its near copies.
+        hidden[0] = weight[draw(st.integers(0, vocab - 1))]
+    return weight, hidden
+
+
+@settings(max_examples=300, deadline=None)
+@given(head=heads(), threads=st.sampled_from([1, 2]))
+def test_the_screen_keeps_every_token_that_could_be_the_argmax(
+    library: object, head: tuple[torch.Tensor, torch.Tensor], threads: int
+) -> None:
+    weight, hidden = head
+    screen = GreedyScreen(library, weight)
+    assert screen.is_exact()
+    # Rows whose logits could pass float32's range take the plain head (tested below).
+    hidden = hidden[torch.tensor(screen.screenable_rows(hidden))]
+    assume(hidden.shape[0] > 0)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        logits, wide = screen.logits(hidden)
+    finally:
+        torch.set_num_threads(previous)
+    narrowed = [r for r in range(hidden.shape[0]) if r not in wide]
+    assert_screen_keeps_every_contender(hidden[narrowed], weight, logits[narrowed])
+
+
+def test_a_random_llama_head_keeps_a_few_dozen_tokens_and_the_float32_argmax(library: object) -> None:
+    torch.manual_seed(0)
+    weight = torch.randn(32000, 512) * 0.02
+    hidden = torch.randn(64, 512)
+    logits, wide = GreedyScreen(library, weight).logits(hidden)
+    assert wide == []
+    assert int(torch.isfinite(logits).sum(dim=1).max()) < 200
+    assert torch.equal(logits.argmax(dim=1), (hidden @ weight.t()).argmax(dim=1))
+    assert_screen_keeps_every_contender(hidden, weight, logits)
+
+
+def test_a_row_the_bound_cannot_narrow_is_left_to_the_plain_head(library: object) -> None:
+    # A zero row ties every token: the screen keeps them all, which is more than it takes on.
+    weight = torch.randn(64, MIN_DIM)
+    logits, wide = GreedyScreen(library, weight).logits(torch.stack([torch.zeros(MIN_DIM), weight[5]]))
+    assert wide == [0]
+    assert int(logits[1].argmax()) == 5
+
+
+def wrapped_head(library: object, vocab: int = 500, dim: int = 32) -> tuple[ScreenedHead, torch.nn.Linear]:
+    torch.manual_seed(1)
+    linear = torch.nn.Linear(dim, vocab, bias=False)
+    return ScreenedHead(PackedLinear(linear), GreedyScreen(library, linear.weight.detach())), linear
+
+
+def test_rows_that_read_more_than_the_argmax_get_the_plain_heads_logits(library: object) -> None:
+    head, linear = wrapped_head(library)
+    hidden = torch.randn(1, 5, 32)
+    hidden[0, 3, 0] = math.nan
+    hidden[0, 4] *= 1e36
+    plain = PackedLinear(linear)(hidden)
+    with head.argmax_only_rows([True, False, True, True, True]):
+        logits = head(hidden)
+    assert logits.shape == plain.shape
+    # The sampled row, and the NaN row and the row near float32's range that the screen refuses,
+    # are the plain head's (computed over fewer rows, which oneDNN may add in another order).
+    torch.testing.assert_close(logits[0, [1, 3, 4]], plain[0, [1, 3, 4]], rtol=1e-6, atol=1e-6, equal_nan=True)
+    assert torch.equal(logits[0, [0, 2]].argmax(dim=-1), plain[0, [0, 2]].argmax(dim=-1))
+    assert bool(torch.isinf(logits[0, 0]).any()) and bool(torch.isinf(logits[0, 2]).any())
+    # Outside the context every row is the plain head's.
+    torch.testing.assert_close(head(hidden), plain, rtol=0, atol=0, equal_nan=True)
+
+
+def test_only_plain_float32_heads_are_screened() -> None:
+    from transformers import AutoModelForCausalLM
+
+    llama = AutoModelForCausalLM.from_config(build_config("llama"), dtype=torch.float32)
+    assert screenable_head(llama) is llama.get_output_embeddings()
+    # A tanh soft-cap can tie tokens that differ before it.
+    gemma = AutoModelForCausalLM.from_config(build_config("gemma2"), dtype=torch.float32)
+    assert gemma.config.final_logit_softcapping is not None
+    assert screenable_head(gemma) is None
+    assert screenable_head(llama.to(torch.bfloat16)) is None
+
+
+def test_argmax_only_is_greedy_without_penalties_logprobs_or_masked_stops() -> None:
+    assert SamplerSettings().argmax_only(0)
+    assert not SamplerSettings(temperature=0.7).argmax_only(0)
+    assert not SamplerSettings(repetition_penalty=1.1).argmax_only(0)
+    assert not SamplerSettings(want_logprobs=True).argmax_only(0)
+    masked = SamplerSettings(min_tokens=2, min_tokens_stop_ids=(2,))
+    assert not masked.argmax_only(1) and masked.argmax_only(2)
+
+
+Outputs = dict[str, tuple[list[int], list[float]]]
+
+
+def run_steps(runner: object, requests: dict[str, tuple[list[int], pb.SamplerConfig]], steps: int) -> Outputs:
+    """Each request's tokens and chosen-token logprobs over a prefill step and decode steps."""
+    outputs: Outputs = {name: ([], []) for name in requests}
+    plan = pb.StepPlan(
+        step_id=1,
+        new_requests=[
+            pb.NewRequest(
+                request_id=name,
+                token_ids=ids,
+                block_ids=[2 * i, 2 * i + 1],
+                num_scheduled_tokens=len(ids),
+                sampling=sampling,
+            )
+            for i, (name, (ids, sampling)) in enumerate(requests.items())
+        ],
+    )
+    for step_id in range(2, steps + 2):
+        for output in runner.execute(plan).outputs:
+            outputs[output.request_id][0].extend(output.token_ids)
+            outputs[output.request_id][1].extend(entry.logprob for entry in output.logprobs)
+        plan = pb.StepPlan(
+            step_id=step_id,
+            continuing_requests=[pb.ContinuingRequest(request_id=name, num_scheduled_tokens=1) for name in requests],
+        )
+    return outputs
+
+
+def test_an_executor_screens_greedy_rows_and_every_row_samples_as_with_the_plain_head(
+    library: object, tmp_path: Path
+) -> None:
+    model_dir = build_model("llama", tmp_path)
+    requests = {
+        "greedy": ([5, 6, 7, 8], pb.SamplerConfig()),
+        "greedy-with-logprobs": ([9, 10, 11], pb.SamplerConfig(want_logprobs=True, num_logprobs=2)),
+        "seeded-draw": ([3], pb.SamplerConfig(temperature=0.8, has_seed=True, seed=11)),
+        "stop-masked": ([4, 4], pb.SamplerConfig(min_tokens=3, min_tokens_stop_ids=[2])),
+    }
+    outputs = {}
+    for screen in (True, False):
+        settings = ExecutorSettings(
+            model_dir=model_dir, device="cpu", num_kv_blocks=8, block_size=8, greedy_screen=screen
+        )
+        runner = startup.build_executor(settings).runner
+        assert isinstance(runner.loaded.model.get_output_embeddings(), ScreenedHead) == screen
+        outputs[screen] = run_steps(runner, requests, steps=6)
+    for name in requests:
+        (tokens, logprobs), (plain_tokens, plain_logprobs) = outputs[True][name], outputs[False][name]
+        assert tokens == plain_tokens and len(tokens) == 6, name
+        assert logprobs == pytest.approx(plain_logprobs, rel=1e-5), name
+    assert len(outputs[True]["greedy-with-logprobs"][1]) == 6
