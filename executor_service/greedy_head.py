@@ -12,7 +12,8 @@ argmax of the row is then the argmax of the exact logits: no token a float32 mat
 the largest is dropped. ~3.2 ms in all.
 
 Rows that read more than the argmax (sampling, penalties, logprobs, min-tokens masking) take
-the plain head, as does a row whose bound keeps more than an eighth of the vocabulary. Memory:
+the plain head, as does a row whose bound keeps more than an eighth of the vocabulary; after a
+call where a quarter of the rows were that wide, the next 64 calls skip the screen. Memory:
 the int8 levels (a quarter of the fp32 weight), and for an untied head its plain fp32 weight
 beside the packed one (a tied head's is the embedding's).
 """
@@ -43,6 +44,10 @@ MIN_DIM = 16
 # Largest |h| |W_v| screened: logits and their bounds stay far from float32's overflow (3.4e38).
 # Larger (or NaN) rows take the plain head, whose float32 logits would overflow anyway.
 MAX_LOGIT_BOUND = 2.0**100
+# When more than 1/WIDE_SHARE_TO_PAUSE of a call's screened rows are too wide to narrow, the next
+# PAUSE_CALLS calls take the plain head: the screen then costs at most one call in 65.
+WIDE_SHARE_TO_PAUSE = 4
+PAUSE_CALLS = 64
 # Rows of the weight quantized at a time at start, to bound the float64 scratch.
 QUANTIZE_CHUNK = 4096
 FLOAT32_UNIT = 2.0**-24
@@ -191,6 +196,8 @@ class ScreenedHead(nn.Module):
         self.head = head
         self.screen = screen
         self._argmax_only: list[bool] | None = None
+        # Calls left that skip the screen after one where it could not narrow enough rows.
+        self._calls_unscreened = 0
 
     @contextmanager
     def argmax_only_rows(self, marks: list[bool]) -> Iterator[None]:
@@ -205,11 +212,21 @@ class ScreenedHead(nn.Module):
         marks = self._argmax_only
         if marks is None or hidden.dim() != 3 or hidden.shape[:2] != (1, len(marks)) or not any(marks):
             return self.head(hidden)
+        if self._calls_unscreened > 0:
+            self._calls_unscreened -= 1
+            return self.head(hidden)
         rows = hidden[0]
         screenable = self.screen.screenable_rows(rows)
         screened = [i for i, (mark, ok) in enumerate(zip(marks, screenable, strict=True)) if mark and ok]
         if not screened:
             return self.head(hidden)
+        logits, full = self._screen(rows, marks, screened)
+        if full:
+            logits[full] = self.head(rows[full][None])[0]
+        return logits[None]
+
+    def _screen(self, rows: torch.Tensor, marks: list[bool], screened: list[int]) -> tuple[torch.Tensor, list[int]]:
+        """The screened rows' logits in a [rows, vocab] tensor, and the rows left to the head."""
         if len(screened) == len(marks):
             logits, wide = self.screen.logits(rows)
             full = [screened[i] for i in wide]
@@ -219,9 +236,12 @@ class ScreenedHead(nn.Module):
             logits[screened] = part
             kept = set(screened)
             full = sorted([i for i in range(len(marks)) if i not in kept] + [screened[i] for i in wide])
-        if full:
-            logits[full] = self.head(rows[full][None])[0]
-        return logits[None]
+        if len(wide) * WIDE_SHARE_TO_PAUSE > len(screened):
+            # Hidden states the bound is loose on (SmolLM2 over random token ids, whose channel
+            # 199 runs ~50x the others) pay for the screen and the head both.
+            self._calls_unscreened = PAUSE_CALLS
+            logger.debug("event=greedy_screen_paused wide=%d screened=%d calls=%d", len(wide), len(screened), PAUSE_CALLS)
+        return logits, full
 
 
 def screenable_head(model: nn.Module) -> nn.Linear | None:

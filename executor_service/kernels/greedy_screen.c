@@ -79,7 +79,7 @@ enum { CHUNK = 64 };
 
 /* products: rows x vocab floats (q p^T); vocab_scale t_v, vocab_error |e_v|, vocab_norm |W_v|;
    weight: vocab rows of dim floats. A row that keeps more than cap tokens is left unfinished
-   in out, for the caller to compute in full. counts[r]: the tokens row r kept, up to cap + 1. */
+   in out, for the caller to compute in full. counts[r]: the tokens row r kept. */
 void screened_logits(const float *products, int64_t rows, int64_t vocab, const float *scale,
                      const float *a_term, const float *b_term, const float *vocab_scale,
                      const float *vocab_error, const float *vocab_norm, const float *hidden,
@@ -97,11 +97,18 @@ void screened_logits(const float *products, int64_t rows, int64_t vocab, const f
             screen_at(row, v, s, a, b, vocab_scale, vocab_error, vocab_norm, &screen, &bound);
             floor = fmaxf(floor, screen - bound);
         }
+        /* Counted first, so that a row the bound cannot narrow costs no dot products. */
+        int64_t kept = 0;
+        for (int64_t v = 0; v < vocab; v++) {
+            screen_at(row, v, s, a, b, vocab_scale, vocab_error, vocab_norm, &screen, &bound);
+            kept += screen + bound >= floor;
+        }
+        counts[r] = kept;
+        if (kept > cap) continue;
         const float *h = hidden + r * hidden_stride;
         float *logits = out + r * out_stride;
         float_bits *logit_bits = (float_bits *)logits;
-        int64_t kept = 0;
-        for (int64_t start = 0; start < vocab && kept <= cap; start += CHUNK) {
+        for (int64_t start = 0; start < vocab; start += CHUNK) {
             int64_t end = start + CHUNK < vocab ? start + CHUNK : vocab;
             int hit = 0;
             for (int64_t v = start; v < end; v++) {
@@ -112,12 +119,8 @@ void screened_logits(const float *products, int64_t rows, int64_t vocab, const f
             if (!hit) continue;
             for (int64_t v = start; v < end; v++) {
                 screen_at(row, v, s, a, b, vocab_scale, vocab_error, vocab_norm, &screen, &bound);
-                if (screen + bound >= floor) {
-                    logits[v] = (float)dot(h, weight + v * dim, dim);
-                    kept++;
-                }
+                if (screen + bound >= floor) logits[v] = (float)dot(h, weight + v * dim, dim);
             }
         }
-        counts[r] = kept;
     }
 }

@@ -17,6 +17,7 @@ from executor_service import startup
 from executor_service.cpu_kernels import KernelUnavailable, load_kernel_library
 from executor_service.greedy_head import (
     MIN_DIM,
+    PAUSE_CALLS,
     GreedyScreen,
     ScreenedHead,
     matmul_rounding,
@@ -167,6 +168,21 @@ def test_rows_that_read_more_than_the_argmax_get_the_plain_heads_logits(library:
     assert bool(torch.isinf(logits[0, 0]).any()) and bool(torch.isinf(logits[0, 2]).any())
     # Outside the context every row is the plain head's.
     torch.testing.assert_close(head(hidden), plain, rtol=0, atol=0, equal_nan=True)
+
+
+def test_after_a_call_it_could_not_narrow_the_screen_pauses(library: object, monkeypatch: pytest.MonkeyPatch) -> None:
+    head, _ = wrapped_head(library)
+    calls: list[int] = []
+    screen_logits = head.screen.logits
+    monkeypatch.setattr(head.screen, "logits", lambda rows: calls.append(len(rows)) or screen_logits(rows))
+    # Zero rows tie every token: too wide to narrow, the plain head answers them.
+    for _ in range(1 + PAUSE_CALLS):
+        with head.argmax_only_rows([True] * 4):
+            assert torch.equal(head(torch.zeros(1, 4, 32)).argmax(dim=-1), torch.zeros(1, 4, dtype=torch.long))
+    assert calls == [4]
+    with head.argmax_only_rows([True] * 4):
+        head(torch.randn(1, 4, 32))
+    assert calls == [4, 4]
 
 
 def test_only_plain_float32_heads_are_screened() -> None:
