@@ -240,7 +240,9 @@ class ScreenedHead(nn.Module):
             # Hidden states the bound is loose on (SmolLM2 over random token ids, whose channel
             # 199 runs ~50x the others) pay for the screen and the head both.
             self._calls_unscreened = PAUSE_CALLS
-            logger.debug("event=greedy_screen_paused wide=%d screened=%d calls=%d", len(wide), len(screened), PAUSE_CALLS)
+            logger.debug(
+                "event=greedy_screen_paused wide=%d screened=%d calls=%d", len(wide), len(screened), PAUSE_CALLS
+            )
         return logits, full
 
 

@@ -33,8 +33,9 @@ typedef uint32_t __attribute__((may_alias)) float_bits;
 
 /* hidden: rows of dim floats, row r at hidden + r * stride, finite and small enough that no
    logit nor bound overflows (greedy_head.py checks). Out per row: q + 128 (dim uint8, the
-   zero point of oneDNN's u8 x s8 linear), its scale, s |q|, and |d| plus |h| times extra (the float32 rounding of a full
-   matmul and of d, added by the caller's constant). A row of zeros gets scale 1 and q = 0. */
+   zero point of oneDNN's u8 x s8 linear), its scale, s |q|, and |d| plus |h| times extra (the
+   float32 rounding of a full matmul and of d, added by the caller's constant). A row of zeros
+   gets scale 1 and q = 0. */
 void quantize_rows(const float *hidden, int64_t rows, int64_t dim, int64_t stride, float extra, uint8_t *q,
                    float *scale, float *a_term, float *b_term) {
     for (int64_t r = 0; r < rows; r++) {

@@ -99,7 +99,8 @@ def heads(draw: st.DrawFn) -> tuple[torch.Tensor, torch.Tensor]:
     if scenario == "grid-hidden-twins":
         noise = torch.randn(dim, generator=generator) * weight[0].abs().max() * 1e-3
         weight[vocab - 1] = weight[0] + noise
-        hidden = on_int8_grid(weight[0].expand(rows, dim) + torch.randn(rows, dim, generator=generator) * 1e-2 * weight[0].abs().max())
+        jitter = torch.randn(rows, dim, generator=generator) * 1e-2 * weight[0].abs().max()
+        hidden = on_int8_grid(weight[0].expand(rows, dim) + jitter)
     elif draw(st.booleans()):
         # The hidden row lines up with a vocabulary row: a clear winner and its near copies.
         hidden[0] = weight[draw(st.integers(0, vocab - 1))]
