@@ -89,6 +89,12 @@ def parse_args(argv: list[str] | None, prog: str = "python -m executor_service")
         "and transformers' own layer code instead of fused Llama layers (CPU, float32)",
     )
     parser.add_argument(
+        "--no-panel-linear",
+        dest="panel_linear",
+        action="store_false",
+        help="pack linear layers for oneDNN instead of the C panel kernel (CPU, float32, AVX-512)",
+    )
+    parser.add_argument(
         "--no-greedy-screen",
         dest="greedy_screen",
         action="store_false",
@@ -153,6 +159,7 @@ def parse_args(argv: list[str] | None, prog: str = "python -m executor_service")
         lease_timeout_s=args.lease_timeout,
         packed_linear=args.packed_linear,
         greedy_screen=args.greedy_screen,
+        panel_linear=args.panel_linear,
         tls=tls,
         health_port=args.health_port,
         drain_timeout_s=args.drain_timeout,

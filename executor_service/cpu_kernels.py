@@ -1,6 +1,6 @@
 """The C kernels (kernels/*.c and the headers they include): built once per machine into one
 shared library, loaded with ctypes. decode_kernel.py, prefill_kernel.py, layer_kernels.py,
-argmax_kernel.py and greedy_head.py wrap its functions.
+argmax_kernel.py, greedy_head.py and panel_linear.py wrap its functions.
 
 Plain C files need only the system's C compiler (no torch headers, no ninja) and build in about
 a second.
@@ -26,12 +26,16 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+import torch
+
 logger = logging.getLogger(__name__)
 
 KERNEL_DIR = Path(__file__).with_name("kernels")
 SOURCES = tuple(
     KERNEL_DIR / name
-    for name in ("paged_decode.c", "paged_prefill.c", "layer_elementwise.c", "row_argmax.c", "greedy_screen.c")
+    for name in (
+        "paged_decode.c", "paged_prefill.c", "layer_elementwise.c", "row_argmax.c", "greedy_screen.c", "panel_linear.c"
+    )
 )
 # Included by the sources, so part of the build key like them.
 HEADERS = tuple(sorted(KERNEL_DIR.glob("*.h")))
@@ -134,6 +138,14 @@ def declare(function: Any, argtypes: list[Any], restype: Any) -> Any:
     function.argtypes = argtypes
     function.restype = restype
     return function
+
+
+def float32_cpu(tensor: torch.Tensor, kernel: str) -> torch.Tensor:
+    """tensor, when it is float32 on the CPU (all the C kernels take); else a ValueError saying
+    what `kernel` (the caller's name for itself) was given."""
+    if tensor.dtype != torch.float32 or tensor.device.type != "cpu":
+        raise ValueError(f"{kernel}: float32 CPU tensors only, not {tensor.dtype} on {tensor.device}")
+    return tensor
 
 
 def attention_function(library: ctypes.CDLL, name: str, pointers: int, sizes: int) -> Any:

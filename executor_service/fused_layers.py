@@ -28,6 +28,7 @@ from transformers.models.llama.modeling_llama import eager_attention_forward
 
 from executor_service.layer_kernels import LayerKernels
 from executor_service.packed_linear import PackedLinear
+from executor_service.panel_linear import PanelKernel
 
 logger = logging.getLogger(__name__)
 
@@ -71,7 +72,7 @@ class FusedAttention(nn.Module):
     pass. Attention is the function the model's config names, as in transformers: ours when
     serving, eager when the self-check computes its reference."""
 
-    def __init__(self, attention: nn.Module, kernels: LayerKernels | None) -> None:
+    def __init__(self, attention: nn.Module, kernels: LayerKernels | None, panels: PanelKernel | None = None) -> None:
         super().__init__()
         self.kernels = kernels
         projections = [attention.q_proj, attention.k_proj, attention.v_proj]
@@ -83,8 +84,8 @@ class FusedAttention(nn.Module):
         self.head_dim = attention.head_dim
         self.num_heads = attention.q_proj.out_features // self.head_dim
         self.num_kv_heads = attention.k_proj.out_features // self.head_dim
-        self.qkv = PackedLinear(_joined(projections))
-        self.o_proj = PackedLinear(attention.o_proj)
+        self.qkv = PackedLinear(_joined(projections), panels)
+        self.o_proj = PackedLinear(attention.o_proj, panels)
 
     def forward(
         self,
@@ -119,12 +120,12 @@ class FusedAttention(nn.Module):
 class FusedMLP(nn.Module):
     """A SiLU-gated MLP with gate and up from one packed GEMM."""
 
-    def __init__(self, mlp: nn.Module, kernels: LayerKernels | None) -> None:
+    def __init__(self, mlp: nn.Module, kernels: LayerKernels | None, panels: PanelKernel | None = None) -> None:
         super().__init__()
         self.kernels = kernels
         self.intermediate = mlp.gate_proj.out_features
-        self.gate_up = PackedLinear(_joined([mlp.gate_proj, mlp.up_proj]))
-        self.down_proj = PackedLinear(mlp.down_proj)
+        self.gate_up = PackedLinear(_joined([mlp.gate_proj, mlp.up_proj]), panels)
+        self.down_proj = PackedLinear(mlp.down_proj, panels)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up(x)
@@ -161,17 +162,18 @@ def _fusable_attention(attention: nn.Module) -> bool:
     )
 
 
-def fuse_layers(model: nn.Module, kernels: LayerKernels | None) -> int:
+def fuse_layers(model: nn.Module, kernels: LayerKernels | None, panels: PanelKernel | None = None) -> int:
     """Replaces, in place, every fusable attention, MLP and RMSNorm of a float32 model whose
     linear layers are still plain; returns how many modules were replaced. Call before packing
-    the remaining linear layers. kernels: the C passes, or None for torch's operations."""
+    the remaining linear layers. kernels: the C passes, or None for torch's operations;
+    panels: the panel linear kernel, or None for oneDNN."""
     replacements: list[tuple[nn.Module, str, nn.Module]] = []
     for parent in model.modules():
         for name, child in parent.named_children():
             if _fusable_attention(child):
-                replacements.append((parent, name, FusedAttention(child, kernels)))
+                replacements.append((parent, name, FusedAttention(child, kernels, panels)))
             elif _fusable_mlp(child):
-                replacements.append((parent, name, FusedMLP(child, kernels)))
+                replacements.append((parent, name, FusedMLP(child, kernels, panels)))
             elif _qualified(child) in _NORM_CLASSES:
                 replacements.append((parent, name, FusedRMSNorm(child, kernels)))
     for parent, name, fused in replacements:

@@ -12,7 +12,10 @@ import functools
 
 import torch
 
-from executor_service.cpu_kernels import declare, load_kernel_library
+from executor_service.cpu_kernels import declare, float32_cpu, load_kernel_library
+
+# How errors name this wrapper.
+KERNEL = "the layer kernels"
 
 
 class LayerKernels:
@@ -27,8 +30,8 @@ class LayerKernels:
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """weight * x / sqrt(mean(x^2) + eps) over the last dimension."""
-        x = _float32(x).contiguous()
-        weight = _float32(weight).contiguous()
+        x = float32_cpu(x, KERNEL).contiguous()
+        weight = float32_cpu(weight, KERNEL).contiguous()
         dim = x.shape[-1]
         if weight.shape != (dim,):
             raise ValueError(f"RMSNorm weight {tuple(weight.shape)} does not fit rows of {dim}")
@@ -38,7 +41,7 @@ class LayerKernels:
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """silu(gate) * up, for [..., 2 * width] holding gate then up side by side."""
-        gate_up = _float32(gate_up).contiguous()
+        gate_up = float32_cpu(gate_up, KERNEL).contiguous()
         width = gate_up.shape[-1] // 2
         if gate_up.shape[-1] != 2 * width:
             raise ValueError(f"gate and up side by side need an even width, not {gate_up.shape[-1]}")
@@ -50,19 +53,13 @@ class LayerKernels:
         """x [rows, heads, dim] (heads contiguous, rows may be strided) rotated in place by
         cos and sin [rows, dim]."""
         rows, heads, dim = x.shape
-        _float32(x)
+        float32_cpu(x, KERNEL)
         if x.stride(2) != 1 or x.stride(1) != dim or dim % 2:
             raise ValueError(f"RoPE in place needs contiguous heads of even width, not strides {x.stride()}")
-        cos, sin = _float32(cos).contiguous(), _float32(sin).contiguous()
+        cos, sin = float32_cpu(cos, KERNEL).contiguous(), float32_cpu(sin, KERNEL).contiguous()
         if cos.shape != (rows, dim) or sin.shape != (rows, dim):
             raise ValueError(f"cos {tuple(cos.shape)} and sin {tuple(sin.shape)} are not {(rows, dim)}")
         self._rope(x.data_ptr(), cos.data_ptr(), sin.data_ptr(), rows, heads, dim, x.stride(0), torch.get_num_threads())
-
-
-def _float32(tensor: torch.Tensor) -> torch.Tensor:
-    if tensor.dtype != torch.float32 or tensor.device.type != "cpu":
-        raise ValueError(f"the layer kernels take float32 CPU tensors, not {tensor.dtype} on {tensor.device}")
-    return tensor
 
 
 @functools.cache

@@ -1,10 +1,12 @@
-"""Linear layers on CPU through oneDNN with weights packed once at start.
+"""Linear layers on CPU with weights packed once at start, through the C panel kernel
+(panel_linear.py) where the CPU has AVX-512, else through oneDNN.
 
 A decode step multiplies a few dozen rows by every weight matrix; for those skinny shapes the
-default path (MKL sgemm on the plain [out, in] weight) reaches under half of what oneDNN does
-with a weight reordered once into its blocked layout (random Llama lm_head, 32 x 512 x 32000 on
-two cores: 14.4 ms plain, 5.5 ms packed; an MLP projection 0.40 -> 0.23 ms). vLLM's CPU
-backend and inductor's freezing pass take the same route.
+default path (MKL sgemm on the plain [out, in] weight) reaches under half of what a packed
+weight allows (random Llama lm_head, 32 x 512 x 32000 on two cores: 14.4 ms plain, 5.5 ms
+oneDNN-packed); the panel kernel runs ahead of oneDNN at decode sizes and even with it at
+prefill sizes (panel_linear.py has the figures). vLLM's CPU backend and inductor's freezing pass
+take the oneDNN route.
 
 The packed copy replaces the plain weight: the module's `weight` becomes a meta tensor of the
 same shape and dtype, so code that only asks a weight for its shape or dtype keeps working, and
@@ -19,32 +21,38 @@ import logging
 import torch
 from torch import nn
 
+from executor_service.panel_linear import PanelKernel
+
 logger = logging.getLogger(__name__)
 
-# oneDNN's fp32 kernels are what is measured; bf16 packing is fast only on CPUs with native
-# bf16 and half precision is not packed at all.
+# float32 kernels are what is measured; bf16 packing is fast only on CPUs with native bf16 and
+# half precision is not packed at all.
 PACKABLE_DTYPES = (torch.float32,)
 
 
 class PackedLinear(nn.Module):
-    """y = x W^T + b with W held in oneDNN's packed layout."""
+    """y = x W^T + b with W held in the panel kernel's layout, or oneDNN's where panels is None."""
 
-    def __init__(self, linear: nn.Linear) -> None:
+    def __init__(self, linear: nn.Linear, panels: PanelKernel | None = None) -> None:
         super().__init__()
         self.in_features = linear.in_features
         self.out_features = linear.out_features
         weight = linear.weight.detach()
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
+        self.panels = panels
+        self.packed = panels.pack(weight) if panels is not None else torch.ops.mkldnn._reorder_linear_weight(weight, None)
         self.bias = linear.bias
         # A plain attribute, not a parameter: model.parameters() (and with it transformers'
         # model.device) must not see a meta tensor.
         self.weight = torch.empty(weight.shape, dtype=weight.dtype, device="meta")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.panels is not None:
+            return self.panels.linear(x, self.packed, self.out_features, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, packed=onednn"
+        backend = "panels" if self.panels is not None else "onednn"
+        return f"in_features={self.in_features}, out_features={self.out_features}, packed={backend}"
 
 
 def packing_available(device: torch.device, dtype: torch.dtype) -> bool:
@@ -57,8 +65,9 @@ def packing_available(device: torch.device, dtype: torch.dtype) -> bool:
     )
 
 
-def pack_linears(model: nn.Module) -> int:
-    """Replaces every plain nn.Linear of the model in place; returns how many.
+def pack_linears(model: nn.Module, panels: PanelKernel | None = None) -> int:
+    """Replaces every plain nn.Linear of the model in place; returns how many. panels: the
+    panel kernel, or None for oneDNN.
 
     Subclasses of nn.Linear are left alone: they may change what forward computes.
     """
@@ -73,7 +82,7 @@ def pack_linears(model: nn.Module) -> int:
         # A module reached by two paths is packed once and shared, as it was.
         replacement = packed.get(id(child))
         if replacement is None:
-            replacement = packed[id(child)] = PackedLinear(child)
+            replacement = packed[id(child)] = PackedLinear(child, panels)
         setattr(parent, name, replacement)
-    logger.info("event=linears_packed count=%d backend=onednn", len(packed))
+    logger.info("event=linears_packed count=%d backend=%s", len(packed), "panels" if panels else "onednn")
     return len(packed)

@@ -60,8 +60,10 @@ class ExecutorSettings:
     attention_backend: str = "auto"
     # Seconds without a plan after which the holding scheduler's hold lapses.
     lease_timeout_s: float = DEFAULT_LEASE_TIMEOUT_S
-    # Linear layers through oneDNN with packed weights where the device and dtype allow it.
+    # Linear layers with packed weights where the device and dtype allow it.
     packed_linear: bool = True
+    # Packed through the C panel kernel (panel_linear.py) where the CPU has AVX-512; oneDNN if not.
+    panel_linear: bool = True
     # Greedy rows' lm_head through the exact int8 screen (greedy_head.py), with packed linears.
     greedy_screen: bool = True
     # TLS (mutual with a client CA) on the executor API; None serves plaintext.

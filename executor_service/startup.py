@@ -19,6 +19,7 @@ from executor_service.model_loader import dtype_name, load_model
 from executor_service.model_runner import ModelRunner
 from executor_service.packed_linear import pack_linears, packing_available
 from executor_service.paged_attention import select_backend
+from executor_service.panel_linear import PanelKernel, load_panel_kernel
 from executor_service.self_check import run_self_check
 from executor_service.settings import ExecutorSettings
 from executor_service.tp_group import agree_on_min
@@ -44,6 +45,16 @@ def _layer_kernels() -> LayerKernels | None:
     try:
         return load_layer_kernels()
     except KernelUnavailable:
+        return None
+
+
+def _panel_kernel() -> PanelKernel | None:
+    """The C panel linear kernel, or None (oneDNN) where it cannot be had, which an
+    event=panel_linear line says with the reason; event=linears_packed names the backend."""
+    try:
+        return load_panel_kernel()
+    except KernelUnavailable as error:
+        logger.info("event=panel_linear enabled=false reason=%r", str(error))
         return None
 
 
@@ -75,9 +86,10 @@ def build_executor(settings: ExecutorSettings, device: str | None = None) -> Rea
     )
     # Packing replaces the linear layers, which under TP hold sharded weights and collectives.
     if settings.packed_linear and not parallel and packing_available(loaded.device, loaded.dtype):
-        fuse_layers(loaded.model, _layer_kernels())
+        panels = _panel_kernel() if settings.panel_linear else None
+        fuse_layers(loaded.model, _layer_kernels(), panels)
         head = screenable_head(loaded.model) if settings.greedy_screen else None
-        pack_linears(loaded.model)
+        pack_linears(loaded.model, panels)
         if head is not None:
             install_greedy_screen(loaded.model, head.weight)
     backend = select_backend(loaded.device, loaded.dtype, settings.attention_backend)

@@ -1,0 +1,113 @@
+"""The panel kernel computes x W^T + b to float32 rounding for every shape (ragged panels and
+tiles, row blocks, empty inputs), gives each row the same bits whatever rows share its call and
+however many threads run it, refuses inputs it cannot take, and is what an executor packs for.
+Models packed for it are checked against the plain models in test_packed_linear.py, and every
+executor parity test runs on it where the CPU has AVX-512."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from executor_service.cpu_kernels import KernelUnavailable
+from executor_service.packed_linear import PackedLinear
+from executor_service.panel_linear import PanelKernel, load_panel_kernel
+from executor_service.settings import ExecutorSettings
+from executor_service.startup import build_executor
+from tests.helpers.model_factory import build_model
+
+
+@pytest.fixture(scope="module")
+def panels() -> PanelKernel:
+    try:
+        return load_panel_kernel()
+    except KernelUnavailable as error:
+        pytest.skip(f"no panel kernel here: {error}")
+
+
+def assert_within_rounding(got: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    """|got - exact| <= gamma_(K+1) (|x| |W|^T + |b|): a chain of K float32 multiply-adds and the
+    bias, each rounded once (Higham's bound for a dot product in any order)."""
+    k = x.shape[-1]
+    unit = 2.0**-24
+    gamma = (k + 1) * unit / (1 - (k + 1) * unit)
+    exact = x.double() @ weight.double().t()
+    magnitude = x.double().abs() @ weight.double().abs().t()
+    if bias is not None:
+        exact += bias.double()
+        magnitude += bias.double().abs()
+    assert bool(((got.double() - exact).abs() <= gamma * magnitude + 1e-300).all())
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    rows=st.integers(0, 40),
+    in_features=st.integers(1, 300),
+    out_features=st.integers(1, 130),
+    with_bias=st.booleans(),
+    scale=st.sampled_from([1e-20, 1.0, 1e15]),
+    seed=st.integers(0, 2**31),
+)
+def test_every_shape_gives_the_product_to_float32_rounding(
+    panels: PanelKernel, rows: int, in_features: int, out_features: int, with_bias: bool, scale: float, seed: int
+) -> None:
+    generator = torch.Generator().manual_seed(seed)
+    weight = torch.randn(out_features, in_features, generator=generator) * scale
+    bias = torch.randn(out_features, generator=generator) if with_bias else None
+    x = torch.randn(rows, in_features, generator=generator)
+    got = panels.linear(x, panels.pack(weight), out_features, bias)
+    assert got.shape == (rows, out_features) and got.dtype == torch.float32
+    assert_within_rounding(got, x, weight, bias)
+
+
+@settings(max_examples=40, deadline=None)
+@given(rows=st.integers(1, 70), in_features=st.sampled_from([7, 64, 576, 4096]), seed=st.integers(0, 2**31))
+def test_a_rows_bits_do_not_depend_on_the_rows_beside_it_or_the_thread_count(
+    panels: PanelKernel, rows: int, in_features: int, seed: int
+) -> None:
+    # 4096 inputs make row blocks of 16 rows, so larger calls span several blocks.
+    generator = torch.Generator().manual_seed(seed)
+    weight = torch.randn(100, in_features, generator=generator)
+    x = torch.randn(rows, in_features, generator=generator)
+    packed = panels.pack(weight)
+    together = panels.linear(x, packed, 100, None)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = torch.cat([panels.linear(x[i : i + 1], packed, 100, None) for i in range(rows)])
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(together, alone)
+    assert_within_rounding(together, x, weight, None)
+
+
+def test_row_blocks_and_leading_dimensions_and_strided_inputs(panels: PanelKernel) -> None:
+    generator = torch.Generator().manual_seed(3)
+    weight, bias = torch.randn(200, 4096, generator=generator), torch.randn(200, generator=generator)
+    x = torch.randn(2, 45, 8192, generator=generator)[..., ::2]
+    got = panels.linear(x, panels.pack(weight), 200, bias)
+    assert got.shape == (2, 45, 200)
+    assert_within_rounding(got.reshape(90, 200), x.reshape(90, 4096), weight, bias)
+
+
+def test_inputs_it_cannot_take_are_refused_with_the_reason(panels: PanelKernel) -> None:
+    packed = panels.pack(torch.randn(32, 16))
+    with pytest.raises(ValueError, match="do not fit the packed weight"):
+        panels.linear(torch.randn(4, 17), packed, 32, None)
+    with pytest.raises(ValueError, match="float32 CPU tensors"):
+        panels.linear(torch.randn(4, 16, dtype=torch.float64), packed, 32, None)
+    with pytest.raises(ValueError, match="bias"):
+        panels.linear(torch.randn(4, 16), packed, 32, torch.randn(31))
+
+
+def test_an_executor_packs_for_panels_unless_told_not_to(panels: PanelKernel, tmp_path: Path) -> None:
+    model_dir = build_model("llama", tmp_path / "llama")
+    for panel_linear, backend in ((True, "panels"), (False, "onednn")):
+        settings_ = ExecutorSettings(model_dir=model_dir, device="cpu", num_kv_blocks=8, block_size=8, panel_linear=panel_linear)
+        model = build_executor(settings_).runner.loaded.model
+        packed = [m for m in model.modules() if isinstance(m, PackedLinear)]
+        assert packed and {m.extra_repr().rsplit("=", 1)[1] for m in packed} == {backend}
