@@ -10,12 +10,19 @@
        h . W_v = s t_v Q_v + s (q . e_v) + d . W_v
        |h . W_v - s t_v Q_v| <= s |q| |e_v| + |d| |W_v|          (Cauchy-Schwarz)
 
+   A hidden state with a few channels far above the rest (SmolLM2's channel 199 runs ~50x the
+   others) would make s, and with it the bound, loose for every other channel. The caller takes
+   such channels O out before rounding, h = h' + h_O, and passes each token's h_O . W_v as an
+   offset computed in float32: the screen value becomes s t_v Q_v + offset, and the caller adds
+   the offset's rounding (a multiple of |h_O| |W_v|) to the |W_v| term.
+
    A token whose upper bound is below some token's lower bound cannot be the argmax. The kept
    tokens get their logit from a double-precision dot product of h and W_v; every other token
    gets -inf, so the first largest index of the row is the greedy token. The bound is widened
    for float32 rounding (the scales, the products, a full-precision matmul's own summation), so
    no token a float32 matmul could make the largest is ever dropped. */
 #include <math.h>
+#include <stddef.h>
 #include <stdint.h>
 
 typedef uint32_t __attribute__((may_alias)) float_bits;
@@ -24,7 +31,7 @@ typedef uint32_t __attribute__((may_alias)) float_bits;
    and the bound itself (each a few units of 2^-24). */
 #define TERM_WIDEN (1.0f + 0x1p-10f)
 /* Widening by the screen value's own magnitude: s t_v Q_v is three roundings from exact (four
-   where Q_v itself was rounded to float32). */
+   where Q_v itself was rounded to float32), and one more for adding the offset. */
 #define SCREEN_ROUNDING 0x1p-21f
 /* Absolute widening for underflow: logits this small are kept whole, never screened. */
 #define UNDERFLOW_FLOOR 0x1p-100f
@@ -67,21 +74,25 @@ static double dot(const float *x, const float *y, int64_t n) {
 }
 
 /* One token's screen value and the half-width of the interval that holds its logit. */
-static inline void screen_at(const float *row, int64_t v, float s, float a, float b, const float *vocab_scale,
-                             const float *vocab_error, const float *vocab_norm, float *screen, float *bound) {
-    float value = s * vocab_scale[v] * row[v];
-    *screen = value;
-    *bound = a * vocab_error[v] + b * vocab_norm[v] + SCREEN_ROUNDING * fabsf(value) + UNDERFLOW_FLOOR;
+static inline void screen_at(const float *row, const float *offset, int64_t v, float s, float a, float b,
+                             const float *vocab_scale, const float *vocab_error, const float *vocab_norm,
+                             float *screen, float *bound) {
+    float product = s * vocab_scale[v] * row[v];
+    float shift = offset ? offset[v] : 0.0f;
+    *screen = product + shift;
+    /* Both magnitudes: where the offset cancels the product, the product's rounding remains. */
+    *bound = a * vocab_error[v] + b * vocab_norm[v] + SCREEN_ROUNDING * (fabsf(product) + fabsf(shift)) + UNDERFLOW_FLOOR;
 }
 
 /* Tokens are checked a chunk at a time: a vectorised pass says whether the chunk keeps any,
    and only such chunks (a few per row) are walked token by token. */
 enum { CHUNK = 64 };
 
-/* products: rows x vocab floats (q p^T); vocab_scale t_v, vocab_error |e_v|, vocab_norm |W_v|;
+/* products: rows x vocab floats (q p^T); offsets: rows x vocab floats (h_O . W_v), or NULL for
+   none; vocab_scale t_v, vocab_error |e_v|, vocab_norm |W_v|; hidden: the whole rows h;
    weight: vocab rows of dim floats. A row that keeps more than cap tokens is left unfinished
    in out, for the caller to compute in full. counts[r]: the tokens row r kept. */
-void screened_logits(const float *products, int64_t rows, int64_t vocab, const float *scale,
+void screened_logits(const float *products, const float *offsets, int64_t rows, int64_t vocab, const float *scale,
                      const float *a_term, const float *b_term, const float *vocab_scale,
                      const float *vocab_error, const float *vocab_norm, const float *hidden,
                      int64_t hidden_stride, const float *weight, int64_t dim, float *out,
@@ -89,19 +100,20 @@ void screened_logits(const float *products, int64_t rows, int64_t vocab, const f
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t r = 0; r < rows; r++) {
         const float *row = products + r * vocab;
+        const float *offset = offsets ? offsets + r * vocab : NULL;
         const float s = scale[r], a = a_term[r] * TERM_WIDEN, b = b_term[r] * TERM_WIDEN;
         float screen, bound;
         /* The largest lower bound: no token whose upper bound is below it can be the argmax. */
-        screen_at(row, 0, s, a, b, vocab_scale, vocab_error, vocab_norm, &screen, &bound);
+        screen_at(row, offset, 0, s, a, b, vocab_scale, vocab_error, vocab_norm, &screen, &bound);
         float floor = screen - bound;
         for (int64_t v = 1; v < vocab; v++) {
-            screen_at(row, v, s, a, b, vocab_scale, vocab_error, vocab_norm, &screen, &bound);
+            screen_at(row, offset, v, s, a, b, vocab_scale, vocab_error, vocab_norm, &screen, &bound);
             floor = fmaxf(floor, screen - bound);
         }
         /* Counted first, so that a row the bound cannot narrow costs no dot products. */
         int64_t kept = 0;
         for (int64_t v = 0; v < vocab; v++) {
-            screen_at(row, v, s, a, b, vocab_scale, vocab_error, vocab_norm, &screen, &bound);
+            screen_at(row, offset, v, s, a, b, vocab_scale, vocab_error, vocab_norm, &screen, &bound);
             kept += screen + bound >= floor;
         }
         counts[r] = kept;
@@ -113,13 +125,13 @@ void screened_logits(const float *products, int64_t rows, int64_t vocab, const f
             int64_t end = start + CHUNK < vocab ? start + CHUNK : vocab;
             int hit = 0;
             for (int64_t v = start; v < end; v++) {
-                screen_at(row, v, s, a, b, vocab_scale, vocab_error, vocab_norm, &screen, &bound);
+                screen_at(row, offset, v, s, a, b, vocab_scale, vocab_error, vocab_norm, &screen, &bound);
                 hit |= screen + bound >= floor;
                 logit_bits[v] = NEGATIVE_INFINITY_BITS;
             }
             if (!hit) continue;
             for (int64_t v = start; v < end; v++) {
-                screen_at(row, v, s, a, b, vocab_scale, vocab_error, vocab_norm, &screen, &bound);
+                screen_at(row, offset, v, s, a, b, vocab_scale, vocab_error, vocab_norm, &screen, &bound);
                 if (screen + bound >= floor) logits[v] = (float)dot(h, weight + v * dim, dim);
             }
         }
