@@ -14,11 +14,11 @@ from hypothesis import strategies as st
 
 from executor_service import startup
 from executor_service.argmax_kernel import RowArgmax, load_row_argmax
-from executor_service.cpu_kernels import KernelUnavailable
 from executor_service.sampler import SamplingRow, sample
 from executor_service.sampler_settings import SamplerSettings
 from executor_service.settings import ExecutorSettings
 from protos.splitserve.executor.v1 import executor_pb2 as pb
+from tests.helpers.c_kernels import load_or_skip
 from tests.helpers.model_factory import build_model
 
 # Few distinct values, so that ties and specials meet often.
@@ -29,10 +29,7 @@ SPECIALS = [math.nan, -math.nan, math.inf, -math.inf, 0.0, -0.0, 1.0, -1.0, FLOA
 
 @pytest.fixture(scope="module")
 def argmax() -> RowArgmax:
-    try:
-        return load_row_argmax()
-    except KernelUnavailable as error:
-        pytest.skip(f"no C kernels here: {error}")
+    return load_or_skip(load_row_argmax)
 
 
 # Rows where the order of specials decides the answer, which random draws seldom reach.

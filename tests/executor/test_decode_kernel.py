@@ -18,6 +18,7 @@ from executor_service.kv_cache import KVCacheShape, PagedKVCache
 from executor_service.model_loader import load_model
 from executor_service.paged_attention import BackendUnavailable, select_backend
 from executor_service.self_check import run_self_check
+from tests.helpers.c_kernels import load_or_skip
 from tests.helpers.model_factory import build_model
 
 CPU = torch.device("cpu")
@@ -25,10 +26,7 @@ BLOCK = 16
 
 
 def _kernel_or_skip() -> decode_kernel.DecodeKernel:
-    try:
-        return load_decode_kernel()
-    except KernelUnavailable as error:
-        pytest.skip(f"no decode kernel here: {error}")
+    return load_or_skip(load_decode_kernel)
 
 
 @pytest.mark.parametrize(
@@ -147,10 +145,7 @@ def test_a_kernel_is_built_once_into_its_cache_and_a_broken_compiler_says_why(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     monkeypatch.setenv("SPLITSERVE_KERNEL_CACHE", str(tmp_path / "cache"))
-    try:
-        built = build_kernel()
-    except KernelUnavailable as error:
-        pytest.skip(f"no decode kernel here: {error}")
+    built = load_or_skip(build_kernel)
     assert built.parent == tmp_path / "cache" and built.is_file()
     stamp = built.stat().st_mtime_ns
     assert build_kernel() == built and built.stat().st_mtime_ns == stamp

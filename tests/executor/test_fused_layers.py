@@ -11,7 +11,6 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from executor_service.cpu_kernels import KernelUnavailable
 from executor_service.fused_layers import (
     FusedAttention,
     FusedMLP,
@@ -20,6 +19,7 @@ from executor_service.fused_layers import (
 )
 from executor_service.layer_kernels import LayerKernels, load_layer_kernels
 from executor_service.packed_linear import pack_linears, packing_available
+from tests.helpers.c_kernels import load_or_skip
 from tests.helpers.model_factory import build_model
 
 pytestmark = pytest.mark.skipif(
@@ -28,10 +28,7 @@ pytestmark = pytest.mark.skipif(
 
 
 def _layer_kernels_or_skip() -> LayerKernels:
-    try:
-        return load_layer_kernels()
-    except KernelUnavailable as error:
-        pytest.skip(f"no C layer kernels here: {error}")
+    return load_or_skip(load_layer_kernels)
 
 
 def _packed_model(model_dir: Path, fused: bool, kernels: LayerKernels | None = None) -> torch.nn.Module:

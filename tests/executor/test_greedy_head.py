@@ -14,7 +14,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from executor_service import startup
-from executor_service.cpu_kernels import KernelUnavailable, load_kernel_library
+from executor_service.cpu_kernels import load_kernel_library
 from executor_service.greedy_head import (
     MIN_DIM,
     PAUSE_CALLS,
@@ -27,16 +27,13 @@ from executor_service.packed_linear import PackedLinear
 from executor_service.sampler_settings import SamplerSettings
 from executor_service.settings import ExecutorSettings
 from protos.splitserve.executor.v1 import executor_pb2 as pb
+from tests.helpers.c_kernels import load_or_skip
 from tests.helpers.model_factory import build_config, build_model
 
 
 @pytest.fixture(scope="module")
 def library() -> object:
-    try:
-        library = load_kernel_library()
-    except KernelUnavailable as error:
-        pytest.skip(f"no C kernels here: {error}")
-    return library
+    return load_or_skip(load_kernel_library)
 
 
 def exact_logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -10,9 +10,9 @@ import torch
 from torch import nn
 from transformers import AutoModelForCausalLM
 
-from executor_service.cpu_kernels import KernelUnavailable
 from executor_service.packed_linear import PackedLinear, pack_linears, packing_available
 from executor_service.panel_linear import PanelKernel, load_panel_kernel
+from tests.helpers.c_kernels import load_or_skip
 from tests.helpers.model_factory import build_model
 
 pytestmark = pytest.mark.skipif(
@@ -24,10 +24,7 @@ def backend(name: str) -> PanelKernel | None:
     """The panel kernel for "panels", None (oneDNN) for "onednn"."""
     if name == "onednn":
         return None
-    try:
-        return load_panel_kernel()
-    except KernelUnavailable as error:
-        pytest.skip(f"no panel kernel here: {error}")
+    return load_or_skip(load_panel_kernel, cpu_flag="avx512f")
 
 
 @pytest.mark.parametrize("backend_name", ["panels", "onednn"])

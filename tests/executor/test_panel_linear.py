@@ -13,20 +13,17 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from executor_service.cpu_kernels import KernelUnavailable
 from executor_service.packed_linear import PackedLinear
 from executor_service.panel_linear import PanelKernel, load_panel_kernel
 from executor_service.settings import ExecutorSettings
 from executor_service.startup import build_executor
+from tests.helpers.c_kernels import load_or_skip
 from tests.helpers.model_factory import build_model
 
 
 @pytest.fixture(scope="module")
 def panels() -> PanelKernel:
-    try:
-        return load_panel_kernel()
-    except KernelUnavailable as error:
-        pytest.skip(f"no panel kernel here: {error}")
+    return load_or_skip(load_panel_kernel, cpu_flag="avx512f")
 
 
 def assert_within_rounding(got: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:

@@ -9,19 +9,17 @@ import torch
 
 from executor_service.attention_math import explicit_attention
 from executor_service.attention_metadata import SequenceSpan, build_step_attention
-from executor_service.cpu_kernels import KernelUnavailable
 from executor_service.kv_cache import KVCacheShape, PagedKVCache
 from executor_service.prefill_kernel import PrefillKernel, load_prefill_kernel
 
 CPU = torch.device("cpu")
 BLOCK = 16
 
+from tests.helpers.c_kernels import load_or_skip
+
 
 def _kernel_or_skip() -> PrefillKernel:
-    try:
-        return load_prefill_kernel()
-    except KernelUnavailable as error:
-        pytest.skip(f"no prefill kernel here: {error}")
+    return load_or_skip(load_prefill_kernel)
 
 
 def _spans(shapes: list[tuple[int, int]], num_blocks: int, generator: torch.Generator) -> list[SequenceSpan]:
