@@ -39,7 +39,10 @@ class PackedLinear(nn.Module):
         self.out_features = linear.out_features
         weight = linear.weight.detach()
         self.panels = panels
-        self.packed = panels.pack(weight) if panels is not None else torch.ops.mkldnn._reorder_linear_weight(weight, None)
+        if panels is not None:
+            self.packed = panels.pack(weight)
+        else:
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
         self.bias = linear.bias
         # A plain attribute, not a parameter: model.parameters() (and with it transformers'
         # model.device) must not see a meta tensor.

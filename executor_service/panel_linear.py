@@ -40,7 +40,9 @@ class PanelKernel:
             raise KernelUnavailable("the panel linear kernel needs AVX-512F, which this CPU lacks")
         self._packed_floats = declare(library.panel_packed_floats, [size, size], size)
         self._pack = declare(library.panel_pack, [pointer, size, size, pointer], None)
-        self._linear = declare(library.panel_linear, [pointer, size, size, pointer, size, pointer, pointer, ctypes.c_int], None)
+        self._linear = declare(
+            library.panel_linear, [pointer, size, size, pointer, size, pointer, pointer, ctypes.c_int], None
+        )
 
     def pack(self, weight: torch.Tensor) -> torch.Tensor:
         """[out, in] float32 weight -> its panels (a flat tensor); the weight is not kept."""
@@ -50,7 +52,9 @@ class PanelKernel:
         self._pack(weight.data_ptr(), out_features, in_features, packed.data_ptr())
         return packed
 
-    def linear(self, x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None) -> torch.Tensor:
+    def linear(
+        self, x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None
+    ) -> torch.Tensor:
         """x [..., in] float32 -> x W^T + b [..., out], packed from pack(W)."""
         in_features = x.shape[-1]
         if packed.numel() != self._packed_floats(out_features, in_features):

@@ -81,7 +81,8 @@ static inline void screen_at(const float *row, const float *offset, int64_t v, f
     float shift = offset ? offset[v] : 0.0f;
     *screen = product + shift;
     /* Both magnitudes: where the offset cancels the product, the product's rounding remains. */
-    *bound = a * vocab_error[v] + b * vocab_norm[v] + SCREEN_ROUNDING * (fabsf(product) + fabsf(shift)) + UNDERFLOW_FLOOR;
+    *bound = a * vocab_error[v] + b * vocab_norm[v] + SCREEN_ROUNDING * (fabsf(product) + fabsf(shift)) +
+             UNDERFLOW_FLOOR;
 }
 
 /* Tokens are checked a chunk at a time: a vectorised pass says whether the chunk keeps any,

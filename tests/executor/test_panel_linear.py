@@ -104,7 +104,9 @@ def test_inputs_it_cannot_take_are_refused_with_the_reason(panels: PanelKernel) 
 def test_an_executor_packs_for_panels_unless_told_not_to(panels: PanelKernel, tmp_path: Path) -> None:
     model_dir = build_model("llama", tmp_path / "llama")
     for panel_linear, backend in ((True, "panels"), (False, "onednn")):
-        settings_ = ExecutorSettings(model_dir=model_dir, device="cpu", num_kv_blocks=8, block_size=8, panel_linear=panel_linear)
+        settings_ = ExecutorSettings(
+            model_dir=model_dir, device="cpu", num_kv_blocks=8, block_size=8, panel_linear=panel_linear
+        )
         model = build_executor(settings_).runner.loaded.model
         packed = [m for m in model.modules() if isinstance(m, PackedLinear)]
         assert packed and {m.extra_repr().rsplit("=", 1)[1] for m in packed} == {backend}
