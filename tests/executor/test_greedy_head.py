@@ -17,6 +17,7 @@ from executor_service import startup
 from executor_service.cpu_kernels import load_kernel_library
 from executor_service.greedy_head import (
     MIN_DIM,
+    OUTLIER_CHECK_EVERY,
     PAUSE_CALLS,
     GreedyScreen,
     ScreenedHead,
@@ -160,6 +161,25 @@ def test_a_row_the_bound_cannot_narrow_is_left_to_the_plain_head(library: object
     logits, wide = GreedyScreen(library, weight).logits(torch.stack([torch.zeros(MIN_DIM), weight[5]]))
     assert wide == [0]
     assert int(logits[1].argmax()) == 5
+
+
+def test_outlier_channels_are_learned_on_one_call_in_sixteen_and_kept(library: object) -> None:
+    screen = GreedyScreen(library, torch.randn(300, 64))
+
+    def rows_with_outlier(channel: int) -> torch.Tensor:
+        rows = torch.randn(4, 64)
+        rows[:, channel] = 100.0
+        return rows
+
+    screen.logits(rows_with_outlier(3))
+    assert screen.outliers == [3]
+    for _ in range(OUTLIER_CHECK_EVERY - 1):
+        screen.logits(rows_with_outlier(5))
+    assert screen.outliers == [3]
+    rows = rows_with_outlier(5)
+    logits, wide = screen.logits(rows)
+    assert screen.outliers == [3, 5] and wide == []
+    assert_screen_keeps_every_contender(rows, screen.weight, logits)
 
 
 def wrapped_head(library: object, vocab: int = 500, dim: int = 32) -> tuple[ScreenedHead, torch.nn.Linear]:
