@@ -199,7 +199,10 @@ def test_big_requests_arriving_together_never_stall_a_neighbouring_stream(channe
     assert codes == [INVALID] * 30, [(e.code(), e.details()[:80]) for e in errors]
     assert all("request caps allow at most" in error.details() for error in errors[:20])
     assert "maximum model length" in errors[-1].details()
-    assert stats.longest_gap_s < 0.5, stats
+    # Parsing or tokenizing the burst on the event loop would hold the stream for seconds (10
+    # bodies of 16 MB ids, 10 of 8 MB text, 5 tokenized). 0.5 s was exceeded once (0.546 s) with
+    # two test workers on two cores in a slow window, so the bound leaves room for contention.
+    assert stats.longest_gap_s < 1.0, stats
     assert not stats.errors and stats.mismatches == 0
 
 
