@@ -90,13 +90,26 @@ def _build_key(compiler: str) -> str:
 def _cpu_features() -> bytes:
     """What -march=native depends on: the architecture and, on Linux, the CPU's feature flags."""
     features = platform.machine().encode()
+    line = _cpuinfo_flags_line()
+    return features + (line.encode() if line is not None else platform.processor().encode())
+
+
+def _cpuinfo_flags_line() -> str | None:
+    """The feature-flags line of /proc/cpuinfo ("flags" on x86, "Features" on Arm), or None."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith(("flags", "Features")):
-                return features + line.encode()
+                return line
     except OSError:
         pass
-    return features + platform.processor().encode()
+    return None
+
+
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags (avx512f, ...) as /proc/cpuinfo lists them; empty where it cannot
+    be read."""
+    line = _cpuinfo_flags_line()
+    return set(line.split(":", 1)[1].split()) if line is not None else set()
 
 
 def build_kernel() -> Path:

@@ -176,6 +176,7 @@ class GreedyScreen:
         )
         # The outlier set: channel indices, and the weight's columns for them [vocab, channels].
         self.outliers: list[int] = []
+        self._outlier_index = torch.empty(0, dtype=torch.int64)
         self._outlier_columns = torch.empty(self.vocab, 0)
         self._calls = 0
 
@@ -194,9 +195,8 @@ class GreedyScreen:
         self._learn_outliers(hidden)
         rounded, offsets, outlier_norm = hidden, None, None
         if self.outliers:
-            index = torch.tensor(self.outliers)
-            picked = hidden[:, index]
-            rounded = hidden.index_fill(1, index, 0.0)
+            picked = hidden[:, self._outlier_index]
+            rounded = hidden.index_fill(1, self._outlier_index, 0.0)
             offsets = (picked @ self._outlier_columns.t()).contiguous()
             outlier_norm = picked.norm(dim=1)
         shifted = torch.empty(rows, self.dim, dtype=torch.uint8)
@@ -239,7 +239,8 @@ class GreedyScreen:
         ordered = above[ratio[above].argsort(descending=True)].tolist()
         new = [c for c in ordered if c not in known]
         self.outliers = sorted(known | set(new[: MAX_OUTLIERS - len(known)]))
-        self._outlier_columns = self.weight[:, self.outliers].contiguous()
+        self._outlier_index = torch.tensor(self.outliers)
+        self._outlier_columns = self.weight[:, self._outlier_index].contiguous()
         logger.info("event=greedy_screen_outliers channels=%s", ",".join(map(str, self.outliers)))
 
 

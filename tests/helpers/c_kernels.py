@@ -7,24 +7,13 @@ from __future__ import annotations
 import os
 import shutil
 from collections.abc import Callable
-from pathlib import Path
 from typing import TypeVar
 
 import pytest
 
-from executor_service.cpu_kernels import KernelUnavailable
+from executor_service.cpu_kernels import KernelUnavailable, cpu_flags
 
 T = TypeVar("T")
-
-
-def cpu_flags() -> set[str]:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
 
 
 def load_or_skip(load: Callable[[], T], cpu_flag: str | None = None) -> T:
