@@ -35,6 +35,11 @@ def compute_logits(
         STEP_KWARG: inputs.attention,
     }
     with active_step(inputs.attention):
+        if loaded.lean is not None:
+            with _argmax_only_rows(loaded, inputs):
+                return loaded.lean.logits(
+                    inputs.input_ids, inputs.position_ids, inputs.attention, inputs.logits_indices
+                )[0]
         if use_logits_to_keep:
             with _argmax_only_rows(loaded, inputs):
                 return loaded.model(**common, logits_to_keep=inputs.logits_indices).logits[0]

@@ -39,7 +39,7 @@ _MLP_CLASSES = {"transformers.models.llama.modeling_llama.LlamaMLP"}
 _NORM_CLASSES = {"transformers.models.llama.modeling_llama.LlamaRMSNorm"}
 
 
-def _qualified(module: nn.Module) -> str:
+def qualified_name(module: nn.Module) -> str:
     return f"{type(module).__module__}.{type(module).__qualname__}"
 
 
@@ -92,8 +92,12 @@ class FusedAttention(nn.Module):
         hidden_states: torch.Tensor,
         position_embeddings: tuple[torch.Tensor, torch.Tensor],
         attention_mask: torch.Tensor | None = None,
+        *,
+        residual: torch.Tensor | None = None,
         **kwargs: object,
     ) -> tuple[torch.Tensor, None]:
+        """residual: where the output is added, in place (lean_forward.py); transformers' layers
+        add it themselves and pass none."""
         if kwargs.get("cache") is not None or kwargs.get("past_key_values") is not None:
             raise NotImplementedError(
                 "fused layers run the executor's paged steps and keep no transformers cache; "
@@ -114,7 +118,7 @@ class FusedAttention(nn.Module):
         value = qkv[:, (heads + kv_heads) * dim :].view(batch, tokens, kv_heads, dim).transpose(1, 2)
         attend = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager_attention_forward)
         attended, _ = attend(self, query, key, value, attention_mask, dropout=0.0, scaling=self.scaling, **kwargs)
-        return self.o_proj(attended.reshape(batch, tokens, -1)), None
+        return self.o_proj(attended.reshape(batch, tokens, -1), residual), None
 
 
 class FusedMLP(nn.Module):
@@ -126,13 +130,20 @@ class FusedMLP(nn.Module):
         self.intermediate = mlp.gate_proj.out_features
         self.gate_up = PackedLinear(_joined([mlp.gate_proj, mlp.up_proj]), panels)
         self.down_proj = PackedLinear(mlp.down_proj, panels)
+        # SiLU-times-up in the gate-and-up GEMM's epilogue, where the panel kernel packs it: the
+        # [tokens, 2 x intermediate] product is never written or read back.
+        self.gated = self.gate_up.gated_width() == self.intermediate
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """residual: where the output is added, in place (lean_forward.py)."""
+        if self.gated:
+            return self.down_proj(self.gate_up.silu_mul(x), residual)
         gate_up = self.gate_up(x)
         if self.kernels is not None:
-            return self.down_proj(self.kernels.silu_mul(gate_up))
+            return self.down_proj(self.kernels.silu_mul(gate_up), residual)
         # mul_ into SiLU's fresh output: 2,048 rows of 1,408 take 1.6 ms instead of 2.2.
-        return self.down_proj(F.silu(gate_up[..., : self.intermediate]).mul_(gate_up[..., self.intermediate :]))
+        hidden = F.silu(gate_up[..., : self.intermediate]).mul_(gate_up[..., self.intermediate :])
+        return self.down_proj(hidden, residual)
 
 
 class FusedRMSNorm(nn.Module):
@@ -150,14 +161,14 @@ class FusedRMSNorm(nn.Module):
 
 def _fusable_mlp(mlp: nn.Module) -> bool:
     return (
-        _qualified(mlp) in _MLP_CLASSES
+        qualified_name(mlp) in _MLP_CLASSES
         and getattr(mlp.config, "hidden_act", None) == "silu"
         and all(type(getattr(mlp, name)) is nn.Linear for name in ("gate_proj", "up_proj", "down_proj"))
     )
 
 
 def _fusable_attention(attention: nn.Module) -> bool:
-    return _qualified(attention) in _ATTENTION_CLASSES and all(
+    return qualified_name(attention) in _ATTENTION_CLASSES and all(
         type(getattr(attention, name)) is nn.Linear for name in ("q_proj", "k_proj", "v_proj", "o_proj")
     )
 
@@ -174,7 +185,7 @@ def fuse_layers(model: nn.Module, kernels: LayerKernels | None, panels: PanelKer
                 replacements.append((parent, name, FusedAttention(child, kernels, panels)))
             elif _fusable_mlp(child):
                 replacements.append((parent, name, FusedMLP(child, kernels, panels)))
-            elif _qualified(child) in _NORM_CLASSES:
+            elif qualified_name(child) in _NORM_CLASSES:
                 replacements.append((parent, name, FusedRMSNorm(child, kernels)))
     for parent, name, fused in replacements:
         setattr(parent, name, fused)

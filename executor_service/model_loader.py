@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from transformers import (
@@ -18,6 +19,9 @@ from transformers.distributed import DistributedConfig
 from executor_service.kv_geometry import probe_kv_geometry
 from executor_service.model_support import UnsupportedModel, check_config
 from executor_service.paged_attention import ATTENTION_NAME, register_paged_attention
+
+if TYPE_CHECKING:
+    from executor_service.lean_forward import LeanLlama
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +45,9 @@ class LoadedModel:
     num_kv_heads: int
     key_dim: int
     value_dim: int
+    # Set at start-up once fuse_layers has replaced every layer (lean_forward.py): the step's
+    # forward runs it instead of the model's own.
+    lean: LeanLlama | None = None
 
 
 def resolve_device(name: str) -> torch.device:

@@ -48,10 +48,28 @@ class PackedLinear(nn.Module):
         # model.device) must not see a meta tensor.
         self.weight = torch.empty(weight.shape, dtype=weight.dtype, device="meta")
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """x W^T + b; with a residual, (x W^T + b) + residual written into the residual, in place
+        (by the panel kernel's epilogue, or one add_ after oneDNN), which is returned."""
         if self.panels is not None:
-            return self.panels.linear(x, self.packed, self.out_features, self.bias)
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+            return self.panels.linear(x, self.packed, self.out_features, self.bias, residual)
+        out = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        return out if residual is None else residual.add_(out)
+
+    def gated_width(self) -> int | None:
+        """For a joined [gate; up] weight: the width silu_mul gives, or None where the panel
+        kernel cannot compute it in one pass (oneDNN packing, or halves not whole panels)."""
+        width = self.out_features // 2
+        if self.panels is None or self.out_features % 2 or width % self.panels.panel:
+            return None
+        return width
+
+    def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up of a joined [gate; up] weight, in one pass; needs gated_width()."""
+        width = self.gated_width()
+        if self.panels is None or width is None:
+            raise ValueError(f"{self.out_features} outputs packed for {self.extra_repr()} cannot be gated in one pass")
+        return self.panels.linear_silu_mul(x, self.packed, width, self.bias)
 
     def extra_repr(self) -> str:
         backend = "panels" if self.panels is not None else "onednn"

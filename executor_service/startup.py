@@ -15,6 +15,7 @@ from executor_service.greedy_head import install_greedy_screen, screenable_head
 from executor_service.kv_budget import decide_num_blocks
 from executor_service.kv_cache import KVCacheShape, PagedKVCache
 from executor_service.layer_kernels import LayerKernels, load_layer_kernels
+from executor_service.lean_forward import lean_llama
 from executor_service.model_loader import dtype_name, load_model
 from executor_service.model_runner import ModelRunner
 from executor_service.packed_linear import pack_linears, packing_available
@@ -92,6 +93,8 @@ def build_executor(settings: ExecutorSettings, device: str | None = None) -> Rea
         pack_linears(loaded.model, panels)
         if head is not None:
             install_greedy_screen(loaded.model, head.weight)
+        loaded.lean = lean_llama(loaded.model)
+        logger.info("event=forward impl=%s", "lean" if loaded.lean is not None else "transformers")
     backend = select_backend(loaded.device, loaded.dtype, settings.attention_backend)
     shape = KVCacheShape(
         num_layers=loaded.num_layers,

@@ -9,6 +9,8 @@
 #include <math.h>
 #include <stdint.h>
 
+#include "silu_mul.h"
+
 /* Below this many elements a pass runs on the calling thread. With the step thread's OpenMP
  * team busy-waiting between regions a fork and join costs a microsecond or two, so a decode
  * step's passes (random Llama, 32 rows: 16k to 45k elements) split too: between packed GEMMs,
@@ -38,10 +40,8 @@ void rms_norm(const float *x, const float *weight, float *out, int64_t rows, int
 void silu_mul(const float *gate_up, float *out, int64_t rows, int64_t width, int num_threads) {
 #pragma omp parallel for num_threads(num_threads) if (rows * width >= PARALLEL_FROM)
     for (int64_t r = 0; r < rows; r++) {
-        const float *gate = gate_up + r * 2 * width, *up = gate + width;
-        float *dst = out + r * width;
-#pragma omp simd
-        for (int64_t i = 0; i < width; i++) dst[i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
+        const float *gate = gate_up + r * 2 * width;
+        silu_mul_row(gate, gate + width, out + r * width, width);
     }
 }
 

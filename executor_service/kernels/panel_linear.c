@@ -10,10 +10,20 @@
 
    Every output is one chain of fused multiply-adds over k = 0..K-1, whatever the number of
    rows, the tile a row falls in, or the thread count: a row's result does not depend on the
-   rows it shares a call with. */
+   rows it shares a call with.
+
+   Two epilogues save a pass over the output: a residual added as the tile is stored (the
+   layer's o_proj and down_proj, whose outputs transformers adds to the residual stream next),
+   and SiLU(gate) * up for the MLP's joined gate-and-up weight, where a tile computes its gate
+   panels and then the matching up panels into buffers in L1 and writes only their product
+   (a 2,048-token prefill no longer writes and rereads [tokens, 2 x intermediate]). Each gives
+   the bits of the separate operations: (x W^T + b) + residual is the same sum in the same order,
+   and the product is silu_mul.h's, as the layer pass computes it. */
 
 #include <stddef.h>
 #include <stdint.h>
+
+#include "silu_mul.h"
 
 #define PANEL 16
 #define TILE_ROWS 8
@@ -50,7 +60,7 @@ void panel_pack(const float *w, int64_t n, int64_t k, float *out) {
    accumulators live in registers. */
 static inline __attribute__((always_inline)) void tile(
     const float *x, int64_t k, const float *w, float *y, int64_t n, int64_t columns, const float *bias,
-    const int rows, const int panels) {
+    const float *residual, const int rows, const int panels) {
     __m512 acc[TILE_ROWS][TILE_PANELS];
     for (int r = 0; r < rows; r++)
         for (int j = 0; j < panels; j++) acc[r][j] = _mm512_setzero_ps();
@@ -67,27 +77,64 @@ static inline __attribute__((always_inline)) void tile(
         int64_t left = columns - j * PANEL;
         __mmask16 mask = left >= PANEL ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);
         __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + j * PANEL) : _mm512_setzero_ps();
-        for (int r = 0; r < rows; r++)
-            _mm512_mask_storeu_ps(y + r * n + j * PANEL, mask, _mm512_add_ps(acc[r][j], b));
+        for (int r = 0; r < rows; r++) {
+            __m512 out = _mm512_add_ps(acc[r][j], b);
+            if (residual) {
+                /* The linear's output is rounded before the residual joins it, as in torch; the
+                   empty asm keeps -ffast-math from reassociating the two sums. */
+                __asm__("" : "+v"(out));
+                out = _mm512_add_ps(out, _mm512_maskz_loadu_ps(mask, residual + r * n + j * PANEL));
+            }
+            _mm512_mask_storeu_ps(y + r * n + j * PANEL, mask, out);
+        }
     }
 }
 
 #define TILE_CASE(R, P) \
-    case (R) * 4 + (P): tile(x, k, w, y, n, columns, bias, R, P); break;
+    case (R) * 4 + (P): tile(x, k, w, y, n, columns, bias, residual, R, P); break;
 #define TILE_CASES(R) TILE_CASE(R, 1) TILE_CASE(R, 2) TILE_CASE(R, 3)
 
 static void dispatch(const float *x, int64_t k, const float *w, float *y, int64_t n, int64_t columns,
-                     const float *bias, int rows, int panels) {
+                     const float *bias, const float *residual, int rows, int panels) {
     switch (rows * 4 + panels) {
         TILE_CASES(1) TILE_CASES(2) TILE_CASES(3) TILE_CASES(4)
         TILE_CASES(5) TILE_CASES(6) TILE_CASES(7) TILE_CASES(8)
     }
 }
 
-/* x [m][k], packed from panel_pack, bias [n] or NULL, y [m][n]. */
-void panel_linear(const float *x, int64_t m, int64_t k, const float *packed, int64_t n, const float *bias,
-                  float *y, int threads) {
-    int64_t panels = (n + PANEL - 1) / PANEL;
+/* One call's operands; a tile is rows [r0, r0 + rows) by panels [p0, p0 + panels). */
+typedef struct {
+    const float *x, *packed, *bias, *residual;
+    float *y;
+    int64_t k, n;
+} Job;
+
+typedef void (*TileFn)(const Job *job, int64_t r0, int rows, int64_t p0, int panels);
+
+static void plain_tile(const Job *job, int64_t r0, int rows, int64_t p0, int panels) {
+    int64_t c0 = p0 * PANEL, columns = job->n - c0 < panels * PANEL ? job->n - c0 : panels * PANEL;
+    dispatch(job->x + r0 * job->k, job->k, job->packed + p0 * job->k * PANEL, job->y + r0 * job->n + c0, job->n,
+             columns, job->bias ? job->bias + c0 : NULL, job->residual ? job->residual + r0 * job->n + c0 : NULL,
+             rows, panels);
+}
+
+/* job->n is the width of each half, a whole number of panels; the up panels follow the gate's. */
+static void gated_tile(const Job *job, int64_t r0, int rows, int64_t p0, int panels) {
+    float gate[TILE_ROWS * TILE_PANELS * PANEL], up[TILE_ROWS * TILE_PANELS * PANEL];
+    const int64_t k = job->k, width = job->n, c0 = p0 * PANEL, columns = panels * PANEL;
+    const int stride = TILE_PANELS * PANEL;
+    const float *x = job->x + r0 * k;
+    dispatch(x, k, job->packed + p0 * k * PANEL, gate, stride, columns, job->bias ? job->bias + c0 : NULL, NULL,
+             rows, panels);
+    dispatch(x, k, job->packed + (width / PANEL + p0) * k * PANEL, up, stride, columns,
+             job->bias ? job->bias + width + c0 : NULL, NULL, rows, panels);
+    for (int r = 0; r < rows; r++)
+        silu_mul_row(gate + r * stride, up + r * stride, job->y + (r0 + r) * width + c0, columns);
+}
+
+/* Every tile of an m-row output of `panels` panels, split between threads. */
+static void run_tiles(const Job *job, TileFn fn, int64_t m, int64_t panels, int threads) {
+    const int64_t k = job->k;
     int64_t groups = (panels + TILE_PANELS - 1) / TILE_PANELS;
     int64_t row_block = (int64_t)(ROW_BLOCK_BYTES / ((size_t)(k > 0 ? k : 1) * sizeof(float))) / TILE_ROWS * TILE_ROWS;
     if (row_block < TILE_ROWS) row_block = TILE_ROWS;
@@ -100,16 +147,28 @@ void panel_linear(const float *x, int64_t m, int64_t k, const float *packed, int
 #pragma omp for collapse(2) schedule(static) nowait
         for (int64_t g = 0; g < groups; g++) {
             for (int64_t t = 0; t < tiles; t++) {
-                int64_t p0 = g * TILE_PANELS;
-                int group_panels = (int)(panels - p0 < TILE_PANELS ? panels - p0 : TILE_PANELS);
-                int64_t c0 = p0 * PANEL;
-                int64_t columns = n - c0 < group_panels * PANEL ? n - c0 : group_panels * PANEL;
-                int64_t r0 = first + t * TILE_ROWS;
-                int rows = (int)(end - r0 < TILE_ROWS ? end - r0 : TILE_ROWS);
-                dispatch(x + r0 * k, k, packed + p0 * k * PANEL, y + r0 * n + c0, n, columns,
-                         bias ? bias + c0 : NULL, rows, group_panels);
+                int64_t p0 = g * TILE_PANELS, r0 = first + t * TILE_ROWS;
+                fn(job, r0, (int)(end - r0 < TILE_ROWS ? end - r0 : TILE_ROWS), p0,
+                   (int)(panels - p0 < TILE_PANELS ? panels - p0 : TILE_PANELS));
             }
         }
     }
+}
+
+/* y [m][n] = x W^T + bias (+ residual): x [m][k], W packed by panel_pack, bias [n] or NULL,
+   residual [m][n] or NULL (it may be y itself). */
+void panel_linear(const float *x, int64_t m, int64_t k, const float *packed, int64_t n, const float *bias,
+                  const float *residual, float *y, int threads) {
+    Job job = {x, packed, bias, residual, y, k, n};
+    run_tiles(&job, plain_tile, m, (n + PANEL - 1) / PANEL, threads);
+}
+
+/* y [m][width] = silu(x Wg^T + bg) * (x Wu^T + bu), for gate and up joined into one weight
+   ([gate; up], 2 * width outputs) packed by panel_pack; width a multiple of 16, bias [2 * width]
+   or NULL. */
+void panel_linear_silu_mul(const float *x, int64_t m, int64_t k, const float *packed, int64_t width,
+                           const float *bias, float *y, int threads) {
+    Job job = {x, packed, bias, NULL, y, k, width};
+    run_tiles(&job, gated_tile, m, width / PANEL, threads);
 }
 #endif

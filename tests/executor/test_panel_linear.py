@@ -1,6 +1,8 @@
 """The panel kernel computes x W^T + b to float32 rounding for every shape (ragged panels and
 tiles, row blocks, empty inputs), gives each row the same bits whatever rows share its call and
 however many threads run it, refuses inputs it cannot take, and is what an executor packs for.
+Its two epilogues (a residual added in place; SiLU(gate) * up of a joined gate-and-up weight)
+give the bits of the separate operations.
 Models packed for it are checked against the plain models in test_packed_linear.py, and every
 executor parity test runs on it where the CPU has AVX-512."""
 
@@ -13,6 +15,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from executor_service.layer_kernels import load_layer_kernels
 from executor_service.packed_linear import PackedLinear
 from executor_service.panel_linear import PanelKernel, load_panel_kernel
 from executor_service.settings import ExecutorSettings
@@ -91,6 +94,60 @@ def test_row_blocks_and_leading_dimensions_and_strided_inputs(panels: PanelKerne
     assert_within_rounding(got.reshape(90, 200), x.reshape(90, 4096), weight, bias)
 
 
+@settings(max_examples=60, deadline=None)
+@given(
+    rows=st.integers(0, 40),
+    in_features=st.integers(1, 200),
+    panels_wide=st.integers(1, 7),
+    with_bias=st.booleans(),
+    scale=st.sampled_from([0.05, 1.0, 30.0]),
+    seed=st.integers(0, 2**31),
+)
+def test_the_gated_epilogue_gives_the_bits_of_the_product_then_silu_mul(
+    panels: PanelKernel, rows: int, in_features: int, panels_wide: int, with_bias: bool, scale: float, seed: int
+) -> None:
+    # scale 30 puts gates far past expf's overflow (|gate| ~ 30 sqrt(K)), where SiLU is 0 or gate.
+    generator = torch.Generator().manual_seed(seed)
+    width = panels_wide * panels.panel
+    weight = torch.randn(2 * width, in_features, generator=generator) * scale
+    bias = torch.randn(2 * width, generator=generator) if with_bias else None
+    x = torch.randn(rows, in_features, generator=generator)
+    packed = panels.pack(weight)
+    got = panels.linear_silu_mul(x, packed, width, bias)
+    expected = load_or_skip(load_layer_kernels).silu_mul(panels.linear(x, packed, 2 * width, bias))
+    assert got.shape == (rows, width) and not got.isnan().any()
+    assert torch.equal(got, expected)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    rows=st.integers(0, 40),
+    in_features=st.integers(1, 200),
+    out_features=st.integers(1, 70),
+    seed=st.integers(0, 2**31),
+)
+def test_the_residual_epilogue_adds_into_the_residual_in_place(
+    panels: PanelKernel, rows: int, in_features: int, out_features: int, seed: int
+) -> None:
+    generator = torch.Generator().manual_seed(seed)
+    weight = torch.randn(out_features, in_features, generator=generator)
+    bias = torch.randn(out_features, generator=generator)
+    x = torch.randn(rows, in_features, generator=generator)
+    residual = torch.randn(rows, out_features, generator=generator)
+    packed = panels.pack(weight)
+    expected = residual + panels.linear(x, packed, out_features, bias)
+    got = panels.linear(x, packed, out_features, bias, residual)
+    assert got.data_ptr() == residual.data_ptr() and torch.equal(residual, expected)
+
+
+def test_silu_mul_past_the_exponentials_range_is_torchs(panels: PanelKernel) -> None:
+    # The vector expf of -ffast-math turned overflow into NaN: silu(-100) * up came out NaN.
+    gates = torch.tensor([-1e30, -200.0, -100.0, -88.8, -88.7, -88.0, 0.0, 3.0, 88.8, 1e30] + [1.5] * 6)
+    gate_up = torch.cat([gates, torch.linspace(-2.0, 2.0, 16)])[None]
+    got = load_or_skip(load_layer_kernels).silu_mul(gate_up)
+    torch.testing.assert_close(got, torch.nn.functional.silu(gate_up[:, :16]) * gate_up[:, 16:], rtol=1e-6, atol=0.0)
+
+
 def test_inputs_it_cannot_take_are_refused_with_the_reason(panels: PanelKernel) -> None:
     packed = panels.pack(torch.randn(32, 16))
     with pytest.raises(ValueError, match="do not fit the packed weight"):
@@ -99,6 +156,12 @@ def test_inputs_it_cannot_take_are_refused_with_the_reason(panels: PanelKernel) 
         panels.linear(torch.randn(4, 16, dtype=torch.float64), packed, 32, None)
     with pytest.raises(ValueError, match="bias"):
         panels.linear(torch.randn(4, 16), packed, 32, torch.randn(31))
+    with pytest.raises(ValueError, match="residual"):
+        panels.linear(torch.randn(4, 16), packed, 32, None, torch.randn(4, 31))
+    with pytest.raises(ValueError, match="residual"):
+        panels.linear(torch.randn(4, 16), packed, 32, None, torch.randn(32, 4).t())
+    with pytest.raises(ValueError, match="whole panels"):
+        panels.linear_silu_mul(torch.randn(4, 16), packed, 8, None)
 
 
 def test_an_executor_packs_for_panels_unless_told_not_to(panels: PanelKernel, tmp_path: Path) -> None:
