@@ -238,7 +238,16 @@ def test_rejected_and_cancelled_big_requests_give_their_memory_back(
     send(5, 5, 2)
     start = rss_bytes(service.pid)
     send(20, 300, 10)
+    # Memory given back may take a moment: the cancelled streams' cleanup and the collector run on
+    # the scheduler's event loop, which two busy test workers on two cores can delay (CI once
+    # measured 175 MiB straight after the burst, where alone it is 28-76). A leak stays; so the
+    # least of a few readings over five seconds is what is bounded.
     grown = rss_bytes(service.pid) - start
+    for _ in range(10):
+        if grown < 100 * MiB:
+            break
+        time.sleep(0.5)
+        grown = min(grown, rss_bytes(service.pid) - start)
     assert grown < 100 * MiB, f"the scheduler holds {grown / MiB:.0f} MiB more than before"
 
 
