@@ -28,6 +28,9 @@ def compute_logits(
     Where the head is a ScreenedHead (greedy_head.py), the rows of requests that read only the
     argmax hold -inf outside the tokens that could be it.
     """
+    if loaded.lean is not None:
+        with active_step(inputs.attention), _argmax_only_rows(loaded, inputs):
+            return loaded.lean.logits(inputs.input_ids, inputs.position_ids, inputs.attention, inputs.logits_indices)[0]
     common = {
         "input_ids": inputs.input_ids,
         "position_ids": inputs.position_ids,
@@ -35,11 +38,6 @@ def compute_logits(
         STEP_KWARG: inputs.attention,
     }
     with active_step(inputs.attention):
-        if loaded.lean is not None:
-            with _argmax_only_rows(loaded, inputs):
-                return loaded.lean.logits(
-                    inputs.input_ids, inputs.position_ids, inputs.attention, inputs.logits_indices
-                )[0]
         if use_logits_to_keep:
             with _argmax_only_rows(loaded, inputs):
                 return loaded.model(**common, logits_to_keep=inputs.logits_indices).logits[0]

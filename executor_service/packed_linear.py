@@ -65,11 +65,11 @@ class PackedLinear(nn.Module):
         return width
 
     def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
-        """silu(gate) * up of a joined [gate; up] weight, in one pass; needs gated_width()."""
-        width = self.gated_width()
-        if self.panels is None or width is None:
+        """silu(gate) * up of a joined [gate; up] weight, in one pass, where gated_width() says it
+        can be (the panel kernel refuses halves that are not whole panels)."""
+        if self.panels is None or self.out_features % 2:
             raise ValueError(f"{self.out_features} outputs packed for {self.extra_repr()} cannot be gated in one pass")
-        return self.panels.linear_silu_mul(x, self.packed, width, self.bias)
+        return self.panels.linear_silu_mul(x, self.packed, self.out_features // 2, self.bias)
 
     def extra_repr(self) -> str:
         backend = "panels" if self.panels is not None else "onednn"
