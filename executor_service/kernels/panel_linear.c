@@ -18,7 +18,12 @@
    panels and then the matching up panels into buffers in L1 and writes only their product
    (a 2,048-token prefill no longer writes and rereads [tokens, 2 x intermediate]). Each gives
    the bits of the separate operations: (x W^T + b) + residual is the same sum in the same order,
-   and the product is silu_mul.h's, as the layer pass computes it. */
+   and the product is silu_mul.h's, as the layer pass computes it.
+
+   Each tile asks memory for a share of the next panel group's weights while it computes. A
+   decode step multiplies a few dozen rows by weights the caches cannot hold, and without this the
+   cores waited on each group's first tile: random Llama's 8 layers at 32 rows streamed their
+   94 MB at ~11-20 GB/s, of the ~40 GB/s two cores read. Prefetches change no result. */
 
 #include <stddef.h>
 #include <stdint.h>
@@ -56,11 +61,32 @@ void panel_pack(const float *w, int64_t n, int64_t k, float *out) {
 #ifdef __AVX512F__
 #include <immintrin.h>
 
+/* A tile's share of the next panel group's weights: at step kk of K it prefetches the lines
+   first + kk * step + [0, count) of the group's `lines` 64-byte lines (a line is one k of one
+   panel). The group's row tiles take interleaved shares that cover it between them. */
+typedef struct {
+    const float *next;
+    int64_t lines, first, step, count;
+} Prefetch;
+
+static const Prefetch NO_PREFETCH = {NULL, 0, 0, 0, 0};
+
+/* The share of tile t of `tiles` row tiles, whose panel group starts at panel p0 of `panels`
+   (packed from `packed`, K = k). */
+static Prefetch prefetch_share(const float *packed, int64_t k, int64_t p0, int64_t panels, int64_t t, int64_t tiles) {
+    const int64_t next = p0 + TILE_PANELS;
+    if (next >= panels) return NO_PREFETCH;
+    const int64_t next_panels = panels - next < TILE_PANELS ? panels - next : TILE_PANELS;
+    const int64_t count = (next_panels + tiles - 1) / tiles;
+    const Prefetch share = {packed + next * k * PANEL, next_panels * k, t * count, tiles * count, count};
+    return share;
+}
+
 /* rows x panels outputs; both are constants where it is inlined, so the loops unroll and the
    accumulators live in registers. */
 static inline __attribute__((always_inline)) void tile(
     const float *x, int64_t k, const float *w, float *y, int64_t n, int64_t columns, const float *bias,
-    const float *residual, const int rows, const int panels) {
+    const float *residual, const int rows, const int panels, const Prefetch *prefetch) {
     __m512 acc[TILE_ROWS][TILE_PANELS];
     for (int r = 0; r < rows; r++)
         for (int j = 0; j < panels; j++) acc[r][j] = _mm512_setzero_ps();
@@ -68,6 +94,11 @@ static inline __attribute__((always_inline)) void tile(
     for (int64_t kk = 0; kk < k; kk++) {
         __m512 weights[TILE_PANELS];
         for (int j = 0; j < panels; j++) weights[j] = _mm512_loadu_ps(w + j * panel_stride + kk * PANEL);
+        if (prefetch->next != NULL) {
+            const int64_t line = prefetch->first + kk * prefetch->step;
+            for (int64_t i = 0; i < prefetch->count && line + i < prefetch->lines; i++)
+                _mm_prefetch((const char *)(prefetch->next + (line + i) * PANEL), _MM_HINT_T0);
+        }
         for (int r = 0; r < rows; r++) {
             __m512 xv = _mm512_set1_ps(x[r * k + kk]);
             for (int j = 0; j < panels; j++) acc[r][j] = _mm512_fmadd_ps(xv, weights[j], acc[r][j]);
@@ -91,43 +122,47 @@ static inline __attribute__((always_inline)) void tile(
 }
 
 #define TILE_CASE(R, P) \
-    case (R) * 4 + (P): tile(x, k, w, y, n, columns, bias, residual, R, P); break;
+    case (R) * 4 + (P): tile(x, k, w, y, n, columns, bias, residual, R, P, prefetch); break;
 #define TILE_CASES(R) TILE_CASE(R, 1) TILE_CASE(R, 2) TILE_CASE(R, 3)
 
 static void dispatch(const float *x, int64_t k, const float *w, float *y, int64_t n, int64_t columns,
-                     const float *bias, const float *residual, int rows, int panels) {
+                     const float *bias, const float *residual, int rows, int panels, const Prefetch *prefetch) {
     switch (rows * 4 + panels) {
         TILE_CASES(1) TILE_CASES(2) TILE_CASES(3) TILE_CASES(4)
         TILE_CASES(5) TILE_CASES(6) TILE_CASES(7) TILE_CASES(8)
     }
 }
 
-/* One call's operands; a tile is rows [r0, r0 + rows) by panels [p0, p0 + panels). */
+/* One call's operands; a tile is rows [r0, r0 + rows) by panels [p0, p0 + panels), row tile t of
+   the `tiles` its row block has. */
 typedef struct {
     const float *x, *packed, *bias, *residual;
     float *y;
     int64_t k, n;
 } Job;
 
-typedef void (*TileFn)(const Job *job, int64_t r0, int rows, int64_t p0, int panels);
+typedef void (*TileFn)(const Job *job, int64_t r0, int rows, int64_t p0, int panels, int64_t t, int64_t tiles);
 
-static void plain_tile(const Job *job, int64_t r0, int rows, int64_t p0, int panels) {
+static void plain_tile(const Job *job, int64_t r0, int rows, int64_t p0, int panels, int64_t t, int64_t tiles) {
     int64_t c0 = p0 * PANEL, columns = job->n - c0 < panels * PANEL ? job->n - c0 : panels * PANEL;
+    const Prefetch prefetch = prefetch_share(job->packed, job->k, p0, (job->n + PANEL - 1) / PANEL, t, tiles);
     dispatch(job->x + r0 * job->k, job->k, job->packed + p0 * job->k * PANEL, job->y + r0 * job->n + c0, job->n,
              columns, job->bias ? job->bias + c0 : NULL, job->residual ? job->residual + r0 * job->n + c0 : NULL,
-             rows, panels);
+             rows, panels, &prefetch);
 }
 
 /* job->n is the width of each half, a whole number of panels; the up panels follow the gate's. */
-static void gated_tile(const Job *job, int64_t r0, int rows, int64_t p0, int panels) {
+static void gated_tile(const Job *job, int64_t r0, int rows, int64_t p0, int panels, int64_t t, int64_t tiles) {
     float gate[TILE_ROWS * TILE_PANELS * PANEL], up[TILE_ROWS * TILE_PANELS * PANEL];
-    const int64_t k = job->k, width = job->n, c0 = p0 * PANEL, columns = panels * PANEL;
+    const int64_t k = job->k, width = job->n, c0 = p0 * PANEL, columns = panels * PANEL, half = width / PANEL;
     const int stride = TILE_PANELS * PANEL;
-    const float *x = job->x + r0 * k;
+    const float *x = job->x + r0 * k, *up_panels = job->packed + half * k * PANEL;
+    const Prefetch gate_next = prefetch_share(job->packed, k, p0, half, t, tiles);
+    const Prefetch up_next = prefetch_share(up_panels, k, p0, half, t, tiles);
     dispatch(x, k, job->packed + p0 * k * PANEL, gate, stride, columns, job->bias ? job->bias + c0 : NULL, NULL,
-             rows, panels);
-    dispatch(x, k, job->packed + (width / PANEL + p0) * k * PANEL, up, stride, columns,
-             job->bias ? job->bias + width + c0 : NULL, NULL, rows, panels);
+             rows, panels, &gate_next);
+    dispatch(x, k, up_panels + p0 * k * PANEL, up, stride, columns, job->bias ? job->bias + width + c0 : NULL, NULL,
+             rows, panels, &up_next);
     for (int r = 0; r < rows; r++)
         silu_mul_row(gate + r * stride, up + r * stride, job->y + (r0 + r) * width + c0, columns);
 }
@@ -149,7 +184,7 @@ static void run_tiles(const Job *job, TileFn fn, int64_t m, int64_t panels, int 
             for (int64_t t = 0; t < tiles; t++) {
                 int64_t p0 = g * TILE_PANELS, r0 = first + t * TILE_ROWS;
                 fn(job, r0, (int)(end - r0 < TILE_ROWS ? end - r0 : TILE_ROWS), p0,
-                   (int)(panels - p0 < TILE_PANELS ? panels - p0 : TILE_PANELS));
+                   (int)(panels - p0 < TILE_PANELS ? panels - p0 : TILE_PANELS), t, tiles);
             }
         }
     }
