@@ -16,10 +16,12 @@ down_proj), and linear_silu_mul gives SiLU(gate) * up of a joined gate-and-up we
 writing the [rows, 2 x width] product (random Llama's MLP, prefill steps of ~1,740 tokens:
 silu_mul's own pass was 22 ms of ~600).
 
-Each tile prefetches a share of the next panel group's weights. On a later EPYC (Zen 5, two
-cores), a decode step's linears in the lean forward's order, 40 steps alternated in one process,
-median: random Llama's 8 layers at 32 rows 5.42 -> 4.73 ms, SmolLM2's 30 at 32 rows 28.6 -> 26.0
-ms and at 8 rows 18.1 -> 15.4 ms; 2,048-row prefills unchanged (247.6 -> 246.4 ms).
+With up to 8 row tiles (64 rows), each tile prefetches a share of the next panel group's
+weights. On a later EPYC (Zen 5, two cores), a decode step's linears in the lean forward's order,
+40 steps alternated in one process, median: random Llama's 8 layers at 32 rows 5.42 -> 4.73 ms,
+SmolLM2's 30 at 32 rows 28.6 -> 26.0 ms and at 8 rows 18.1 -> 15.4 ms. Prefill's row blocks
+reuse each group from L2 and do not prefetch: with it, SmolLM2's 2,048-row linears were ~2 %
+slower.
 
 It needs AVX-512F; elsewhere PackedLinear keeps oneDNN.
 """

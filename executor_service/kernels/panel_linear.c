@@ -36,6 +36,10 @@
 /* Rows of x taken per pass over the weights: a block of rows stays in L2 while every panel
    group passes over it. */
 #define ROW_BLOCK_BYTES (256 * 1024)
+/* Row blocks of more tiles than this do not prefetch: their tiles reuse each group's weights
+   from L2, and the prefetches only took L1 from them (SmolLM2's 2,048-row linears were ~2 %
+   slower with them). */
+#define PREFETCH_MAX_TILES 8
 
 int64_t panel_linear_available(void) {
 #ifdef __AVX512F__
@@ -75,7 +79,7 @@ static const Prefetch NO_PREFETCH = {NULL, 0, 0, 0, 0};
    (packed from `packed`, K = k). */
 static Prefetch prefetch_share(const float *packed, int64_t k, int64_t p0, int64_t panels, int64_t t, int64_t tiles) {
     const int64_t next = p0 + TILE_PANELS;
-    if (next >= panels) return NO_PREFETCH;
+    if (next >= panels || tiles > PREFETCH_MAX_TILES) return NO_PREFETCH;
     const int64_t next_panels = panels - next < TILE_PANELS ? panels - next : TILE_PANELS;
     const int64_t count = (next_panels + tiles - 1) / tiles;
     const Prefetch share = {packed + next * k * PANEL, next_panels * k, t * count, tiles * count, count};
