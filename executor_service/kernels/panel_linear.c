@@ -20,9 +20,9 @@
    the bits of the separate operations: (x W^T + b) + residual is the same sum in the same order,
    and the product is silu_mul.h's, as the layer pass computes it.
 
-   Each tile asks memory for a share of the next panel group's weights while it computes. A
-   decode step multiplies a few dozen rows by weights the caches cannot hold, and without this the
-   cores waited on each group's first tile: random Llama's 8 layers at 32 rows streamed their
+   In calls of a few dozen rows (decode), each tile asks memory for a share of the next panel
+   group's weights while it computes. There the weights do not fit the caches, and without this
+   the cores waited on each group's first tile: random Llama's 8 layers at 32 rows streamed their
    94 MB at ~11-20 GB/s, of the ~40 GB/s two cores read. Prefetches change no result. */
 
 #include <stddef.h>
