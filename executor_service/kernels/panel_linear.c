@@ -137,19 +137,19 @@ static void dispatch(const float *x, int64_t k, const float *w, float *y, int64_
     }
 }
 
-/* One call's operands; a tile is rows [r0, r0 + rows) by panels [p0, p0 + panels), row tile t of
-   the `tiles` its row block has. */
+/* One call's operands: `panels` output panels (all of n's, or each half's when gated). A tile is
+   rows [r0, r0 + rows) by panels [p0, p0 + panels), row tile t of the `tiles` its row block has. */
 typedef struct {
     const float *x, *packed, *bias, *residual;
     float *y;
-    int64_t k, n;
+    int64_t k, n, panels;
 } Job;
 
 typedef void (*TileFn)(const Job *job, int64_t r0, int rows, int64_t p0, int panels, int64_t t, int64_t tiles);
 
 static void plain_tile(const Job *job, int64_t r0, int rows, int64_t p0, int panels, int64_t t, int64_t tiles) {
     int64_t c0 = p0 * PANEL, columns = job->n - c0 < panels * PANEL ? job->n - c0 : panels * PANEL;
-    const Prefetch prefetch = prefetch_share(job->packed, job->k, p0, (job->n + PANEL - 1) / PANEL, t, tiles);
+    const Prefetch prefetch = prefetch_share(job->packed, job->k, p0, job->panels, t, tiles);
     dispatch(job->x + r0 * job->k, job->k, job->packed + p0 * job->k * PANEL, job->y + r0 * job->n + c0, job->n,
              columns, job->bias ? job->bias + c0 : NULL, job->residual ? job->residual + r0 * job->n + c0 : NULL,
              rows, panels, &prefetch);
@@ -158,7 +158,7 @@ static void plain_tile(const Job *job, int64_t r0, int rows, int64_t p0, int pan
 /* job->n is the width of each half, a whole number of panels; the up panels follow the gate's. */
 static void gated_tile(const Job *job, int64_t r0, int rows, int64_t p0, int panels, int64_t t, int64_t tiles) {
     float gate[TILE_ROWS * TILE_PANELS * PANEL], up[TILE_ROWS * TILE_PANELS * PANEL];
-    const int64_t k = job->k, width = job->n, c0 = p0 * PANEL, columns = panels * PANEL, half = width / PANEL;
+    const int64_t k = job->k, width = job->n, c0 = p0 * PANEL, columns = panels * PANEL, half = job->panels;
     const int stride = TILE_PANELS * PANEL;
     const float *x = job->x + r0 * k, *up_panels = job->packed + half * k * PANEL;
     const Prefetch gate_next = prefetch_share(job->packed, k, p0, half, t, tiles);
@@ -171,9 +171,9 @@ static void gated_tile(const Job *job, int64_t r0, int rows, int64_t p0, int pan
         silu_mul_row(gate + r * stride, up + r * stride, job->y + (r0 + r) * width + c0, columns);
 }
 
-/* Every tile of an m-row output of `panels` panels, split between threads. */
-static void run_tiles(const Job *job, TileFn fn, int64_t m, int64_t panels, int threads) {
-    const int64_t k = job->k;
+/* Every tile of an m-row output of job->panels panels, split between threads. */
+static void run_tiles(const Job *job, TileFn fn, int64_t m, int threads) {
+    const int64_t k = job->k, panels = job->panels;
     int64_t groups = (panels + TILE_PANELS - 1) / TILE_PANELS;
     int64_t row_block = (int64_t)(ROW_BLOCK_BYTES / ((size_t)(k > 0 ? k : 1) * sizeof(float))) / TILE_ROWS * TILE_ROWS;
     if (row_block < TILE_ROWS) row_block = TILE_ROWS;
@@ -198,8 +198,8 @@ static void run_tiles(const Job *job, TileFn fn, int64_t m, int64_t panels, int 
    residual [m][n] or NULL (it may be y itself). */
 void panel_linear(const float *x, int64_t m, int64_t k, const float *packed, int64_t n, const float *bias,
                   const float *residual, float *y, int threads) {
-    Job job = {x, packed, bias, residual, y, k, n};
-    run_tiles(&job, plain_tile, m, (n + PANEL - 1) / PANEL, threads);
+    Job job = {x, packed, bias, residual, y, k, n, (n + PANEL - 1) / PANEL};
+    run_tiles(&job, plain_tile, m, threads);
 }
 
 /* y [m][width] = silu(x Wg^T + bg) * (x Wu^T + bu), for gate and up joined into one weight
@@ -207,7 +207,7 @@ void panel_linear(const float *x, int64_t m, int64_t k, const float *packed, int
    or NULL. */
 void panel_linear_silu_mul(const float *x, int64_t m, int64_t k, const float *packed, int64_t width,
                            const float *bias, float *y, int threads) {
-    Job job = {x, packed, bias, NULL, y, k, width};
-    run_tiles(&job, gated_tile, m, width / PANEL, threads);
+    Job job = {x, packed, bias, NULL, y, k, width, width / PANEL};
+    run_tiles(&job, gated_tile, m, threads);
 }
 #endif
