@@ -2,15 +2,21 @@
 
    A panel holds 16 columns of W^T for every k, [K][16] contiguous, so one 64-byte load gives
    the 16 weights a row's x[k] multiplies. A tile of up to 8 rows by up to 3 panels keeps its 24
-   accumulators in registers over the whole of K and reads each weight once per tile; the
-   tiles of a panel group reuse its weights from L2. Decode steps multiply a few dozen rows by
-   weights too large for the caches, where this runs ahead of oneDNN's packed sgemm (SmolLM2's
-   layers at 32 rows, two cores: ~185 against ~160 GFLOP/s; at 8 rows ~117 against ~81), and
-   within a few percent of it at prefill sizes.
+   accumulators in registers and reads each weight once per tile. K is taken in blocks of about
+   128: a panel group's block of weights (24 KiB) stays in L1 while up to 8 row tiles use it in
+   turn, each carrying its accumulators to the next block through a float32 buffer (the gated
+   kernel runs all of the gate's blocks, then the up's). Over the whole of K a group's weights
+   (110 KiB at SmolLM2's K of 576) lived in L2: on a Sapphire Rapids-class Xeon, two cores,
+   SmolLM2's layers at 32 rows took ~1.3x as long, the 2,048-row ones ~1.05x.
+
+   Decode steps multiply a few dozen rows by weights too large for the caches, where this runs
+   ahead of oneDNN's packed sgemm (SmolLM2's layers at 32 rows, two cores of that Xeon: ~210-225
+   against ~160-180 GFLOP/s); at prefill sizes it is ~10 % behind (~270-285 against ~300-310).
 
    Every output is one chain of fused multiply-adds over k = 0..K-1, whatever the number of
    rows, the tile a row falls in, or the thread count: a row's result does not depend on the
-   rows it shares a call with.
+   rows it shares a call with. The K blocks do not break the chain: a float32 accumulator stored
+   and loaded again is the same float.
 
    Two epilogues save a pass over the output: a residual added as the tile is stored (the
    layer's o_proj and down_proj, whose outputs transformers adds to the residual stream next),
@@ -20,25 +26,35 @@
    the bits of the separate operations: (x W^T + b) + residual is the same sum in the same order,
    and the product is silu_mul.h's, as the layer pass computes it.
 
-   In calls of a few dozen rows (decode), each tile asks memory for a share of the next panel
-   group's weights while it computes. There the weights do not fit the caches, and without this
-   the cores waited on each group's first tile: random Llama's 8 layers at 32 rows streamed their
-   94 MB at ~11-20 GB/s, of the ~40 GB/s two cores read. Prefetches change no result. */
+   In calls of a few dozen rows (decode), each tile asks memory for a share of the next block of
+   weights (the group's next K block, or the next group's first) while it computes. There the
+   weights do not fit the caches, and without this the cores waited on each block's first tile:
+   random Llama's 8 layers at 32 rows streamed their 94 MB at ~11-20 GB/s, of the ~40 GB/s two
+   cores read. Prefetches change no result. */
 
 #include <stddef.h>
 #include <stdint.h>
+
+#include <omp.h>
 
 #include "silu_mul.h"
 
 #define PANEL 16
 #define TILE_ROWS 8
 #define TILE_PANELS 3
+/* A tile's accumulators, as they are carried from one K block to the next. */
+#define TILE_FLOATS (TILE_ROWS * TILE_PANELS * PANEL)
+/* K is cut into equal blocks of at most this many. */
+#define K_BLOCK 128
+/* Row tiles that take a K block in turn, sharing its weights from L1; their accumulators wait
+   on the stack between blocks. */
+#define CHUNK_TILES 8
 /* Rows of x taken per pass over the weights: a block of rows stays in L2 while every panel
    group passes over it. */
 #define ROW_BLOCK_BYTES (256 * 1024)
-/* Row blocks of more tiles than this do not prefetch: their tiles reuse each group's weights
-   from L2, and the prefetches only took L1 from them (SmolLM2's 2,048-row linears were ~2 %
-   slower with them). */
+/* Row blocks of more tiles than this do not prefetch: the other chunks of the group find its
+   weights in L2, and the prefetches only took cache from them (SmolLM2's 2,048-row linears
+   were ~2-5 % slower with them). */
 #define PREFETCH_MAX_TILES 8
 
 int64_t panel_linear_available(void) {
@@ -65,48 +81,50 @@ void panel_pack(const float *w, int64_t n, int64_t k, float *out) {
 #ifdef __AVX512F__
 #include <immintrin.h>
 
-/* A tile's share of the next panel group's weights: at step kk of K it prefetches the lines
-   first + kk * step + [0, count) of the group's `lines` 64-byte lines (a line is one k of one
-   panel). The group's row tiles take interleaved shares that cover it between them. */
+/* A tile's share of the next block of weights: `count` panels, `stride` floats apart from
+   `lines`, of `length` lines each (a line is one k of one panel). At step i of its own block the
+   tile prefetches line i of each; lines past its own block's length (only K's last block is
+   shorter than the next) it prefetches before its first step. */
 typedef struct {
-    const float *next;
-    int64_t lines, first, step, count;
+    const float *lines;
+    int64_t stride, length;
+    int count;
 } Prefetch;
 
-static const Prefetch NO_PREFETCH = {NULL, 0, 0, 0, 0};
-
-/* The share of tile t of `tiles` row tiles, whose panel group starts at panel p0 of `panels`
-   (packed from `packed`, K = k). */
-static Prefetch prefetch_share(const float *packed, int64_t k, int64_t p0, int64_t panels, int64_t t, int64_t tiles) {
-    const int64_t next = p0 + TILE_PANELS;
-    if (next >= panels || tiles > PREFETCH_MAX_TILES) return NO_PREFETCH;
-    const int64_t next_panels = panels - next < TILE_PANELS ? panels - next : TILE_PANELS;
-    const int64_t count = (next_panels + tiles - 1) / tiles;
-    const Prefetch share = {packed + next * k * PANEL, next_panels * k, t * count, tiles * count, count};
-    return share;
+static inline __attribute__((always_inline)) void prefetch_lines(const Prefetch *prefetch, int64_t from, int64_t to) {
+    for (int q = 0; q < prefetch->count; q++)
+        for (int64_t line = from; line < to && line < prefetch->length; line++)
+            _mm_prefetch((const char *)(prefetch->lines + q * prefetch->stride + line * PANEL), _MM_HINT_T1);
 }
 
-/* rows x panels outputs; both are constants where it is inlined, so the loops unroll and the
-   accumulators live in registers. */
+/* rows x panels outputs over k0 <= kk < k1 of K = k; both sizes are constants where it is
+   inlined, so the loops unroll and the accumulators live in registers. The accumulators start
+   from `partial` unless k0 is 0, and go back to it unless k1 is k; after K's last block the
+   tile writes y (+ bias, + residual). */
 static inline __attribute__((always_inline)) void tile(
-    const float *x, int64_t k, const float *w, float *y, int64_t n, int64_t columns, const float *bias,
-    const float *residual, const int rows, const int panels, const Prefetch *prefetch) {
+    const float *x, int64_t k, int64_t k0, int64_t k1, const float *w, float *partial, float *y, int64_t n,
+    int64_t columns, const float *bias, const float *residual, const int rows, const int panels,
+    const Prefetch *prefetch) {
     __m512 acc[TILE_ROWS][TILE_PANELS];
     for (int r = 0; r < rows; r++)
-        for (int j = 0; j < panels; j++) acc[r][j] = _mm512_setzero_ps();
+        for (int j = 0; j < panels; j++)
+            acc[r][j] = k0 > 0 ? _mm512_load_ps(partial + (r * TILE_PANELS + j) * PANEL) : _mm512_setzero_ps();
     const int64_t panel_stride = k * PANEL;
-    for (int64_t kk = 0; kk < k; kk++) {
+    prefetch_lines(prefetch, k1 - k0, prefetch->length);
+    for (int64_t kk = k0; kk < k1; kk++) {
         __m512 weights[TILE_PANELS];
         for (int j = 0; j < panels; j++) weights[j] = _mm512_loadu_ps(w + j * panel_stride + kk * PANEL);
-        if (prefetch->next != NULL) {
-            const int64_t line = prefetch->first + kk * prefetch->step;
-            for (int64_t i = 0; i < prefetch->count && line + i < prefetch->lines; i++)
-                _mm_prefetch((const char *)(prefetch->next + (line + i) * PANEL), _MM_HINT_T0);
-        }
+        for (int q = 0; q < prefetch->count && kk - k0 < prefetch->length; q++)
+            _mm_prefetch((const char *)(prefetch->lines + q * prefetch->stride + (kk - k0) * PANEL), _MM_HINT_T1);
         for (int r = 0; r < rows; r++) {
             __m512 xv = _mm512_set1_ps(x[r * k + kk]);
             for (int j = 0; j < panels; j++) acc[r][j] = _mm512_fmadd_ps(xv, weights[j], acc[r][j]);
         }
+    }
+    if (k1 < k) {
+        for (int r = 0; r < rows; r++)
+            for (int j = 0; j < panels; j++) _mm512_store_ps(partial + (r * TILE_PANELS + j) * PANEL, acc[r][j]);
+        return;
     }
     for (int j = 0; j < panels; j++) {
         int64_t left = columns - j * PANEL;
@@ -126,69 +144,134 @@ static inline __attribute__((always_inline)) void tile(
 }
 
 #define TILE_CASE(R, P) \
-    case (R) * 4 + (P): tile(x, k, w, y, n, columns, bias, residual, R, P, prefetch); break;
+    case (R) * 4 + (P): tile(x, k, k0, k1, w, partial, y, n, columns, bias, residual, R, P, prefetch); break;
 #define TILE_CASES(R) TILE_CASE(R, 1) TILE_CASE(R, 2) TILE_CASE(R, 3)
 
-static void dispatch(const float *x, int64_t k, const float *w, float *y, int64_t n, int64_t columns,
-                     const float *bias, const float *residual, int rows, int panels, const Prefetch *prefetch) {
+static void dispatch(const float *x, int64_t k, int64_t k0, int64_t k1, const float *w, float *partial, float *y,
+                     int64_t n, int64_t columns, const float *bias, const float *residual, int rows, int panels,
+                     const Prefetch *prefetch) {
     switch (rows * 4 + panels) {
         TILE_CASES(1) TILE_CASES(2) TILE_CASES(3) TILE_CASES(4)
         TILE_CASES(5) TILE_CASES(6) TILE_CASES(7) TILE_CASES(8)
     }
 }
 
-/* One call's operands: `panels` output panels (all of n's, or each half's when gated). A tile is
-   rows [r0, r0 + rows) by panels [p0, p0 + panels), row tile t of the `tiles` its row block has. */
+/* One call's operands: `panels` output panels in each of `halves` halves (1, or 2 when gated:
+   the gate's panels, then the up's). */
 typedef struct {
     const float *x, *packed, *bias, *residual;
     float *y;
     int64_t k, n, panels;
+    int halves;
 } Job;
 
-typedef void (*TileFn)(const Job *job, int64_t r0, int rows, int64_t p0, int panels, int64_t t, int64_t tiles);
+/* A tile's piece of work: rows [r0, r0 + rows) by panels [p0, p0 + panels) of one half, over K
+   block [k0, k1); `partial` holds 2 * TILE_FLOATS floats, the accumulators carried between
+   blocks and, when gated, the gate's outputs waiting for the up's. */
+typedef struct {
+    int64_t r0, p0, k0, k1;
+    int rows, panels, half;
+    float *partial;
+    const Prefetch *prefetch;
+} Piece;
 
-static void plain_tile(const Job *job, int64_t r0, int rows, int64_t p0, int panels, int64_t t, int64_t tiles) {
-    int64_t c0 = p0 * PANEL, columns = job->n - c0 < panels * PANEL ? job->n - c0 : panels * PANEL;
-    const Prefetch prefetch = prefetch_share(job->packed, job->k, p0, job->panels, t, tiles);
-    dispatch(job->x + r0 * job->k, job->k, job->packed + p0 * job->k * PANEL, job->y + r0 * job->n + c0, job->n,
-             columns, job->bias ? job->bias + c0 : NULL, job->residual ? job->residual + r0 * job->n + c0 : NULL,
-             rows, panels, &prefetch);
+typedef void (*TileFn)(const Job *job, const Piece *piece);
+
+static void plain_tile(const Job *job, const Piece *piece) {
+    const int64_t c0 = piece->p0 * PANEL;
+    const int64_t columns = job->n - c0 < piece->panels * PANEL ? job->n - c0 : piece->panels * PANEL;
+    dispatch(job->x + piece->r0 * job->k, job->k, piece->k0, piece->k1, job->packed + piece->p0 * job->k * PANEL,
+             piece->partial, job->y + piece->r0 * job->n + c0, job->n, columns, job->bias ? job->bias + c0 : NULL,
+             job->residual ? job->residual + piece->r0 * job->n + c0 : NULL, piece->rows, piece->panels,
+             piece->prefetch);
 }
 
-/* job->n is the width of each half, a whole number of panels; the up panels follow the gate's. */
-static void gated_tile(const Job *job, int64_t r0, int rows, int64_t p0, int panels, int64_t t, int64_t tiles) {
-    float gate[TILE_ROWS * TILE_PANELS * PANEL], up[TILE_ROWS * TILE_PANELS * PANEL];
-    const int64_t k = job->k, width = job->n, c0 = p0 * PANEL, columns = panels * PANEL, half = job->panels;
+/* job->n is the width of each half, a whole number of panels. The gate's tile, when K is done,
+   waits in `partial`; the up's lands in an L1 buffer, and only their product is written. */
+static void gated_tile(const Job *job, const Piece *piece) {
+    float up[TILE_FLOATS];
+    const int64_t k = job->k, width = job->n, c0 = piece->p0 * PANEL, columns = piece->panels * PANEL;
     const int stride = TILE_PANELS * PANEL;
-    const float *x = job->x + r0 * k, *up_panels = job->packed + half * k * PANEL;
-    const Prefetch gate_next = prefetch_share(job->packed, k, p0, half, t, tiles);
-    const Prefetch up_next = prefetch_share(up_panels, k, p0, half, t, tiles);
-    dispatch(x, k, job->packed + p0 * k * PANEL, gate, stride, columns, job->bias ? job->bias + c0 : NULL, NULL,
-             rows, panels, &gate_next);
-    dispatch(x, k, up_panels + p0 * k * PANEL, up, stride, columns, job->bias ? job->bias + width + c0 : NULL, NULL,
-             rows, panels, &up_next);
-    for (int r = 0; r < rows; r++)
-        silu_mul_row(gate + r * stride, up + r * stride, job->y + (r0 + r) * width + c0, columns);
+    float *gate = piece->partial + TILE_FLOATS;
+    const float *bias = job->bias ? job->bias + piece->half * width + c0 : NULL;
+    dispatch(job->x + piece->r0 * k, k, piece->k0, piece->k1,
+             job->packed + (piece->half * job->panels + piece->p0) * k * PANEL, piece->partial,
+             piece->half ? up : gate, stride, columns, bias, NULL, piece->rows, piece->panels, piece->prefetch);
+    if (piece->half == 0 || piece->k1 < k) return;
+    for (int r = 0; r < piece->rows; r++)
+        silu_mul_row(gate + r * stride, up + r * stride, job->y + (piece->r0 + r) * width + c0, columns);
 }
 
-/* Every tile of an m-row output of job->panels panels, split between threads. */
+/* A block of weights: K block [k0, k0 + block) of panel group g's panels in one half. */
+typedef struct {
+    int64_t g, half, k0;
+} Block;
+
+/* The block after `current` in a thread's order (K blocks, then halves, then groups), as tile t
+   of `tiles` prefetches it while it computes its `steps` steps of the current block. None in
+   calls of many row tiles, or when the next group is not the thread's (`last_group`). */
+static Prefetch next_block_share(const Job *job, Block current, int64_t block, int64_t steps, int64_t row_tiles,
+                                 int64_t last_group, int64_t t, int64_t tiles) {
+    Prefetch share = {NULL, 0, 0, 0};
+    const int64_t k = job->k;
+    Block next = {current.g, current.half, current.k0 + block};
+    if (next.k0 >= k) next = (Block){current.g, current.half + 1, 0};
+    if (next.half == job->halves) next = (Block){current.g + 1, 0, 0};
+    if (row_tiles > PREFETCH_MAX_TILES || next.g > last_group || steps == 0) return share;
+    const int64_t p0 = next.g * TILE_PANELS;
+    const int64_t panels = job->panels - p0 < TILE_PANELS ? job->panels - p0 : TILE_PANELS;
+    share.lines = job->packed + (next.half * job->panels + p0 + t) * k * PANEL + next.k0 * PANEL;
+    share.stride = tiles * k * PANEL;
+    share.length = k - next.k0 < block ? k - next.k0 : block;
+    for (int64_t j = t; j < panels; j += tiles) share.count++;
+    return share;
+}
+
+/* Row tiles [t0, t1) of the row block from `first` to `end`, in panel group g: each half, block
+   by block of K. */
+static void run_chunk(const Job *job, TileFn fn, int64_t g, int64_t last_group, int64_t first, int64_t end,
+                      int64_t row_tiles, int64_t t0, int64_t t1) {
+    float partial[CHUNK_TILES][2 * TILE_FLOATS] __attribute__((aligned(64)));
+    const int64_t k = job->k, blocks = k > K_BLOCK ? (k + K_BLOCK - 1) / K_BLOCK : 1;
+    const int64_t block = (k + blocks - 1) / blocks, p0 = g * TILE_PANELS;
+    const int panels = (int)(job->panels - p0 < TILE_PANELS ? job->panels - p0 : TILE_PANELS);
+    for (int half = 0; half < job->halves; half++)
+        for (int64_t k0 = 0; k0 < k || k0 == 0; k0 += block > 0 ? block : 1) {
+            const int64_t k1 = k - k0 < block ? k : k0 + block;
+            for (int64_t t = t0; t < t1; t++) {
+                const int64_t r0 = first + t * TILE_ROWS;
+                const Block current = {g, half, k0};
+                const Prefetch prefetch =
+                    next_block_share(job, current, block, k1 - k0, row_tiles, last_group, t - t0, t1 - t0);
+                const Piece piece = {r0, p0, k0, k1, (int)(end - r0 < TILE_ROWS ? end - r0 : TILE_ROWS), panels,
+                                     half, partial[t - t0], &prefetch};
+                fn(job, &piece);
+            }
+        }
+}
+
+/* Every tile of an m-row output of job->panels panels. Each thread takes an even share of the
+   (group, row tile) pairs of every row block, group-major, so that its tiles share their
+   weights; split by tiles, not groups, so that few groups (a 512-wide output is 11) still
+   split evenly between threads. */
 static void run_tiles(const Job *job, TileFn fn, int64_t m, int threads) {
-    const int64_t k = job->k, panels = job->panels;
-    int64_t groups = (panels + TILE_PANELS - 1) / TILE_PANELS;
+    const int64_t k = job->k, groups = (job->panels + TILE_PANELS - 1) / TILE_PANELS;
     int64_t row_block = (int64_t)(ROW_BLOCK_BYTES / ((size_t)(k > 0 ? k : 1) * sizeof(float))) / TILE_ROWS * TILE_ROWS;
     if (row_block < TILE_ROWS) row_block = TILE_ROWS;
 #pragma omp parallel num_threads(threads)
-    for (int64_t first = 0; first < m; first += row_block) {
-        int64_t end = m - first < row_block ? m : first + row_block;
-        int64_t tiles = (end - first + TILE_ROWS - 1) / TILE_ROWS;
-        /* Group-major, so that a thread's tiles share their weights; split by tiles, not groups,
-           so that few groups (a 512-wide output is 11) still split evenly between threads. */
-#pragma omp for collapse(2) schedule(static) nowait
-        for (int64_t g = 0; g < groups; g++) {
-            for (int64_t t = 0; t < tiles; t++) {
-                int64_t p0 = g * TILE_PANELS, r0 = first + t * TILE_ROWS;
-                fn(job, r0, (int)(end - r0 < TILE_ROWS ? end - r0 : TILE_ROWS), p0,
-                   (int)(panels - p0 < TILE_PANELS ? panels - p0 : TILE_PANELS), t, tiles);
+    {
+        const int64_t thread = omp_get_thread_num(), team = omp_get_num_threads();
+        for (int64_t first = 0; first < m; first += row_block) {
+            const int64_t end = m - first < row_block ? m : first + row_block;
+            const int64_t tiles = (end - first + TILE_ROWS - 1) / TILE_ROWS;
+            const int64_t lo = groups * tiles * thread / team, hi = groups * tiles * (thread + 1) / team;
+            const int64_t last_group = hi > 0 ? (hi - 1) / tiles : -1;
+            for (int64_t item = lo; item < hi;) {
+                const int64_t g = item / tiles, t0 = item % tiles;
+                int64_t t1 = hi - g * tiles < tiles ? hi - g * tiles : tiles;
+                if (t1 - t0 > CHUNK_TILES) t1 = t0 + CHUNK_TILES;
+                run_chunk(job, fn, g, last_group, first, end, tiles, t0, t1);
+                item = g * tiles + t1;
             }
         }
     }
@@ -198,7 +281,7 @@ static void run_tiles(const Job *job, TileFn fn, int64_t m, int threads) {
    residual [m][n] or NULL (it may be y itself). */
 void panel_linear(const float *x, int64_t m, int64_t k, const float *packed, int64_t n, const float *bias,
                   const float *residual, float *y, int threads) {
-    Job job = {x, packed, bias, residual, y, k, n, (n + PANEL - 1) / PANEL};
+    Job job = {x, packed, bias, residual, y, k, n, (n + PANEL - 1) / PANEL, 1};
     run_tiles(&job, plain_tile, m, threads);
 }
 
@@ -207,7 +290,7 @@ void panel_linear(const float *x, int64_t m, int64_t k, const float *packed, int
    or NULL. */
 void panel_linear_silu_mul(const float *x, int64_t m, int64_t k, const float *packed, int64_t width,
                            const float *bias, float *y, int threads) {
-    Job job = {x, packed, bias, NULL, y, k, width, width / PANEL};
+    Job job = {x, packed, bias, NULL, y, k, width, width / PANEL, 2};
     run_tiles(&job, gated_tile, m, threads);
 }
 #endif

@@ -85,6 +85,30 @@ def test_a_rows_bits_do_not_depend_on_the_rows_beside_it_or_the_thread_count(
     assert_within_rounding(together, x, weight, None)
 
 
+def fma_chain(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x W^T as one chain of float32 fused multiply-adds per output, k = 0, 1, ..., K-1: each step
+    is the float64 sum of the float32 accumulator and an exact float64 product, rounded to
+    float32 (rounding through float64 first differs from one rounding only ~2^-29 of the time)."""
+    acc = torch.zeros(x.shape[0], weight.shape[0], dtype=torch.float32)
+    for kk in range(x.shape[1]):
+        acc = (acc.double() + x[:, kk, None].double() * weight[None, :, kk].double()).float()
+    return acc
+
+
+@pytest.mark.parametrize(
+    ("rows", "in_features", "out_features", "seed"), [(5, 300, 40, 0), (32, 577, 50, 1), (9, 1536, 33, 2)]
+)
+def test_every_output_is_one_multiply_add_chain_over_k_in_order(
+    panels: PanelKernel, rows: int, in_features: int, out_features: int, seed: int
+) -> None:
+    # K is taken in blocks of ~128 (576 -> 5 blocks, 1,536 -> 12); a block's partial sums added
+    # to the next's, rather than carried into its chain, would differ here in the last bits.
+    generator = torch.Generator().manual_seed(seed)
+    weight = torch.randn(out_features, in_features, generator=generator)
+    x = torch.randn(rows, in_features, generator=generator)
+    assert torch.equal(panels.linear(x, panels.pack(weight), out_features, None), fma_chain(x, weight))
+
+
 def test_row_blocks_and_leading_dimensions_and_strided_inputs(panels: PanelKernel) -> None:
     generator = torch.Generator().manual_seed(3)
     weight, bias = torch.randn(200, 4096, generator=generator), torch.randn(200, generator=generator)
