@@ -41,6 +41,7 @@ from scheduler_service.core.config import SchedulerConfig
 from scheduler_service.core.request import Request
 from scheduler_service.core.sampling_params import SamplingParams
 from scheduler_service.core.scheduler import Scheduler
+from scheduler_service.core.step_plan import StepPlan
 from scheduler_service.service.plan_codec import output_from_proto, plan_to_proto
 
 PHASES = ("inputs", "attention", "forward_rest", "sampling", "other")
@@ -90,14 +91,15 @@ def timed_runner(clock: PhaseClock) -> Iterator[None]:
         AttentionInterface.register(ATTENTION_NAME, paged_attention_forward)
 
 
-def run(
+def workload(
     config: BenchConfig,
     directory: Path,
-    top_ops: int,
     model_dir: Path | None = None,
     attention_backend: str = "auto",
     packed_linear: bool = True,
-) -> str:
+) -> tuple[model_runner.ModelRunner, Scheduler]:
+    """A runner for the model (the random Llama, built under directory, unless model_dir) and a
+    scheduler holding the workload's requests."""
     torch.set_num_threads(config.threads)
     if model_dir is None:
         model_dir = build_bench_model(config, directory / "llama")
@@ -122,13 +124,31 @@ def run(
     sampling = SamplingParams(max_tokens=config.new_tokens, temperature=0.0, ignore_eos=True)
     for index, prompt in enumerate(make_prompts(config)):
         scheduler.add_request(Request(f"r{index}", prompt, sampling))
+    return runner, scheduler
+
+
+def step_kind(plan: StepPlan) -> str:
+    """"prefill" for a step with prompt tokens in it, else "decode"."""
+    prefill = plan.new_requests or any(c.num_scheduled_tokens > 1 for c in plan.continuing_requests)
+    return "prefill" if prefill else "decode"
+
+
+def run(
+    config: BenchConfig,
+    directory: Path,
+    top_ops: int,
+    model_dir: Path | None = None,
+    attention_backend: str = "auto",
+    packed_linear: bool = True,
+) -> str:
+    runner, scheduler = workload(config, directory, model_dir, attention_backend, packed_linear)
     kinds = {"prefill": Breakdown(), "decode": Breakdown()}
     profiles: dict[str, profile] = {}
     clock = PhaseClock()
     with timed_runner(clock):
         while scheduler.has_unfinished():
             plan = scheduler.schedule()
-            kind = "prefill" if plan.new_requests or any(c.num_scheduled_tokens > 1 for c in plan.continuing_requests) else "decode"
+            kind = step_kind(plan)
             message = plan_to_proto(plan)
             clock.current.clear()
             profiler = _profiler_for(kind, kinds[kind].steps, profiles)
@@ -150,7 +170,7 @@ def run(
             record.phases["sampling"] += phases["sampling"]
             record.phases["other"] += elapsed - phases["inputs"] - phases["forward"] - phases["sampling"]
     lines = [
-        f"{model_dir.name}: {runner.loaded.num_layers} layers, {config.requests} requests, "
+        f"{(model_dir or Path('random-llama')).name}: {runner.loaded.num_layers} layers, {config.requests} requests, "
         f"{config.threads} threads, fp32, attention {runner.backend}",
         "| steps | count | mean ms | inputs | attention | forward rest | sampling | other |",
         "|---|---:|---:|---:|---:|---:|---:|---:|",
