@@ -1,6 +1,11 @@
 """The peer: transformers' static batched greedy `generate` on the same model and prompts, in this
 process (left-padded, one batch, EOS disabled so every row runs all new tokens). Requests that
-want fewer tokens than the longest ride along in the batch and keep only their own."""
+want fewer tokens than the longest ride along in the batch and keep only their own.
+
+Plain greedy, as every other system runs: the model folder's own generation defaults are
+dropped. generate() applies them even with do_sample=False, and SmolLM2 ships
+repetition_penalty 1.1, which made this peer's tokens diverge from every other system's within
+the first dozen on all 32 requests of the fixed workload."""
 
 from __future__ import annotations
 
@@ -10,7 +15,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, LogitsProcessor, LogitsProcessorList
+from transformers import (
+    AutoModelForCausalLM,
+    GenerationConfig,
+    LogitsProcessor,
+    LogitsProcessorList,
+)
 
 from bench.throughput_workload import SystemResult
 
@@ -60,8 +70,9 @@ def run_transformers(
     """prompts[i] wants new_tokens[i] tokens; the batch runs the most any request wants."""
     torch.set_num_threads(threads)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    # No EOS: every row runs all its tokens, as splitserve's requests do with ignore_eos.
-    model.generation_config.eos_token_id = None
+    # No EOS: every row runs all its tokens, as splitserve's requests do with ignore_eos. Nothing
+    # else of the folder's generation config either (no penalties, no sampling defaults).
+    model.generation_config = GenerationConfig(pad_token_id=model.generation_config.pad_token_id, eos_token_id=None)
     # Warm-up outside the timing (first-call allocations and kernel selection), as splitserve gets.
     generate(model, [prompts[0][:8], prompts[-1][:4]], 2, StepClock())
     clock = StepClock()
