@@ -6,10 +6,10 @@ percent from the weather.
 
     python -m bench.kernel_ab --base HEAD [--model DIR] [--rounds 4] [--threads 2]
 
-The revision's executor_service/kernels/ (its .c files and headers) is built with cpu_kernels'
-flags. Before each step, the C functions held by the wrappers that load_panel_kernel,
-load_prefill_kernel, load_decode_kernel, load_layer_kernels and load_row_argmax return are
-pointed at one library or the other. Weights are packed once, by this tree's panel_pack, so the
+The revision's executor_service/kernels/ (its .c files and headers) is built by
+cpu_kernels.compile_library, as the executor builds its own. Before each step, the C functions
+held by the wrappers that load_panel_kernel, load_prefill_kernel, load_decode_kernel,
+load_layer_kernels and load_row_argmax return are pointed at one library or the other. Weights are packed once, by this tree's panel_pack, so the
 two builds must agree on the packed layout; the greedy head's screen keeps this tree's build.
 
 Round r runs the whole workload with step i on the revision when i + r is even, so after two
@@ -35,7 +35,7 @@ from bench.step_profile import step_kind, workload
 from bench.throughput import build_bench_model
 from bench.throughput_workload import BenchConfig
 from executor_service.argmax_kernel import load_row_argmax
-from executor_service.cpu_kernels import COMPILE_FLAGS, KERNEL_DIR, LINK_FLAGS
+from executor_service.cpu_kernels import KERNEL_DIR, compile_library
 from executor_service.decode_kernel import load_decode_kernel
 from executor_service.layer_kernels import load_layer_kernels
 from executor_service.panel_linear import load_panel_kernel
@@ -54,13 +54,7 @@ def build_revision(revision: str, directory: Path) -> ctypes.CDLL:
     sources.mkdir()
     for name in names:
         (sources / name).write_text(git("show", f"{revision}:{folder}/{name}"))
-    objects = []
-    for source in sorted(sources.glob("*.c")):
-        objects.append(directory / f"{source.stem}.o")
-        subprocess.run(["cc", *COMPILE_FLAGS, "-c", str(source), "-o", str(objects[-1])], check=True)
-    library = directory / "base-kernels.so"
-    subprocess.run(["cc", *LINK_FLAGS, *map(str, objects), "-o", str(library), "-lm"], check=True)
-    return ctypes.CDLL(str(library))
+    return ctypes.CDLL(str(compile_library(sorted(sources.glob("*.c")), directory)))
 
 
 def git(*args: str) -> str:

@@ -125,16 +125,23 @@ def build_kernel() -> Path:
     except OSError as error:
         raise KernelUnavailable(f"kernel cache {directory} is not writable: {error}") from error
     try:
-        objects = [scratch / f"{source.stem}.o" for source in SOURCES]
-        for source, obj in zip(SOURCES, objects, strict=True):
-            _run([compiler, *COMPILE_FLAGS, "-c", str(source), "-o", str(obj)])
-        library = scratch / "cpu-kernels.so"
-        _run([compiler, *LINK_FLAGS, *map(str, objects), "-o", str(library), "-lm"])
-        os.replace(library, target)
+        os.replace(compile_library(SOURCES, scratch, compiler), target)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     logger.info("event=cpu_kernels_built path=%s", target)
     return target
+
+
+def compile_library(sources: tuple[Path, ...] | list[Path], directory: Path, compiler: str | None = None) -> Path:
+    """sources compiled with the kernels' flags and linked into directory/cpu-kernels.so (its
+    path); the compiler defaults to $CC, else cc. Raises KernelUnavailable saying what failed."""
+    compiler = compiler or _compiler()
+    objects = [directory / f"{source.stem}.o" for source in sources]
+    for source, obj in zip(sources, objects, strict=True):
+        _run([compiler, *COMPILE_FLAGS, "-c", str(source), "-o", str(obj)])
+    library = directory / "cpu-kernels.so"
+    _run([compiler, *LINK_FLAGS, *map(str, objects), "-o", str(library), "-lm"])
+    return library
 
 
 def _run(command: list[str]) -> None:
