@@ -236,8 +236,8 @@ static void run_chunk(const Job *job, TileFn fn, int64_t g, int64_t last_group, 
     const int64_t block = (k + blocks - 1) / blocks, p0 = g * TILE_PANELS;
     const int panels = (int)(job->panels - p0 < TILE_PANELS ? job->panels - p0 : TILE_PANELS);
     for (int half = 0; half < job->halves; half++)
-        for (int64_t k0 = 0; k0 < k || k0 == 0; k0 += block > 0 ? block : 1) {
-            const int64_t k1 = k - k0 < block ? k : k0 + block;
+        for (int64_t b = 0; b < blocks; b++) {
+            const int64_t k0 = b * block, k1 = k - k0 < block ? k : k0 + block;
             for (int64_t t = t0; t < t1; t++) {
                 const int64_t r0 = first + t * TILE_ROWS;
                 const Block current = {g, half, k0};
