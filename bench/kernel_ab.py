@@ -9,8 +9,9 @@ percent from the weather.
 The revision's executor_service/kernels/ (its .c files and headers) is built by
 cpu_kernels.compile_library, as the executor builds its own. Before each step, the C functions
 held by the wrappers that load_panel_kernel, load_prefill_kernel, load_decode_kernel,
-load_layer_kernels and load_row_argmax return are pointed at one library or the other. Weights are packed once, by this tree's panel_pack, so the
-two builds must agree on the packed layout; the greedy head's screen keeps this tree's build.
+load_layer_kernels and load_row_argmax return are pointed at one library or the other.
+Weights are packed once, by this tree's panel_pack, so the two builds must agree on the packed
+layout; the greedy head's screen keeps this tree's build.
 
 Round r runs the whole workload with step i on the revision when i + r is even, so after two
 rounds every step index has run on both sides. Prints, per kind of step (with prefill, decode
