@@ -11,7 +11,9 @@ cpu_kernels.compile_library, as the executor builds its own. Before each step, t
 held by the wrappers that load_panel_kernel, load_prefill_kernel, load_decode_kernel,
 load_layer_kernels and load_row_argmax return are pointed at one library or the other.
 Weights are packed once, by this tree's panel_pack, so the two builds must agree on the packed
-layout; the greedy head's screen keeps this tree's build.
+layout; the greedy head's screen keeps this tree's build. Decode steps run through the Python
+layer loop, not the decode program: the program calls this tree's kernels from C, past the
+wrappers.
 
 Round r runs the whole workload with step i on the revision when i + r is even, so after two
 rounds every step index has run on both sides. Prints, per kind of step (with prefill, decode
@@ -91,7 +93,7 @@ def run(config: BenchConfig, revision: str, rounds: int, model_dir: Path | None)
         base = build_revision(revision, Path(tmp))
         switch: KernelSwitch | None = None
         for round_index in range(rounds):
-            runner, scheduler = workload(config, Path(tmp), model_dir)
+            runner, scheduler = workload(config, Path(tmp), model_dir, decode_program=False)
             switch = switch or KernelSwitch(base)
             step = 0
             while scheduler.has_unfinished():

@@ -4,8 +4,12 @@ ModelRunner in this process (no gRPC), with each phase of every step timed.
 
     python -m bench.step_profile [--threads 2] [--hidden 512] [--layers 8] [--ops 12]
         [--model DIR] [--attention-backend auto|sdpa|cpu_paged] [--no-packed-linear]
+        [--no-decode-program]
 
 --model profiles a real model folder (e.g. the prepared SmolLM2) instead of the random Llama.
+A fused Llama's pure decode steps run their layers as one C call (executor_service/
+decode_program.py), inside which attention is not timed apart: its share lands in "forward
+rest". --no-decode-program runs them through the Python layer loop, where it is.
 
 Steps are split into those with prefill work and pure decodes. For each kind: steps, mean ms,
 and the share of the step spent building inputs, in attention (our paged attention function,
@@ -97,9 +101,11 @@ def workload(
     model_dir: Path | None = None,
     attention_backend: str = "auto",
     packed_linear: bool = True,
+    decode_program: bool = True,
 ) -> tuple[model_runner.ModelRunner, Scheduler]:
     """A runner for the model (the random Llama, built under directory, unless model_dir) and a
-    scheduler holding the workload's requests."""
+    scheduler holding the workload's requests; decode_program False keeps pure decode steps on
+    the Python layer loop."""
     torch.set_num_threads(config.threads)
     if model_dir is None:
         model_dir = build_bench_model(config, directory / "llama")
@@ -112,6 +118,8 @@ def workload(
         packed_linear=packed_linear,
     )
     runner = build_executor(settings).runner
+    if not decode_program and runner.loaded.lean is not None:
+        runner.loaded.lean.program = None
     scheduler = Scheduler(
         SchedulerConfig(
             num_kv_blocks=config.num_kv_blocks,
@@ -140,8 +148,9 @@ def run(
     model_dir: Path | None = None,
     attention_backend: str = "auto",
     packed_linear: bool = True,
+    decode_program: bool = True,
 ) -> str:
-    runner, scheduler = workload(config, directory, model_dir, attention_backend, packed_linear)
+    runner, scheduler = workload(config, directory, model_dir, attention_backend, packed_linear, decode_program)
     kinds = {"prefill": Breakdown(), "decode": Breakdown()}
     profiles: dict[str, profile] = {}
     clock = PhaseClock()
@@ -202,6 +211,7 @@ def main() -> None:
     parser.add_argument("--model", type=Path, default=None, help="a model folder instead of the random Llama")
     parser.add_argument("--attention-backend", default="auto")
     parser.add_argument("--no-packed-linear", dest="packed_linear", action="store_false")
+    parser.add_argument("--no-decode-program", dest="decode_program", action="store_false")
     args = parser.parse_args()
     vocab = BenchConfig().vocab
     if args.model is not None:
@@ -215,7 +225,10 @@ def main() -> None:
         vocab=vocab,
     )
     with tempfile.TemporaryDirectory(prefix="bench-step-profile-") as tmp:
-        print(run(config, Path(tmp), args.ops, args.model, args.attention_backend, args.packed_linear))
+        report = run(
+            config, Path(tmp), args.ops, args.model, args.attention_backend, args.packed_linear, args.decode_program
+        )
+        print(report)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """The C kernels (kernels/*.c and the headers they include): built once per machine into one
 shared library, loaded with ctypes. decode_kernel.py, prefill_kernel.py, layer_kernels.py,
-argmax_kernel.py, greedy_head.py and panel_linear.py wrap its functions.
+argmax_kernel.py, greedy_head.py, panel_linear.py and decode_program.py wrap its functions.
 
 Plain C files need only the system's C compiler (no torch headers, no ninja) and build in about
 a second.
@@ -34,7 +34,13 @@ KERNEL_DIR = Path(__file__).with_name("kernels")
 SOURCES = tuple(
     KERNEL_DIR / name
     for name in (
-        "paged_decode.c", "paged_prefill.c", "layer_elementwise.c", "row_argmax.c", "greedy_screen.c", "panel_linear.c"
+        "paged_decode.c",
+        "paged_prefill.c",
+        "layer_elementwise.c",
+        "row_argmax.c",
+        "greedy_screen.c",
+        "panel_linear.c",
+        "decode_layers.c",
     )
 )
 # Included by the sources, so part of the build key like them.

@@ -11,8 +11,10 @@ Where fuse_layers replaced every attention, MLP and RMSNorm of a LlamaForCausalL
 computes what LlamaModel.forward and LlamaDecoderLayer.forward do, in their order: the embedding,
 the rotary tables, then per layer h = h + attention(norm(h)) and h = h + mlp(norm(h)), each sum
 written into h by the o_proj and down_proj GEMMs (the same sum: IEEE addition commutes), then the
-final norm over the rows whose logits are kept (RMSNorm is per row) and the head. The start-up
-self-check compares its logits with transformers' own forward, as it does for any model.
+final norm over the rows whose logits are kept (RMSNorm is per row) and the head. Pure decode
+steps run the layer loop as one C call where every layer is on the C kernels (decode_program.py).
+The start-up self-check compares its logits with transformers' own forward, as it does for any
+model.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import torch
 from torch import nn
 
 from executor_service.attention_metadata import StepAttention
+from executor_service.decode_program import decode_program
 from executor_service.fused_layers import (
     FusedAttention,
     FusedMLP,
@@ -48,6 +51,8 @@ class LeanLlama:
         ]
         self.norm: FusedRMSNorm = inner.norm
         self.head: nn.Module = model.lm_head
+        # Pure decode steps' layers in one C call where every layer runs on the C kernels.
+        self.program = decode_program(self.layers)
 
     def logits(
         self, input_ids: torch.Tensor, position_ids: torch.Tensor, step: StepAttention, logits_indices: torch.Tensor
@@ -57,6 +62,9 @@ class LeanLlama:
         them has hooks, and __call__'s checks cost ~5 us each."""
         hidden = self.embed_tokens.forward(input_ids)
         position_embeddings = self.rotary_emb.forward(hidden, position_ids)
+        if self.program is not None and self.program.covers(step):
+            self.program.run(hidden, position_embeddings, step)
+            return self.head(self.norm.forward(hidden[:, logits_indices]))
         attention_kwargs = {STEP_KWARG: step}
         for input_norm, attention, post_norm, mlp in self.layers:
             normed = input_norm.forward(hidden)

@@ -9,6 +9,7 @@
 #include <math.h>
 #include <stdint.h>
 
+#include "kernel_api.h"
 #include "silu_mul.h"
 
 /* Below this many elements a pass runs on the calling thread. With the step thread's OpenMP

@@ -23,6 +23,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "kernel_api.h"
 #include "softmax_exp.h"
 
 typedef struct {

@@ -37,6 +37,7 @@
 
 #include <omp.h>
 
+#include "kernel_api.h"
 #include "silu_mul.h"
 
 #define PANEL 16

@@ -1,0 +1,108 @@
+"""A fused Llama's pure decode steps run their layers as one C call (the decode program), whose
+logits and K/V writes are the Python layer loop's bit for bit; steps with prompt tokens keep the
+loop, and models off the C kernels have no program."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from executor_service import model_runner, startup
+from executor_service.forward import compute_logits
+from executor_service.panel_linear import load_panel_kernel
+from executor_service.settings import ExecutorSettings
+from protos.splitserve.executor.v1 import executor_pb2 as pb
+from tests.helpers.c_kernels import load_or_skip
+from tests.helpers.model_factory import build_model
+
+
+def _runner(model_dir: Path, **overrides: object) -> model_runner.ModelRunner:
+    settings = ExecutorSettings(model_dir=model_dir, device="cpu", num_kv_blocks=32, block_size=8, **overrides)
+    return startup.build_executor(settings).runner
+
+
+def _plans() -> list[pb.StepPlan]:
+    """Three prompts of different lengths (one of two chunks), then decodes that cross blocks;
+    "b" samples, the others are greedy."""
+    greedy, sampled = pb.SamplerConfig(), pb.SamplerConfig(temperature=0.9, has_seed=True, seed=5)
+    plans = [
+        pb.StepPlan(step_id=1, new_requests=[
+            pb.NewRequest(request_id="a", token_ids=list(range(3, 16)), block_ids=[0, 1, 2, 3],
+                          num_scheduled_tokens=13, sampling=greedy),
+            pb.NewRequest(request_id="b", token_ids=list(range(40, 45)), block_ids=[4, 5, 6],
+                          num_scheduled_tokens=5, sampling=sampled),
+            pb.NewRequest(request_id="c", token_ids=list(range(100, 130)), block_ids=[7, 8, 9, 10, 11],
+                          num_scheduled_tokens=20, sampling=greedy),
+        ]),
+        pb.StepPlan(step_id=2, continuing_requests=[
+            pb.ContinuingRequest(request_id="a", num_scheduled_tokens=1),
+            pb.ContinuingRequest(request_id="b", num_scheduled_tokens=1),
+            pb.ContinuingRequest(request_id="c", num_scheduled_tokens=10),
+        ]),
+    ]
+    for step_id in range(3, 12):
+        plans.append(pb.StepPlan(step_id=step_id, continuing_requests=[
+            pb.ContinuingRequest(request_id=name, num_scheduled_tokens=1) for name in ("a", "b", "c")
+        ]))
+    return plans
+
+
+@pytest.mark.parametrize(
+    "shape",
+    [
+        {},
+        # heads of 64 (the decode kernel's unrolled width), biases on every projection
+        {"hidden_size": 128, "num_attention_heads": 2, "num_key_value_heads": 1,
+         "attention_bias": True, "mlp_bias": True},
+    ],
+    ids=["heads-of-16", "heads-of-64-with-biases"],
+)
+def test_decode_steps_through_the_program_give_the_layer_loops_logits_and_kv(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, shape: dict[str, Any]
+) -> None:
+    load_or_skip(load_panel_kernel, "avx512f")
+    runner = _runner(build_model("llama", tmp_path / "llama", **shape))
+    lean = runner.loaded.lean
+    assert lean is not None and lean.program is not None
+    program = lean.program
+    kinds: list[str] = []
+
+    def both(loaded: Any, inputs: Any, use_logits_to_keep: bool) -> torch.Tensor:
+        step, cache = inputs.attention, runner.kv_cache
+        if not program.covers(step):
+            kinds.append("loop")
+            return compute_logits(loaded, inputs, use_logits_to_keep)
+        kinds.append("program")
+        lean.program = None
+        try:
+            reference = compute_logits(loaded, inputs, use_logits_to_keep)
+        finally:
+            lean.program = program
+        written = [tuple(t.clone() for t in cache.layer(i)) for i in range(runner.loaded.num_layers)]
+        # The loop wrote this step's K/V; wipe it so that only the program's writes can restore it.
+        for i in range(runner.loaded.num_layers):
+            for tensor in cache.layer(i):
+                tensor[step.slot_mapping] = 0.0
+        got = compute_logits(loaded, inputs, use_logits_to_keep)
+        assert torch.equal(got, reference)
+        for i, (keys, values) in enumerate(written):
+            assert torch.equal(cache.layer(i)[0], keys) and torch.equal(cache.layer(i)[1], values)
+        return got
+
+    monkeypatch.setattr(model_runner, "compute_logits", both)
+    for plan in _plans():
+        result = runner.execute(plan)
+        assert not result.rejected
+    assert kinds == ["loop", "loop"] + ["program"] * 9
+
+
+def test_models_off_the_c_kernels_have_no_program(tmp_path: Path) -> None:
+    load_or_skip(load_panel_kernel, "avx512f")
+    llama = build_model("llama", tmp_path / "llama")
+    assert _runner(llama).loaded.lean.program is not None
+    # oneDNN GEMMs: the layers run, but not on the kernels the program calls.
+    lean = _runner(llama, panel_linear=False).loaded.lean
+    assert lean is not None and lean.program is None
