@@ -10,8 +10,10 @@ The revision's executor_service/kernels/ (its .c files and headers) is built by
 cpu_kernels.compile_library, as the executor builds its own. Before each step, the C functions
 held by the wrappers that load_panel_kernel, load_prefill_kernel, load_decode_kernel,
 load_layer_kernels and load_row_argmax return are pointed at one library or the other.
-Weights are packed once, by this tree's panel_pack, so the two builds must agree on the packed
-layout; the greedy head's screen keeps this tree's build. Decode steps run through the Python
+Weights are packed once, by this tree's panel_pack (and panel_q4_pack), so the two builds must
+agree on the packed layouts and on the C functions' signatures (the 4-bit blocks' commit added
+an argument to panel_linear: a base before it cannot be compared); the greedy head's screen
+keeps this tree's build. Decode steps run through the Python
 layer loop, not the decode program: the program calls this tree's kernels from C, past the
 wrappers.
 

@@ -37,6 +37,7 @@ class _LayerWeights(ctypes.Structure):
         for name in (
             "input_norm", "post_norm", "qkv", "qkv_bias", "o", "o_bias",
             "gate_up", "gate_up_bias", "down", "down_bias",
+            "qkv_blocks", "o_blocks", "gate_up_blocks", "down_blocks",
         )
     ]
 
@@ -53,9 +54,13 @@ class _Step(ctypes.Structure):
     ]
 
 
-def _gemm(linear: PackedLinear) -> tuple[int, int | None]:
-    bias = linear.bias
-    return linear.packed.data_ptr(), None if bias is None else bias.detach().data_ptr()
+def _gemm(linear: PackedLinear) -> tuple[int, int | None, int | None]:
+    bias, blocks = linear.bias, linear.blocks
+    return (
+        linear.packed.data_ptr(),
+        None if bias is None else bias.detach().data_ptr(),
+        None if blocks is None else blocks.data_ptr(),
+    )
 
 
 Layer = tuple["FusedRMSNorm", "FusedAttention", "FusedRMSNorm", "FusedMLP"]
@@ -81,10 +86,10 @@ class DecodeProgram:
         self._weights = (_LayerWeights * len(layers))()
         for entry, (input_norm, attention, post_norm, mlp) in zip(self._weights, layers, strict=True):
             entry.input_norm, entry.post_norm = input_norm.weight.data_ptr(), post_norm.weight.data_ptr()
-            entry.qkv, entry.qkv_bias = _gemm(attention.qkv)
-            entry.o, entry.o_bias = _gemm(attention.o_proj)
-            entry.gate_up, entry.gate_up_bias = _gemm(mlp.gate_up)
-            entry.down, entry.down_bias = _gemm(mlp.down_proj)
+            entry.qkv, entry.qkv_bias, entry.qkv_blocks = _gemm(attention.qkv)
+            entry.o, entry.o_bias, entry.o_blocks = _gemm(attention.o_proj)
+            entry.gate_up, entry.gate_up_bias, entry.gate_up_blocks = _gemm(mlp.gate_up)
+            entry.down, entry.down_bias, entry.down_blocks = _gemm(mlp.down_proj)
         # The cache the pointer tables below were laid out for, held so that its memory stays.
         self._caches: tuple[PagedKVCache, ctypes.Array, ctypes.Array] | None = None
 

@@ -39,8 +39,11 @@ class PackedLinear(nn.Module):
         self.out_features = linear.out_features
         weight = linear.weight.detach()
         self.panels = panels
+        # The same weight as 4-bit blocks where it is made of them (panel_linear.py), else None.
+        self.blocks: torch.Tensor | None = None
         if panels is not None:
             self.packed = panels.pack(weight)
+            self.blocks = panels.pack_blocks(weight)
         else:
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
         self.bias = linear.bias
@@ -52,7 +55,7 @@ class PackedLinear(nn.Module):
         """x W^T + b; with a residual, (x W^T + b) + residual written into the residual, in place
         (by the panel kernel's epilogue, or one add_ after oneDNN), which is returned."""
         if self.panels is not None:
-            return self.panels.linear(x, self.packed, self.out_features, self.bias, residual)
+            return self.panels.linear(x, self.packed, self.out_features, self.bias, residual, self.blocks)
         out = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return out if residual is None else residual.add_(out)
 
@@ -69,10 +72,10 @@ class PackedLinear(nn.Module):
         can be (the panel kernel refuses halves that are not whole panels)."""
         if self.panels is None or self.out_features % 2:
             raise ValueError(f"{self.out_features} outputs packed for {self.extra_repr()} cannot be gated in one pass")
-        return self.panels.linear_silu_mul(x, self.packed, self.out_features // 2, self.bias)
+        return self.panels.linear_silu_mul(x, self.packed, self.out_features // 2, self.bias, self.blocks)
 
     def extra_repr(self) -> str:
-        backend = "panels" if self.panels is not None else "onednn"
+        backend = "onednn" if self.panels is None else "panels+4-bit blocks" if self.blocks is not None else "panels"
         return f"in_features={self.in_features}, out_features={self.out_features}, packed={backend}"
 
 
@@ -105,5 +108,9 @@ def pack_linears(model: nn.Module, panels: PanelKernel | None = None) -> int:
         if replacement is None:
             replacement = packed[id(child)] = PackedLinear(child, panels)
         setattr(parent, name, replacement)
-    logger.info("event=linears_packed count=%d backend=%s", len(packed), "panels" if panels else "onednn")
+    blocked = sum(linear.blocks is not None for linear in packed.values())
+    logger.info(
+        "event=linears_packed count=%d backend=%s four_bit_blocks=%d",
+        len(packed), "panels" if panels else "onednn", blocked,
+    )
     return len(packed)

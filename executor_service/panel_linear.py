@@ -31,6 +31,12 @@ passes: 8 rows 22.8 against 30.5 ms, 32 rows 37.1 against 51.0 ms (183 against 1
 48.3 ms before the K blocks), 2,048 rows (4 layers) 217 against 193 ms (267 against 300
 GFLOP/s): at prefill sizes oneDNN leads by ~10-15 % there.
 
+A weight whose every 32 consecutive inputs of an output take values d q + m (q in 0..15, d and m
+per block: dequantized from GGUF's Q4_1, as the default SmolLM2 copy is) is also kept as those
+4-bit blocks, ~0.75 bytes a weight, verified value by value when packed (pack_blocks). Calls of up
+to 64 rows read them and rebuild the floats in L1: the same bits from under a fifth of the memory
+traffic, where a decode step's GEMMs stream every weight from memory (kernels/panel_linear.c).
+
 It needs AVX-512F; elsewhere PackedLinear keeps oneDNN.
 """
 
@@ -64,11 +70,17 @@ class PanelKernel:
         # Output columns per panel: a weight of n outputs packs into ceil(n / panel) panels.
         self.panel = int(packed_floats(1, 1))
         self._pack = declare(library.panel_pack, [pointer, size, size, pointer], None)
+        self._block_bytes = declare(library.panel_q4_bytes, [size, size], size)
+        self._pack_blocks = declare(library.panel_q4_pack, [pointer, size, size, pointer], size)
         self._linear = declare(
-            library.panel_linear, [pointer, size, size, pointer, size, pointer, pointer, pointer, threads], None
+            library.panel_linear,
+            [pointer, size, size, pointer, pointer, size, pointer, pointer, pointer, threads],
+            None,
         )
         self._linear_silu_mul = declare(
-            library.panel_linear_silu_mul, [pointer, size, size, pointer, size, pointer, pointer, threads], None
+            library.panel_linear_silu_mul,
+            [pointer, size, size, pointer, pointer, size, pointer, pointer, threads],
+            None,
         )
 
     def packed_floats(self, out_features: int, in_features: int) -> int:
@@ -82,6 +94,16 @@ class PanelKernel:
         self._pack(weight.data_ptr(), out_features, in_features, packed.data_ptr())
         return packed
 
+    def pack_blocks(self, weight: torch.Tensor) -> torch.Tensor | None:
+        """[out, in] float32 weight -> its 4-bit blocks (a flat uint8 tensor), or None where some
+        value is not d q + m of its block (or in is not a whole number of blocks)."""
+        weight = float32_cpu(weight.detach(), KERNEL).contiguous()
+        out_features, in_features = weight.shape
+        blocks = torch.empty(self._block_bytes(out_features, in_features), dtype=torch.uint8)
+        if not self._pack_blocks(weight.data_ptr(), out_features, in_features, blocks.data_ptr()):
+            return None
+        return blocks
+
     def linear(
         self,
         x: torch.Tensor,
@@ -89,11 +111,13 @@ class PanelKernel:
         out_features: int,
         bias: torch.Tensor | None,
         residual: torch.Tensor | None = None,
+        blocks: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """x [..., in] float32 -> x W^T + b [..., out], packed from pack(W). With a residual
-        (float32, contiguous, x's shape but out wide) the sum (x W^T + b) + residual is written
-        into it, in place, and it is returned."""
+        """x [..., in] float32 -> x W^T + b [..., out], packed from pack(W) (and blocks from
+        pack_blocks(W), or None). With a residual (float32, contiguous, x's shape but out wide)
+        the sum (x W^T + b) + residual is written into it, in place, and it is returned."""
         rows, bias = self._operands(x, packed, out_features, bias)
+        self._check_blocks(blocks, out_features, x.shape[-1])
         if residual is None:
             out = torch.empty(rows.shape[0], out_features, dtype=torch.float32)
         else:
@@ -102,14 +126,19 @@ class PanelKernel:
                 raise ValueError(f"residual {tuple(out.shape)} is not a contiguous {(*x.shape[:-1], out_features)}")
         if rows.shape[0]:
             self._linear(
-                rows.data_ptr(), rows.shape[0], rows.shape[1], packed.data_ptr(), out_features,
+                rows.data_ptr(), rows.shape[0], rows.shape[1], packed.data_ptr(), _address(blocks), out_features,
                 None if bias is None else bias.data_ptr(), None if residual is None else out.data_ptr(),
                 out.data_ptr(), torch.get_num_threads(),
             )
         return out.view(*x.shape[:-1], out_features)
 
     def linear_silu_mul(
-        self, x: torch.Tensor, packed: torch.Tensor, width: int, bias: torch.Tensor | None
+        self,
+        x: torch.Tensor,
+        packed: torch.Tensor,
+        width: int,
+        bias: torch.Tensor | None,
+        blocks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """x [..., in] -> silu(gate) * up [..., width], where gate and up are x's products with
         the two halves of a joined [gate; up] weight of 2 * width outputs packed by pack(); width
@@ -117,13 +146,20 @@ class PanelKernel:
         if width % self.panel:
             raise ValueError(f"gate and up of width {width} are not whole panels of {self.panel}")
         rows, bias = self._operands(x, packed, 2 * width, bias)
+        self._check_blocks(blocks, 2 * width, x.shape[-1])
         out = torch.empty(rows.shape[0], width, dtype=torch.float32)
         if rows.shape[0]:
             self._linear_silu_mul(
-                rows.data_ptr(), rows.shape[0], rows.shape[1], packed.data_ptr(), width,
+                rows.data_ptr(), rows.shape[0], rows.shape[1], packed.data_ptr(), _address(blocks), width,
                 None if bias is None else bias.data_ptr(), out.data_ptr(), torch.get_num_threads(),
             )
         return out.view(*x.shape[:-1], width)
+
+    def _check_blocks(self, blocks: torch.Tensor | None, out_features: int, in_features: int) -> None:
+        if blocks is not None and (
+            blocks.dtype != torch.uint8 or blocks.numel() != self._block_bytes(out_features, in_features)
+        ):
+            raise ValueError(f"the 4-bit blocks do not fit a weight of {out_features} x {in_features}")
 
     def _operands(
         self, x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None
@@ -138,6 +174,10 @@ class PanelKernel:
             if bias.shape != (out_features,):
                 raise ValueError(f"bias {tuple(bias.shape)} does not fit {out_features} outputs")
         return rows, bias
+
+
+def _address(blocks: torch.Tensor | None) -> int | None:
+    return None if blocks is None else blocks.data_ptr()
 
 
 @functools.cache

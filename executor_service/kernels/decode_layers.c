@@ -17,10 +17,12 @@
 #ifdef __AVX512F__
 
 /* One decoder layer's weights as the fused modules hold them: RMSNorm weights, and packed GEMM
- * weights (panel_linear.c's layout) with their bias or NULL; the gated weight is [gate; up]. */
+ * weights (panel_linear.c's layout) with their 4-bit blocks or NULL and their bias or NULL; the
+ * gated weight is [gate; up]. */
 typedef struct {
     const float *input_norm, *post_norm;
     const float *qkv, *qkv_bias, *o, *o_bias, *gate_up, *gate_up_bias, *down, *down_bias;
+    const void *qkv_blocks, *o_blocks, *gate_up_blocks, *down_blocks;
 } LayerWeights;
 
 /* The model's shapes, and the step's operands that every layer shares. */
@@ -54,7 +56,8 @@ int decode_layers(const LayerWeights *layers, int64_t count, float *const *key_c
     for (int64_t i = 0; i < count && !failed; i++) {
         const LayerWeights *w = &layers[i];
         rms_norm(hidden, w->input_norm, normed, rows, s->hidden, s->eps, s->threads);
-        panel_linear(normed, rows, s->hidden, w->qkv, qkv_width, w->qkv_bias, NULL, product, s->threads);
+        panel_linear(normed, rows, s->hidden, w->qkv, w->qkv_blocks, qkv_width, w->qkv_bias, NULL, product,
+                     s->threads);
         rope(product, s->cos, s->sin, rows, s->heads + s->kv_heads, dim, qkv_width, s->threads);
         for (int64_t r = 0; r < rows; r++) {
             const float *row = product + r * qkv_width;
@@ -66,11 +69,12 @@ int decode_layers(const LayerWeights *layers, int64_t count, float *const *key_c
         failed = paged_decode_attention(queries, key_caches[i], value_caches[i], s->block_table, s->context_lens,
                                         NULL, attended, rows, s->heads, s->kv_heads, dim, dim, s->block_size,
                                         s->table_width, s->scale, 0, 0.0f, s->threads);
-        panel_linear(attended, rows, q_width, w->o, s->hidden, w->o_bias, hidden, hidden, s->threads);
+        panel_linear(attended, rows, q_width, w->o, w->o_blocks, s->hidden, w->o_bias, hidden, hidden, s->threads);
         rms_norm(hidden, w->post_norm, normed, rows, s->hidden, s->eps, s->threads);
-        panel_linear_silu_mul(normed, rows, s->hidden, w->gate_up, s->intermediate, w->gate_up_bias, product,
-                              s->threads);
-        panel_linear(product, rows, s->intermediate, w->down, s->hidden, w->down_bias, hidden, hidden, s->threads);
+        panel_linear_silu_mul(normed, rows, s->hidden, w->gate_up, w->gate_up_blocks, s->intermediate,
+                              w->gate_up_bias, product, s->threads);
+        panel_linear(product, rows, s->intermediate, w->down, w->down_blocks, s->hidden, w->down_bias, hidden,
+                     hidden, s->threads);
     }
     free(normed);
     return failed;

@@ -15,9 +15,9 @@ int paged_decode_attention(const float *q, const float *key_cache, const float *
                            int64_t block_size, int64_t table_width, float scale, int64_t window,
                            float softcap, int num_threads);
 #ifdef __AVX512F__
-void panel_linear(const float *x, int64_t m, int64_t k, const float *packed, int64_t n, const float *bias,
-                  const float *residual, float *y, int threads);
-void panel_linear_silu_mul(const float *x, int64_t m, int64_t k, const float *packed, int64_t width,
-                           const float *bias, float *y, int threads);
+void panel_linear(const float *x, int64_t m, int64_t k, const float *packed, const void *blocks, int64_t n,
+                  const float *bias, const float *residual, float *y, int threads);
+void panel_linear_silu_mul(const float *x, int64_t m, int64_t k, const float *packed, const void *blocks,
+                           int64_t width, const float *bias, float *y, int threads);
 #endif
 #endif

@@ -1,6 +1,7 @@
 """A fused Llama's pure decode steps run their layers as one C call (the decode program), whose
 logits and K/V writes are the Python layer loop's bit for bit; steps with prompt tokens keep the
-loop, and models off the C kernels have no program."""
+loop, and models off the C kernels have no program. Weights made of 4-bit blocks are read from
+them at decode sizes, with the float weights' bits."""
 
 from __future__ import annotations
 
@@ -9,9 +10,12 @@ from typing import Any
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from executor_service import model_runner, startup
+from executor_service.decode_program import decode_program
 from executor_service.forward import compute_logits
+from executor_service.packed_linear import PackedLinear
 from executor_service.panel_linear import load_panel_kernel
 from executor_service.settings import ExecutorSettings
 from protos.splitserve.executor.v1 import executor_pb2 as pb
@@ -106,3 +110,49 @@ def test_models_off_the_c_kernels_have_no_program(tmp_path: Path) -> None:
     # oneDNN GEMMs: the layers run, but not on the kernels the program calls.
     lean = _runner(llama, panel_linear=False).loaded.lean
     assert lean is not None and lean.program is None
+
+
+def _four_bit(weight: torch.Tensor) -> torch.Tensor:
+    """The weight rounded as GGUF's Q4_1 dequantizes it: per 32 inputs, fma(d, q, m) with m the
+    block's least value and d a half-precision step (d * q is exact, so one rounding)."""
+    blocks = weight.reshape(weight.shape[0], -1, 32)
+    low, high = blocks.amin(-1, keepdim=True), blocks.amax(-1, keepdim=True)
+    step = ((high - low) / 15).half().float().clamp_min(2.0**-14)
+    levels = ((blocks - low) / step).round().clamp(0, 15)
+    return (step * levels + low).reshape(weight.shape)
+
+
+def test_four_bit_weights_give_the_float_weights_logits_and_kv(tmp_path: Path) -> None:
+    """A model dequantized from 4-bit blocks (as the default SmolLM2 copy is): its linears keep
+    the blocks, decode steps read them (through the program and the loop alike), and every step's
+    logits and K/V are those of the same weights read as floats."""
+    load_or_skip(load_panel_kernel, "avx512f")
+    model_dir = build_model("llama", tmp_path / "llama")
+    path = model_dir / "model.safetensors"
+    weights = load_file(path)
+    save_file({name: _four_bit(t) if name.endswith("proj.weight") else t for name, t in weights.items()}, path)
+    with_blocks, as_floats = _runner(model_dir), _runner(model_dir)
+    linears = [m for m in as_floats.loaded.model.modules() if isinstance(m, PackedLinear)]
+    assert sum(m.blocks is not None for m in linears) == len(linears) - 1  # all but the lm_head
+    for linear in linears:
+        linear.blocks = None
+    lean = as_floats.loaded.lean
+    lean.program = decode_program(lean.layers)
+    logits: dict[int, list[torch.Tensor]] = {id(with_blocks): [], id(as_floats): []}
+    original = model_runner.compute_logits
+    for runner in (with_blocks, as_floats):
+        def recording(loaded: Any, inputs: Any, use_logits_to_keep: bool, runner: Any = runner) -> torch.Tensor:
+            result = original(loaded, inputs, use_logits_to_keep)
+            logits[id(runner)].append(result.clone())
+            return result
+
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(model_runner, "compute_logits", recording)
+            for plan in _plans():
+                assert not runner.execute(plan).rejected
+    assert len(logits[id(with_blocks)]) == len(_plans())
+    for got, expected in zip(logits[id(with_blocks)], logits[id(as_floats)], strict=True):
+        assert torch.equal(got, expected)
+    for i in range(with_blocks.loaded.num_layers):
+        for got, expected in zip(with_blocks.kv_cache.layer(i), as_floats.kv_cache.layer(i), strict=True):
+            assert torch.equal(got, expected)
