@@ -85,14 +85,15 @@ static inline void screen_at(const float *row, const float *offset, int64_t v, f
              UNDERFLOW_FLOOR;
 }
 
-/* Tokens are checked a chunk at a time: a vectorised pass says whether the chunk keeps any,
-   and only such chunks (a few per row) are walked token by token. */
+/* Tokens are checked a chunk at a time: the counting pass notes which chunks keep any, and only
+   those (a few per row) are walked again token by token. */
 enum { CHUNK = 64 };
 
 /* products: rows x vocab floats (q p^T); offsets: rows x vocab floats (h_O . W_v), or NULL for
    none; vocab_scale t_v, vocab_error |e_v|, vocab_norm |W_v|; hidden: the whole rows h;
-   weight: vocab rows of dim floats. A row that keeps more than cap tokens is left unfinished
-   in out, for the caller to compute in full. counts[r]: the tokens row r kept. */
+   weight: vocab rows of dim floats. A row that keeps more than cap tokens gets no dot products
+   (its out row is all -inf), for the caller to compute in full. counts[r]: the tokens row r
+   kept. */
 void screened_logits(const float *products, const float *offsets, int64_t rows, int64_t vocab, const float *scale,
                      const float *a_term, const float *b_term, const float *vocab_scale,
                      const float *vocab_error, const float *vocab_norm, const float *hidden,
@@ -111,26 +112,30 @@ void screened_logits(const float *products, const float *offsets, int64_t rows, 
             screen_at(row, offset, v, s, a, b, vocab_scale, vocab_error, vocab_norm, &screen, &bound);
             floor = fmaxf(floor, screen - bound);
         }
-        /* Counted first, so that a row the bound cannot narrow costs no dot products. */
+        /* One pass marks the chunks that keep any token, counts the kept tokens and writes -inf
+           everywhere; the dot products come after, only for a row the bound narrowed enough (a
+           row left to the caller is overwritten by the full head). */
+        float *logits = out + r * out_stride;
+        float_bits *logit_bits = (float_bits *)logits;
+        uint8_t hit_chunks[(vocab + CHUNK - 1) / CHUNK];
         int64_t kept = 0;
-        for (int64_t v = 0; v < vocab; v++) {
-            screen_at(row, offset, v, s, a, b, vocab_scale, vocab_error, vocab_norm, &screen, &bound);
-            kept += screen + bound >= floor;
+        for (int64_t start = 0, chunk = 0; start < vocab; start += CHUNK, chunk++) {
+            const int64_t end = start + CHUNK < vocab ? start + CHUNK : vocab;
+            int64_t hits = 0;
+            for (int64_t v = start; v < end; v++) {
+                screen_at(row, offset, v, s, a, b, vocab_scale, vocab_error, vocab_norm, &screen, &bound);
+                hits += screen + bound >= floor;
+                logit_bits[v] = NEGATIVE_INFINITY_BITS;
+            }
+            hit_chunks[chunk] = hits > 0;
+            kept += hits;
         }
         counts[r] = kept;
         if (kept > cap) continue;
         const float *h = hidden + r * hidden_stride;
-        float *logits = out + r * out_stride;
-        float_bits *logit_bits = (float_bits *)logits;
-        for (int64_t start = 0; start < vocab; start += CHUNK) {
-            int64_t end = start + CHUNK < vocab ? start + CHUNK : vocab;
-            int hit = 0;
-            for (int64_t v = start; v < end; v++) {
-                screen_at(row, offset, v, s, a, b, vocab_scale, vocab_error, vocab_norm, &screen, &bound);
-                hit |= screen + bound >= floor;
-                logit_bits[v] = NEGATIVE_INFINITY_BITS;
-            }
-            if (!hit) continue;
+        for (int64_t start = 0, chunk = 0; start < vocab; start += CHUNK, chunk++) {
+            if (!hit_chunks[chunk]) continue;
+            const int64_t end = start + CHUNK < vocab ? start + CHUNK : vocab;
             for (int64_t v = start; v < end; v++) {
                 screen_at(row, offset, v, s, a, b, vocab_scale, vocab_error, vocab_norm, &screen, &bound);
                 if (screen + bound >= floor) logits[v] = (float)dot(h, weight + v * dim, dim);
