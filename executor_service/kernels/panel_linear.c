@@ -95,6 +95,9 @@ void panel_pack(const float *w, int64_t n, int64_t k, float *out) {
             }
 }
 
+#ifdef __AVX512F__
+#include <immintrin.h>
+
 /* A panel's 32 k of 4-bit blocks: each column's d and m, then q[k][column] two k to a byte (the
    even k in the low nibble). */
 typedef struct {
@@ -122,15 +125,14 @@ static int q4_levels(const float *v, float d, float m, uint8_t *q) {
 static int q4_column(const float *v, float *d, float *m, uint8_t *q) {
     float low = v[0], high = v[0];
     for (int i = 1; i < Q4_BLOCK; i++) low = fminf(low, v[i]), high = fmaxf(high, v[i]);
-    const _Float16 step = (_Float16)((high - low) / 15.0f);
-    uint16_t bits;
-    memcpy(&bits, &step, sizeof bits);
+    /* Half precision through F16C (every AVX-512 CPU has it), not _Float16, which GCC before 12
+       lacks on x86: one compile error would cost the whole kernel library. */
+    const unsigned short bits = _cvtss_sh((high - low) / 15.0f, _MM_FROUND_TO_NEAREST_INT);
     for (int delta = 0; delta < 3; delta++) {
-        const uint16_t tried = (uint16_t)(delta == 0 ? bits : delta == 1 ? bits + 1 : bits - 1);
-        _Float16 half;
-        memcpy(&half, &tried, sizeof half);
-        if (q4_levels(v, (float)half, low, q)) {
-            *d = (float)half, *m = low;
+        const unsigned short tried = (unsigned short)(delta == 0 ? bits : delta == 1 ? bits + 1 : bits - 1);
+        const float step = _cvtsh_ss(tried);
+        if (q4_levels(v, step, low, q)) {
+            *d = step, *m = low;
             return 1;
         }
     }
@@ -156,9 +158,6 @@ int64_t panel_q4_pack(const float *w, int64_t n, int64_t k, void *out) {
         }
     return 1;
 }
-
-#ifdef __AVX512F__
-#include <immintrin.h>
 
 /* A tile's share of the next block of weights: `count` panels, `stride` floats apart from
    `lines`, of `length` lines each (a line is one k of one panel). At step i of its own block the
