@@ -174,6 +174,11 @@ def float32_cpu(tensor: torch.Tensor, kernel: str) -> torch.Tensor:
     return tensor
 
 
+def pointer_or_none(tensor: torch.Tensor | None) -> int | None:
+    """An optional operand's address for a C kernel: NULL (None) where there is none."""
+    return None if tensor is None else tensor.data_ptr()
+
+
 def attention_function(library: ctypes.CDLL, name: str, pointers: int, sizes: int) -> Any:
     """`name` from the library with its arguments declared: both attention kernels take
     `pointers` tensors (void *), `sizes` int64 sizes, then scale, window, soft-cap and thread

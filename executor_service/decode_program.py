@@ -22,7 +22,12 @@ from typing import TYPE_CHECKING
 import torch
 
 from executor_service.attention_metadata import StepAttention
-from executor_service.cpu_kernels import KernelUnavailable, declare, load_kernel_library
+from executor_service.cpu_kernels import (
+    KernelUnavailable,
+    declare,
+    load_kernel_library,
+    pointer_or_none,
+)
 from executor_service.paged_attention import ATTENTION_NAME
 
 if TYPE_CHECKING:
@@ -55,12 +60,8 @@ class _Step(ctypes.Structure):
 
 
 def _gemm(linear: PackedLinear) -> tuple[int, int | None, int | None]:
-    bias, blocks = linear.bias, linear.blocks
-    return (
-        linear.packed.data_ptr(),
-        None if bias is None else bias.detach().data_ptr(),
-        None if blocks is None else blocks.data_ptr(),
-    )
+    bias = None if linear.bias is None else linear.bias.detach()
+    return linear.packed.data_ptr(), pointer_or_none(bias), pointer_or_none(linear.blocks)
 
 
 Layer = tuple["FusedRMSNorm", "FusedAttention", "FusedRMSNorm", "FusedMLP"]

@@ -37,7 +37,12 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from executor_service.cpu_kernels import KernelUnavailable, declare, load_kernel_library
+from executor_service.cpu_kernels import (
+    KernelUnavailable,
+    declare,
+    load_kernel_library,
+    pointer_or_none,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -214,7 +219,7 @@ class GreedyScreen:
         counts = torch.empty(rows, dtype=torch.int64)
         vocab = self.quantized
         self._screened_logits(
-            products.data_ptr(), None if offsets is None else offsets.data_ptr(), rows, self.vocab,
+            products.data_ptr(), pointer_or_none(offsets), rows, self.vocab,
             scale.data_ptr(), a_term.data_ptr(), b_term.data_ptr(),
             vocab.scale.data_ptr(), vocab.error.data_ptr(), vocab.norm.data_ptr(), hidden.data_ptr(), self.dim,
             self.weight.data_ptr(), self.dim, out.data_ptr(), self.vocab, self.cap, counts.data_ptr(),

@@ -52,6 +52,7 @@ from executor_service.cpu_kernels import (
     declare,
     float32_cpu,
     load_kernel_library,
+    pointer_or_none,
 )
 
 # How errors name this wrapper.
@@ -116,8 +117,7 @@ class PanelKernel:
         """x [..., in] float32 -> x W^T + b [..., out], packed from pack(W) (and blocks from
         pack_blocks(W), or None). With a residual (float32, contiguous, x's shape but out wide)
         the sum (x W^T + b) + residual is written into it, in place, and it is returned."""
-        rows, bias = self._operands(x, packed, out_features, bias)
-        self._check_blocks(blocks, out_features, x.shape[-1])
+        rows, bias = self._operands(x, packed, out_features, bias, blocks)
         if residual is None:
             out = torch.empty(rows.shape[0], out_features, dtype=torch.float32)
         else:
@@ -126,8 +126,8 @@ class PanelKernel:
                 raise ValueError(f"residual {tuple(out.shape)} is not a contiguous {(*x.shape[:-1], out_features)}")
         if rows.shape[0]:
             self._linear(
-                rows.data_ptr(), rows.shape[0], rows.shape[1], packed.data_ptr(), _address(blocks), out_features,
-                None if bias is None else bias.data_ptr(), None if residual is None else out.data_ptr(),
+                rows.data_ptr(), rows.shape[0], rows.shape[1], packed.data_ptr(), pointer_or_none(blocks),
+                out_features, pointer_or_none(bias), None if residual is None else out.data_ptr(),
                 out.data_ptr(), torch.get_num_threads(),
             )
         return out.view(*x.shape[:-1], out_features)
@@ -145,39 +145,37 @@ class PanelKernel:
         must be a multiple of self.panel. The bits of linear() followed by LayerKernels.silu_mul."""
         if width % self.panel:
             raise ValueError(f"gate and up of width {width} are not whole panels of {self.panel}")
-        rows, bias = self._operands(x, packed, 2 * width, bias)
-        self._check_blocks(blocks, 2 * width, x.shape[-1])
+        rows, bias = self._operands(x, packed, 2 * width, bias, blocks)
         out = torch.empty(rows.shape[0], width, dtype=torch.float32)
         if rows.shape[0]:
             self._linear_silu_mul(
-                rows.data_ptr(), rows.shape[0], rows.shape[1], packed.data_ptr(), _address(blocks), width,
-                None if bias is None else bias.data_ptr(), out.data_ptr(), torch.get_num_threads(),
+                rows.data_ptr(), rows.shape[0], rows.shape[1], packed.data_ptr(), pointer_or_none(blocks), width,
+                pointer_or_none(bias), out.data_ptr(), torch.get_num_threads(),
             )
         return out.view(*x.shape[:-1], width)
 
-    def _check_blocks(self, blocks: torch.Tensor | None, out_features: int, in_features: int) -> None:
+    def _operands(
+        self,
+        x: torch.Tensor,
+        packed: torch.Tensor,
+        out_features: int,
+        bias: torch.Tensor | None,
+        blocks: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """x's rows as a contiguous [rows, in] float32 matrix, and the bias and blocks checked."""
+        in_features = x.shape[-1]
+        if packed.numel() != self.packed_floats(out_features, in_features):
+            raise ValueError(f"x's rows of {in_features} do not fit the packed weight ({packed.numel()} floats)")
         if blocks is not None and (
             blocks.dtype != torch.uint8 or blocks.numel() != self._block_bytes(out_features, in_features)
         ):
             raise ValueError(f"the 4-bit blocks do not fit a weight of {out_features} x {in_features}")
-
-    def _operands(
-        self, x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """x's rows as a contiguous [rows, in] float32 matrix, and the bias checked."""
-        in_features = x.shape[-1]
-        if packed.numel() != self.packed_floats(out_features, in_features):
-            raise ValueError(f"x's rows of {in_features} do not fit the packed weight ({packed.numel()} floats)")
         rows = float32_cpu(x, KERNEL).reshape(-1, in_features).contiguous()
         if bias is not None:
             bias = float32_cpu(bias.detach(), KERNEL).contiguous()
             if bias.shape != (out_features,):
                 raise ValueError(f"bias {tuple(bias.shape)} does not fit {out_features} outputs")
         return rows, bias
-
-
-def _address(blocks: torch.Tensor | None) -> int | None:
-    return None if blocks is None else blocks.data_ptr()
 
 
 @functools.cache
