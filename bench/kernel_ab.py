@@ -73,11 +73,17 @@ class KernelSwitch:
         loaders = (load_panel_kernel, load_prefill_kernel, load_decode_kernel, load_layer_kernels, load_row_argmax)
         wrappers = [load() for load in loaders]
         self._functions: dict[str, list[tuple[Any, str, Any]]] = {side: [] for side in SIDES}
+        # This tree's functions the revision lacks (such as panel_amx_use, a switch, before the
+        # AMX path): both sides call this tree's.
+        self.missing: list[str] = []
         for wrapper in wrappers:
             for attribute, function in vars(wrapper).items():
                 if not isinstance(function, ctypes._CFuncPtr):
                     continue
-                twin = getattr(base, function.__name__)
+                twin = getattr(base, function.__name__, None)
+                if twin is None:
+                    self.missing.append(function.__name__)
+                    continue
                 twin.argtypes, twin.restype = function.argtypes, function.restype
                 self._functions["tree"].append((wrapper, attribute, function))
                 self._functions["base"].append((wrapper, attribute, twin))
@@ -110,8 +116,10 @@ def run(config: BenchConfig, revision: str, rounds: int, model_dir: Path | None)
                 step += 1
         if switch is not None:
             switch.use("tree")
+    lacks = switch.missing if switch is not None else []
+    missing = f" ({revision} lacks {', '.join(lacks)}: this tree's on both sides)" if lacks else ""
     lines = [
-        f"kernels of this tree against {revision}'s, {rounds} rounds alternating step by step",
+        f"kernels of this tree against {revision}'s, {rounds} rounds alternating step by step{missing}",
         "| steps | indices on both | base ms | tree ms | tree / base |",
         "|---|---:|---:|---:|---:|",
     ]

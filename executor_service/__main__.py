@@ -95,6 +95,13 @@ def parse_args(argv: list[str] | None, prog: str = "python -m executor_service")
         help="pack linear layers for oneDNN instead of the C panel kernel (CPU, float32, AVX-512)",
     )
     parser.add_argument(
+        "--no-amx",
+        dest="amx",
+        action="store_false",
+        help="multiply weights made of 4-bit blocks on the panel kernel's float path instead of AMX's "
+        "bf16 tiles (same accuracy; the float path's bits are the same on every AVX-512 CPU)",
+    )
+    parser.add_argument(
         "--no-greedy-screen",
         dest="greedy_screen",
         action="store_false",
@@ -160,6 +167,7 @@ def parse_args(argv: list[str] | None, prog: str = "python -m executor_service")
         packed_linear=args.packed_linear,
         greedy_screen=args.greedy_screen,
         panel_linear=args.panel_linear,
+        amx=args.amx,
         tls=tls,
         health_port=args.health_port,
         drain_timeout_s=args.drain_timeout,

@@ -40,6 +40,7 @@ SOURCES = tuple(
         "row_argmax.c",
         "greedy_screen.c",
         "panel_linear.c",
+        "panel_amx.c",
         "decode_layers.c",
     )
 )

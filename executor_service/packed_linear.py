@@ -110,7 +110,7 @@ def pack_linears(model: nn.Module, panels: PanelKernel | None = None) -> int:
         setattr(parent, name, replacement)
     blocked = sum(linear.blocks is not None for linear in packed.values())
     logger.info(
-        "event=linears_packed count=%d backend=%s four_bit_blocks=%d",
-        len(packed), "panels" if panels else "onednn", blocked,
+        "event=linears_packed count=%d backend=%s four_bit_blocks=%d amx=%s",
+        len(packed), "panels" if panels else "onednn", blocked, bool(panels and panels.amx),
     )
     return len(packed)

@@ -64,6 +64,9 @@ class ExecutorSettings:
     packed_linear: bool = True
     # Packed through the C panel kernel (panel_linear.py) where the CPU has AVX-512; oneDNN if not.
     panel_linear: bool = True
+    # Weights made of 4-bit blocks multiplied on AMX's bf16 tiles (panel_amx.c) where the CPU has
+    # them; off, the panel kernel's float path (its bits on every AVX-512 CPU).
+    amx: bool = True
     # Greedy rows' lm_head through the exact int8 screen (greedy_head.py), with packed linears.
     greedy_screen: bool = True
     # TLS (mutual with a client CA) on the executor API; None serves plaintext.

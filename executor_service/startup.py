@@ -49,14 +49,17 @@ def _layer_kernels() -> LayerKernels | None:
         return None
 
 
-def _panel_kernel() -> PanelKernel | None:
-    """The C panel linear kernel, or None (oneDNN) where it cannot be had, which an
-    event=panel_linear line says with the reason; event=linears_packed names the backend."""
+def _panel_kernel(amx: bool) -> PanelKernel | None:
+    """The C panel linear kernel, AMX on where wanted and available, or None (oneDNN) where it
+    cannot be had, which an event=panel_linear line says with the reason; event=linears_packed
+    names the backend and whether AMX is on."""
     try:
-        return load_panel_kernel()
+        panels = load_panel_kernel()
     except KernelUnavailable as error:
         logger.info("event=panel_linear enabled=false reason=%r", str(error))
         return None
+    panels.use_amx(amx)
+    return panels
 
 
 def _row_argmax(device: torch.device) -> RowArgmax | None:
@@ -87,7 +90,7 @@ def build_executor(settings: ExecutorSettings, device: str | None = None) -> Rea
     )
     # Packing replaces the linear layers, which under TP hold sharded weights and collectives.
     if settings.packed_linear and not parallel and packing_available(loaded.device, loaded.dtype):
-        panels = _panel_kernel() if settings.panel_linear else None
+        panels = _panel_kernel(settings.amx) if settings.panel_linear else None
         fuse_layers(loaded.model, _layer_kernels(), panels)
         head = screenable_head(loaded.model) if settings.greedy_screen else None
         pack_linears(loaded.model, panels)

@@ -40,7 +40,9 @@
    read the blocks and rebuild each K block of a panel group into an L1 buffer, in the panel
    layout, before its tiles run: the same floats, so the same bits, from under a fifth of the
    memory traffic (a decode step's GEMMs stream their weights from memory: SmolLM2's 30 layers
-   at 32 rows, weights flushed from the caches between layers, 33 -> 27 ms on two cores). */
+   at 32 rows, weights flushed from the caches between layers, 33 -> 27 ms on two cores).
+   Where AMX is on (panel_amx_use), every call with blocks, of any row count, multiplies them on
+   its tiles instead (panel_amx.c): float32 accuracy, not these bits. */
 
 #include <math.h>
 #include <stddef.h>
@@ -50,9 +52,9 @@
 #include <omp.h>
 
 #include "kernel_api.h"
+#include "panel_q4.h"
 #include "silu_mul.h"
 
-#define PANEL 16
 #define TILE_ROWS 8
 #define TILE_PANELS 3
 /* A tile's accumulators, as they are carried from one K block to the next. */
@@ -69,9 +71,8 @@
    weights in L2, and the prefetches only took cache from them (SmolLM2's 2,048-row linears
    were ~2-5 % slower with them). */
 #define PREFETCH_MAX_TILES 8
-/* Inputs per 4-bit block, and the most rows a call reads the blocks for: beyond, compute
-   outweighs the weights' traffic, and each row block would rebuild them again. */
-#define Q4_BLOCK 32
+/* The most rows a call reads the blocks for (without AMX): beyond, compute outweighs the
+   weights' traffic, and each row block would rebuild them again. */
 #define Q4_MAX_ROWS 64
 
 int64_t panel_linear_available(void) {
@@ -97,13 +98,6 @@ void panel_pack(const float *w, int64_t n, int64_t k, float *out) {
 
 #ifdef __AVX512F__
 #include <immintrin.h>
-
-/* A panel's 32 k of 4-bit blocks: each column's d and m, then q[k][column] two k to a byte (the
-   even k in the low nibble). */
-typedef struct {
-    float d[PANEL], m[PANEL];
-    uint8_t q[Q4_BLOCK / 2][PANEL];
-} Q4Block;
 
 int64_t panel_q4_bytes(int64_t n, int64_t k) {
     return (n + PANEL - 1) / PANEL * (k / Q4_BLOCK) * (int64_t)sizeof(Q4Block);
@@ -408,6 +402,8 @@ static const Q4Block *blocks_for(const void *blocks, int64_t m) { return m <= Q4
    into blocks, or blocks NULL), bias [n] or NULL, residual [m][n] or NULL (it may be y itself). */
 void panel_linear(const float *x, int64_t m, int64_t k, const float *packed, const void *blocks, int64_t n,
                   const float *bias, const float *residual, float *y, int threads) {
+    if (blocks != NULL && panel_amx_enabled() && !panel_amx_linear(x, m, k, blocks, n, 0, bias, residual, y, threads))
+        return;
     Job job = {x, packed, bias, residual, blocks_for(blocks, m), y, k, n, (n + PANEL - 1) / PANEL, 1};
     run_tiles(&job, plain_tile, m, threads);
 }
@@ -417,6 +413,8 @@ void panel_linear(const float *x, int64_t m, int64_t k, const float *packed, con
    NULL); width a multiple of 16, bias [2 * width] or NULL. */
 void panel_linear_silu_mul(const float *x, int64_t m, int64_t k, const float *packed, const void *blocks,
                            int64_t width, const float *bias, float *y, int threads) {
+    if (blocks != NULL && panel_amx_enabled() && !panel_amx_linear(x, m, k, blocks, width, 1, bias, NULL, y, threads))
+        return;
     Job job = {x, packed, bias, NULL, blocks_for(blocks, m), y, k, width, width / PANEL, 2};
     run_tiles(&job, gated_tile, m, threads);
 }

@@ -1,7 +1,8 @@
 """A fused Llama's pure decode steps run their layers as one C call (the decode program), whose
 logits and K/V writes are the Python layer loop's bit for bit; steps with prompt tokens keep the
 loop, and models off the C kernels have no program. Weights made of 4-bit blocks are read from
-them at decode sizes, with the float weights' bits."""
+them at decode sizes, with the float weights' bits (AMX off) or within float32 rounding of them
+(on AMX's tiles)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from executor_service import model_runner, startup
+from executor_service.cpu_kernels import cpu_flags
 from executor_service.decode_program import decode_program
 from executor_service.forward import compute_logits
 from executor_service.packed_linear import PackedLinear
@@ -122,16 +124,31 @@ def _four_bit(weight: torch.Tensor) -> torch.Tensor:
     return (step * levels + low).reshape(weight.shape)
 
 
-def test_four_bit_weights_give_the_float_weights_logits_and_kv(tmp_path: Path) -> None:
+@pytest.mark.parametrize("amx", [False, True], ids=["float-path", "amx"])
+def test_four_bit_weights_give_the_float_weights_logits_and_kv(tmp_path: Path, amx: bool) -> None:
     """A model dequantized from 4-bit blocks (as the default SmolLM2 copy is): its linears keep
     the blocks, decode steps read them (through the program and the loop alike), and every step's
-    logits and K/V are those of the same weights read as floats."""
-    load_or_skip(load_panel_kernel, "avx512f")
+    logits and K/V are those of the same weights read as floats: their bits on the float path,
+    within float32 rounding on AMX's tiles (which every call with blocks takes, prefill too)."""
+    panels = load_or_skip(load_panel_kernel, "avx512f")
+    if amx and not {"amx_bf16", "amx_tile"} <= cpu_flags():
+        pytest.skip("this CPU lacks AMX's bf16 tiles")
     model_dir = build_model("llama", tmp_path / "llama")
     path = model_dir / "model.safetensors"
     weights = load_file(path)
     save_file({name: _four_bit(t) if name.endswith("proj.weight") else t for name, t in weights.items()}, path)
-    with_blocks, as_floats = _runner(model_dir), _runner(model_dir)
+    try:
+        _compare_four_bit_with_floats(model_dir, amx)
+        assert panels.amx == amx
+    finally:
+        panels.use_amx(True)
+
+
+def _compare_four_bit_with_floats(model_dir: Path, amx: bool) -> None:
+    def same(got: torch.Tensor, expected: torch.Tensor) -> bool:
+        return torch.allclose(got, expected, rtol=1e-5, atol=1e-5) if amx else torch.equal(got, expected)
+
+    with_blocks, as_floats = _runner(model_dir, amx=amx), _runner(model_dir, amx=amx)
     linears = [m for m in as_floats.loaded.model.modules() if isinstance(m, PackedLinear)]
     assert sum(m.blocks is not None for m in linears) == len(linears) - 1  # all but the lm_head
     for linear in linears:
@@ -152,7 +169,7 @@ def test_four_bit_weights_give_the_float_weights_logits_and_kv(tmp_path: Path) -
                 assert not runner.execute(plan).rejected
     assert len(logits[id(with_blocks)]) == len(_plans())
     for got, expected in zip(logits[id(with_blocks)], logits[id(as_floats)], strict=True):
-        assert torch.equal(got, expected)
+        assert same(got, expected)
     for i in range(with_blocks.loaded.num_layers):
         for got, expected in zip(with_blocks.kv_cache.layer(i), as_floats.kv_cache.layer(i), strict=True):
-            assert torch.equal(got, expected)
+            assert same(got, expected)

@@ -1,12 +1,15 @@
 """4-bit affine blocks (panel_linear.py): a weight whose every 32 consecutive inputs of an output
 take values d q + m (q in 0..15), as a model dequantized from GGUF's Q4_1 holds, is kept a second
-time as those blocks, and calls of up to 64 rows read them. What must hold: every product has
+time as those blocks, and calls of up to 64 rows read them (AMX off; on, every call multiplies
+the blocks on its tiles: test_panel_amx.py). What must hold: every product has
 the bits of the plain float32 weight's (the blocks rebuild the same floats), for every shape,
 epilogue and row count on either side of the 64-row switch; a weight with a single value off its
 block's grid is refused, as is one whose inputs are not whole blocks; blocks of another weight
 are refused at the call."""
 
 from __future__ import annotations
+
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -22,8 +25,13 @@ BLOCK = 32
 
 
 @pytest.fixture(scope="module")
-def panels() -> PanelKernel:
-    return load_or_skip(load_panel_kernel, cpu_flag="avx512f")
+def panels() -> Iterator[PanelKernel]:
+    """The kernel with AMX off: on, the blocks multiply on its tiles, to float32 accuracy but not
+    to the float weights' bits (test_panel_amx.py)."""
+    kernel = load_or_skip(load_panel_kernel, cpu_flag="avx512f")
+    kernel.use_amx(False)
+    yield kernel
+    kernel.use_amx(True)
 
 
 def four_bit_weight(out_features: int, in_features: int, generator: torch.Generator) -> torch.Tensor:
