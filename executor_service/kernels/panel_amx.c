@@ -69,8 +69,9 @@ int64_t panel_amx_use(int64_t want) {
 
 int panel_amx_enabled(void) { return __atomic_load_n(&amx_on, __ATOMIC_ACQUIRE); }
 
-/* Every tile 16 rows of 64 bytes: the pieces and the levels (bf16 pairs) and the float32 sums. */
-static void configure_tiles(void) {
+/* Tiles of 64-byte rows: the levels' 16 (pairs of k), and `rows` (up to 16) of the pieces and of
+   the float32 products, fewer for a call of fewer rows, which then multiplies no zero rows. */
+static void configure_tiles(int rows) {
     struct {
         uint8_t palette, start_row, reserved[14];
         uint16_t bytes[16];
@@ -78,7 +79,7 @@ static void configure_tiles(void) {
     } config;
     memset(&config, 0, sizeof config);
     config.palette = 1;
-    for (int i = 0; i < 8; i++) config.bytes[i] = 64, config.rows[i] = TILE_ROWS;
+    for (int i = 0; i < 8; i++) config.bytes[i] = 64, config.rows[i] = (uint8_t)(i >= 6 ? TILE_ROWS : rows);
     _tile_loadconfig(&config);
 }
 
@@ -154,14 +155,14 @@ static void pair_blocks(const AmxJob *job, int64_t p, const Q4Block *blocks[2]) 
 }
 
 /* A block's four (or two) float32 tiles, [row tile * 2 + panel][16][16], scaled by d and
-   added to acc with m times the rows' sums. */
-static inline void add_block(const float products[4][TILE_ROWS][PANEL], int tiles, const Q4Block *blocks[2],
+   added to acc with m times the rows' sums, for the first `rows` rows of the two row tiles. */
+static inline void add_block(const float products[4][TILE_ROWS][PANEL], int tiles, int rows, const Q4Block *blocks[2],
                              int64_t b, const float *sums, int64_t per_panel, float acc[2 * TILE_ROWS][2 * PANEL]) {
     for (int t = 0; t < tiles; t++) {
         const int row_tile = t / 2, panel = t % 2;
         if (blocks[panel] == NULL) continue;
         const __m512 d = _mm512_loadu_ps(blocks[panel][b].d), m = _mm512_loadu_ps(blocks[panel][b].m);
-        for (int r = 0; r < TILE_ROWS; r++) {
+        for (int r = 0; r < TILE_ROWS && row_tile * TILE_ROWS + r < rows; r++) {
             float *out = acc[row_tile * TILE_ROWS + r] + panel * PANEL;
             const __m512 before = b > 0 ? _mm512_load_ps(out) : _mm512_setzero_ps();
             const __m512 shifted = _mm512_fmadd_ps(_mm512_set1_ps(sums[(row_tile * TILE_ROWS + r) * per_panel + b]), m,
@@ -172,14 +173,20 @@ static inline void add_block(const float products[4][TILE_ROWS][PANEL], int tile
 }
 
 /* Row tiles `tile` and, when `both`, the next, times a pair's panels over all of K, into acc
-   [32 rows][2 panels' columns]. */
-static void multiply_tiles(const uint16_t *pieces, const float *sums, int64_t tile, int both, const uint16_t *levels,
-                           const Q4Block *blocks[2], int64_t per_panel, float acc[2 * TILE_ROWS][2 * PANEL]) {
+   [32 rows][2 panels' columns], its first `rows` rows. With each block it asks memory for the
+   same block of `next` (the next pair's panels, NULL for none). */
+static void multiply_tiles(const uint16_t *pieces, const float *sums, int64_t tile, int both, int rows,
+                           const uint16_t *levels,
+                           const Q4Block *blocks[2], const Q4Block *const next[2], int64_t per_panel,
+                           float acc[2 * TILE_ROWS][2 * PANEL]) {
     float products[4][TILE_ROWS][PANEL] __attribute__((aligned(64)));
     const uint16_t *first = pieces + tile * per_panel * PIECES * TILE_VALUES;
     const uint16_t *second = first + per_panel * PIECES * TILE_VALUES;
     sums += tile * TILE_ROWS * per_panel;
     for (int64_t b = 0; b < per_panel; b++) {
+        for (int j = 0; j < 2; j++)
+            for (size_t line = 0; next[j] != NULL && line < sizeof(Q4Block); line += 64)
+                _mm_prefetch((const char *)&next[j][b] + line, _MM_HINT_T0);
         _tile_loadd(6, levels + b * TILE_VALUES, 64);
         _tile_loadd(7, levels + (per_panel + b) * TILE_VALUES, 64);
         _tile_zero(0);
@@ -204,7 +211,7 @@ static void multiply_tiles(const uint16_t *pieces, const float *sums, int64_t ti
             _tile_stored(2, products[2], 64);
             _tile_stored(3, products[3], 64);
         }
-        add_block((const float(*)[TILE_ROWS][PANEL])products, both ? 4 : 2, blocks, b, sums, per_panel, acc);
+        add_block((const float(*)[TILE_ROWS][PANEL])products, both ? 4 : 2, rows, blocks, b, sums, per_panel, acc);
     }
 }
 
@@ -245,15 +252,19 @@ static void multiply_pairs(const AmxJob *job, int64_t p0, int64_t p1, int64_t ro
                            const uint16_t *pieces, const float *sums, uint16_t *levels) {
     float acc[2 * TILE_ROWS][2 * PANEL] __attribute__((aligned(64)));
     const int64_t per_panel = job->k / Q4_BLOCK, tiles = (rows + TILE_ROWS - 1) / TILE_ROWS;
+    const Q4Block *none[2] = {NULL, NULL};
     for (int64_t p = p0; p < p1; p++) {
-        const Q4Block *blocks[2];
+        const Q4Block *blocks[2], *next[2] = {NULL, NULL};
         pair_blocks(job, p, blocks);
+        if (p + 1 < p1) pair_blocks(job, p + 1, next);
         expand_levels(blocks[0], per_panel, levels);
         expand_levels(blocks[1], per_panel, levels + per_panel * TILE_VALUES);
         for (int64_t t = 0; t < tiles; t += 2) {
-            multiply_tiles(pieces, sums, t, t + 1 < tiles, levels, blocks, per_panel, acc);
-            const int64_t left = rows - t * TILE_ROWS;
-            store_rows(job, p, blocks, row + t * TILE_ROWS, left < 2 * TILE_ROWS ? left : 2 * TILE_ROWS, acc);
+            const int left = (int)(rows - t * TILE_ROWS < 2 * TILE_ROWS ? rows - t * TILE_ROWS : 2 * TILE_ROWS);
+            /* The first row tiles fetch the next pair's blocks, while the weights stream. */
+            multiply_tiles(pieces, sums, t, t + 1 < tiles, left, levels, blocks, t == 0 ? next : none, per_panel,
+                           acc);
+            store_rows(job, p, blocks, row + t * TILE_ROWS, left, acc);
         }
     }
 }
@@ -283,7 +294,7 @@ int panel_amx_linear(const float *x, int64_t m, int64_t k, const Q4Block *blocks
         /* Nothing is written unless every thread has its buffers: y may be the residual. */
 #pragma omp barrier
         if (!__atomic_load_n(&missing, __ATOMIC_RELAXED)) {
-            configure_tiles();
+            configure_tiles(m < TILE_ROWS ? (int)m : TILE_ROWS);
             for (int64_t b = shared ? 0 : thread; b < count; b += shared ? 1 : team) {
                 const int64_t row = b * block_rows, rows = m - row < block_rows ? m - row : block_rows;
                 split_rows(x + row * k, rows, round_up(rows, TILE_ROWS), k, pieces, sums);
