@@ -139,8 +139,8 @@ static void expand_levels(const Q4Block *blocks, int64_t count, uint16_t *out) {
         }
 }
 
-/* One call's operands; `pairs` pairs of panels, `halves` the panels apart the second of a pair
-   is when gated. */
+/* One call's operands: `panels` panels in the weight, taken `pairs` pairs at a time (two
+   neighbours, or when `gated` a gate panel and its up panel, n / 16 panels further on). */
 typedef struct {
     const float *x, *bias, *residual;
     const Q4Block *blocks;
@@ -149,8 +149,7 @@ typedef struct {
     int gated;
 } AmxJob;
 
-/* The two panels of pair p (the second NULL where an odd panel count leaves none), and the
-   output column of its first. */
+/* The blocks of pair p's two panels (the second NULL where an odd panel count leaves none). */
 static void pair_blocks(const AmxJob *job, int64_t p, const Q4Block *blocks[2]) {
     const int64_t per_panel = job->k / Q4_BLOCK;
     const int64_t first = job->gated ? p : 2 * p, second = job->gated ? p + job->n / PANEL : 2 * p + 1;
