@@ -286,32 +286,32 @@ int panel_amx_linear(const float *x, int64_t m, int64_t k, const Q4Block *blocks
     if (!shared) count = round_up(count, threads);
     const int64_t block_rows = round_up((m + count - 1) / count, TILE_ROWS);
     count = (m + block_rows - 1) / block_rows;
-    int missing = 0;
+    /* Each thread's buffers, cut from one allocation made before any thread starts: nothing is
+       written unless all of them could be had (y may be the residual). */
+    const size_t piece_bytes = sizeof(uint16_t) * (size_t)(block_rows * k * PIECES);
+    const size_t level_bytes = sizeof(uint16_t) * (size_t)(2 * per_panel * TILE_VALUES);
+    const size_t sum_bytes = (size_t)round_up((int64_t)sizeof(float) * block_rows * per_panel, 64);
+    const size_t per_thread = piece_bytes + level_bytes + sum_bytes;
+    char *scratch = aligned_alloc(64, per_thread * (size_t)threads);
+    if (scratch == NULL) return 1;
 #pragma omp parallel num_threads(threads)
     {
         const int64_t thread = omp_get_thread_num(), team = omp_get_num_threads();
-        uint16_t *pieces = aligned_alloc(64, sizeof(uint16_t) * (size_t)(block_rows * k * PIECES));
-        uint16_t *levels = aligned_alloc(64, sizeof(uint16_t) * (size_t)(2 * per_panel * TILE_VALUES));
-        float *sums = malloc(sizeof(float) * (size_t)(block_rows * per_panel));
-        if (pieces == NULL || levels == NULL || sums == NULL) __atomic_store_n(&missing, 1, __ATOMIC_RELAXED);
-        /* Nothing is written unless every thread has its buffers: y may be the residual. */
-#pragma omp barrier
-        if (!__atomic_load_n(&missing, __ATOMIC_RELAXED)) {
-            configure_tiles(m < TILE_ROWS ? (int)m : TILE_ROWS);
-            for (int64_t b = shared ? 0 : thread; b < count; b += shared ? 1 : team) {
-                const int64_t row = b * block_rows, rows = m - row < block_rows ? m - row : block_rows;
-                split_rows(x + row * k, rows, round_up(rows, TILE_ROWS), k, pieces, sums);
-                const int64_t p0 = shared ? job.pairs * thread / team : 0;
-                const int64_t p1 = shared ? job.pairs * (thread + 1) / team : job.pairs;
-                multiply_pairs(&job, p0, p1, row, rows, pieces, sums, levels);
-            }
-            _tile_release();
+        char *own = scratch + per_thread * (size_t)thread;
+        uint16_t *pieces = (uint16_t *)own, *levels = (uint16_t *)(own + piece_bytes);
+        float *sums = (float *)(own + piece_bytes + level_bytes);
+        configure_tiles(m < TILE_ROWS ? (int)m : TILE_ROWS);
+        for (int64_t b = shared ? 0 : thread; b < count; b += shared ? 1 : team) {
+            const int64_t row = b * block_rows, rows = m - row < block_rows ? m - row : block_rows;
+            split_rows(x + row * k, rows, round_up(rows, TILE_ROWS), k, pieces, sums);
+            const int64_t p0 = shared ? job.pairs * thread / team : 0;
+            const int64_t p1 = shared ? job.pairs * (thread + 1) / team : job.pairs;
+            multiply_pairs(&job, p0, p1, row, rows, pieces, sums, levels);
         }
-        free(pieces);
-        free(levels);
-        free(sums);
+        _tile_release();
     }
-    return missing;
+    free(scratch);
+    return 0;
 }
 #else
 int64_t panel_amx_use(int64_t want) {
