@@ -60,6 +60,14 @@
 /* Calls of up to this many rows split every row in every thread and share out the pairs. */
 #define SHARED_ROWS 64
 
+/* The bf16 bits of the levels 0..15, twice: the 32 words a vpermw looks a 5-bit index up in. */
+static const uint16_t LEVELS_BF16[32] = {
+    0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0,
+    0x4100, 0x4110, 0x4120, 0x4130, 0x4140, 0x4150, 0x4160, 0x4170,
+    0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0,
+    0x4100, 0x4110, 0x4120, 0x4130, 0x4140, 0x4150, 0x4160, 0x4170,
+};
+
 /* Whether the tiles are granted and wanted: one flag for the process, as the kernel's grant of
    the tiles' state is the process's. Set by panel_amx_use, read by every call. */
 static int amx_on;
@@ -120,14 +128,7 @@ static void expand_levels(const Q4Block *blocks, int64_t count, uint16_t *out) {
         memset(out, 0, sizeof(uint16_t) * (size_t)(count * TILE_VALUES));
         return;
     }
-    uint16_t bf16[32];
-    for (int j = 0; j < 32; j++) {
-        const float level = (float)(j % 16);
-        uint32_t bits;
-        memcpy(&bits, &level, sizeof bits);
-        bf16[j] = (uint16_t)(bits >> 16);
-    }
-    const __m512i table = _mm512_loadu_si512(bf16);
+    const __m512i table = _mm512_loadu_si512(LEVELS_BF16);
     const __m512i low = _mm512_set1_epi32(0x0F), high = _mm512_set1_epi32(0xF0);
     for (int64_t b = 0; b < count; b++)
         for (int i = 0; i < Q4_BLOCK / 2; i++) {
