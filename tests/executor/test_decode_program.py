@@ -14,14 +14,13 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from executor_service import model_runner, startup
-from executor_service.cpu_kernels import cpu_flags
 from executor_service.decode_program import decode_program
 from executor_service.forward import compute_logits
 from executor_service.packed_linear import PackedLinear
 from executor_service.panel_linear import load_panel_kernel
 from executor_service.settings import ExecutorSettings
 from protos.splitserve.executor.v1 import executor_pb2 as pb
-from tests.helpers.c_kernels import load_or_skip
+from tests.helpers.c_kernels import load_or_skip, skip_without_amx
 from tests.helpers.model_factory import build_model
 
 
@@ -131,8 +130,8 @@ def test_four_bit_weights_give_the_float_weights_logits_and_kv(tmp_path: Path, a
     logits and K/V are those of the same weights read as floats: their bits on the float path,
     within float32 rounding on AMX's tiles (which every call with blocks takes, prefill too)."""
     panels = load_or_skip(load_panel_kernel, "avx512f")
-    if amx and not {"amx_bf16", "amx_tile"} <= cpu_flags():
-        pytest.skip("this CPU lacks AMX's bf16 tiles")
+    if amx:
+        skip_without_amx()
     model_dir = build_model("llama", tmp_path / "llama")
     path = model_dir / "model.safetensors"
     weights = load_file(path)

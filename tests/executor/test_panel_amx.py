@@ -15,21 +15,24 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from executor_service.__main__ import parse_args
-from executor_service.cpu_kernels import cpu_flags
 from executor_service.layer_kernels import load_layer_kernels
 from executor_service.panel_linear import PanelKernel, load_panel_kernel
 from executor_service.settings import ExecutorSettings
 from executor_service.startup import build_executor
-from tests.executor.test_panel_blocks import BLOCK, four_bit_weight
-from tests.helpers.c_kernels import load_or_skip
+from tests.executor.test_panel_blocks import (
+    BLOCK,
+    GATED_WIDTH,
+    four_bit_weight,
+    gated_case,
+)
+from tests.helpers.c_kernels import load_or_skip, skip_without_amx
 from tests.helpers.model_factory import build_model
 
 
 @pytest.fixture(scope="module")
 def panels() -> Iterator[PanelKernel]:
     kernel = load_or_skip(load_panel_kernel, cpu_flag="avx512f")
-    if not {"amx_bf16", "amx_tile"} <= cpu_flags():
-        pytest.skip("this CPU lacks AMX's bf16 tiles")
+    skip_without_amx()
     if not kernel.use_amx(True):
         pytest.fail("the CPU has AMX, but the kernel could not turn it on (compiler without AMX, or the OS refused)")
     yield kernel
@@ -125,18 +128,13 @@ def test_a_rows_bits_do_not_depend_on_the_rows_beside_it_or_the_thread_count(pan
 def test_the_epilogues_give_the_bits_of_the_separate_operations(
     panels: PanelKernel, rows: int, blocks: int, seed: int
 ) -> None:
-    generator = torch.Generator().manual_seed(seed)
-    width, in_features = 48, blocks * BLOCK
-    weight = four_bit_weight(2 * width, in_features, generator)
-    packed, four_bit = panels.pack(weight), panels.pack_blocks(weight)
-    x = torch.randn(rows, in_features, generator=generator)
-    bias = torch.randn(2 * width, generator=generator)
-    product = panels.linear(x, packed, 2 * width, bias, blocks=four_bit)
-    gated = panels.linear_silu_mul(x, packed, width, bias, four_bit)
+    x, packed, four_bit, bias, generator = gated_case(panels, rows, blocks, seed)
+    product = panels.linear(x, packed, 2 * GATED_WIDTH, bias, blocks=four_bit)
+    gated = panels.linear_silu_mul(x, packed, GATED_WIDTH, bias, four_bit)
     assert torch.equal(gated, load_or_skip(load_layer_kernels).silu_mul(product))
-    residual = torch.randn(rows, 2 * width, generator=generator)
+    residual = torch.randn(rows, 2 * GATED_WIDTH, generator=generator)
     expected = residual + product
-    got = panels.linear(x, packed, 2 * width, bias, residual, four_bit)
+    got = panels.linear(x, packed, 2 * GATED_WIDTH, bias, residual, four_bit)
     assert got.data_ptr() == residual.data_ptr() and torch.equal(residual, expected)
 
 

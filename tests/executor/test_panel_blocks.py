@@ -47,6 +47,25 @@ def four_bit_weight(out_features: int, in_features: int, generator: torch.Genera
     return (step * levels + low).reshape(out_features, in_features)
 
 
+# Width of each half of the joined [gate; up] weights the gated cases multiply by.
+GATED_WIDTH = 48
+
+
+def gated_case(
+    panels: PanelKernel, rows: int, blocks: int, seed: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Generator]:
+    """x [rows, blocks * 32], a joined [gate; up] weight of 4-bit blocks packed both ways
+    (GATED_WIDTH outputs a half), its bias, and the generator, seeded, for more operands."""
+    generator = torch.Generator().manual_seed(seed)
+    in_features = blocks * BLOCK
+    weight = four_bit_weight(2 * GATED_WIDTH, in_features, generator)
+    packed, four_bit = panels.pack(weight), panels.pack_blocks(weight)
+    assert four_bit is not None
+    x = torch.randn(rows, in_features, generator=generator)
+    bias = torch.randn(2 * GATED_WIDTH, generator=generator)
+    return x, packed, four_bit, bias, generator
+
+
 @settings(max_examples=40, deadline=None)
 @given(
     rows=st.sampled_from([1, 3, 8, 31, 32, 64, 65, 130]),
@@ -77,14 +96,9 @@ def test_products_from_the_blocks_have_the_float_weights_bits(
 def test_the_gated_epilogue_from_the_blocks_has_the_float_weights_bits(
     panels: PanelKernel, rows: int, blocks: int, seed: int
 ) -> None:
-    generator = torch.Generator().manual_seed(seed)
-    width, in_features = 48, blocks * BLOCK
-    weight = four_bit_weight(2 * width, in_features, generator)
-    packed, four_bit = panels.pack(weight), panels.pack_blocks(weight)
-    x = torch.randn(rows, in_features, generator=generator)
-    bias = torch.randn(2 * width, generator=generator)
-    expected = panels.linear_silu_mul(x, packed, width, bias)
-    assert torch.equal(panels.linear_silu_mul(x, packed, width, bias, four_bit), expected)
+    x, packed, four_bit, bias, _ = gated_case(panels, rows, blocks, seed)
+    expected = panels.linear_silu_mul(x, packed, GATED_WIDTH, bias)
+    assert torch.equal(panels.linear_silu_mul(x, packed, GATED_WIDTH, bias, four_bit), expected)
 
 
 def test_weights_not_made_of_blocks_are_refused(panels: PanelKernel) -> None:

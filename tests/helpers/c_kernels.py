@@ -28,3 +28,9 @@ def load_or_skip(load: Callable[[], T], cpu_flag: str | None = None) -> T:
         return load()
     except KernelUnavailable as error:
         pytest.fail(f"the kernel could be built here, but: {error}")
+
+
+def skip_without_amx() -> None:
+    """A skip where the CPU lacks AMX's bf16 tiles, which the panel kernel's AMX path needs."""
+    if not {"amx_bf16", "amx_tile"} <= cpu_flags():
+        pytest.skip("this CPU lacks AMX's bf16 tiles")
