@@ -36,12 +36,14 @@ per block: dequantized from GGUF's Q4_1, as the default SmolLM2 copy is) is also
 4-bit blocks, ~0.75 bytes a weight, verified value by value when packed (pack_blocks). Calls of up
 to 64 rows read them and rebuild the floats in L1: the same bits from under a fifth of the memory
 traffic, where a decode step's GEMMs stream every weight from memory (kernels/panel_linear.c).
-On CPUs with AMX (use_amx, on by default) every call with blocks multiplies them on its bf16 tiles
-instead (kernels/panel_amx.c): x split exactly into three bf16 pieces, the levels exact in bf16,
-so every product is exact and only float32 additions round. Not the float path's bits, but at
-least as close to the exact product; a row's bits still do not depend on the rows beside it or
-the thread count. SmolLM2's layer shapes on two Sapphire Rapids-class cores: ~1.2-1.7x the float
-path at 32 rows, ~1.4-1.9x at 512.
+On CPUs with AMX (use_amx, on by default) every call multiplies on its bf16 tiles instead
+(kernels/panel_amx.c), x split exactly into three bf16 pieces. With blocks, the levels are exact
+in bf16, so every product is exact and only float32 additions round; float32 weights (K a whole
+number of 32s) are split into three pieces too, and the six largest of the nine products kept.
+Not the float path's bits, but at least as close to the exact product; a row's bits still do not
+depend on the rows beside it or the thread count. SmolLM2's layer shapes on two Sapphire
+Rapids-class cores: ~1.2-1.7x the float path at 32 rows, ~1.4-1.9x at 512; random Llama's float32
+layers ~1.5x at 512-2,048 rows (prefill), even at 32, but ~1.5x slower at 1-8 rows.
 
 It needs AVX-512F; elsewhere PackedLinear keeps oneDNN.
 """
@@ -90,7 +92,7 @@ class PanelKernel:
             None,
         )
         self._amx_use = declare(library.panel_amx_use, [size], size)
-        # Whether calls with 4-bit blocks multiply on AMX's tiles (kernels/panel_amx.c).
+        # Whether calls multiply on AMX's tiles (kernels/panel_amx.c).
         self.amx = bool(self._amx_use(1))
 
     def use_amx(self, want: bool) -> bool:

@@ -21,6 +21,10 @@ typedef struct {
  * when its scratch memory could not be had (y is then not written). */
 int panel_amx_linear(const float *x, int64_t m, int64_t k, const Q4Block *blocks, int64_t n, int gated,
                      const float *bias, const float *residual, float *y, int threads);
+/* The same for W given as float32 panels (panel_linear.c's layout), K a whole number of 32s;
+ * returns 1 also when it is not. */
+int panel_amx_float_linear(const float *x, int64_t m, int64_t k, const float *packed, int64_t n, int gated,
+                           const float *bias, const float *residual, float *y, int threads);
 /* Whether panel_amx_linear may be called: AMX compiled in, granted by the kernel and wanted. */
 int panel_amx_enabled(void);
 #endif

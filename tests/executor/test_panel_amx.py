@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from executor_service.__main__ import parse_args
 from executor_service.layer_kernels import load_layer_kernels
-from executor_service.panel_linear import PanelKernel, load_panel_kernel
+from executor_service.panel_linear import PanelKernel
 from executor_service.settings import ExecutorSettings
 from executor_service.startup import build_executor
 from tests.executor.test_panel_blocks import (
@@ -25,18 +25,23 @@ from tests.executor.test_panel_blocks import (
     four_bit_weight,
     gated_case,
 )
-from tests.helpers.c_kernels import load_or_skip, skip_without_amx
+from tests.helpers.c_kernels import load_or_skip, panels_with_amx
 from tests.helpers.model_factory import build_model
+
+# The bound tests' cases: row counts either side of a tile (16), of the two a pass takes (32) and
+# of the most that split every row in every thread (64); K of 1-50 blocks of 32; ragged panels.
+BOUND_CASES = given(
+    rows=st.sampled_from([1, 2, 15, 16, 17, 31, 32, 33, 64, 65, 100, 300]),
+    blocks=st.integers(1, 50),
+    out_features=st.integers(1, 70),
+    with_bias=st.booleans(),
+    seed=st.integers(0, 2**31),
+)
 
 
 @pytest.fixture(scope="module")
 def panels() -> Iterator[PanelKernel]:
-    kernel = load_or_skip(load_panel_kernel, cpu_flag="avx512f")
-    skip_without_amx()
-    if not kernel.use_amx(True):
-        pytest.fail("the CPU has AMX, but the kernel could not turn it on (compiler without AMX, or the OS refused)")
-    yield kernel
-    kernel.use_amx(True)
+    yield from panels_with_amx()
 
 
 def block_magnitude(weight: torch.Tensor) -> torch.Tensor:
@@ -55,13 +60,7 @@ def exact_and_error(
 
 
 @settings(max_examples=60, deadline=None)
-@given(
-    rows=st.sampled_from([1, 2, 15, 16, 17, 31, 32, 33, 64, 65, 100, 300]),
-    blocks=st.integers(1, 50),
-    out_features=st.integers(1, 70),
-    with_bias=st.booleans(),
-    seed=st.integers(0, 2**31),
-)
+@BOUND_CASES
 def test_products_are_within_float32_rounding_of_exact(
     panels: PanelKernel, rows: int, blocks: int, out_features: int, with_bias: bool, seed: int
 ) -> None:

@@ -18,20 +18,15 @@ from hypothesis import strategies as st
 from torch import nn
 
 from executor_service.packed_linear import PackedLinear
-from executor_service.panel_linear import PanelKernel, load_panel_kernel
-from tests.helpers.c_kernels import load_or_skip
+from executor_service.panel_linear import PanelKernel
+from tests.helpers.c_kernels import panels_without_amx
 
 BLOCK = 32
 
 
 @pytest.fixture(scope="module")
 def panels() -> Iterator[PanelKernel]:
-    """The kernel with AMX off: on, the blocks multiply on its tiles, to float32 accuracy but not
-    to the float weights' bits (test_panel_amx.py)."""
-    kernel = load_or_skip(load_panel_kernel, cpu_flag="avx512f")
-    kernel.use_amx(False)
-    yield kernel
-    kernel.use_amx(True)
+    yield from panels_without_amx()
 
 
 def four_bit_weight(out_features: int, in_features: int, generator: torch.Generator) -> torch.Tensor:

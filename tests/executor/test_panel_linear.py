@@ -1,5 +1,6 @@
-"""The panel kernel computes x W^T + b to float32 rounding for every shape (ragged panels and
-tiles, row blocks, empty inputs), gives each row the same bits whatever rows share its call and
+"""The panel kernel's float path (AMX off; test_panel_amx_floats.py has the tiles) computes
+x W^T + b to float32 rounding for every shape (ragged panels and tiles, row blocks, empty
+inputs), gives each row the same bits whatever rows share its call and
 however many threads run it, refuses inputs it cannot take, and is what an executor packs for.
 Its two epilogues (a residual added in place; SiLU(gate) * up of a joined gate-and-up weight)
 give the bits of the separate operations.
@@ -8,6 +9,7 @@ executor parity test runs on it where the CPU has AVX-512."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -17,16 +19,16 @@ from hypothesis import strategies as st
 
 from executor_service.layer_kernels import load_layer_kernels
 from executor_service.packed_linear import PackedLinear
-from executor_service.panel_linear import PanelKernel, load_panel_kernel
+from executor_service.panel_linear import PanelKernel
 from executor_service.settings import ExecutorSettings
 from executor_service.startup import build_executor
-from tests.helpers.c_kernels import load_or_skip
+from tests.helpers.c_kernels import load_or_skip, panels_without_amx
 from tests.helpers.model_factory import build_model
 
 
 @pytest.fixture(scope="module")
-def panels() -> PanelKernel:
-    return load_or_skip(load_panel_kernel, cpu_flag="avx512f")
+def panels() -> Iterator[PanelKernel]:
+    yield from panels_without_amx()
 
 
 def assert_within_rounding(got: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:

@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import os
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TypeVar
 
 import pytest
 
 from executor_service.cpu_kernels import KernelUnavailable, cpu_flags
+from executor_service.panel_linear import PanelKernel, load_panel_kernel
 
 T = TypeVar("T")
 
@@ -34,3 +35,28 @@ def skip_without_amx() -> None:
     """A skip where the CPU lacks AMX's bf16 tiles, which the panel kernel's AMX path needs."""
     if not {"amx_bf16", "amx_tile"} <= cpu_flags():
         pytest.skip("this CPU lacks AMX's bf16 tiles")
+
+
+def panels_without_amx() -> Iterator[PanelKernel]:
+    """The panel kernel with AMX off until the generator is closed, for a fixture to yield: on,
+    every call multiplies on AMX's tiles, to float32 accuracy but not the float path's bits
+    (test_panel_amx.py, test_panel_amx_floats.py)."""
+    kernel = load_or_skip(load_panel_kernel, cpu_flag="avx512f")
+    kernel.use_amx(False)
+    try:
+        yield kernel
+    finally:
+        kernel.use_amx(True)
+
+
+def panels_with_amx() -> Iterator[PanelKernel]:
+    """The panel kernel with AMX on, for a fixture to yield; skipped only on CPUs without AMX, and
+    a CPU with it whose kernel does not turn it on fails."""
+    kernel = load_or_skip(load_panel_kernel, cpu_flag="avx512f")
+    skip_without_amx()
+    if not kernel.use_amx(True):
+        pytest.fail("the CPU has AMX, but the kernel could not turn it on (compiler without AMX, or the OS refused)")
+    try:
+        yield kernel
+    finally:
+        kernel.use_amx(True)
