@@ -1,6 +1,7 @@
 """The least time any float32 system can take for a peer-comparison workload on this machine, and
-so the most output tokens/s it can reach: the workload's arithmetic at the machine's measured
-GEMM rate, with decode attention at the larger of its arithmetic time and the time to read every
+so the most output tokens/s it can reach: the workload's arithmetic at the machine's fastest
+measured float32-accurate GEMM rate (oneDNN's, or the panel kernel's, on AMX where there is
+one), with decode attention at the larger of its arithmetic time and the time to read every
 sequence's K/V once per step at the measured memory bandwidth.
 
     python -m bench.workload_floor [--models random-llama,DIR] [--workloads fixed,varied]
@@ -27,7 +28,9 @@ import torch
 
 from bench.compare_models import FP32_BYTES, RANDOM_LLAMA, RandomLlamaDims
 from bench.compare_workloads import WorkloadSizes, build_workload
+from executor_service.cpu_kernels import KernelUnavailable
 from executor_service.packed_linear import PackedLinear
+from executor_service.panel_linear import load_panel_kernel
 
 
 @dataclass(slots=True, frozen=True)
@@ -98,11 +101,30 @@ def workload_floor(dims: Dims, prompts: list[int], new_tokens: list[int]) -> Flo
 
 
 def measure_peak_flops(seconds: float = 1.0) -> float:
-    """float32 GEMM rate through oneDNN's packed path, at a prefill MLP's shape."""
-    packed = PackedLinear(torch.nn.Linear(512, 2816, bias=False))
+    """The fastest float32-accurate GEMM rate here, at a prefill MLP's shape: oneDNN's packed
+    sgemm, and where the CPU has AVX-512 the panel kernel (on AMX's tiles where it has those)
+    for float32 weights and for weights made of 4-bit blocks, which it multiplies faster still."""
     rows = torch.randn(2048, 512)
-    flops = 2 * rows.shape[0] * packed.in_features * packed.out_features
-    return flops * _repeat(lambda: packed(rows), seconds)
+    candidates = [PackedLinear(torch.nn.Linear(512, 2816, bias=False))]
+    try:
+        panels = load_panel_kernel()
+    except KernelUnavailable:
+        panels = None
+    if panels is not None:
+        candidates.append(PackedLinear(torch.nn.Linear(512, 2816, bias=False), panels))
+        candidates.append(PackedLinear(four_bit_linear(512, 2816), panels))
+    flops = 2 * rows.shape[0] * 512 * 2816
+    return max(flops * _repeat(lambda: linear(rows), seconds) for linear in candidates)
+
+
+def four_bit_linear(in_features: int, out_features: int) -> torch.nn.Linear:
+    """A linear layer whose every block of 32 inputs takes levels (q - 8) d, q in 0..15 reached
+    at both ends, d a power of two: exactly what a Q4_1 copy dequantizes to."""
+    levels = torch.randint(0, 16, (out_features, in_features))
+    levels[:, 0::32], levels[:, 1::32] = 0, 15
+    linear = torch.nn.Linear(in_features, out_features, bias=False)
+    linear.weight.data = (levels - 8).float() * 2.0**-6
+    return linear
 
 
 def measure_bandwidth(seconds: float = 1.0) -> float:

@@ -7,7 +7,10 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from bench.compare_models import RANDOM_LLAMA
-from bench.workload_floor import Dims, model_dims, workload_floor
+from bench.workload_floor import Dims, four_bit_linear, model_dims, workload_floor
+from executor_service.packed_linear import PackedLinear
+from executor_service.panel_linear import load_panel_kernel
+from tests.helpers.c_kernels import load_or_skip
 
 
 def test_a_tokens_linear_flops_are_twice_the_models_linear_weights() -> None:
@@ -41,3 +44,9 @@ def test_a_small_workload_counted_by_hand() -> None:
     assert compute_bound == floor.gemm_flops + floor.prefill_attention_flops + floor.decode_attention_flops
     memory_bound = floor.seconds(peak_flops=1e9, bandwidth=1.0)
     assert memory_bound == floor.decode_kv_bytes + (floor.gemm_flops + floor.prefill_attention_flops) / 1e9
+
+
+def test_the_four_bit_rate_is_measured_on_weights_the_panel_kernel_keeps_as_blocks() -> None:
+    """Else the floor's fastest GEMM would quietly be the float path's again."""
+    panels = load_or_skip(load_panel_kernel, cpu_flag="avx512f")
+    assert PackedLinear(four_bit_linear(512, 96), panels).blocks is not None
