@@ -104,17 +104,17 @@ def measure_peak_flops(seconds: float = 1.0) -> float:
     """The fastest float32-accurate GEMM rate here, at a prefill MLP's shape: oneDNN's packed
     sgemm, and where the CPU has AVX-512 the panel kernel (on AMX's tiles where it has those)
     for float32 weights and for weights made of 4-bit blocks, which it multiplies faster still."""
-    rows = torch.randn(2048, 512)
-    candidates = [PackedLinear(torch.nn.Linear(512, 2816, bias=False))]
+    linear = torch.nn.Linear(512, 2816, bias=False)
+    rows = torch.randn(2048, linear.in_features)
+    candidates = [PackedLinear(linear)]
     try:
         panels = load_panel_kernel()
     except KernelUnavailable:
         panels = None
     if panels is not None:
-        candidates.append(PackedLinear(torch.nn.Linear(512, 2816, bias=False), panels))
-        candidates.append(PackedLinear(four_bit_linear(512, 2816), panels))
-    flops = 2 * rows.shape[0] * 512 * 2816
-    return max(flops * _repeat(lambda: linear(rows), seconds) for linear in candidates)
+        candidates += [PackedLinear(linear, panels), PackedLinear(four_bit_linear(512, 2816), panels)]
+    flops = 2 * rows.shape[0] * linear.in_features * linear.out_features
+    return max(flops * _repeat(lambda: packed(rows), seconds) for packed in candidates)
 
 
 def four_bit_linear(in_features: int, out_features: int) -> torch.nn.Linear:

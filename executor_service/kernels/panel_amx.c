@@ -43,8 +43,8 @@
    levels are expanded whatever the row count. Below 16 rows the tiles are configured that short
    all the same, so that only real rows are stored and added. Random Llama's 8 float32 layers
    (a later Xeon of the kind, two cores, median of alternated passes): 2,048 rows 236 against
-   356 ms (410 against 271 GFLOP/s), 512 rows 62 against 91, 32 rows 6.4-7.1 against 6.8-7.2, and
-   1-8 rows ~4.2 against ~2.8 ms: splitting the weights costs the same for one row as for 32. */
+   356 ms (410 against 271 GFLOP/s), 512 rows 62 against 91, 32 rows 6.4-7.1 against 6.8-7.5, and
+   1-8 rows ~3.9-4.4 against ~2.6-3.0 ms: splitting the weights costs the same for one row as for 32. */
 #include <stddef.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -75,9 +75,8 @@
 /* Calls of up to this many rows split every row in every thread and share out the pairs. */
 #define SHARED_ROWS 64
 /* Float32 weights split block by block are asked of memory this many blocks (4 KiB a pair) ahead,
-   into L2: a few rows' tiles take less time than memory does to bring a block, and L1's few
-   outstanding misses held 1-row calls to ~5 GB/s a core (random Llama's 8 layers at 1 row, ~4.2
-   ms with 4 blocks into L1, ~3.9 with 8 into L2). */
+   into L2: a few rows' tiles take less time than memory does to bring a block (random Llama's 8
+   layers at 1 row: ~4.2 ms with 4 blocks ahead into L1, ~3.9 with 8 into L2). */
 #define AHEAD_BLOCKS 8
 
 /* The bf16 bits of the levels 0..15, twice: the 32 words a vpermw looks a 5-bit index up in. */
@@ -306,7 +305,8 @@ static void multiply_float_tiles(const uint16_t *pieces, int64_t tile, int both,
                                  float acc[2 * TILE_ROWS][2 * PANEL]) {
     const uint16_t *first = pieces + tile * blocks * PIECES * TILE_VALUES;
     const uint16_t *second = first + blocks * PIECES * TILE_VALUES;
-    const int64_t step = floats ? 0 : PIECES * TILE_VALUES, other = floats ? PIECES * TILE_VALUES : blocks * step;
+    /* A panel's pieces: one block's when split block by block, else all of them. */
+    const int64_t panel_values = (floats ? 1 : blocks) * PIECES * TILE_VALUES;
     _tile_zero(0);
     _tile_zero(1);
     _tile_zero(2);
@@ -316,11 +316,12 @@ static void multiply_float_tiles(const uint16_t *pieces, int64_t tile, int both,
             for (int j = 0; j < 2; j++) {
                 const float *ahead = b + AHEAD_BLOCKS < blocks ? floats[j] : next[j];
                 if (ahead != NULL) ahead += (b + AHEAD_BLOCKS) % blocks * Q4_BLOCK * PANEL;
-                expand_floats(floats[j], b, b + 1, ahead, weights + j * other);
+                expand_floats(floats[j], b, b + 1, ahead, weights + j * panel_values);
             }
+        const uint16_t *block = floats ? weights : weights + b * PIECES * TILE_VALUES;
         for (int w = 0; w < PIECES; w++) {
-            _tile_loadd(6, weights + b * step + w * TILE_VALUES, 64);
-            _tile_loadd(7, weights + other + b * step + w * TILE_VALUES, 64);
+            _tile_loadd(6, block + w * TILE_VALUES, 64);
+            _tile_loadd(7, block + panel_values + w * TILE_VALUES, 64);
             for (int p = 0; p + w < PIECES; p++)
                 multiply_piece(first + (b * PIECES + p) * TILE_VALUES, second + (b * PIECES + p) * TILE_VALUES, both);
         }
@@ -395,17 +396,19 @@ static void multiply_float_pairs(const AmxJob *job, int64_t p0, int64_t p1, int6
                                  const uint16_t *pieces, uint16_t *weights) {
     float acc[2 * TILE_ROWS][2 * PANEL] __attribute__((aligned(64)));
     const int64_t blocks = job->k / Q4_BLOCK, tiles = (rows + TILE_ROWS - 1) / TILE_ROWS;
+    /* More than one pass of row tiles: each pass reuses the pair split once. */
+    const int whole_pair = tiles > 2;
     for (int64_t p = p0; p < p1; p++) {
         const float *floats[2], *next[2] = {NULL, NULL};
         pair_floats(job, p, floats);
         if (p + 1 < p1) pair_floats(job, p + 1, next);
-        if (tiles > 2) {
+        if (whole_pair) {
             expand_floats(floats[0], 0, blocks, NULL, weights);
             expand_floats(floats[1], 0, blocks, NULL, weights + blocks * PIECES * TILE_VALUES);
         }
         for (int64_t t = 0; t < tiles; t += 2) {
             const int left = (int)(rows - t * TILE_ROWS < 2 * TILE_ROWS ? rows - t * TILE_ROWS : 2 * TILE_ROWS);
-            multiply_float_tiles(pieces, t, t + 1 < tiles, weights, tiles > 2 ? NULL : floats, next, blocks, acc);
+            multiply_float_tiles(pieces, t, t + 1 < tiles, weights, whole_pair ? NULL : floats, next, blocks, acc);
             store_rows(job, p, floats[1] != NULL, row + t * TILE_ROWS, left, acc);
         }
     }
@@ -414,7 +417,7 @@ static void multiply_float_pairs(const AmxJob *job, int64_t p0, int64_t p1, int6
 static int64_t round_up(int64_t value, int64_t step) { return (value + step - 1) / step * step; }
 
 /* The call's work: x split into pieces row block by row block, each block times the pairs of
-   the weight, as panel_amx_linear and panel_amx_float_linear describe. */
+   the weight. */
 static int run_job(const AmxJob *job, int threads) {
     const int64_t m = job->m, k = job->k, per_panel = k / Q4_BLOCK, shared = m <= SHARED_ROWS;
     const int floats = job->blocks == NULL;
@@ -456,22 +459,12 @@ static int run_job(const AmxJob *job, int threads) {
     return 0;
 }
 
-static AmxJob make_job(const float *x, int64_t m, int64_t k, const float *packed, const Q4Block *blocks, int64_t n,
-                       int gated, const float *bias, const float *residual, float *y) {
-    const int64_t panels = gated ? 2 * n / PANEL : (n + PANEL - 1) / PANEL;
-    return (AmxJob){x, bias, residual, packed, blocks, y, m, k, n, panels, gated ? n / PANEL : (panels + 1) / 2, gated};
-}
-
-int panel_amx_linear(const float *x, int64_t m, int64_t k, const Q4Block *blocks, int64_t n, int gated,
-                     const float *bias, const float *residual, float *y, int threads) {
-    const AmxJob job = make_job(x, m, k, NULL, blocks, n, gated, bias, residual, y);
-    return run_job(&job, threads);
-}
-
-int panel_amx_float_linear(const float *x, int64_t m, int64_t k, const float *packed, int64_t n, int gated,
-                           const float *bias, const float *residual, float *y, int threads) {
+int panel_amx_linear(const float *x, int64_t m, int64_t k, const float *packed, const Q4Block *blocks, int64_t n,
+                     int gated, const float *bias, const float *residual, float *y, int threads) {
     if (k % Q4_BLOCK) return 1;
-    const AmxJob job = make_job(x, m, k, packed, NULL, n, gated, bias, residual, y);
+    const int64_t panels = gated ? 2 * n / PANEL : (n + PANEL - 1) / PANEL;
+    const AmxJob job = {x, bias, residual, packed, blocks, y, m, k, n, panels, gated ? n / PANEL : (panels + 1) / 2,
+                        gated};
     return run_job(&job, threads);
 }
 #else
@@ -482,15 +475,10 @@ int64_t panel_amx_use(int64_t want) {
 
 int panel_amx_enabled(void) { return 0; }
 
-int panel_amx_linear(const float *x, int64_t m, int64_t k, const Q4Block *blocks, int64_t n, int gated,
-                     const float *bias, const float *residual, float *y, int threads) {
-    (void)x, (void)m, (void)k, (void)blocks, (void)n, (void)gated, (void)bias, (void)residual, (void)y, (void)threads;
-    return 1;
-}
-
-int panel_amx_float_linear(const float *x, int64_t m, int64_t k, const float *packed, int64_t n, int gated,
-                           const float *bias, const float *residual, float *y, int threads) {
-    (void)x, (void)m, (void)k, (void)packed, (void)n, (void)gated, (void)bias, (void)residual, (void)y, (void)threads;
+int panel_amx_linear(const float *x, int64_t m, int64_t k, const float *packed, const Q4Block *blocks, int64_t n,
+                     int gated, const float *bias, const float *residual, float *y, int threads) {
+    (void)x, (void)m, (void)k, (void)packed, (void)blocks, (void)n, (void)gated, (void)bias, (void)residual, (void)y,
+        (void)threads;
     return 1;
 }
 #endif

@@ -403,9 +403,7 @@ static const Q4Block *blocks_for(const void *blocks, int64_t m) { return m <= Q4
    into blocks, or blocks NULL), bias [n] or NULL, residual [m][n] or NULL (it may be y itself). */
 void panel_linear(const float *x, int64_t m, int64_t k, const float *packed, const void *blocks, int64_t n,
                   const float *bias, const float *residual, float *y, int threads) {
-    if (panel_amx_enabled() &&
-        !(blocks != NULL ? panel_amx_linear(x, m, k, blocks, n, 0, bias, residual, y, threads)
-                         : panel_amx_float_linear(x, m, k, packed, n, 0, bias, residual, y, threads)))
+    if (panel_amx_enabled() && !panel_amx_linear(x, m, k, packed, blocks, n, 0, bias, residual, y, threads))
         return;
     Job job = {x, packed, bias, residual, blocks_for(blocks, m), y, k, n, (n + PANEL - 1) / PANEL, 1};
     run_tiles(&job, plain_tile, m, threads);
@@ -416,9 +414,7 @@ void panel_linear(const float *x, int64_t m, int64_t k, const float *packed, con
    NULL); width a multiple of 16, bias [2 * width] or NULL. */
 void panel_linear_silu_mul(const float *x, int64_t m, int64_t k, const float *packed, const void *blocks,
                            int64_t width, const float *bias, float *y, int threads) {
-    if (panel_amx_enabled() &&
-        !(blocks != NULL ? panel_amx_linear(x, m, k, blocks, width, 1, bias, NULL, y, threads)
-                         : panel_amx_float_linear(x, m, k, packed, width, 1, bias, NULL, y, threads)))
+    if (panel_amx_enabled() && !panel_amx_linear(x, m, k, packed, blocks, width, 1, bias, NULL, y, threads))
         return;
     Job job = {x, packed, bias, NULL, blocks_for(blocks, m), y, k, width, width / PANEL, 2};
     run_tiles(&job, gated_tile, m, threads);

@@ -17,14 +17,12 @@ typedef struct {
 } Q4Block;
 
 /* y = x W^T (+ bias, + residual), or SiLU(gate) * up of a joined [gate; up] weight (`gated`,
- * `n` then the width of each half), for W given only as its blocks: panel_amx.c. Returns 0, or 1
- * when its scratch memory could not be had (y is then not written). */
-int panel_amx_linear(const float *x, int64_t m, int64_t k, const Q4Block *blocks, int64_t n, int gated,
-                     const float *bias, const float *residual, float *y, int threads);
-/* The same for W given as float32 panels (panel_linear.c's layout), K a whole number of 32s;
- * returns 1 also when it is not. */
-int panel_amx_float_linear(const float *x, int64_t m, int64_t k, const float *packed, int64_t n, int gated,
-                           const float *bias, const float *residual, float *y, int threads);
+ * `n` then the width of each half), on AMX's tiles (panel_amx.c), W read from its 4-bit blocks
+ * or, when blocks is NULL, from its float32 panels (panel_linear.c's layout). Returns 0, or 1
+ * (y then not written) when K is not a whole number of 32s or its scratch memory could not be
+ * had. */
+int panel_amx_linear(const float *x, int64_t m, int64_t k, const float *packed, const Q4Block *blocks, int64_t n,
+                     int gated, const float *bias, const float *residual, float *y, int threads);
 /* Whether panel_amx_linear may be called: AMX compiled in, granted by the kernel and wanted. */
 int panel_amx_enabled(void);
 #endif

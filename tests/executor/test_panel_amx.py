@@ -25,7 +25,7 @@ from tests.executor.test_panel_blocks import (
     four_bit_weight,
     gated_case,
 )
-from tests.helpers.c_kernels import load_or_skip, panels_with_amx
+from tests.helpers.c_kernels import amx_off, load_or_skip, panels_with_amx
 from tests.helpers.model_factory import build_model
 
 # The bound tests' cases: row counts either side of a tile (16), of the two a pass takes (32) and
@@ -91,12 +91,9 @@ def test_products_are_no_further_from_exact_than_the_float_paths(
     packed, four_bit = panels.pack(weight), panels.pack_blocks(weight)
     x = torch.randn(rows, in_features, generator=generator)
     on_tiles = panels.linear(x, packed, out_features, None, blocks=four_bit)
-    panels.use_amx(False)
-    try:
+    with amx_off(panels):
         as_floats = panels.linear(x, packed, out_features, None, blocks=four_bit)
         assert torch.equal(as_floats, panels.linear(x, packed, out_features, None))
-    finally:
-        panels.use_amx(True)
     _, tile_error = exact_and_error(on_tiles, x, weight, None)
     _, float_error = exact_and_error(as_floats, x, weight, None)
     assert tile_error.square().mean().sqrt() <= float_error.square().mean().sqrt()

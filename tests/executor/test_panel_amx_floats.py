@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from executor_service.layer_kernels import load_layer_kernels
 from executor_service.panel_linear import PanelKernel
 from tests.executor.test_panel_amx import BOUND_CASES
-from tests.helpers.c_kernels import load_or_skip, panels_with_amx
+from tests.helpers.c_kernels import amx_off, load_or_skip, panels_with_amx
 
 # Inputs per tile block: K must be a whole number of them for the tiles.
 BLOCK = 32
@@ -40,11 +40,8 @@ def case(rows: int, in_features: int, out_features: int, seed: int) -> tuple[tor
 
 
 def float_path(panels: PanelKernel, x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
-    panels.use_amx(False)
-    try:
+    with amx_off(panels):
         return panels.linear(x, packed, out_features, None)
-    finally:
-        panels.use_amx(True)
 
 
 def error(got: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

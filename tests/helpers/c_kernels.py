@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import shutil
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import TypeVar
 
 import pytest
@@ -37,16 +38,23 @@ def skip_without_amx() -> None:
         pytest.skip("this CPU lacks AMX's bf16 tiles")
 
 
-def panels_without_amx() -> Iterator[PanelKernel]:
-    """The panel kernel with AMX off until the generator is closed, for a fixture to yield: on,
-    every call multiplies on AMX's tiles, to float32 accuracy but not the float path's bits
-    (test_panel_amx.py, test_panel_amx_floats.py)."""
-    kernel = load_or_skip(load_panel_kernel, cpu_flag="avx512f")
+@contextmanager
+def amx_off(kernel: PanelKernel) -> Iterator[None]:
+    """The float path for the block's calls: with AMX on, every call multiplies on its tiles, to
+    float32 accuracy but not the float path's bits (test_panel_amx.py, test_panel_amx_floats.py).
+    AMX is on again after, as executors start it."""
     kernel.use_amx(False)
     try:
-        yield kernel
+        yield
     finally:
         kernel.use_amx(True)
+
+
+def panels_without_amx() -> Iterator[PanelKernel]:
+    """The panel kernel with AMX off until the generator is closed, for a fixture to yield."""
+    kernel = load_or_skip(load_panel_kernel, cpu_flag="avx512f")
+    with amx_off(kernel):
+        yield kernel
 
 
 def panels_with_amx() -> Iterator[PanelKernel]:
