@@ -30,6 +30,12 @@ logger = logging.getLogger(__name__)
 # its bound is looser. A wrong attention path (a missed mask, K/V read from the wrong slots, a
 # dropped soft-cap) moves logits by a good fraction of their range.
 RELATIVE_TOLERANCE = {torch.float32: 1e-3, torch.float16: 3e-2, torch.bfloat16: 6e-2}
+# In half precision rounding noise grows with depth, and in a model whose layers amplify it (a
+# deep random one: 30 SmolLM2-sized layers in bfloat16) it passes any fixed bound; there
+# transformers' own eager and SDPA attention differ by 40 % of the largest logit. So the bound is
+# also this many times what those two differ by on the same sequences: the paged path must agree
+# with the model's forward about as well as its own two attention implementations agree.
+NOISE_FLOOR_FACTOR = 2.0
 DECODE_STEPS = 3
 _SEED = 20261130
 
@@ -90,19 +96,27 @@ def run_self_check(loaded: LoadedModel, kv_cache: PagedKVCache, backend: str) ->
     try:
         for step in steps:
             _paged_step(loaded, kv_cache, backend, step)
-        worst = max(_compare(loaded, seq) for seq in (a, b))
+        references = [_reference_logits(loaded, seq.state.token_ids, "eager") for seq in (a, b)]
+        worst = max(_worst_error(seq, reference) for seq, reference in zip((a, b), references))
     except UnsupportedModel:
         raise
     except Exception as error:
         raise UnsupportedModel(model_type, f"the paged forward raised {error!r}") from error
-    tolerance = RELATIVE_TOLERANCE[loaded.dtype]
+    floor = 0.0 if loaded.dtype == torch.float32 else _noise_floor(loaded, (a, b), references)
+    tolerance = max(RELATIVE_TOLERANCE[loaded.dtype], NOISE_FLOOR_FACTOR * floor)
     if worst > tolerance:
         raise UnsupportedModel(
             model_type,
             f"paged attention does not reproduce the model's own forward: relative logit "
-            f"error {worst:.3g} exceeds {tolerance:g}",
+            f"error {worst:.3g} exceeds {tolerance:.3g}",
         )
-    logger.info("event=self_check_passed model_type=%s max_relative_error=%.3g", model_type, worst)
+    logger.info(
+        "event=self_check_passed model_type=%s max_relative_error=%.3g tolerance=%.3g noise_floor=%.3g",
+        model_type,
+        worst,
+        tolerance,
+        floor,
+    )
     return worst
 
 
@@ -140,23 +154,40 @@ def _paged_step(
             state.token_ids.append(seq.token_ids[len(state.token_ids)])
 
 
-def _compare(loaded: LoadedModel, seq: _Sequence) -> float:
-    reference = _reference_logits(loaded, seq.state.token_ids)
-    worst = 0.0
-    for position, paged in zip(seq.positions, seq.logits, strict=True):
-        expected = reference[position]
-        scale = expected.abs().max().clamp_min(1e-6)
-        worst = max(worst, float((paged - expected).abs().max() / scale))
-    return worst
+def _relative_error(got: torch.Tensor, expected: torch.Tensor) -> float:
+    """The worst row's largest |got - expected|, over that row's largest |expected|."""
+    scale = expected.abs().amax(-1).clamp_min(1e-6)
+    return float(((got - expected).abs().amax(-1) / scale).max())
+
+
+def _worst_error(seq: _Sequence, reference: torch.Tensor) -> float:
+    return _relative_error(torch.stack(seq.logits), reference[seq.positions])
+
+
+def _noise_floor(
+    loaded: LoadedModel, sequences: tuple[_Sequence, ...], references: list[torch.Tensor]
+) -> float:
+    """How far the model's SDPA attention is from its eager attention at the checked positions;
+    0 for a model without SDPA attention (the fixed bound then stands alone)."""
+    try:
+        other = [_reference_logits(loaded, seq.state.token_ids, "sdpa") for seq in sequences]
+    except (UnsupportedModel, ValueError) as error:
+        logger.info("event=self_check_floor available=false reason=%r", str(error))
+        return 0.0
+    return max(
+        _relative_error(sdpa[seq.positions], eager[seq.positions])
+        for seq, sdpa, eager in zip(sequences, other, references, strict=True)
+    )
 
 
 @torch.inference_mode()
-def _reference_logits(loaded: LoadedModel, token_ids: list[int]) -> torch.Tensor:
-    """[len(token_ids), vocab] from the model's own eager attention over the whole sequence."""
+def _reference_logits(loaded: LoadedModel, token_ids: list[int], attention: str) -> torch.Tensor:
+    """[len(token_ids), vocab] from one of the model's own attention implementations (eager or
+    sdpa) over the whole sequence."""
     model = loaded.model
-    model.set_attn_implementation("eager")
+    model.set_attn_implementation(attention)
     try:
-        if model.config._attn_implementation != "eager":
+        if model.config._attn_implementation != attention:
             raise UnsupportedModel(
                 loaded.model_type,
                 "its attention does not go through transformers' AttentionInterface",

@@ -61,15 +61,18 @@ def _assert_refused(run: subprocess.CompletedProcess[str], model_type: str, reas
     assert "Traceback" not in log and "event=executor_ready" not in log
 
 
+# bfloat16: its bound also scales with how far the model's own two attentions differ, and
+# must still catch this.
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_a_model_whose_forward_the_paged_path_cannot_reproduce_fails_the_self_check(
-    tmp_path: Path,
+    tmp_path: Path, dtype: str
 ) -> None:
     model_dir = build_model("llama", tmp_path / "token_shift")
     (model_dir / "token_shift.py").write_text(TOKEN_SHIFT_MODEL_CODE)
     config = json.loads((model_dir / "config.json").read_text())
     config["auto_map"] = {"AutoModelForCausalLM": "token_shift.TokenShiftLlamaForCausalLM"}
     (model_dir / "config.json").write_text(json.dumps(config))
-    run = _start(model_dir, tmp_path, trust_remote_code=True)
+    run = _start(model_dir, tmp_path, trust_remote_code=True, dtype=dtype)
     _assert_refused(run, "llama", "paged attention does not reproduce the model's own forward")
 
 
