@@ -13,6 +13,7 @@ from executor_service.paged_attention import BACKENDS, BackendUnavailable
 from executor_service.server import ServeOptions, serve, step_thread
 from executor_service.settings import (
     DEFAULT_BLOCK_SIZE,
+    DEFAULT_CUDA_GRAPH_MAX_BATCH,
     DEFAULT_DRAIN_TIMEOUT_S,
     DEFAULT_LEASE_TIMEOUT_S,
     ExecutorSettings,
@@ -108,6 +109,13 @@ def parse_args(argv: list[str] | None, prog: str = "python -m executor_service")
         help="compute greedy rows' logits with the full float32 lm_head instead of the exact "
         "int8 screen (CPU, float32, with packed linears)",
     )
+    parser.add_argument(
+        "--cuda-graph-max-batch",
+        type=int,
+        default=DEFAULT_CUDA_GRAPH_MAX_BATCH,
+        help="replay pure decode steps of up to N sequences from CUDA graphs captured per batch "
+        "and context bucket (CUDA, without tensor parallelism); 0 runs every step eagerly",
+    )
     parser.add_argument("--tls-cert", type=Path, help="PEM certificate (chain) of this executor; serves TLS")
     parser.add_argument("--tls-key", type=Path, help="PEM private key of --tls-cert")
     parser.add_argument(
@@ -148,6 +156,8 @@ def parse_args(argv: list[str] | None, prog: str = "python -m executor_service")
         parser.error("--block-size must be > 0")
     if args.num_kv_blocks is not None and args.num_kv_blocks <= 0:
         parser.error("--num-kv-blocks must be > 0")
+    if args.cuda_graph_max_batch < 0:
+        parser.error("--cuda-graph-max-batch must be >= 0")
     return ExecutorSettings(
         model_dir=args.model,
         host=args.host,
@@ -168,6 +178,7 @@ def parse_args(argv: list[str] | None, prog: str = "python -m executor_service")
         greedy_screen=args.greedy_screen,
         panel_linear=args.panel_linear,
         amx=args.amx,
+        cuda_graph_max_batch=args.cuda_graph_max_batch,
         tls=tls,
         health_port=args.health_port,
         drain_timeout_s=args.drain_timeout,

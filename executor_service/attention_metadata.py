@@ -71,6 +71,9 @@ class DecodeAttention:
     context_lens: torch.Tensor
     max_context: int
     masks: dict[int | None, torch.Tensor] = field(default_factory=dict)
+    # Gathers into the cache's shared scratch (PagedKVCache.gather_buffers), which moves when it
+    # grows; a captured CUDA graph keeps the addresses it saw, so its gathers are its own.
+    shared_scratch: bool = True
 
     @property
     def batch_size(self) -> int:

@@ -7,6 +7,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from executor_service.decode_graphs import decode_graphs_on
 from executor_service.forward import accepts_logits_to_keep, compute_logits
 from executor_service.kv_cache import KVCacheShape, PagedKVCache
 from executor_service.model_loader import LoadedModel
@@ -51,7 +52,9 @@ def cuda_kv_blocks(
     return max(0, room // (block_bytes + gather_bytes_per_block))
 
 
-def gather_bytes_per_block(shape: KVCacheShape, backend: str, num_heads: int) -> int:
+def gather_bytes_per_block(
+    shape: KVCacheShape, backend: str, num_heads: int, decode_graphs: bool = False
+) -> int:
     """Transient bytes per cache block that attention may need at once.
 
     Each layer's attention gathers K and V of every context token of the batch out of the pool
@@ -59,11 +62,13 @@ def gather_bytes_per_block(shape: KVCacheShape, backend: str, num_heads: int) ->
     every block. Decode gathers reuse one scratch (PagedKVCache.gather_buffers) and prefill
     gathers are freed before the next layer, so one layer's worth is enough. SDPA's prefill path
     may pass a mask, which on CUDA sends grouped-query attention to the math kernel, and that
-    repeats K and V for every query head of a group on top of the gather.
+    repeats K and V for every query head of a group on top of the gather. Decode graphs gather
+    into their own memory pool, at most one layer's share of every block (decode_graphs.py), so
+    they add one more layer's worth.
     """
     one_layer = shape.bytes_per_block() // shape.num_layers
     copies = 1 if backend == "flash_attn" else 1 + num_heads // shape.num_kv_heads
-    return one_layer * copies
+    return one_layer * (copies + int(decode_graphs))
 
 
 def decide_num_blocks(
@@ -98,7 +103,8 @@ def _cuda_blocks(
         own_bytes=torch.cuda.memory_reserved(device),
         step_peak_bytes=peak,
     )
-    gather = gather_bytes_per_block(shape, backend, loaded.num_heads)
+    graphs = decode_graphs_on(device, settings.cuda_graph_max_batch, settings.tensor_parallel_size)
+    gather = gather_bytes_per_block(shape, backend, loaded.num_heads, graphs)
     blocks = cuda_kv_blocks(
         memory, settings.gpu_memory_utilization, shape.bytes_per_block(), gather
     )

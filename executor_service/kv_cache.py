@@ -39,14 +39,17 @@ class PagedKVCache:
         self.shape = shape
         self.num_blocks = num_blocks
         slots = num_blocks * shape.block_size
+        # One slot past the last block, in no block: the padded rows of a decode replayed from a
+        # CUDA graph (decode_graphs.py) write their K/V there, where no request reads.
+        self.scratch_slot = slots
         # Zeroed, not empty: padded gathers read unwritten slots, and NaN garbage there would
         # survive a masked softmax as NaN * 0.
         self.keys = [
-            torch.zeros(slots, shape.num_kv_heads, shape.key_dim, dtype=shape.dtype, device=device)
+            torch.zeros(slots + 1, shape.num_kv_heads, shape.key_dim, dtype=shape.dtype, device=device)
             for _ in range(shape.num_layers)
         ]
         self.values = [
-            torch.zeros(slots, shape.num_kv_heads, shape.value_dim, dtype=shape.dtype, device=device)
+            torch.zeros(slots + 1, shape.num_kv_heads, shape.value_dim, dtype=shape.dtype, device=device)
             for _ in range(shape.num_layers)
         ]
         self._gather = GatherScratch(shape.dtype, device, headroom_limit=self.keys[0].numel())

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from executor_service.decode_graphs import DecodeGraphs
 from executor_service.forward import accepts_logits_to_keep, compute_logits
 from executor_service.kv_cache import PagedKVCache
 from executor_service.model_loader import LoadedModel
@@ -49,7 +50,8 @@ class _Admitted:
 class ModelRunner:
     """agree_on_tokens: under tensor parallelism, gives every rank rank 0's sampled tokens, so
     the ranks' request states (the next step's inputs) never drift apart. argmax: what the
-    sampler's greedy rows take, torch's when None."""
+    sampler's greedy rows take, torch's when None. graphs: pure decode steps through captured
+    CUDA graphs where a bucket holds them."""
 
     def __init__(
         self,
@@ -59,8 +61,10 @@ class ModelRunner:
         backend: str,
         agree_on_tokens: Callable[[list[int]], list[int]] | None = None,
         argmax: Argmax | None = None,
+        graphs: DecodeGraphs | None = None,
     ) -> None:
         self.loaded = loaded
+        self.graphs = graphs
         self._agree_on_tokens = agree_on_tokens
         self._argmax = argmax
         self.kv_cache = kv_cache
@@ -128,13 +132,19 @@ class ModelRunner:
         """The shared part of a step: one forward and one sampling pass for all its work."""
         forward_started = time.perf_counter()
         work = admitted.work
-        inputs = build_step_inputs(work, self.kv_cache, self.backend, self.loaded.device)
-        logits = compute_logits(self.loaded, inputs, self._use_logits_to_keep)
-        sampled = sample(logits, [_sampling_row(s) for s in inputs.sampled], self._generator, self._argmax)
+        logits = self.graphs.logits(work) if self.graphs is not None else None
+        if logits is not None:
+            # A graphed step is all decodes, every one sampled, in work order.
+            sampled_states = [item.state for item in work]
+        else:
+            inputs = build_step_inputs(work, self.kv_cache, self.backend, self.loaded.device)
+            logits = compute_logits(self.loaded, inputs, self._use_logits_to_keep)
+            sampled_states = inputs.sampled
+        sampled = sample(logits, [_sampling_row(s) for s in sampled_states], self._generator, self._argmax)
         if self._agree_on_tokens is not None and sampled.token_ids:
             sampled.token_ids = self._agree_on_tokens(sampled.token_ids)
         result.forward_time_s = time.perf_counter() - forward_started
-        tokens = self._advance(admitted, inputs.sampled, sampled, result)
+        tokens = self._advance(admitted, sampled_states, sampled, result)
         if admitted.decodes:
             result.decode_token_ids.extend(
                 [UNHELD_DECODE_TOKEN if s is None else tokens[s.request_id] for s in admitted.decodes]

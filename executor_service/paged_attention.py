@@ -284,10 +284,12 @@ def _sdpa_decode(
     """[batch, heads, value_dim] attention of every decode token over its padded context."""
     batch, kv_heads = decodes.batch_size, key_cache.shape[1]
     key_dim, value_dim = key_cache.shape[2], value_cache.shape[2]
-    keys, values = kv_cache.gather_buffers(
-        (batch, kv_heads, decodes.max_context, key_dim),
-        (batch, kv_heads, decodes.max_context, value_dim),
-    )
+    key_shape = (batch, kv_heads, decodes.max_context, key_dim)
+    value_shape = (batch, kv_heads, decodes.max_context, value_dim)
+    if decodes.shared_scratch:
+        keys, values = kv_cache.gather_buffers(key_shape, value_shape)
+    else:
+        keys, values = key_cache.new_empty(key_shape), value_cache.new_empty(value_shape)
     # Row-wise gathers straight into [batch, kv_heads, context, dim] (see DecodeAttention).
     index = decodes.gather_index
     torch.index_select(key_cache.view(-1, key_dim), 0, index, out=keys.view(-1, key_dim))

@@ -21,6 +21,9 @@ DEFAULT_PROFILE_TOKENS = 2048
 # never loses its hold; short enough that one that vanished without its stream ending (a
 # partition) frees the executor for another within a minute.
 DEFAULT_LEASE_TIMEOUT_S = 30.0
+# Largest decode batch replayed from a CUDA graph (decode_graphs.py); vLLM's default is larger
+# (512), but past a few hundred rows a decode step is arithmetic, not launches.
+DEFAULT_CUDA_GRAPH_MAX_BATCH = 256
 # Seconds the holder's stream gets after SIGTERM to finish its requests and end: under
 # Kubernetes' default 30 s termination grace, with room to stop after it.
 DEFAULT_DRAIN_TIMEOUT_S = 25.0
@@ -67,6 +70,8 @@ class ExecutorSettings:
     # Weights made of 4-bit blocks multiplied on AMX's bf16 tiles (panel_amx.c) where the CPU has
     # them; off, the panel kernel's float path (its bits on every AVX-512 CPU).
     amx: bool = True
+    # Pure decode steps of up to this many rows replay CUDA graphs (CUDA, one rank); 0: never.
+    cuda_graph_max_batch: int = DEFAULT_CUDA_GRAPH_MAX_BATCH
     # Greedy rows' lm_head through the exact int8 screen (greedy_head.py), with packed linears.
     greedy_screen: bool = True
     # TLS (mutual with a client CA) on the executor API; None serves plaintext.

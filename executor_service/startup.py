@@ -10,6 +10,11 @@ import torch
 
 from executor_service.argmax_kernel import RowArgmax, load_row_argmax
 from executor_service.cpu_kernels import KernelUnavailable
+from executor_service.decode_graphs import (
+    CudaGraphRecorder,
+    DecodeGraphs,
+    decode_graphs_on,
+)
 from executor_service.fused_layers import fuse_layers
 from executor_service.greedy_head import install_greedy_screen, screenable_head
 from executor_service.kv_budget import decide_num_blocks
@@ -138,7 +143,22 @@ def build_executor(settings: ExecutorSettings, device: str | None = None) -> Rea
         tensor_parallel_size=settings.tensor_parallel_size,
         kv_cache_bytes=num_blocks * shape.bytes_per_block() * settings.tensor_parallel_size,
     )
+    graphs = None
+    if decode_graphs_on(loaded.device, settings.cuda_graph_max_batch, settings.tensor_parallel_size):
+        recorder = CudaGraphRecorder(loaded.device)
+        graphs = DecodeGraphs(loaded, kv_cache, settings.cuda_graph_max_batch, limits.max_model_len, recorder)
+        logger.info(
+            "event=decode_graphs batch_sizes=%s widths=%s",
+            ",".join(map(str, graphs.batch_sizes)),
+            ",".join(map(str, graphs.widths)),
+        )
     runner = ModelRunner(
-        loaded, kv_cache, limits, backend, rank0_tokens if parallel else None, _row_argmax(loaded.device)
+        loaded,
+        kv_cache,
+        limits,
+        backend,
+        rank0_tokens if parallel else None,
+        _row_argmax(loaded.device),
+        graphs,
     )
     return ReadyExecutor(runner=runner, info=info)

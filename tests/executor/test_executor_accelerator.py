@@ -1,8 +1,10 @@
-"""CUDA-only decisions, tested without a GPU: the attention backend and the KV budget arithmetic."""
+"""CUDA-only decisions, tested without a GPU: the attention backend and the KV budget arithmetic;
+and, where torch sees a GPU, an executor built on it."""
 
 from __future__ import annotations
 
 import importlib.util
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,6 +17,10 @@ from executor_service.kv_budget import (
 )
 from executor_service.kv_cache import KVCacheShape
 from executor_service.paged_attention import select_backend
+from executor_service.settings import ExecutorSettings
+from executor_service.startup import build_executor
+from protos.splitserve.executor.v1 import executor_pb2 as pb
+from tests.helpers.model_factory import build_model
 
 GIB = 1 << 30
 CUDA = torch.device("cuda:0")
@@ -77,3 +83,27 @@ def test_gather_reserve_is_one_layer_and_the_sdpa_gqa_repeat() -> None:
     one_layer = shape.bytes_per_block() // 4
     assert gather_bytes_per_block(shape, "flash_attn", num_heads=8) == one_layer
     assert gather_bytes_per_block(shape, "sdpa", num_heads=8) == 5 * one_layer
+    # Decode graphs gather into a pool of their own.
+    assert gather_bytes_per_block(shape, "sdpa", num_heads=8, decode_graphs=True) == 6 * one_layer
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="torch sees no CUDA device")
+def test_a_gpu_executor_sizes_its_cache_from_free_memory_and_serves(tmp_path: Path) -> None:
+    """On a real GPU: the profiling pass, the budget with decode graphs reserved, and a request
+    served through a graphed decode in bfloat16."""
+    settings = ExecutorSettings(
+        model_dir=build_model("llama", tmp_path / "llama"), device="cuda", gpu_memory_utilization=0.05
+    )
+    executor = build_executor(settings)
+    assert executor.info.dtype == "bfloat16" and executor.info.num_kv_blocks > 1000
+    runner = executor.runner
+    assert runner.graphs is not None
+    plan = pb.StepPlan(
+        step_id=1,
+        new_requests=[pb.NewRequest(request_id="r", token_ids=[5, 6, 7], block_ids=[0], num_scheduled_tokens=3)],
+    )
+    tokens = [runner.execute(plan).outputs[0].token_ids[0]]
+    for step in range(2, 6):
+        decode = pb.ContinuingRequest(request_id="r", num_scheduled_tokens=1)
+        tokens += runner.execute(pb.StepPlan(step_id=step, continuing_requests=[decode])).outputs[0].token_ids
+    assert len(tokens) == 5 and runner.graphs.enabled and runner.graphs.captured == [(1, 1)]

@@ -1,0 +1,260 @@
+"""Decode steps replayed from CUDA graphs, one graph per (batch, context width) bucket.
+
+A decode step of a small model is a few hundred kernel launches (SmolLM2: 30 layers of about 15
+operations) of a few microseconds of arithmetic each, so on a GPU the launches bound it; a CUDA
+graph replays them all as one. A graph fixes every shape and address, so a graphed step runs on
+static buffers: the batch padded up to its bucket (padded rows write their K/V to the cache's
+scratch slot and attend over one position), each block table padded to the bucket's width
+(positions past a sequence's context are masked out). Attention is the sdpa backend's decode
+gather (DecodeAttention), its gather index and mask computed inside the graph from the static
+table and lengths.
+
+A bucket's graph is captured when a step first needs it. Capture needs a warm-up run first, and
+that run is the step's own forward, so a capture that fails costs only the graphs: they are
+switched off (logged once) and that step and every later one run the eager path. On the CPU
+nothing is captured (EagerRecorder): the static path runs as it is, which keeps it tested
+without a GPU.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Protocol
+
+import torch
+
+from executor_service.attention_metadata import DecodeAttention, StepAttention
+from executor_service.forward import accepts_logits_to_keep, compute_logits
+from executor_service.kv_cache import PagedKVCache
+from executor_service.model_loader import LoadedModel
+from executor_service.plan_inputs import ScheduledWork, StepInputs
+
+logger = logging.getLogger(__name__)
+
+Replay = Callable[[], None]
+
+
+class GraphRecorder(Protocol):
+    def capture(self, run: Replay) -> Replay:
+        """Returns what replays `run`'s work on the buffers it used."""
+        ...
+
+
+class EagerRecorder:
+    """Captures nothing: each replay runs the forward again (CPU, and tests)."""
+
+    def capture(self, run: Replay) -> Replay:
+        return run
+
+
+class CudaGraphRecorder:
+    """Captures into CUDA graphs that share one memory pool. Sharing is safe because steps run
+    one at a time and a graph's outputs live in buffers allocated outside the pool, so nothing
+    one graph leaves in the pool is read after another graph runs."""
+
+    def __init__(self, device: torch.device) -> None:
+        self._device = device
+        self._pool = torch.cuda.graph_pool_handle()
+
+    def capture(self, run: Replay) -> Replay:
+        # CUDA wants a warm-up on a side stream before capture (lazy library and workspace
+        # set-up must not land in the graph).
+        current = torch.cuda.current_stream(self._device)
+        side = torch.cuda.Stream(self._device)
+        side.wait_stream(current)
+        with torch.cuda.stream(side):
+            run()
+        current.wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            run()
+        return graph.replay
+
+
+def decode_graphs_on(device: torch.device, max_batch: int, tensor_parallel_size: int) -> bool:
+    """Graphs serve one CUDA device: a rank's collectives would need capturing too."""
+    return device.type == "cuda" and max_batch > 0 and tensor_parallel_size == 1
+
+
+def batch_buckets(max_batch: int) -> tuple[int, ...]:
+    """1, 2, 4, then every multiple of 8 up to max_batch (as vLLM sizes its graphs): a step
+    pads at most 7 rows, and there are few enough graphs to capture as they are needed."""
+    small = [size for size in (1, 2, 4) if size < max_batch]
+    return tuple(small + list(range(8, max_batch, 8)) + [max_batch])
+
+
+def width_buckets(max_width: int) -> tuple[int, ...]:
+    """Powers of two of blocks up to max_width, then max_width: a sequence's attention gathers
+    at most twice its context."""
+    widths = [1 << power for power in range(max_width.bit_length()) if 1 << power < max_width]
+    return tuple(widths + [max_width])
+
+
+def _smallest_at_least(value: int, sizes: tuple[int, ...]) -> int | None:
+    return next((size for size in sizes if size >= value), None)
+
+
+class DecodeGraphs:
+    """Logits of pure decode steps through one captured graph per (batch, width) bucket.
+
+    max_batch: the largest batch graphed; max_model_len bounds the table width. A bucket's
+    gather must fit the cache's block count (B x W <= num_blocks), the one gather the KV budget
+    reserves for graphs; steps outside every bucket run the eager path.
+    """
+
+    @torch.inference_mode()
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        kv_cache: PagedKVCache,
+        max_batch: int,
+        max_model_len: int,
+        recorder: GraphRecorder,
+    ) -> None:
+        if loaded.lean is not None:
+            raise ValueError("decode graphs run the transformers forward, not the lean CPU one")
+        if max_batch < 1:
+            raise ValueError(f"max_batch must be at least 1, got {max_batch}")
+        self._loaded = loaded
+        self._kv_cache = kv_cache
+        self._recorder = recorder
+        self._use_logits_to_keep = accepts_logits_to_keep(loaded)
+        block_size = kv_cache.block_size
+        self.batch_sizes = batch_buckets(max_batch)
+        self.widths = width_buckets(-(-max_model_len // block_size))
+        self._replays: dict[tuple[int, int], Replay] = {}
+        self.enabled = True
+        device = loaded.device
+        rows, width = self.batch_sizes[-1], self.widths[-1]
+        self._input_ids = torch.zeros(1, rows, dtype=torch.long, device=device)
+        self._positions = torch.zeros(1, rows, dtype=torch.long, device=device)
+        self._slots = torch.zeros(rows, dtype=torch.long, device=device)
+        self._block_table = torch.zeros(rows, width, dtype=torch.long, device=device)
+        self._context_lens = torch.ones(rows, dtype=torch.long, device=device)
+        self._row_index = torch.arange(rows, device=device)
+        self._kv_heads = torch.arange(kv_cache.shape.num_kv_heads, device=device)
+        self._logits = torch.empty(rows, loaded.vocab_size, dtype=torch.float32, device=device)
+
+    @property
+    def captured(self) -> list[tuple[int, int]]:
+        """The (batch, width) buckets that have a graph."""
+        return sorted(self._replays)
+
+    def bucket(self, work: list[ScheduledWork]) -> tuple[int, int] | None:
+        """The (batch, width) bucket of a step, or None when the step is not a pure decode of
+        sampled rows, or no bucket holds it."""
+        if not self.enabled or not work or any(item.num_tokens != 1 or not item.samples for item in work):
+            return None
+        block_size = self._kv_cache.block_size
+        needed = max(-(-(item.state.num_computed_tokens + 1) // block_size) for item in work)
+        batch = _smallest_at_least(len(work), self.batch_sizes)
+        width = _smallest_at_least(needed, self.widths)
+        if batch is None or width is None or batch * width > self._kv_cache.num_blocks:
+            return None
+        return batch, width
+
+    @torch.inference_mode()
+    def logits(self, work: list[ScheduledWork]) -> torch.Tensor | None:
+        """[len(work), vocab] float32 logits of the step, valid until the next call; None when
+        the step is not graphed (the caller runs the eager path)."""
+        bucket = self.bucket(work)
+        if bucket is None or not self._fill(work, bucket):
+            return None
+        replay = self._replays.get(bucket)
+        if replay is None:
+            replay = self._capture(bucket)
+            if replay is None:
+                return None
+        replay()
+        return self._logits[: len(work)]
+
+    def _fill(self, work: list[ScheduledWork], bucket: tuple[int, int]) -> bool:
+        """Copies the step into the static buffers, padding rows up to the bucket; False when a
+        request holds fewer blocks than its context needs (the eager path reports that)."""
+        batch, width = bucket
+        block_size = self._kv_cache.block_size
+        tokens, positions, slots, lens = [], [], [], []
+        table: list[list[int]] = []
+        for item in work:
+            state = item.state
+            position = state.num_computed_tokens
+            blocks = state.block_ids[: -(-(position + 1) // block_size)]
+            if len(blocks) * block_size <= position:
+                return False
+            tokens.append(state.token_ids[position])
+            positions.append(position)
+            slots.append(blocks[position // block_size] * block_size + position % block_size)
+            lens.append(position + 1)
+            table.append(blocks + [0] * (width - len(blocks)))
+        padding = batch - len(work)
+        tokens += [0] * padding
+        positions += [0] * padding
+        slots += [self._kv_cache.scratch_slot] * padding
+        lens += [1] * padding
+        table += [[0] * width] * padding
+        self._input_ids[0, :batch].copy_(torch.tensor(tokens))
+        self._positions[0, :batch].copy_(torch.tensor(positions))
+        self._slots[:batch].copy_(torch.tensor(slots))
+        self._context_lens[:batch].copy_(torch.tensor(lens))
+        self._block_table[:batch, :width].copy_(torch.tensor(table))
+        return True
+
+    def _capture(self, bucket: tuple[int, int]) -> Replay | None:
+        started = time.perf_counter()
+        try:
+            replay = self._recorder.capture(self._forward(*bucket))
+        except Exception as error:
+            self.enabled = False
+            logger.exception(
+                "event=decode_graphs_off batch=%d width=%d reason=%r", bucket[0], bucket[1], str(error)
+            )
+            return None
+        self._replays[bucket] = replay
+        logger.info(
+            "event=decode_graph_captured batch=%d width=%d graphs=%d seconds=%.3f",
+            bucket[0],
+            bucket[1],
+            len(self._replays),
+            time.perf_counter() - started,
+        )
+        return replay
+
+    def _forward(self, batch: int, width: int) -> Replay:
+        kv_cache = self._kv_cache
+        block_size = kv_cache.block_size
+        num_kv_heads = kv_cache.shape.num_kv_heads
+
+        def run() -> None:
+            table = self._block_table[:batch, :width]
+            positions = torch.arange(width * block_size, device=table.device)
+            slots = table[:, positions // block_size] * block_size + positions % block_size
+            # Rows of the cache viewed as [slots * kv_heads, dim], ordered [batch, kv_heads,
+            # context]: the layout DecodeAttention's gather index has.
+            rows = slots[:, None, :] * num_kv_heads + self._kv_heads[None, :, None]
+            decodes = DecodeAttention(
+                token_index=self._row_index[:batch],
+                gather_index=rows.flatten(),
+                context_lens=self._context_lens[:batch],
+                max_context=width * block_size,
+                shared_scratch=False,
+            )
+            attention = StepAttention(
+                kv_cache=kv_cache,
+                backend="sdpa",
+                slot_mapping=self._slots[:batch],
+                prefills=[],
+                decodes=[decodes],
+                varlen=None,
+            )
+            inputs = StepInputs(
+                input_ids=self._input_ids[:, :batch],
+                position_ids=self._positions[:, :batch],
+                attention=attention,
+                logits_indices=self._row_index[:batch],
+                sampled=[],
+            )
+            self._logits[:batch].copy_(compute_logits(self._loaded, inputs, self._use_logits_to_keep))
+
+        return run

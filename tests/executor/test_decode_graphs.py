@@ -1,0 +1,244 @@
+"""Decode steps through decode graphs (decode_graphs.py) give what the eager path gives.
+
+On the CPU the graphs' static path runs eagerly (EagerRecorder); where torch sees CUDA the same
+tests capture and replay real CUDA graphs. Two runners of one model take the same plans, one
+with graphs and one without, through prefills, decodes whose batch and context cross buckets,
+steps that mix prefill and decode, and batches larger than any bucket.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import torch
+
+from executor_service import decode_graphs
+from executor_service.decode_graphs import (
+    DecodeGraphs,
+    EagerRecorder,
+    Replay,
+    batch_buckets,
+    width_buckets,
+)
+from executor_service.model_runner import ModelRunner
+from executor_service.plan_inputs import ScheduledWork
+from executor_service.settings import ExecutorSettings
+from executor_service.startup import build_executor
+from protos.splitserve.executor.v1 import executor_pb2 as pb
+from tests.helpers.executor_driver import BlockAllocator
+from tests.helpers.model_factory import build_model
+
+BLOCK_SIZE = 4
+NUM_BLOCKS = 64
+MAX_BATCH = 8
+DEVICES = [
+    "cpu",
+    pytest.param(
+        "cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="torch sees no CUDA device")
+    ),
+]
+
+
+# Beside Llama: learned positions (GPT-2), soft-capping and a sliding window (Gemma 2), attention
+# sinks (GPT-OSS), values narrower than keys (DeepSeek V3's latent attention), and a window
+# shorter than the scenario's contexts (Mistral).
+ARCHS: dict[str, dict[str, object]] = {
+    "llama": {},
+    "gpt2": {},
+    "gemma2": {},
+    "gpt_oss": {},
+    "deepseek_v3": {},
+    "mistral": {"sliding_window": 8},
+}
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    return {arch: build_model(arch, tmp_path_factory.mktemp(arch), **fields) for arch, fields in ARCHS.items()}
+
+
+@pytest.fixture(scope="module")
+def model_dir(model_dirs: dict[str, Path]) -> Path:
+    return model_dirs["llama"]
+
+
+def make_runner(model_dir: Path, device: str, graphed: bool) -> ModelRunner:
+    settings = ExecutorSettings(
+        model_dir=model_dir,
+        device=device,
+        dtype="float32",
+        num_kv_blocks=NUM_BLOCKS,
+        block_size=BLOCK_SIZE,
+        threads=1,
+        packed_linear=False,
+        attention_backend="sdpa",
+        cuda_graph_max_batch=MAX_BATCH if graphed else 0,
+    )
+    runner = build_executor(settings).runner
+    if graphed and runner.graphs is None:
+        runner.graphs = DecodeGraphs(
+            runner.loaded, runner.kv_cache, MAX_BATCH, runner.limits.max_model_len, EagerRecorder()
+        )
+    assert (runner.graphs is not None) == graphed
+    return runner
+
+
+@dataclass(slots=True)
+class _Sequence:
+    computed: int
+    blocks: list[int]
+
+
+@dataclass(slots=True)
+class PlanMaker:
+    """Plans as a scheduler would send them: new requests prefilled whole, running ones
+    decoding one token a step with blocks appended as their context grows."""
+
+    allocator: BlockAllocator = field(default_factory=lambda: BlockAllocator(NUM_BLOCKS))
+    running: dict[str, _Sequence] = field(default_factory=dict)
+    step_id: int = 0
+
+    def plan(self, new: dict[str, list[int]], drop: tuple[str, ...] = ()) -> pb.StepPlan:
+        self.step_id += 1
+        plan = pb.StepPlan(step_id=self.step_id, dropped_request_ids=drop)
+        for request_id in drop:
+            self.allocator.give_back(self.running.pop(request_id).blocks)
+        for request_id, sequence in self.running.items():
+            wanted = -(-(sequence.computed + 1) // BLOCK_SIZE) - len(sequence.blocks)
+            added = self.allocator.take(max(0, wanted))
+            sequence.blocks += added
+            sequence.computed += 1
+            plan.continuing_requests.add(request_id=request_id, num_scheduled_tokens=1, new_block_ids=added)
+        for request_id, prompt in new.items():
+            blocks = self.allocator.take(-(-len(prompt) // BLOCK_SIZE))
+            self.running[request_id] = _Sequence(len(prompt), blocks)
+            plan.new_requests.add(
+                request_id=request_id, token_ids=prompt, block_ids=blocks, num_scheduled_tokens=len(prompt)
+            )
+        return plan
+
+
+def prompt(length: int, seed: int) -> list[int]:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(3, 1000, (length,), generator=generator).tolist()
+
+
+def tokens_of(result: pb.StepResult) -> dict[str, list[int]]:
+    assert not result.HasField("failure") and not result.rejected
+    return {output.request_id: list(output.token_ids) for output in result.outputs}
+
+
+# (new requests by prompt length, requests dropped, decode steps after it)
+SCENARIO: list[tuple[dict[str, int], tuple[str, ...], int]] = [
+    ({"a": 3, "b": 5, "c": 9, "d": 2, "e": 14}, (), 9),  # 5 rows: bucket 8, widths 4 then 8
+    ({}, ("b", "d"), 3),  # 3 rows: bucket 4
+    ({"f": 6}, (), 4),  # a step mixing a prefill into the decodes, then 4 rows
+    ({"g": 2, "h": 3, "i": 4, "j": 5, "k": 6, "l": 1}, (), 2),  # 10 rows: past every bucket
+    ({}, ("a", "c", "e", "f", "g", "h", "i", "j", "k"), 5),  # 1 row
+]
+
+
+def run_scenario(runners: list[ModelRunner]) -> list[dict[str, list[int]]]:
+    """Feeds every runner the same plans; returns each step's tokens, asserting they agree."""
+    maker = PlanMaker()
+    steps: list[dict[str, list[int]]] = []
+    for seed, (new, drop, decodes) in enumerate(SCENARIO):
+        plans = [maker.plan({rid: prompt(n, seed * 100 + i) for i, (rid, n) in enumerate(new.items())}, drop)]
+        plans += [maker.plan({}) for _ in range(decodes)]
+        for plan in plans:
+            results = [tokens_of(runner.execute(plan)) for runner in runners]
+            assert all(result == results[0] for result in results), f"step {plan.step_id} differs"
+            steps.append(results[0])
+    return steps
+
+
+def test_buckets() -> None:
+    assert batch_buckets(1) == (1,)
+    assert batch_buckets(6) == (1, 2, 4, 6)
+    assert batch_buckets(32) == (1, 2, 4, 8, 16, 24, 32)
+    assert width_buckets(1) == (1,)
+    assert width_buckets(5) == (1, 2, 4, 5)
+    assert width_buckets(64) == (1, 2, 4, 8, 16, 32, 64)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_graphed_decodes_match_the_eager_path(model_dir: Path, device: str) -> None:
+    graphed, eager = make_runner(model_dir, device, True), make_runner(model_dir, device, False)
+    check_scenario(graphed, eager)
+
+
+@pytest.mark.parametrize("arch", [arch for arch in ARCHS if arch != "llama"])
+def test_graphed_decodes_match_for_other_attention_shapes(model_dirs: dict[str, Path], arch: str) -> None:
+    graphed = make_runner(model_dirs[arch], "cpu", True)
+    check_scenario(graphed, make_runner(model_dirs[arch], "cpu", False))
+
+
+def check_scenario(graphed: ModelRunner, eager: ModelRunner) -> None:
+    steps = run_scenario([graphed, eager])
+    assert sum(len(tokens) for tokens in steps) > 60
+    assert graphed.graphs is not None and graphed.graphs.enabled
+    # Batches of 5, 3-4 and 1 rows, over contexts of up to 7 blocks; the 10-row steps ran eagerly.
+    assert {batch for batch, _ in graphed.graphs.captured} == {1, 4, 8}
+    assert {width for _, width in graphed.graphs.captured} >= {4, 8}
+    scratch = graphed.kv_cache.scratch_slot
+    for layer in range(graphed.loaded.num_layers):
+        for mine, theirs in zip(graphed.kv_cache.layer(layer), eager.kv_cache.layer(layer), strict=True):
+            # Padded rows wrote only the scratch slot, which no request reads; every block
+            # holds what the eager path wrote.
+            assert mine[scratch].abs().sum() > 0 and theirs[scratch].abs().sum() == 0
+            torch.testing.assert_close(mine[:scratch], theirs[:scratch], rtol=1e-3, atol=1e-4)
+
+
+def test_a_bucket_must_fit_the_cache(model_dir: Path) -> None:
+    runner = make_runner(model_dir, "cpu", True)
+    assert runner.graphs is not None
+    runner.execute(PlanMaker().plan({f"r{i}": prompt(33, i) for i in range(5)}))
+    work = [ScheduledWork(runner.requests[f"r{i}"], 1) for i in range(5)]
+    # Contexts of 34 tokens take 9 blocks, so width 16: 4 rows gather 64 blocks, what the cache
+    # holds; 5 rows would be padded to 8 and gather 128.
+    assert runner.graphs.bucket(work[:4]) == (4, 16)
+    assert runner.graphs.bucket(work) is None
+
+
+class _FailingRecorder:
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def capture(self, run: Replay) -> Replay:
+        self.calls += 1
+        run()
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+
+def test_a_failed_capture_turns_graphs_off_and_loses_no_step(
+    model_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    graphed, eager = make_runner(model_dir, "cpu", False), make_runner(model_dir, "cpu", False)
+    recorder = _FailingRecorder()
+    graphed.graphs = DecodeGraphs(
+        graphed.loaded, graphed.kv_cache, MAX_BATCH, graphed.limits.max_model_len, recorder
+    )
+    with caplog.at_level(logging.ERROR, logger=decode_graphs.__name__):
+        run_scenario([graphed, eager])
+    assert recorder.calls == 1 and not graphed.graphs.enabled and not graphed.graphs.captured
+    assert ["event=decode_graphs_off" in r.getMessage() for r in caplog.records] == [True]
+
+
+class _CountingRecorder(EagerRecorder):
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def capture(self, run: Replay) -> Replay:
+        self.calls += 1
+        return run
+
+
+def test_each_bucket_is_captured_once(model_dir: Path) -> None:
+    runner = make_runner(model_dir, "cpu", False)
+    recorder = _CountingRecorder()
+    runner.graphs = DecodeGraphs(runner.loaded, runner.kv_cache, MAX_BATCH, runner.limits.max_model_len, recorder)
+    steps = run_scenario([runner])
+    assert recorder.calls == len(runner.graphs.captured) < len(steps) // 2
