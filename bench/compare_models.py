@@ -55,7 +55,7 @@ def load_model(name: str, path: Path) -> BenchModel:
     layers = config["num_hidden_layers"]
     description = (
         f"{config.get('model_type', '?')} hidden {config['hidden_size']} x {layers} layers, "
-        f"{heads}/{kv_heads} heads, MLP {config.get('intermediate_size', '?')}, vocab {config['vocab_size']}; fp32"
+        f"{heads}/{kv_heads} heads, MLP {config.get('intermediate_size', '?')}, vocab {config['vocab_size']}"
     )
     return BenchModel(
         name=name,

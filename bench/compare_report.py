@@ -77,6 +77,8 @@ class WorkloadReport:
     runs: int
     threads: int
     rows: list[SystemRow]
+    # Where every system ran and in what precision, e.g. "cpu, float32".
+    placement: str = "cpu, float32"
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -164,7 +166,7 @@ def format_table(report: WorkloadReport) -> str:
         f"### {report.model} / {report.workload}",
         "",
         f"{report.model_description}. {report.workload_description}: {report.prompt_tokens} prompt tokens, "
-        f"{report.output_tokens} output tokens. Greedy, EOS ignored, {report.threads} CPU threads; "
+        f"{report.output_tokens} output tokens. Greedy, EOS ignored, {report.placement}, {report.threads} CPU threads; "
         f"every figure the median of {report.runs} run(s).",
         "",
         "| system | output tok/s | total tok/s | TTFT p50 s | TTFT p99 s | ITL p50 ms | ITL p99 ms "

@@ -5,6 +5,8 @@ prefix cache, its own memory high-water marks) and stopped after:
   request streamed at once through AsyncClient; peak RSS of both processes;
 - splitserve-exact: the same with the executor on its exact path (torch's GEMM and SDPA, the
   operations transformers itself runs; no packed weights, no decode kernel);
+- splitserve-eager: the same with no decode step replayed from a CUDA graph (on CUDA, what the
+  graphs buy; on the CPU the same as splitserve);
 - vllm: bench.vllm_peer under the vLLM virtualenv's python;
 - transformers, transformers-cb: bench.peer_transformers in a process of its own.
 
@@ -33,8 +35,9 @@ from tests.helpers.service_process import cli_flags
 SPLITSERVE_PATHS: dict[str, dict[str, object]] = {
     "splitserve": {},
     "splitserve-exact": {"no_packed_linear": True, "attention_backend": "sdpa"},
+    "splitserve-eager": {"cuda_graph_max_batch": 0},
 }
-SYSTEMS = ("splitserve", "splitserve-exact", "vllm", "transformers", "transformers-cb")
+SYSTEMS = ("splitserve", "splitserve-exact", "splitserve-eager", "vllm", "transformers", "transformers-cb")
 # What a run measures unless --systems says otherwise.
 DEFAULT_SYSTEMS = ("splitserve", "vllm", "transformers", "transformers-cb")
 # Systems whose prefix caching the shared-prefix workload also measures switched off.
@@ -64,6 +67,9 @@ class RunSettings:
     timeout_s: float
     # Request files, results and logs of the peers.
     work_dir: Path
+    # torch's device and dtype names, for every system but vLLM's CPU build.
+    device: str = "cpu"
+    dtype: str = "float32"
     block_size: int = 16
     max_num_batched_tokens: int = 2048
 
@@ -88,7 +94,7 @@ def measure(
 ) -> Measurement:
     """tag names this run's files in settings.work_dir."""
     if variant.system in SPLITSERVE_PATHS:
-        flags = SPLITSERVE_PATHS[variant.system]
+        flags = {**SPLITSERVE_PATHS[variant.system], "device": settings.device, "dtype": settings.dtype}
         return measure_splitserve(model, workload, settings, variant.prefix_caching, flags)
     out = settings.work_dir / f"{tag}.result.json"
     log = settings.work_dir / f"{tag}.log"
@@ -106,6 +112,7 @@ def measure(
     else:
         mode = "static" if variant.system == "transformers" else "batch"
         command = [sys.executable, "-m", "bench.peer_transformers", mode, *common]
+        command += ["--device", settings.device, "--dtype", settings.dtype]
         command += ["--page-size", str(settings.block_size)]
         command += ["--max-batch-tokens", str(settings.max_num_batched_tokens)]
     return run_peer(command, out, log, settings.timeout_s)

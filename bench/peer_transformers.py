@@ -1,7 +1,8 @@
 """One measured run of a transformers peer, in a process of its own (so its peak RSS is its own):
 
     python -m bench.peer_transformers {static,batch} --model DIR --prompts requests.json \
-        --out result.json [--threads 2] [--page-size 16] [--max-batch-tokens 2048]
+        --out result.json [--threads 2] [--device cpu] [--dtype float32] [--page-size 16]
+        [--max-batch-tokens 2048]
 
 static: batched `generate` (bench.throughput_peer); batch: continuous batching
 (bench.peer_transformers_batch). Files as in bench.peer_io.
@@ -14,6 +15,8 @@ import logging
 import sys
 from pathlib import Path
 
+import torch
+
 from bench.compare_records import run_result_of
 from bench.peer_io import (
     PeerRequest,
@@ -25,9 +28,11 @@ from bench.peer_transformers_batch import run_transformers_batch
 from bench.throughput_peer import run_transformers
 
 
-def run_static(model_dir: Path, requests: list[PeerRequest], threads: int) -> RunResult:
+def run_static(
+    model_dir: Path, requests: list[PeerRequest], threads: int, device: str, dtype: torch.dtype
+) -> RunResult:
     result = run_transformers(
-        model_dir, [r.prompt_token_ids for r in requests], [r.max_tokens for r in requests], threads
+        model_dir, [r.prompt_token_ids for r in requests], [r.max_tokens for r in requests], threads, device, dtype
     )
     # No prefix cache: every prompt token is computed (left padding besides).
     return run_result_of(result, sum(len(r.prompt_token_ids) for r in requests))
@@ -40,6 +45,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--prompts", type=Path, required=True, help="requests file (bench.peer_io)")
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--page-size", type=int, default=16, help="batch: tokens per KV page")
     parser.add_argument("--max-batch-tokens", type=int, default=2048, help="batch: tokens per step")
     return parser.parse_args(argv)
@@ -51,10 +58,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parse_args(argv)
     requests = load_requests(args.prompts)
+    dtype = getattr(torch, args.dtype)
     if args.mode == "static":
-        result = run_static(args.model, requests, args.threads)
+        result = run_static(args.model, requests, args.threads, args.device, dtype)
     else:
-        result = run_transformers_batch(args.model, requests, args.threads, args.page_size, args.max_batch_tokens)
+        result = run_transformers_batch(
+            args.model, requests, args.threads, args.page_size, args.max_batch_tokens, args.device, dtype
+        )
     write_result(args.out, result)
     return 0
 

@@ -101,10 +101,16 @@ def submit(manager: ContinuousBatchingManager, requests: list[PeerRequest], pref
 
 
 def run_transformers_batch(
-    model_dir: Path, requests: list[PeerRequest], threads: int, page_size: int, max_batch_tokens: int
+    model_dir: Path,
+    requests: list[PeerRequest],
+    threads: int,
+    page_size: int,
+    max_batch_tokens: int,
+    device: str = "cpu",
+    dtype: torch.dtype = torch.float32,
 ) -> RunResult:
     torch.set_num_threads(threads)
-    model: Any = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model: Any = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
     longest = max(len(r.prompt_token_ids) + r.max_tokens for r in requests)
     generation = GenerationConfig(
         max_new_tokens=max(r.max_tokens for r in requests), do_sample=False, eos_token_id=NO_EOS

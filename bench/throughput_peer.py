@@ -52,6 +52,7 @@ def left_padded(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, to
 def generate(model: torch.nn.Module, prompts: list[list[int]], new_tokens: int, clock: StepClock) -> torch.Tensor:
     pad_id = model.generation_config.pad_token_id or 0
     ids, mask = left_padded(prompts, pad_id)
+    ids, mask = ids.to(model.device), mask.to(model.device)
     with torch.inference_mode():
         out = model.generate(
             ids,
@@ -65,11 +66,16 @@ def generate(model: torch.nn.Module, prompts: list[list[int]], new_tokens: int, 
 
 
 def run_transformers(
-    model_dir: Path, prompts: list[list[int]], new_tokens: list[int], threads: int
+    model_dir: Path,
+    prompts: list[list[int]],
+    new_tokens: list[int],
+    threads: int,
+    device: str = "cpu",
+    dtype: torch.dtype = torch.float32,
 ) -> SystemResult:
     """prompts[i] wants new_tokens[i] tokens; the batch runs the most any request wants."""
     torch.set_num_threads(threads)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
     # No EOS: every row runs all its tokens, as splitserve's requests do with ignore_eos. Nothing
     # else of the folder's generation config either (no penalties, no sampling defaults).
     model.generation_config = GenerationConfig(pad_token_id=model.generation_config.pad_token_id, eos_token_id=None)

@@ -60,8 +60,7 @@ def running_services(
                 threads=threads,
                 num_kv_blocks=config.num_kv_blocks,
                 block_size=config.block_size,
-                dtype="float32",
-                **(executor_flags or {}),
+                **{"dtype": "float32", **(executor_flags or {})},
             )
             for _ in range(config.executors)
         ]

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from bench.compare import available_systems, parse_args
 from bench.compare_report import RunFigures, SystemRow, run_ratio_cell, set_ratios
@@ -122,6 +123,30 @@ def test_vllm_is_skipped_when_its_virtualenv_is_absent(tmp_path: Path) -> None:
     assert available_systems(args) == ["splitserve"]
     with pytest.raises(SystemExit, match="vllm"):
         available_systems(parse_args(["--systems", "vllm", "--vllm-python", str(tmp_path / "python"), "--require-vllm"]))
+
+
+def test_vllm_cannot_be_asked_for_off_the_cpu(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        parse_args(["--systems", "splitserve,vllm", "--device", "cuda"])
+    assert "vLLM's CPU build" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="torch sees no CUDA device")
+def test_peers_on_cuda_with_and_without_decode_graphs(tmp_path: Path) -> None:
+    stdout, report = run_compare(
+        tmp_path,
+        "--systems", "splitserve,splitserve-eager,transformers,transformers-cb",
+        "--workloads", "fixed",
+        "--models", "random-llama",
+        "--device", "cuda", "--dtype", "float32",
+        "--model-hidden", "64", "--model-heads", "4", "--model-kv-heads", "2",
+        *TINY_LLAMA, *TINY_WORKLOADS,
+    )  # fmt: skip
+    assert "cuda, float32" in stdout
+    (fixed,) = report["results"]
+    for row in fixed["rows"]:
+        assert row["error"] is None, row["label"]
+        assert row["matching"] == 4, row["label"]
 
 
 def test_workloads_are_deterministic_and_shaped_as_asked() -> None:
