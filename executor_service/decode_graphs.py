@@ -7,12 +7,13 @@ static buffers: the batch padded up to its bucket (padded rows write their K/V t
 scratch slot and attend over one position), each block table padded to the bucket's width
 (positions past a sequence's context are masked out). Attention is the sdpa backend's decode
 gather (DecodeAttention), its gather index and mask computed inside the graph from the static
-table and lengths.
+table and lengths. A step's inputs reach the device in one copy, into a staging buffer that the
+graph reads.
 
-A bucket's graph is captured when a step first needs it. Capture needs a warm-up run first, and
-that run is the step's own forward, so a capture that fails costs only the graphs: they are
-switched off (logged once) and that step and every later one run the eager path. On the CPU
-nothing is captured (EagerRecorder): the static path runs as it is, which keeps it tested
+At start-up every bucket is captured, the largest first (capture_all), so serving never stalls on
+a capture and smaller graphs reuse the memory the largest left in the shared pool. A capture that
+fails switches graphs off (logged once with the reason) and every step runs the eager path. On the
+CPU nothing is captured (EagerRecorder): the static path runs as it is, which keeps it tested
 without a GPU.
 """
 
@@ -50,27 +51,49 @@ class EagerRecorder:
 
 
 class CudaGraphRecorder:
-    """Captures into CUDA graphs that share one memory pool. Sharing is safe because steps run
-    one at a time and a graph's outputs live in buffers allocated outside the pool, so nothing
-    one graph leaves in the pool is read after another graph runs."""
+    """Captures into CUDA graphs that share one memory pool and one capture stream. Sharing is
+    safe because steps run one at a time and a graph's outputs live in buffers allocated outside
+    the pool, so nothing one graph leaves in the pool is read after another graph runs."""
 
     def __init__(self, device: torch.device) -> None:
         self._device = device
-        self._pool = torch.cuda.graph_pool_handle()
+        with torch.cuda.device(device):
+            self._pool = torch.cuda.graph_pool_handle()
+            self._stream = torch.cuda.Stream(device)
 
     def capture(self, run: Replay) -> Replay:
-        # CUDA wants a warm-up on a side stream before capture (lazy library and workspace
-        # set-up must not land in the graph).
-        current = torch.cuda.current_stream(self._device)
-        side = torch.cuda.Stream(self._device)
-        side.wait_stream(current)
-        with torch.cuda.stream(side):
-            run()
-        current.wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            run()
+        # The device context: kernels go to the device's current stream, which must be the
+        # capture stream, also on cuda:N with N > 0.
+        with torch.cuda.device(self._device):
+            current = torch.cuda.current_stream(self._device)
+            self._stream.wait_stream(current)
+            try:
+                with torch.cuda.stream(self._stream):
+                    # CUDA wants a warm-up before capture: lazy library and workspace set-up
+                    # must not land in the graph.
+                    run()
+                    torch.cuda.synchronize(self._device)
+                    graph = torch.cuda.CUDAGraph()
+                    graph.capture_begin(pool=self._pool)
+                    try:
+                        run()
+                    finally:
+                        self._end_capture(graph)
+            finally:
+                current.wait_stream(self._stream)
         return graph.replay
+
+    def _end_capture(self, graph: torch.cuda.CUDAGraph) -> None:
+        """Ends the capture; after a failed one also stops routing this thread's allocations
+        into the pool, which torch's capture_end skips when the capture was invalidated (later
+        eager steps would allocate into the pool and lose the allocator's out-of-memory retry)."""
+        try:
+            graph.capture_end()
+        except Exception:
+            end_allocate = getattr(torch._C, "_cuda_endAllocateToPool", None)
+            if end_allocate is not None:
+                end_allocate(self._device.index or 0, self._pool)
+            raise
 
 
 def decode_graphs_on(device: torch.device, max_batch: int, tensor_parallel_size: int) -> bool:
@@ -79,10 +102,11 @@ def decode_graphs_on(device: torch.device, max_batch: int, tensor_parallel_size:
 
 
 def batch_buckets(max_batch: int) -> tuple[int, ...]:
-    """1, 2, 4, then every multiple of 8 up to max_batch (as vLLM sizes its graphs): a step
-    pads at most 7 rows, and there are few enough graphs to capture as they are needed."""
-    small = [size for size in (1, 2, 4) if size < max_batch]
-    return tuple(small + list(range(8, max_batch, 8)) + [max_batch])
+    """1, 2, 4, 8, 16, 24, 32, then every multiple of 32 up to max_batch: few enough graphs to
+    capture all at start-up (14 for 256), and past 32 rows padding is nearly free, a decode
+    step being bound by reading the weights."""
+    small = [size for size in (1, 2, 4, 8, 16, 24) if size < max_batch]
+    return tuple(small + list(range(32, max_batch, 32)) + [max_batch])
 
 
 def width_buckets(max_width: int) -> tuple[int, ...]:
@@ -121,18 +145,17 @@ class DecodeGraphs:
         self._kv_cache = kv_cache
         self._recorder = recorder
         self._use_logits_to_keep = accepts_logits_to_keep(loaded)
-        block_size = kv_cache.block_size
         self.batch_sizes = batch_buckets(max_batch)
-        self.widths = width_buckets(-(-max_model_len // block_size))
+        self.widths = width_buckets(-(-max_model_len // kv_cache.block_size))
         self._replays: dict[tuple[int, int], Replay] = {}
         self.enabled = True
+        # Steps whose logits came from a graph.
+        self.graphed_steps = 0
         device = loaded.device
         rows, width = self.batch_sizes[-1], self.widths[-1]
-        self._input_ids = torch.zeros(1, rows, dtype=torch.long, device=device)
-        self._positions = torch.zeros(1, rows, dtype=torch.long, device=device)
-        self._slots = torch.zeros(rows, dtype=torch.long, device=device)
-        self._block_table = torch.zeros(rows, width, dtype=torch.long, device=device)
-        self._context_lens = torch.ones(rows, dtype=torch.long, device=device)
+        # A bucket (B, W) reads token ids, positions, slots and context lengths (B each), then
+        # its block table (B x W), from the front of this buffer: one copy per step.
+        self._staging = torch.zeros(rows * (4 + width), dtype=torch.long, device=device)
         self._row_index = torch.arange(rows, device=device)
         self._kv_heads = torch.arange(kv_cache.shape.num_kv_heads, device=device)
         self._logits = torch.empty(rows, loaded.vocab_size, dtype=torch.float32, device=device)
@@ -141,6 +164,16 @@ class DecodeGraphs:
     def captured(self) -> list[tuple[int, int]]:
         """The (batch, width) buckets that have a graph."""
         return sorted(self._replays)
+
+    def buckets(self) -> list[tuple[int, int]]:
+        """Every (batch, width) bucket whose gather fits the cache, the largest first."""
+        fitting = [
+            (batch, width)
+            for batch in self.batch_sizes
+            for width in self.widths
+            if batch * width <= self._kv_cache.num_blocks
+        ]
+        return sorted(fitting, key=lambda bucket: (bucket[0] * bucket[1], bucket), reverse=True)
 
     def bucket(self, work: list[ScheduledWork]) -> tuple[int, int] | None:
         """The (batch, width) bucket of a step, or None when the step is not a pure decode of
@@ -156,6 +189,21 @@ class DecodeGraphs:
         return batch, width
 
     @torch.inference_mode()
+    def capture_all(self) -> int:
+        """Captures every bucket, on all-padding inputs (they write only the scratch slot);
+        returns how many graphs there are, 0 when a capture failed and graphs are off."""
+        started = time.perf_counter()
+        for bucket in self.buckets():
+            if bucket not in self._replays:
+                self._fill([], bucket)
+                if self._capture(bucket) is None:
+                    return 0
+        logger.info(
+            "event=decode_graphs_captured graphs=%d seconds=%.2f", len(self._replays), time.perf_counter() - started
+        )
+        return len(self._replays)
+
+    @torch.inference_mode()
     def logits(self, work: list[ScheduledWork]) -> torch.Tensor | None:
         """[len(work), vocab] float32 logits of the step, valid until the next call; None when
         the step is not graphed (the caller runs the eager path)."""
@@ -168,15 +216,15 @@ class DecodeGraphs:
             if replay is None:
                 return None
         replay()
+        self.graphed_steps += 1
         return self._logits[: len(work)]
 
     def _fill(self, work: list[ScheduledWork], bucket: tuple[int, int]) -> bool:
-        """Copies the step into the static buffers, padding rows up to the bucket; False when a
+        """Copies the step into the staging buffer, padding rows up to the bucket; False when a
         request holds fewer blocks than its context needs (the eager path reports that)."""
         batch, width = bucket
         block_size = self._kv_cache.block_size
-        tokens, positions, slots, lens = [], [], [], []
-        table: list[list[int]] = []
+        tokens, positions, slots, lens, table = [], [], [], [], []
         for item in work:
             state = item.state
             position = state.num_computed_tokens
@@ -187,18 +235,15 @@ class DecodeGraphs:
             positions.append(position)
             slots.append(blocks[position // block_size] * block_size + position % block_size)
             lens.append(position + 1)
-            table.append(blocks + [0] * (width - len(blocks)))
+            table += blocks + [0] * (width - len(blocks))
         padding = batch - len(work)
         tokens += [0] * padding
         positions += [0] * padding
         slots += [self._kv_cache.scratch_slot] * padding
         lens += [1] * padding
-        table += [[0] * width] * padding
-        self._input_ids[0, :batch].copy_(torch.tensor(tokens))
-        self._positions[0, :batch].copy_(torch.tensor(positions))
-        self._slots[:batch].copy_(torch.tensor(slots))
-        self._context_lens[:batch].copy_(torch.tensor(lens))
-        self._block_table[:batch, :width].copy_(torch.tensor(table))
+        table += [0] * (width * padding)
+        step = torch.tensor(tokens + positions + slots + lens + table)
+        self._staging[: step.numel()].copy_(step)
         return True
 
     def _capture(self, bucket: tuple[int, int]) -> Replay | None:
@@ -212,11 +257,10 @@ class DecodeGraphs:
             )
             return None
         self._replays[bucket] = replay
-        logger.info(
-            "event=decode_graph_captured batch=%d width=%d graphs=%d seconds=%.3f",
+        logger.debug(
+            "event=decode_graph_captured batch=%d width=%d seconds=%.3f",
             bucket[0],
             bucket[1],
-            len(self._replays),
             time.perf_counter() - started,
         )
         return replay
@@ -225,32 +269,34 @@ class DecodeGraphs:
         kv_cache = self._kv_cache
         block_size = kv_cache.block_size
         num_kv_heads = kv_cache.shape.num_kv_heads
+        staging = self._staging
+        tokens, positions, slots, lens = (staging[i * batch : (i + 1) * batch] for i in range(4))
+        table = staging[4 * batch : (4 + width) * batch].view(batch, width)
 
         def run() -> None:
-            table = self._block_table[:batch, :width]
-            positions = torch.arange(width * block_size, device=table.device)
-            slots = table[:, positions // block_size] * block_size + positions % block_size
+            context = torch.arange(width * block_size, device=table.device)
+            context_slots = table[:, context // block_size] * block_size + context % block_size
             # Rows of the cache viewed as [slots * kv_heads, dim], ordered [batch, kv_heads,
             # context]: the layout DecodeAttention's gather index has.
-            rows = slots[:, None, :] * num_kv_heads + self._kv_heads[None, :, None]
+            rows = context_slots[:, None, :] * num_kv_heads + self._kv_heads[None, :, None]
             decodes = DecodeAttention(
                 token_index=self._row_index[:batch],
                 gather_index=rows.flatten(),
-                context_lens=self._context_lens[:batch],
+                context_lens=lens,
                 max_context=width * block_size,
                 shared_scratch=False,
             )
             attention = StepAttention(
                 kv_cache=kv_cache,
                 backend="sdpa",
-                slot_mapping=self._slots[:batch],
+                slot_mapping=slots,
                 prefills=[],
                 decodes=[decodes],
                 varlen=None,
             )
             inputs = StepInputs(
-                input_ids=self._input_ids[:, :batch],
-                position_ids=self._positions[:, :batch],
+                input_ids=tokens.view(1, batch),
+                position_ids=positions.view(1, batch),
                 attention=attention,
                 logits_indices=self._row_index[:batch],
                 sampled=[],

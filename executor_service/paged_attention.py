@@ -306,14 +306,16 @@ def _sdpa_decode(
             shaping.softcap,
             shaping.sinks,
         )
-        return attended.view(batch, -1, value_dim)
+        return attended.reshape(batch, -1, value_dim)
     # Grouped-query attention without repeating K/V: the query heads sharing a KV head (heads
     # are grouped consecutively, as in transformers' repeat_kv) become that head's query rows.
     queries = q[decodes.token_index].reshape(batch, kv_heads, -1, key_dim)
     attended = F.scaled_dot_product_attention(
         queries, keys, values, attn_mask=mask, scale=shaping.scale
     )
-    return attended.view(batch, -1, value_dim)
+    # reshape: CUDA's memory-efficient kernel (the one a boolean mask gets in float32) returns
+    # its output transposed, not contiguous.
+    return attended.reshape(batch, -1, value_dim)
 
 
 def _flash_varlen(

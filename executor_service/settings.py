@@ -22,7 +22,8 @@ DEFAULT_PROFILE_TOKENS = 2048
 # partition) frees the executor for another within a minute.
 DEFAULT_LEASE_TIMEOUT_S = 30.0
 # Largest decode batch replayed from a CUDA graph (decode_graphs.py); vLLM's default is larger
-# (512), but past a few hundred rows a decode step is arithmetic, not launches.
+# (512), but past a few hundred rows a decode step is arithmetic, not launches, and every graph
+# is captured at start-up.
 DEFAULT_CUDA_GRAPH_MAX_BATCH = 256
 # Seconds the holder's stream gets after SIGTERM to finish its requests and end: under
 # Kubernetes' default 30 s termination grace, with room to stop after it.

@@ -152,6 +152,7 @@ def build_executor(settings: ExecutorSettings, device: str | None = None) -> Rea
             ",".join(map(str, graphs.batch_sizes)),
             ",".join(map(str, graphs.widths)),
         )
+        graphs.capture_all()
     runner = ModelRunner(
         loaded,
         kv_cache,

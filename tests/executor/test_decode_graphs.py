@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from executor_service import decode_graphs
+from executor_service import decode_graphs, paged_attention
 from executor_service.decode_graphs import (
     DecodeGraphs,
     EagerRecorder,
@@ -141,18 +141,27 @@ SCENARIO: list[tuple[dict[str, int], tuple[str, ...], int]] = [
 ]
 
 
-def run_scenario(runners: list[ModelRunner]) -> list[dict[str, list[int]]]:
-    """Feeds every runner the same plans; returns each step's tokens, asserting they agree."""
+@dataclass(slots=True)
+class Scenario:
+    # Each step's tokens by request.
+    steps: list[dict[str, list[int]]] = field(default_factory=list)
+    # Steps that a bucket holds: decodes only, at most MAX_BATCH of them.
+    graphable: int = 0
+
+
+def run_scenario(runners: list[ModelRunner]) -> Scenario:
+    """Feeds every runner the same plans, asserting each step's tokens agree."""
     maker = PlanMaker()
-    steps: list[dict[str, list[int]]] = []
+    scenario = Scenario()
     for seed, (new, drop, decodes) in enumerate(SCENARIO):
         plans = [maker.plan({rid: prompt(n, seed * 100 + i) for i, (rid, n) in enumerate(new.items())}, drop)]
         plans += [maker.plan({}) for _ in range(decodes)]
         for plan in plans:
             results = [tokens_of(runner.execute(plan)) for runner in runners]
             assert all(result == results[0] for result in results), f"step {plan.step_id} differs"
-            steps.append(results[0])
-    return steps
+            scenario.steps.append(results[0])
+            scenario.graphable += not plan.new_requests and len(plan.continuing_requests) <= MAX_BATCH
+    return scenario
 
 
 def test_buckets() -> None:
@@ -177,12 +186,12 @@ def test_graphed_decodes_match_for_other_attention_shapes(model_dirs: dict[str, 
 
 
 def check_scenario(graphed: ModelRunner, eager: ModelRunner) -> None:
-    steps = run_scenario([graphed, eager])
-    assert sum(len(tokens) for tokens in steps) > 60
+    scenario = run_scenario([graphed, eager])
+    assert sum(len(tokens) for tokens in scenario.steps) > 60
     assert graphed.graphs is not None and graphed.graphs.enabled
-    # Batches of 5, 3-4 and 1 rows, over contexts of up to 7 blocks; the 10-row steps ran eagerly.
-    assert {batch for batch, _ in graphed.graphs.captured} == {1, 4, 8}
-    assert {width for _, width in graphed.graphs.captured} >= {4, 8}
+    # Batches of 5, 3-4 and 1 rows, over contexts of up to 7 blocks; the 10-row steps and those
+    # with a prefill ran eagerly.
+    assert graphed.graphs.graphed_steps == scenario.graphable == 23
     scratch = graphed.kv_cache.scratch_slot
     for layer in range(graphed.loaded.num_layers):
         for mine, theirs in zip(graphed.kv_cache.layer(layer), eager.kv_cache.layer(layer), strict=True):
@@ -228,11 +237,14 @@ def test_a_failed_capture_turns_graphs_off_and_loses_no_step(
 
 
 class _CountingRecorder(EagerRecorder):
+    """Runs the forward at capture, as CUDA's warm-up does, and counts captures."""
+
     def __init__(self) -> None:
         self.calls = 0
 
     def capture(self, run: Replay) -> Replay:
         self.calls += 1
+        run()
         return run
 
 
@@ -240,5 +252,38 @@ def test_each_bucket_is_captured_once(model_dir: Path) -> None:
     runner = make_runner(model_dir, "cpu", False)
     recorder = _CountingRecorder()
     runner.graphs = DecodeGraphs(runner.loaded, runner.kv_cache, MAX_BATCH, runner.limits.max_model_len, recorder)
-    steps = run_scenario([runner])
-    assert recorder.calls == len(runner.graphs.captured) < len(steps) // 2
+    scenario = run_scenario([runner])
+    assert recorder.calls == len(runner.graphs.captured) < scenario.graphable // 2
+
+
+def test_capturing_every_bucket_up_front_touches_no_block(model_dir: Path) -> None:
+    graphed, eager = make_runner(model_dir, "cpu", False), make_runner(model_dir, "cpu", False)
+    recorder = _CountingRecorder()
+    graphed.graphs = DecodeGraphs(graphed.loaded, graphed.kv_cache, MAX_BATCH, graphed.limits.max_model_len, recorder)
+    buckets = graphed.graphs.buckets()
+    # Every bucket that fits 64 blocks, the largest gather first.
+    assert len(buckets) == 22 and buckets[0] == (8, 8) and buckets[-1] == (1, 1)
+    assert all(batch * width <= NUM_BLOCKS for batch, width in buckets)
+    cache = graphed.kv_cache
+    before = [tuple(t.clone() for t in cache.layer(i)) for i in range(graphed.loaded.num_layers)]
+    assert graphed.graphs.capture_all() == len(buckets) == recorder.calls
+    for layer, was in enumerate(before):
+        for tensor, old in zip(cache.layer(layer), was, strict=True):
+            assert torch.equal(tensor[: cache.scratch_slot], old[: cache.scratch_slot])
+            assert not torch.equal(tensor[cache.scratch_slot], old[cache.scratch_slot])
+    scenario = run_scenario([graphed, eager])
+    assert recorder.calls == len(buckets) and graphed.graphs.graphed_steps == scenario.graphable
+
+
+def test_attention_output_in_any_layout_is_taken_as_it_is(model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """CUDA's memory-efficient SDPA kernel (what a boolean mask gets in float32) returns its
+    output transposed in memory; a view of it would raise."""
+    real = paged_attention.F.scaled_dot_product_attention
+
+    def transposed_in_memory(*args: object, **kwargs: object) -> torch.Tensor:
+        out = real(*args, **kwargs)
+        return out.transpose(1, 2).contiguous().transpose(1, 2)
+
+    graphed, eager = make_runner(model_dir, "cpu", True), make_runner(model_dir, "cpu", False)
+    monkeypatch.setattr(paged_attention.F, "scaled_dot_product_attention", transposed_in_memory)
+    run_scenario([graphed, eager])
