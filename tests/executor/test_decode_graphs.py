@@ -95,10 +95,14 @@ class _Sequence:
 @dataclass(slots=True)
 class PlanMaker:
     """Plans as a scheduler would send them: new requests prefilled whole, running ones
-    decoding one token a step with blocks appended as their context grows."""
+    decoding one token a step with blocks appended as their context grows. by_handle: decodes
+    go as steady decodes named by handle (what the scheduler sends), else as continuing
+    entries."""
 
+    by_handle: bool = False
     allocator: BlockAllocator = field(default_factory=lambda: BlockAllocator(NUM_BLOCKS))
     running: dict[str, _Sequence] = field(default_factory=dict)
+    handles: dict[str, int] = field(default_factory=dict)
     step_id: int = 0
 
     def plan(self, new: dict[str, list[int]], drop: tuple[str, ...] = ()) -> pb.StepPlan:
@@ -111,24 +115,39 @@ class PlanMaker:
             added = self.allocator.take(max(0, wanted))
             sequence.blocks += added
             sequence.computed += 1
-            plan.continuing_requests.add(request_id=request_id, num_scheduled_tokens=1, new_block_ids=added)
+            if self.by_handle:
+                handle = self.handles[request_id]
+                plan.decode_handles.append(handle)
+                plan.decode_block_handles.extend([handle] * len(added))
+                plan.decode_block_ids.extend(added)
+            else:
+                plan.continuing_requests.add(request_id=request_id, num_scheduled_tokens=1, new_block_ids=added)
         for request_id, prompt in new.items():
             blocks = self.allocator.take(-(-len(prompt) // BLOCK_SIZE))
             self.running[request_id] = _Sequence(len(prompt), blocks)
+            self.handles[request_id] = self.step_id * 100 + len(plan.new_requests) + 1
             plan.new_requests.add(
-                request_id=request_id, token_ids=prompt, block_ids=blocks, num_scheduled_tokens=len(prompt)
+                request_id=request_id,
+                token_ids=prompt,
+                block_ids=blocks,
+                num_scheduled_tokens=len(prompt),
+                handle=self.handles[request_id],
             )
         return plan
+
+    def tokens_of(self, plan: pb.StepPlan, result: pb.StepResult) -> dict[str, list[int]]:
+        """Each request's tokens in the result, from its outputs and its decode tokens."""
+        assert not result.HasField("failure") and not result.rejected
+        tokens = {output.request_id: list(output.token_ids) for output in result.outputs}
+        names = {handle: request_id for request_id, handle in self.handles.items()}
+        for handle, token in zip(plan.decode_handles, result.decode_token_ids, strict=True):
+            tokens[names[handle]] = [token]
+        return tokens
 
 
 def prompt(length: int, seed: int) -> list[int]:
     generator = torch.Generator().manual_seed(seed)
     return torch.randint(3, 1000, (length,), generator=generator).tolist()
-
-
-def tokens_of(result: pb.StepResult) -> dict[str, list[int]]:
-    assert not result.HasField("failure") and not result.rejected
-    return {output.request_id: list(output.token_ids) for output in result.outputs}
 
 
 # (new requests by prompt length, requests dropped, decode steps after it)
@@ -149,18 +168,19 @@ class Scenario:
     graphable: int = 0
 
 
-def run_scenario(runners: list[ModelRunner]) -> Scenario:
+def run_scenario(runners: list[ModelRunner], by_handle: bool = False) -> Scenario:
     """Feeds every runner the same plans, asserting each step's tokens agree."""
-    maker = PlanMaker()
+    maker = PlanMaker(by_handle)
     scenario = Scenario()
     for seed, (new, drop, decodes) in enumerate(SCENARIO):
         plans = [maker.plan({rid: prompt(n, seed * 100 + i) for i, (rid, n) in enumerate(new.items())}, drop)]
         plans += [maker.plan({}) for _ in range(decodes)]
         for plan in plans:
-            results = [tokens_of(runner.execute(plan)) for runner in runners]
+            results = [maker.tokens_of(plan, runner.execute(plan)) for runner in runners]
             assert all(result == results[0] for result in results), f"step {plan.step_id} differs"
             scenario.steps.append(results[0])
-            scenario.graphable += not plan.new_requests and len(plan.continuing_requests) <= MAX_BATCH
+            decodes = len(plan.continuing_requests) + len(plan.decode_handles)
+            scenario.graphable += not plan.new_requests and decodes <= MAX_BATCH
     return scenario
 
 
@@ -185,8 +205,12 @@ def test_graphed_decodes_match_for_other_attention_shapes(model_dirs: dict[str, 
     check_scenario(graphed, make_runner(model_dirs[arch], "cpu", False))
 
 
-def check_scenario(graphed: ModelRunner, eager: ModelRunner) -> None:
-    scenario = run_scenario([graphed, eager])
+def test_graphed_steady_decodes_by_handle_match_the_eager_path(model_dir: Path) -> None:
+    check_scenario(make_runner(model_dir, "cpu", True), make_runner(model_dir, "cpu", False), by_handle=True)
+
+
+def check_scenario(graphed: ModelRunner, eager: ModelRunner, by_handle: bool = False) -> None:
+    scenario = run_scenario([graphed, eager], by_handle)
     assert sum(len(tokens) for tokens in scenario.steps) > 60
     assert graphed.graphs is not None and graphed.graphs.enabled
     # Batches of 5, 3-4 and 1 rows, over contexts of up to 7 blocks; the 10-row steps and those
