@@ -26,10 +26,14 @@ class ExecutorMetrics:
         num_kv_blocks: int,
         blocks_in_use: Callable[[], int],
         registry: CollectorRegistry | None = None,
+        graphed_steps: Callable[[], int] = lambda: 0,
     ) -> None:
+        """graphed_steps: how many steps so far replayed a CUDA graph (decode_graphs.py)."""
         self.registry = registry or CollectorRegistry()
         r = self.registry
         self._blocks_in_use = blocks_in_use
+        self._graphed_steps = graphed_steps
+        self._graphed_seen = 0
         self._counted_at = 0.0
         self.forward_time = Histogram(
             "splitserve:executor_forward_time_seconds",
@@ -52,6 +56,9 @@ class ExecutorMetrics:
         self.steps = Counter("splitserve:executor_steps", "Steps run (plans with work).", registry=r)
         self.step_failures = Counter(
             "splitserve:executor_step_failures", "Steps whose forward pass raised.", registry=r
+        )
+        self.graphed = Counter(
+            "splitserve:executor_graphed_steps", "Steps whose forward replayed a CUDA graph.", registry=r
         )
         self.kv_blocks_total = Gauge(
             "splitserve:executor_kv_blocks_total", "KV cache blocks this executor holds.", registry=r
@@ -80,6 +87,9 @@ class ExecutorMetrics:
             )
         if result.HasField("failure"):
             self.step_failures.inc()
+        graphed = self._graphed_steps()
+        self.graphed.inc(graphed - self._graphed_seen)
+        self._graphed_seen = graphed
         now = time.monotonic()
         if now - self._counted_at >= KV_COUNT_INTERVAL_S:
             self._counted_at = now

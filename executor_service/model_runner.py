@@ -120,6 +120,10 @@ class ModelRunner:
         self.requests.clear()
         self.handles.clear()
 
+    def graphed_steps(self) -> int:
+        """Steps so far whose logits came from a CUDA graph."""
+        return self.graphs.graphed_steps if self.graphs is not None else 0
+
     def num_kv_blocks_in_use(self) -> int:
         return len({block for state in self.requests.values() for block in state.block_ids})
 

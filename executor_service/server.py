@@ -294,7 +294,9 @@ async def serve(executor: ServedExecutor, options: ServeOptions, worker: ThreadP
         ]
     )
     runner = executor.runner
-    metrics = ExecutorMetrics(executor.info.num_kv_blocks, runner.num_kv_blocks_in_use)
+    metrics = ExecutorMetrics(
+        executor.info.num_kv_blocks, runner.num_kv_blocks_in_use, graphed_steps=runner.graphed_steps
+    )
     servicer = ExecutorServicer(executor, worker, options.lease_timeout_s, metrics)
     executor_pb2_grpc.add_ExecutorServicer_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()

@@ -117,6 +117,8 @@ def test_executor_reports_its_steps_and_kv_blocks(scraped: Scraped) -> None:
     generated = scraped.scheduler["splitserve:generation_tokens_total"]
     assert e["splitserve:executor_step_tokens_sum"] >= generated
     assert e["splitserve:executor_step_failures_total"] == 0
+    # No CUDA graphs on the CPU.
+    assert e["splitserve:executor_graphed_steps_total"] == 0
     assert e["splitserve:executor_kv_blocks_total"] == NUM_BLOCKS
     assert scraped.executor_during["splitserve:executor_kv_blocks_in_use"] > len(LONG_PROMPT) // BLOCK_SIZE
 

@@ -23,6 +23,7 @@ from executor_service.decode_graphs import (
     batch_buckets,
     width_buckets,
 )
+from executor_service.metrics import ExecutorMetrics
 from executor_service.model_runner import ModelRunner
 from executor_service.plan_inputs import ScheduledWork
 from executor_service.settings import ExecutorSettings
@@ -311,3 +312,14 @@ def test_attention_output_in_any_layout_is_taken_as_it_is(model_dir: Path, monke
     graphed, eager = make_runner(model_dir, "cpu", True), make_runner(model_dir, "cpu", False)
     monkeypatch.setattr(paged_attention.F, "scaled_dot_product_attention", transposed_in_memory)
     run_scenario([graphed, eager])
+
+
+def test_the_executor_metrics_count_graphed_steps(model_dir: Path) -> None:
+    runner = make_runner(model_dir, "cpu", True)
+    metrics = ExecutorMetrics(NUM_BLOCKS, runner.num_kv_blocks_in_use, graphed_steps=runner.graphed_steps)
+    maker = PlanMaker(by_handle=True)
+    plans = [maker.plan({"a": prompt(5, 1), "b": prompt(9, 2)})] + [maker.plan({}) for _ in range(6)]
+    for plan in plans:
+        metrics.observe_step(plan, runner.execute(plan))
+    assert metrics.registry.get_sample_value("splitserve:executor_graphed_steps_total") == 6
+    assert metrics.registry.get_sample_value("splitserve:executor_steps_total") == 7
