@@ -76,6 +76,10 @@ class TimedRunner:
         # Simulated: no KV is held.
         return 0
 
+    def graphed_steps(self) -> int:
+        # Simulated: no forward at all.
+        return 0
+
     def execute(self, plan: executor_pb2.StepPlan) -> executor_pb2.StepResult:
         started = time.monotonic()
         for request_id in plan.dropped_request_ids:

@@ -40,6 +40,10 @@ class StepRunner(Protocol):
         """Distinct blocks in the block tables of the requests held (worker thread only)."""
         ...
 
+    def graphed_steps(self) -> int:
+        """Steps so far whose forward replayed a CUDA graph (worker thread only)."""
+        ...
+
 
 class ServedExecutor(Protocol):
     """What the service serves: a runner and the ExecutorInfo that describes it (startup's

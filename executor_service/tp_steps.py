@@ -49,6 +49,9 @@ class PlanBroadcaster:
     def num_kv_blocks_in_use(self) -> int:
         return self.runner.num_kv_blocks_in_use()
 
+    def graphed_steps(self) -> int:
+        return self.runner.graphed_steps()
+
     def stop(self) -> None:
         """Ends the followers' loops (on the thread that ran the plans)."""
         _send(_Command.STOP)
