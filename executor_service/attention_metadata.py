@@ -7,6 +7,7 @@ is only the cache write, the gather and the kernel.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -171,6 +172,18 @@ def _new_token_slots(spans: list[SequenceSpan], block_size: int) -> torch.Tensor
     return torch.tensor(slots, dtype=torch.long)
 
 
+def decode_gather_index(
+    table: torch.Tensor, max_context: int, block_size: int, num_kv_heads: int
+) -> torch.Tensor:
+    """DecodeAttention's gather index for a [batch, width] block table, on the table's device:
+    the row of each (sequence, kv head, position < max_context) in the cache's layer viewed as
+    [slots * kv_heads, head_dim], ordered [batch, kv_heads, max_context]."""
+    positions = torch.arange(max_context, device=table.device)
+    slots = table[:, positions // block_size] * block_size + positions % block_size
+    heads = torch.arange(num_kv_heads, device=table.device)
+    return (slots[:, None, :] * num_kv_heads + heads[None, :, None]).flatten()
+
+
 def _decode_attention(
     spans: list[SequenceSpan], block_size: int, num_kv_heads: int, device: torch.device
 ) -> DecodeAttention:
@@ -178,15 +191,10 @@ def _decode_attention(
     lens = [s.context_len for s in spans]
     max_context = max(lens)
     width = -(-max_context // block_size)
-    table = torch.tensor([_padded_blocks(s.block_ids, width) for s in spans], dtype=torch.long)
-    positions = torch.arange(max_context)
-    slots = table[:, positions // block_size] * block_size + positions % block_size
-    # Row of (slot, kv head) in the cache's [slots, kv_heads, head_dim] layout.
-    heads = torch.arange(num_kv_heads)
-    rows = slots[:, None, :] * num_kv_heads + heads[None, :, None]
+    table = torch.tensor([padded_blocks(s.block_ids, width) for s in spans], dtype=torch.long)
     return DecodeAttention(
         token_index=torch.tensor([s.token_start for s in spans], device=device),
-        gather_index=rows.flatten().to(device),
+        gather_index=decode_gather_index(table, max_context, block_size, num_kv_heads).to(device),
         context_lens=torch.tensor(lens, device=device),
         max_context=max_context,
     )
@@ -234,7 +242,7 @@ def _paged_decode(spans: list[SequenceSpan], kv_cache: PagedKVCache, only_decode
     starts = [s.token_start for s in spans]
     return PagedDecode(
         token_index=torch.tensor(starts),
-        block_table=torch.tensor([_padded_blocks(s.block_ids, width) for s in spans], dtype=torch.long),
+        block_table=torch.tensor([padded_blocks(s.block_ids, width) for s in spans], dtype=torch.long),
         context_lens=torch.tensor([s.context_len for s in spans], dtype=torch.long),
         whole_step=only_decodes and starts == list(range(len(spans))),
     )
@@ -252,7 +260,7 @@ def _paged_prefill(spans: list[SequenceSpan], kv_cache: PagedKVCache) -> PagedPr
     )
 
 
-def _padded_blocks(block_ids: tuple[int, ...], width: int) -> list[int]:
+def padded_blocks(block_ids: Sequence[int], width: int) -> list[int]:
     """The first `width` blocks, padded with block 0: padding (like any position past a
     sequence's context) is masked out, so whatever it reads is dropped."""
     blocks = list(block_ids[:width])

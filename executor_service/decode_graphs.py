@@ -26,7 +26,12 @@ from typing import Protocol
 
 import torch
 
-from executor_service.attention_metadata import DecodeAttention, StepAttention
+from executor_service.attention_metadata import (
+    DecodeAttention,
+    StepAttention,
+    decode_gather_index,
+    padded_blocks,
+)
 from executor_service.forward import accepts_logits_to_keep, compute_logits
 from executor_service.kv_cache import PagedKVCache
 from executor_service.model_loader import LoadedModel
@@ -157,7 +162,6 @@ class DecodeGraphs:
         # its block table (B x W), from the front of this buffer: one copy per step.
         self._staging = torch.zeros(rows * (4 + width), dtype=torch.long, device=device)
         self._row_index = torch.arange(rows, device=device)
-        self._kv_heads = torch.arange(kv_cache.shape.num_kv_heads, device=device)
         self._logits = torch.empty(rows, loaded.vocab_size, dtype=torch.float32, device=device)
 
     @property
@@ -235,7 +239,7 @@ class DecodeGraphs:
             positions.append(position)
             slots.append(blocks[position // block_size] * block_size + position % block_size)
             lens.append(position + 1)
-            table += blocks + [0] * (width - len(blocks))
+            table += padded_blocks(blocks, width)
         padding = batch - len(work)
         tokens += [0] * padding
         positions += [0] * padding
@@ -274,14 +278,9 @@ class DecodeGraphs:
         table = staging[4 * batch : (4 + width) * batch].view(batch, width)
 
         def run() -> None:
-            context = torch.arange(width * block_size, device=table.device)
-            context_slots = table[:, context // block_size] * block_size + context % block_size
-            # Rows of the cache viewed as [slots * kv_heads, dim], ordered [batch, kv_heads,
-            # context]: the layout DecodeAttention's gather index has.
-            rows = context_slots[:, None, :] * num_kv_heads + self._kv_heads[None, :, None]
             decodes = DecodeAttention(
                 token_index=self._row_index[:batch],
-                gather_index=rows.flatten(),
+                gather_index=decode_gather_index(table, width * block_size, block_size, num_kv_heads),
                 context_lens=lens,
                 max_context=width * block_size,
                 shared_scratch=False,

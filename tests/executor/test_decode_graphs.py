@@ -19,6 +19,7 @@ from executor_service import decode_graphs, paged_attention
 from executor_service.decode_graphs import (
     DecodeGraphs,
     EagerRecorder,
+    GraphRecorder,
     Replay,
     batch_buckets,
     width_buckets,
@@ -80,11 +81,15 @@ def make_runner(model_dir: Path, device: str, graphed: bool) -> ModelRunner:
     )
     runner = build_executor(settings).runner
     if graphed and runner.graphs is None:
-        runner.graphs = DecodeGraphs(
-            runner.loaded, runner.kv_cache, MAX_BATCH, runner.limits.max_model_len, EagerRecorder()
-        )
+        attach_graphs(runner, EagerRecorder())
     assert (runner.graphs is not None) == graphed
     return runner
+
+
+def attach_graphs(runner: ModelRunner, recorder: GraphRecorder) -> DecodeGraphs:
+    """Gives the runner decode graphs of up to MAX_BATCH rows that capture through recorder."""
+    runner.graphs = DecodeGraphs(runner.loaded, runner.kv_cache, MAX_BATCH, runner.limits.max_model_len, recorder)
+    return runner.graphs
 
 
 @dataclass(slots=True)
@@ -252,9 +257,7 @@ def test_a_failed_capture_turns_graphs_off_and_loses_no_step(
 ) -> None:
     graphed, eager = make_runner(model_dir, "cpu", False), make_runner(model_dir, "cpu", False)
     recorder = _FailingRecorder()
-    graphed.graphs = DecodeGraphs(
-        graphed.loaded, graphed.kv_cache, MAX_BATCH, graphed.limits.max_model_len, recorder
-    )
+    attach_graphs(graphed, recorder)
     with caplog.at_level(logging.ERROR, logger=decode_graphs.__name__):
         run_scenario([graphed, eager])
     assert recorder.calls == 1 and not graphed.graphs.enabled and not graphed.graphs.captured
@@ -276,28 +279,28 @@ class _CountingRecorder(EagerRecorder):
 def test_each_bucket_is_captured_once(model_dir: Path) -> None:
     runner = make_runner(model_dir, "cpu", False)
     recorder = _CountingRecorder()
-    runner.graphs = DecodeGraphs(runner.loaded, runner.kv_cache, MAX_BATCH, runner.limits.max_model_len, recorder)
+    graphs = attach_graphs(runner, recorder)
     scenario = run_scenario([runner])
-    assert recorder.calls == len(runner.graphs.captured) < scenario.graphable // 2
+    assert recorder.calls == len(graphs.captured) < scenario.graphable // 2
 
 
 def test_capturing_every_bucket_up_front_touches_no_block(model_dir: Path) -> None:
     graphed, eager = make_runner(model_dir, "cpu", False), make_runner(model_dir, "cpu", False)
     recorder = _CountingRecorder()
-    graphed.graphs = DecodeGraphs(graphed.loaded, graphed.kv_cache, MAX_BATCH, graphed.limits.max_model_len, recorder)
-    buckets = graphed.graphs.buckets()
+    graphs = attach_graphs(graphed, recorder)
+    buckets = graphs.buckets()
     # Every bucket that fits 64 blocks, the largest gather first.
     assert len(buckets) == 22 and buckets[0] == (8, 8) and buckets[-1] == (1, 1)
     assert all(batch * width <= NUM_BLOCKS for batch, width in buckets)
     cache = graphed.kv_cache
     before = [tuple(t.clone() for t in cache.layer(i)) for i in range(graphed.loaded.num_layers)]
-    assert graphed.graphs.capture_all() == len(buckets) == recorder.calls
+    assert graphs.capture_all() == len(buckets) == recorder.calls
     for layer, was in enumerate(before):
         for tensor, old in zip(cache.layer(layer), was, strict=True):
             assert torch.equal(tensor[: cache.scratch_slot], old[: cache.scratch_slot])
             assert not torch.equal(tensor[cache.scratch_slot], old[cache.scratch_slot])
     scenario = run_scenario([graphed, eager])
-    assert recorder.calls == len(buckets) and graphed.graphs.graphed_steps == scenario.graphable
+    assert recorder.calls == len(buckets) and graphs.graphed_steps == scenario.graphable
 
 
 def test_attention_output_in_any_layout_is_taken_as_it_is(model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
