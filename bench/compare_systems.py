@@ -7,7 +7,8 @@ prefix cache, its own memory high-water marks) and stopped after:
   operations transformers itself runs; no packed weights, no decode kernel);
 - splitserve-eager: the same with no decode step replayed from a CUDA graph (on CUDA, what the
   graphs buy; on the CPU the same as splitserve);
-- vllm: bench.vllm_peer under the vLLM virtualenv's python;
+- vllm: bench.vllm_peer under the vLLM virtualenv's python, with the libraries its CPU guide
+  preloads;
 - transformers, transformers-cb: bench.peer_transformers in a process of its own.
 
 Every system gets KV room for every request at its longest at once (no preemption), in blocks of
@@ -29,6 +30,7 @@ from bench.peer_process import run_peer
 from bench.process_memory import PeakRss
 from bench.throughput_splitserve import drive, running_services, splitserve_label
 from bench.throughput_workload import BenchConfig
+from bench.vllm_preload import preload_env
 from tests.helpers.service_process import cli_flags
 
 # Executor flags of each splitserve system.
@@ -70,6 +72,8 @@ class RunSettings:
     # torch's device and dtype names, for every system but vLLM's CPU build.
     device: str = "cpu"
     dtype: str = "float32"
+    # Libraries LD_PRELOADed into vLLM (bench.vllm_preload).
+    vllm_preload: tuple[Path, ...] = ()
     block_size: int = 16
     max_num_batched_tokens: int = 2048
 
@@ -109,12 +113,12 @@ def measure(
         command += ["--kv-cache-gib", f"{kv_bytes / GiB:.6f}"]
         command += ["--enable-prefix-caching"] if variant.prefix_caching else []
         command += ["--enforce-eager"] if settings.vllm_eager else []
-    else:
-        mode = "static" if variant.system == "transformers" else "batch"
-        command = [sys.executable, "-m", "bench.peer_transformers", mode, *common]
-        command += ["--device", settings.device, "--dtype", settings.dtype]
-        command += ["--page-size", str(settings.block_size)]
-        command += ["--max-batch-tokens", str(settings.max_num_batched_tokens)]
+        return run_peer(command, out, log, settings.timeout_s, preload_env(settings.vllm_preload))
+    mode = "static" if variant.system == "transformers" else "batch"
+    command = [sys.executable, "-m", "bench.peer_transformers", mode, *common]
+    command += ["--device", settings.device, "--dtype", settings.dtype]
+    command += ["--page-size", str(settings.block_size)]
+    command += ["--max-batch-tokens", str(settings.max_num_batched_tokens)]
     return run_peer(command, out, log, settings.timeout_s)
 
 

