@@ -66,7 +66,7 @@ from bench.compare_systems import (
     variants_for,
 )
 from bench.compare_workloads import WORKLOADS, WorkloadSizes, build_workload
-from bench.peer_io import write_requests
+from bench.peer_io import PEER_DTYPES, write_requests
 from bench.peer_process import REPO_ROOT
 from bench.throughput import exit_on_sigterm
 from bench.vllm_preload import (
@@ -106,7 +106,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--runs", type=int, default=3, help="runs per system; figures are their medians")
     parser.add_argument("--threads", type=int, default=2, help="CPU threads of every system")
     parser.add_argument("--device", default="cpu", help="torch device of every system but vllm (CPU only): cpu, cuda")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--dtype", default="float32", choices=PEER_DTYPES)
     parser.add_argument("--out-dir", type=Path, default=REPO_ROOT / "bench-peers", help="logs, results, model cache")
     parser.add_argument("--json", type=Path, help="default OUT_DIR/results.json")
     parser.add_argument("--png", type=Path, help="default OUT_DIR/results.png")
@@ -141,16 +141,24 @@ def available_systems(args: argparse.Namespace) -> list[str]:
     if "vllm" not in args.systems:
         return args.systems
     if args.vllm_python.is_file():
-        try:
-            preload_paths(venv_of(args.vllm_python), args.vllm_preload)
-        except PreloadMissing as missing:
-            raise SystemExit(f"vllm: {missing}") from None
+        vllm_preloads(args, args.systems)  # refuses a missing library before any model is built
         return args.systems
     message = f"{args.vllm_python} is missing (make bench-setup-vllm makes it)"
     if args.require_vllm:
         raise SystemExit(f"vllm: {message}")
     logger.warning("event=system_skipped system=vllm reason=%r", message)
     return [s for s in args.systems if s != "vllm"]
+
+
+def vllm_preloads(args: argparse.Namespace, systems: list[str]) -> tuple[Path, ...]:
+    """The library files LD_PRELOADed into the vllm peer; none when vllm does not run. Exits
+    naming the setup script when one is missing from its virtualenv."""
+    if "vllm" not in systems:
+        return ()
+    try:
+        return preload_paths(venv_of(args.vllm_python), args.vllm_preload)
+    except PreloadMissing as missing:
+        raise SystemExit(f"vllm: {missing}") from None
 
 
 def workload_sizes(args: argparse.Namespace) -> WorkloadSizes:
@@ -166,8 +174,9 @@ def model_for(spec: str, args: argparse.Namespace, build_dir: Path) -> BenchMode
 
 
 def compare_workload(
-    model: BenchModel, workload_name: str, args: argparse.Namespace, systems: list[str]
+    model: BenchModel, workload_name: str, args: argparse.Namespace, systems: list[str], preload: tuple[Path, ...]
 ) -> WorkloadReport:
+    """preload: vllm_preloads' files for the vllm peer."""
     # Token ids are drawn below the model's vocabulary size.
     workload = build_workload(workload_name, workload_sizes(args), model.vocab_size)
     work_dir = args.out_dir / "runs"
@@ -175,7 +184,6 @@ def compare_workload(
     slug = f"{model.path.name}.{workload_name}"
     requests_file = work_dir / f"{slug}.requests.json"
     write_requests(requests_file, workload.requests)
-    preload = preload_paths(venv_of(args.vllm_python), args.vllm_preload) if "vllm" in systems else ()
     settings = RunSettings(
         args.threads, args.vllm_python, args.vllm_eager, args.timeout, work_dir, args.device, args.dtype, preload
     )
@@ -251,6 +259,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     signal.signal(signal.SIGTERM, exit_on_sigterm)
     systems = available_systems(args)
+    preload = vllm_preloads(args, systems)
     args.out_dir.mkdir(parents=True, exist_ok=True)
     args.json = args.json or args.out_dir / "results.json"
     args.png = args.png or args.out_dir / "results.png"
@@ -259,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
         for spec in args.models:
             model = model_for(spec, args, Path(build_dir))
             for workload_name in args.workloads:
-                report = compare_workload(model, workload_name, args, systems)
+                report = compare_workload(model, workload_name, args, systems, preload)
                 reports.append(report)
                 print(format_table(report) + "\n", flush=True)
     settings = {key: str(value) if isinstance(value, Path) else value for key, value in vars(args).items()}

@@ -15,6 +15,9 @@ from enum import StrEnum
 from itertools import groupby
 from pathlib import Path
 
+# torch dtype names a peer may be asked to run in (--dtype of bench.compare and of the peers).
+PEER_DTYPES = ("float32", "bfloat16", "float16")
+
 
 @dataclass(slots=True, frozen=True)
 class PeerRequest:

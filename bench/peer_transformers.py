@@ -19,6 +19,7 @@ import torch
 
 from bench.compare_records import run_result_of
 from bench.peer_io import (
+    PEER_DTYPES,
     PeerRequest,
     RunResult,
     load_requests,
@@ -46,7 +47,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--dtype", default="float32", choices=PEER_DTYPES)
     parser.add_argument("--page-size", type=int, default=16, help="batch: tokens per KV page")
     parser.add_argument("--max-batch-tokens", type=int, default=2048, help="batch: tokens per step")
     return parser.parse_args(argv)
