@@ -63,8 +63,33 @@ def gguf_location() -> tuple[Path, str]:
     return folder, GGUF_FILE
 
 
+class FolderNotOurs(Exception):
+    """The target folder holds something this module did not write: it is never touched."""
+
+
 def is_prepared(folder: Path) -> bool:
     return (folder / COMPLETE_MARKER).is_file()
+
+
+def check_target(target: Path) -> None:
+    """Raises FolderNotOurs unless the target is free to prepare into: absent, an empty folder,
+    or a folder this module completed (its marker says so). Nothing else is ever replaced, so
+    a user's own checkpoint given as --cache-dir stays byte for byte as it was."""
+    if not target.exists() or is_prepared(target):
+        return
+    if not target.is_dir():
+        raise FolderNotOurs(f"{target} is a file, not a folder prepare-model made; it is left as it is")
+    if not any(target.iterdir()):
+        return
+    hint = (
+        f"; it looks like a model folder: serve it with `splitserve serve {target}`"
+        if (target / "config.json").is_file()
+        else "; pass an empty or new folder as --cache-dir"
+    )
+    raise FolderNotOurs(
+        f"{target} holds files prepare-model did not write (no {COMPLETE_MARKER} marker); "
+        f"it is left as it is{hint}"
+    )
 
 
 def prepare_model(cache_dir: Path | str | None = None) -> Path:
@@ -72,13 +97,15 @@ def prepare_model(cache_dir: Path | str | None = None) -> Path:
 
     Returns at once when the folder is already complete. Otherwise builds it in a sibling temp
     folder and renames it into place, so an interrupted run never leaves a half-written model
-    that a later run would take as ready.
+    that a later run would take as ready. Raises FolderNotOurs, before any work, when the
+    folder holds files it did not write.
     """
     target = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     if is_prepared(target):
         logger.info("model already prepared at %s", target)
         add_recommended_sampling(target)
         return target
+    check_target(target)
     gguf_dir, gguf_file = gguf_location()
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
@@ -120,14 +147,13 @@ def add_recommended_sampling(folder: Path) -> None:
 
 
 def _move_into_place(tmp: Path, target: Path) -> None:
-    if target.exists():
-        if is_prepared(target):
-            # Another process finished first; its copy is as good as ours.
-            return
-        # Left over from a run that predates the marker or was copied in by hand: not trusted.
-        logger.warning("replacing incomplete folder %s", target)
-        shutil.rmtree(target)
+    if is_prepared(target):
+        # Another process finished first; its copy is as good as ours.
+        return
+    # Asked again: something may have been written there during the build.
+    check_target(target)
     try:
+        # Onto an empty folder or nothing; rename refuses a folder that has filled meanwhile.
         os.rename(tmp, target)
     except OSError:
         if not is_prepared(target):
@@ -194,7 +220,11 @@ def main(argv: list[str] | None = None, prog: str = "python -m executor_service.
     logging.basicConfig(
         level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(message)s"
     )
-    folder = prepare_model(args.cache_dir)
+    try:
+        folder = prepare_model(args.cache_dir)
+    except (FolderNotOurs, FileNotFoundError) as refusal:
+        logger.error("event=prepare_model_refused reason=%r", str(refusal))
+        return 2
     print(folder)
     return 0
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -12,6 +14,9 @@ import pytest
 from executor_service.prepare_model import (
     COMPLETE_MARKER,
     RECOMMENDED_SAMPLING,
+    FolderNotOurs,
+    _move_into_place,
+    check_target,
     is_prepared,
     prepare_model,
 )
@@ -80,3 +85,65 @@ def test_greedy_chat_answer(prepared: Path) -> None:
     assert "Paris" in answer
     # Generation ended on <|im_end|> rather than on the token limit.
     assert output[0, -1].item() == 2
+
+
+def _snapshot(folder: Path) -> dict[str, tuple[bytes, int]]:
+    """Every file under folder: its bytes and its modification time in ns."""
+    return {
+        str(path.relative_to(folder)): (path.read_bytes(), path.stat().st_mtime_ns)
+        for path in sorted(folder.rglob("*"))
+        if path.is_file()
+    }
+
+
+def _plant_checkpoint(folder: Path) -> None:
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 64}))
+    (folder / "model.safetensors").write_bytes(bytes(range(256)) * 4096)
+    (folder / "notes").mkdir()
+    (folder / "notes" / "README.md").write_text("my fine-tune, three weeks of work\n")
+
+
+def test_a_users_checkpoint_given_as_cache_dir_survives_byte_for_byte(tmp_path: Path) -> None:
+    mine = tmp_path / "my-model"
+    _plant_checkpoint(mine)
+    before = _snapshot(mine)
+    command = [str(Path(sys.executable).parent / "splitserve"), "prepare-model", "--cache-dir", str(mine)]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2, result.stderr
+    assert result.stdout == ""
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert "left as it is" in lines[0] and f"splitserve serve {mine}" in lines[0]
+    assert _snapshot(mine) == before
+    # Nothing was built beside it either.
+    assert [p.name for p in tmp_path.iterdir()] == ["my-model"]
+
+
+@pytest.mark.parametrize("planted", ["a file", "a folder with files"])
+def test_a_target_that_fills_during_the_build_is_not_replaced(tmp_path: Path, planted: str) -> None:
+    target = tmp_path / "target"
+    built = tmp_path / ".target.tmp-1"
+    built.mkdir()
+    (built / "config.json").write_text("{}")
+    if planted == "a file":
+        target.write_text("someone's file\n")
+    else:
+        _plant_checkpoint(target)
+    before = _snapshot(target) if target.is_dir() else target.read_bytes()
+    with pytest.raises(FolderNotOurs):
+        _move_into_place(built, target)
+    assert (_snapshot(target) if target.is_dir() else target.read_bytes()) == before
+
+
+def test_an_empty_or_prepared_folder_may_be_prepared_into(tmp_path: Path, prepared: Path) -> None:
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    check_target(empty)
+    check_target(tmp_path / "absent")
+    check_target(prepared)
+    built = tmp_path / ".empty.tmp-1"
+    built.mkdir()
+    (built / COMPLETE_MARKER).write_text("test\n")
+    _move_into_place(built, empty)
+    assert is_prepared(empty) and not built.exists()
