@@ -16,6 +16,8 @@ from clients.errors import SplitserveError
 from clients.request_builder import (
     ChatMessage,
     GenerateOptions,
+    TemplateValue,
+    build_detokenize_request,
     build_generate_request,
     build_tokenize_request,
 )
@@ -174,10 +176,20 @@ class AsyncClient:
         messages: Sequence[ChatMessage] | None = None,
         *,
         add_generation_prompt: bool = True,
+        chat_template_kwargs: Mapping[str, TemplateValue] | None = None,
         api_key: str | None = None,
     ) -> TokenizeResult:
-        request = build_tokenize_request(text, messages, add_generation_prompt)
+        """The token ids Generate would use for text or a chat (rendered with the template, given
+        chat_template_kwargs as extra variables)."""
+        request = build_tokenize_request(text, messages, add_generation_prompt, chat_template_kwargs)
         return tokenize_result(await self._unary(self._stub.Tokenize, request, api_key))
+
+    async def detokenize(
+        self, token_ids: Sequence[int], *, skip_special_tokens: bool = False, api_key: str | None = None
+    ) -> str:
+        """The text of token ids (special tokens included unless skip_special_tokens)."""
+        request = build_detokenize_request(token_ids, skip_special_tokens)
+        return (await self._unary(self._stub.Detokenize, request, api_key)).text
 
     async def model_info(self, *, api_key: str | None = None) -> pb.ModelInfo:
         return await self._unary(self._stub.GetModelInfo, pb.GetModelInfoRequest(), api_key)

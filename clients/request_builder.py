@@ -11,6 +11,8 @@ T = TypeVar("T")
 R = TypeVar("R")
 # A chat turn as (role, content) or {"role": ..., "content": ...}.
 ChatMessage = tuple[str, str] | Mapping[str, str]
+# A chat template variable's value (the scheduler takes plain values only).
+TemplateValue = bool | int | float | str
 
 
 class GenerateOptions(TypedDict, total=False):
@@ -35,7 +37,9 @@ class GenerateOptions(TypedDict, total=False):
     logprobs: int | None
     min_tokens: int | None
     skip_special_tokens: bool | None
+    include_stop_str_in_output: bool | None
     add_generation_prompt: bool
+    chat_template_kwargs: Mapping[str, TemplateValue] | None
     priority: int
     request_id: str | None
     cache_salt: str | None
@@ -61,7 +65,9 @@ def build_generate_request(
     logprobs: int | None = None,
     min_tokens: int | None = None,
     skip_special_tokens: bool | None = None,
+    include_stop_str_in_output: bool | None = None,
     add_generation_prompt: bool = True,
+    chat_template_kwargs: Mapping[str, TemplateValue] | None = None,
     priority: int = 0,
     request_id: str | None = None,
     cache_salt: str | None = None,
@@ -69,8 +75,10 @@ def build_generate_request(
     """Builds a GenerateRequest; raises ValueError for a bad combination or value.
 
     Exactly one of prompt (text), prompt_token_ids and messages (a chat, rendered with the
-    model's template; add_generation_prompt appends the assistant prefix) must be given.
-    skip_special_tokens=False asks for the text of special tokens too.
+    model's template; add_generation_prompt appends the assistant prefix, chat_template_kwargs
+    are extra template variables such as {"enable_thinking": False}) must be given.
+    skip_special_tokens=False asks for the text of special tokens too;
+    include_stop_str_in_output=True ends the text with the stop string that ended it.
     """
     prompts = {"prompt": prompt, "prompt_token_ids": prompt_token_ids, "messages": messages}
     given = [name for name, value in prompts.items() if value is not None]
@@ -88,7 +96,9 @@ def build_generate_request(
     elif prompt_token_ids is not None:
         _checked("prompt_token_ids", request.token_ids.ids.extend, list(prompt_token_ids))
     elif messages is not None:
-        request.chat.CopyFrom(chat(messages, add_generation_prompt))
+        request.chat.CopyFrom(chat(messages, add_generation_prompt, chat_template_kwargs))
+    elif chat_template_kwargs is not None:
+        raise ValueError("chat_template_kwargs needs messages (a chat prompt)")
 
     params = request.sampling
     scalars = {
@@ -104,6 +114,7 @@ def build_generate_request(
         "ignore_eos": ignore_eos,
         "logprobs": logprobs,
         "min_tokens": min_tokens,
+        "include_stop_str_in_output": include_stop_str_in_output,
     }
     for name, value in scalars.items():
         if value is not None:
@@ -125,20 +136,51 @@ def build_tokenize_request(
     text: str | None = None,
     messages: Sequence[ChatMessage] | None = None,
     add_generation_prompt: bool = True,
+    chat_template_kwargs: Mapping[str, TemplateValue] | None = None,
 ) -> pb.TokenizeRequest:
     if (text is None) == (messages is None):
         raise ValueError("exactly one of text and messages must be given")
     if messages is not None:
-        return pb.TokenizeRequest(chat=chat(messages, add_generation_prompt))
+        return pb.TokenizeRequest(chat=chat(messages, add_generation_prompt, chat_template_kwargs))
+    if chat_template_kwargs is not None:
+        raise ValueError("chat_template_kwargs needs messages (a chat prompt)")
     return pb.TokenizeRequest(text=text)
 
 
-def chat(messages: Sequence[ChatMessage], add_generation_prompt: bool) -> pb.Chat:
+def build_detokenize_request(token_ids: Sequence[int], skip_special_tokens: bool) -> pb.DetokenizeRequest:
+    request = pb.DetokenizeRequest(skip_special_tokens=skip_special_tokens)
+    _checked("token_ids", request.token_ids.extend, list(token_ids))
+    return request
+
+
+def chat(
+    messages: Sequence[ChatMessage],
+    add_generation_prompt: bool,
+    template_kwargs: Mapping[str, TemplateValue] | None = None,
+) -> pb.Chat:
     if isinstance(messages, (str, bytes)) or not messages:
         raise ValueError("messages must be a non-empty list of chat turns")
     return pb.Chat(
         messages=[_chat_message(turn) for turn in messages],
         add_generation_prompt=add_generation_prompt,
+        template_kwargs={name: template_value(name, value) for name, value in (template_kwargs or {}).items()},
+    )
+
+
+def template_value(name: str, value: TemplateValue) -> pb.TemplateValue:
+    """One chat template variable; ValueError for a value that is not plain."""
+    # bool first: a bool is also an int.
+    if isinstance(value, bool):
+        return pb.TemplateValue(bool_value=value)
+    if isinstance(value, int):
+        return _checked(f"chat_template_kwargs[{name!r}]", lambda v: pb.TemplateValue(int_value=v), value)
+    if isinstance(value, float):
+        return pb.TemplateValue(float_value=value)
+    if isinstance(value, str):
+        return pb.TemplateValue(string_value=value)
+    raise ValueError(
+        f"chat_template_kwargs[{name!r}] is a {type(value).__name__}; values must be booleans, "
+        "numbers or strings"
     )
 
 

@@ -50,6 +50,11 @@ class GenerationStub:
                 request_serializer=protos_dot_splitserve_dot_v1_dot_generation__pb2.TokenizeRequest.SerializeToString,
                 response_deserializer=protos_dot_splitserve_dot_v1_dot_generation__pb2.TokenizeResponse.FromString,
                 _registered_method=True)
+        self.Detokenize = channel.unary_unary(
+                '/splitserve.v1.Generation/Detokenize',
+                request_serializer=protos_dot_splitserve_dot_v1_dot_generation__pb2.DetokenizeRequest.SerializeToString,
+                response_deserializer=protos_dot_splitserve_dot_v1_dot_generation__pb2.DetokenizeResponse.FromString,
+                _registered_method=True)
         self.GetModelInfo = channel.unary_unary(
                 '/splitserve.v1.Generation/GetModelInfo',
                 request_serializer=protos_dot_splitserve_dot_v1_dot_generation__pb2.GetModelInfoRequest.SerializeToString,
@@ -70,9 +75,11 @@ class GenerationServicer:
         """Queues one request and streams its output. The first message arrives when the first token is
         known; the last one carries finish_reason, usage and timings. Cancelling the call aborts the
         request and frees its KV-cache blocks at once.
-        Errors: INVALID_ARGUMENT (bad prompt or sampling values), FAILED_PRECONDITION (text sent to a
-        server without a tokenizer), RESOURCE_EXHAUSTED (queue full or prompt can never fit the KV
-        cache), ALREADY_EXISTS (request_id already in flight), UNAVAILABLE (no executor is up).
+        Errors: INVALID_ARGUMENT (bad prompt or sampling values, chat template variables the server
+        refuses, or a prompt plus max_tokens beyond the model's maximum length), FAILED_PRECONDITION
+        (text sent to a server without a tokenizer), RESOURCE_EXHAUSTED (queue full or prompt can
+        never fit the KV cache), ALREADY_EXISTS (request_id already in flight), UNAVAILABLE (no
+        executor is up).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -88,6 +95,15 @@ class GenerationServicer:
 
     def Tokenize(self, request, context):
         """Turns text (or a chat) into the token ids Generate would use for it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Detokenize(self, request, context):
+        """Turns token ids back into text with the model's tokenizer.
+        Errors: INVALID_ARGUMENT (an id outside the vocabulary, or more ids than --max-prompt-tokens),
+        FAILED_PRECONDITION (a server without a tokenizer).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -124,6 +140,11 @@ def add_GenerationServicer_to_server(servicer, server):
                     servicer.Tokenize,
                     request_deserializer=protos_dot_splitserve_dot_v1_dot_generation__pb2.TokenizeRequest.FromString,
                     response_serializer=protos_dot_splitserve_dot_v1_dot_generation__pb2.TokenizeResponse.SerializeToString,
+            ),
+            'Detokenize': grpc.unary_unary_rpc_method_handler(
+                    servicer.Detokenize,
+                    request_deserializer=protos_dot_splitserve_dot_v1_dot_generation__pb2.DetokenizeRequest.FromString,
+                    response_serializer=protos_dot_splitserve_dot_v1_dot_generation__pb2.DetokenizeResponse.SerializeToString,
             ),
             'GetModelInfo': grpc.unary_unary_rpc_method_handler(
                     servicer.GetModelInfo,
@@ -218,6 +239,33 @@ class Generation:
             '/splitserve.v1.Generation/Tokenize',
             protos_dot_splitserve_dot_v1_dot_generation__pb2.TokenizeRequest.SerializeToString,
             protos_dot_splitserve_dot_v1_dot_generation__pb2.TokenizeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Detokenize(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/splitserve.v1.Generation/Detokenize',
+            protos_dot_splitserve_dot_v1_dot_generation__pb2.DetokenizeRequest.SerializeToString,
+            protos_dot_splitserve_dot_v1_dot_generation__pb2.DetokenizeResponse.FromString,
             options,
             channel_credentials,
             insecure,
