@@ -17,6 +17,11 @@ from pathlib import Path
 from tokenizers import Tokenizer
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
+from scheduler_service.text.template_kwargs import (
+    TemplateValue,
+    checked_template_kwargs,
+    reserved_template_names,
+)
 from scheduler_service.text.token_bytes import TokenBytes
 
 logger = logging.getLogger(__name__)
@@ -47,6 +52,7 @@ class TextProcessor:
         by_length = sorted(specials, key=len, reverse=True)
         self._special_text = re.compile("|".join(map(re.escape, by_length)) or "(?!)")
         self._plain_backend = _plain_text_backend(tokenizer)
+        self._reserved_template_names = reserved_template_names(tokenizer)
         # Each token's bytes, for logprobs.
         self.token_bytes = TokenBytes(tokenizer)
 
@@ -86,26 +92,39 @@ class TextProcessor:
         """Token ids of plain text, with the special tokens the tokenizer adds (BOS, if any)."""
         return list(self._tokenizer.encode(text, add_special_tokens=True))
 
-    def encode_chat(self, messages: Sequence[ChatTurn], add_generation_prompt: bool) -> list[int]:
+    def encode_chat(
+        self,
+        messages: Sequence[ChatTurn],
+        add_generation_prompt: bool,
+        template_kwargs: Mapping[str, TemplateValue] | None = None,
+    ) -> list[int]:
         """Token ids of a conversation rendered with the chat template.
 
         The template writes its own special tokens (BOS included where the model wants one), so
         the rendered text is encoded without adding more. Special-token strings that a client
         writes in a message's content are encoded as plain text: they could otherwise end a
-        turn and forge the next one.
+        turn and forge the next one. template_kwargs are extra template variables
+        (TemplateKwargsError, a ValueError, for those refused; see text/template_kwargs.py).
         """
         if not self.has_chat_template:
             raise ValueError("the tokenizer has no chat template")
+        variables = checked_template_kwargs(template_kwargs or {}, self._reserved_template_names)
+        # A template may print a variable anywhere, where no stand-in could quote it.
+        if any(isinstance(v, str) and self._special_text.search(v) for v in variables.values()):
+            raise ChatContentError("a chat_template_kwargs string contains a special token")
         conversation = [_as_dict(turn) for turn in messages]
         if any(self._special_text.search(turn["role"]) for turn in conversation):
             raise ChatContentError("a message role contains a special token")
         if any(self._special_text.search(turn["content"]) for turn in conversation):
-            return self._encode_chat_quoting_specials(conversation, add_generation_prompt)
-        rendered = self._render_chat(conversation, add_generation_prompt)
+            return self._encode_chat_quoting_specials(conversation, add_generation_prompt, variables)
+        rendered = self._render_chat(conversation, add_generation_prompt, variables)
         return list(self._tokenizer.encode(rendered, add_special_tokens=False))
 
     def _encode_chat_quoting_specials(
-        self, conversation: list[dict[str, str]], add_generation_prompt: bool
+        self,
+        conversation: list[dict[str, str]],
+        add_generation_prompt: bool,
+        variables: Mapping[str, TemplateValue],
     ) -> list[int]:
         """encode_chat for contents that hold special-token strings.
 
@@ -138,7 +157,7 @@ class TextProcessor:
             {"role": turn["role"], "content": self._special_text.sub(stand_in, turn["content"])}
             for turn in conversation
         ]
-        rendered = self._render_chat(marked, add_generation_prompt)
+        rendered = self._render_chat(marked, add_generation_prompt, variables)
         stand_ins = re.compile(f"{key}\\d+{key}")
         found = stand_ins.findall(rendered)
         if rendered.count(key) != 2 * len(found) or not originals.keys() >= set(found):
@@ -172,9 +191,14 @@ class TextProcessor:
             pending, pending_start = [], end
         return ids + stretch(pending_start, len(rendered), pending)
 
-    def _render_chat(self, conversation: list[dict[str, str]], add_generation_prompt: bool) -> str:
+    def _render_chat(
+        self,
+        conversation: list[dict[str, str]],
+        add_generation_prompt: bool,
+        variables: Mapping[str, TemplateValue],
+    ) -> str:
         rendered = self._tokenizer.apply_chat_template(
-            conversation, add_generation_prompt=add_generation_prompt, tokenize=False
+            conversation, add_generation_prompt=add_generation_prompt, tokenize=False, **variables
         )
         if not isinstance(rendered, str):
             raise TypeError(f"chat template rendered {type(rendered).__name__}, expected str")
