@@ -49,6 +49,8 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    # The stop string that ended the request ends the output text too (vLLM's field).
+    include_stop_str_in_output: bool = False
 
     def problems(self, vocab_size: int, max_logprobs: int) -> list[str]:
         """Every way these settings are invalid, each as a sentence for the client."""

@@ -53,6 +53,7 @@ class OutputStream:
                 request.sampling.skip_special_tokens,
                 request.sampling.stop,
                 request.sampling.min_tokens,
+                request.sampling.include_stop_str_in_output,
             )
             if text is not None
             else None

@@ -7,7 +7,8 @@ produced is subtracted (the prefix-offset/read-offset technique). The window sta
 long, so each token costs a constant amount of work however long the output grows.
 
 Only final text is returned: nothing that ends in an incomplete character, and nothing that could
-still turn out to be the start of a stop string.
+still turn out to be the start of a stop string (unless the stop string is to be returned too,
+vLLM's include_stop_str_in_output: then nothing needs holding back).
 """
 
 from __future__ import annotations
@@ -40,7 +41,8 @@ class DetokenizerStep:
 
     # Text to stream now.
     text_delta: str
-    # The stop string that ended the output (it is not part of text_delta), if one appeared.
+    # The stop string that ended the output (the end of text_delta only when it is included),
+    # if one appeared.
     stop_string: str | None = None
 
 
@@ -54,6 +56,7 @@ class IncrementalDetokenizer:
         skip_special_tokens: bool,
         stop: Sequence[str] = (),
         min_tokens: int = 0,
+        include_stop_str_in_output: bool = False,
     ) -> None:
         self._tokenizer = tokenizer
         # Stop strings apply from this many output tokens on (vLLM's min_tokens semantics).
@@ -68,8 +71,12 @@ class IncrementalDetokenizer:
         self._advance(self._decode(self._window))
         self._stops = tuple(s for s in stop if s)
         self._max_stop_len = max((len(s) for s in self._stops), default=0)
+        self._include_stop = include_stop_str_in_output
         # Final text held back because it may be the start of a stop string.
         self._held = ""
+        # With the stop string included nothing is held back, so the end of the text already
+        # returned (too short to hold a whole stop string) is kept to find a stop that began in it.
+        self._tail = ""
         self._stopped = False
 
     @property
@@ -112,10 +119,11 @@ class IncrementalDetokenizer:
             text += window_text[len(self._prefix_text) :].rstrip(REPLACEMENT_CHAR)
             self._advance(window_text)
         if self._stops:
-            position, stop_string = self._find_stop(text)
+            searched = self._tail + text
+            position, stop_string = self._find_stop(searched)
             if stop_string is not None:
                 self._stopped = True
-                return text[:position]
+                return searched[len(self._tail) : self._stop_end(position, stop_string)]
         return text
 
     def _push_token(self, token_id: int) -> str:
@@ -165,16 +173,23 @@ class IncrementalDetokenizer:
         if not self._stops:
             return DetokenizerStep(text)
         # Any stop string that began in text returned earlier would have kept its start held
-        # back, so searching the held text plus the new text finds every match.
-        pending = self._held + text
-        position, stop_string = self._find_stop(pending)
+        # back (or in the tail), so searching it plus the new text finds every match.
+        searched = self._tail + self._held + text
+        position, stop_string = self._find_stop(searched)
         if stop_string is not None:
             self._stopped = True
             self._held = ""
-            return DetokenizerStep(pending[:position], stop_string)
-        keep = self._possible_stop_start(pending)
-        self._held = pending[len(pending) - keep :]
-        return DetokenizerStep(pending[: len(pending) - keep])
+            return DetokenizerStep(searched[len(self._tail) : self._stop_end(position, stop_string)], stop_string)
+        if self._include_stop:
+            self._tail = searched[max(len(searched) - self._max_stop_len + 1, 0) :]
+            return DetokenizerStep(text)
+        keep = self._possible_stop_start(searched)
+        self._held = searched[len(searched) - keep :]
+        return DetokenizerStep(searched[: len(searched) - keep])
+
+    def _stop_end(self, position: int, stop_string: str) -> int:
+        """Where the returned text ends for a stop string found at position."""
+        return position + len(stop_string) if self._include_stop else position
 
     def _find_stop(self, text: str) -> tuple[int, str | None]:
         """Position and value of the stop string in text that ends first.
