@@ -26,6 +26,7 @@ from scheduler_service.service.intake_limits import (
     check_generate,
     check_prompt,
 )
+from scheduler_service.text.template_kwargs import TemplateValue
 from scheduler_service.text.tokenizer import TextProcessor
 
 # Above this much prompt text (UTF-8 bytes, about a millisecond of tokenizing) or this many
@@ -65,6 +66,32 @@ class Intake:
             self._worker, prompt_token_ids, message, self.text, "input"
         )
 
+    async def text_of(self, message: pb.DetokenizeRequest, vocab_size: int | None) -> str:
+        """The text of token ids; vocab_size (None before any executor answered): the model's,
+        else the tokenizer's own size bounds the ids."""
+        text = self.text
+        if text is None:
+            raise RequestRejected(
+                ErrorKind.UNSUPPORTED, "this server has no tokenizer (start it with --tokenizer) to detokenize with"
+            )
+        ids = message.token_ids
+        if len(ids) > self.limits.max_prompt_tokens:
+            raise RequestRejected(
+                ErrorKind.INVALID,
+                f"{len(ids)} token ids; at most {self.limits.max_prompt_tokens} are allowed (--max-prompt-tokens)",
+            )
+        # Ids past the tokenizer's own table have no text, whatever the model's vocabulary holds.
+        bound = min(vocab_size, len(text.tokenizer)) if vocab_size else len(text.tokenizer)
+        outside = sorted({t for t in ids if t >= bound})
+        if outside:
+            raise RequestRejected(
+                ErrorKind.INVALID, f"token ids {outside[:10]} are outside the vocabulary of {bound}"
+            )
+        skip = message.skip_special_tokens
+        if len(ids) <= INLINE_TOKEN_IDS:
+            return text.decode(ids, skip_special_tokens=skip)
+        return await asyncio.get_running_loop().run_in_executor(self._worker, text.decode, list(ids), skip)
+
     def close(self) -> None:
         self._worker.shutdown(wait=False, cancel_futures=True)
 
@@ -100,6 +127,7 @@ def sampling_from_proto(message: pb.SamplingParams, defaults: SamplingDefaults) 
         ignore_eos=message.ignore_eos,
         logprobs=optional("logprobs", None),
         skip_special_tokens=not message.keep_special_tokens,
+        include_stop_str_in_output=message.include_stop_str_in_output,
     )
 
 
@@ -124,12 +152,35 @@ def prompt_token_ids(
     turns = [(m.role, m.content) for m in message.chat.messages]
     if not turns:
         raise RequestRejected(ErrorKind.INVALID, "chat has no messages")
+    variables = {name: template_value(value) for name, value in message.chat.template_kwargs.items()}
+    if None in variables.values():
+        unset = sorted(name for name, value in variables.items() if value is None)
+        raise RequestRejected(ErrorKind.INVALID, f"chat template_kwargs {unset[:10]} have no value set")
     try:
-        return text.encode_chat(turns, add_generation_prompt=message.chat.add_generation_prompt)
+        return text.encode_chat(turns, message.chat.add_generation_prompt, variables)
     except (ValueError, TemplateError) as error:
         # The template refused the conversation (its raise_exception: roles out of order, say)
         # or its content cannot be kept apart from the template's control tokens.
         raise RequestRejected(ErrorKind.INVALID, f"the chat cannot be rendered: {error}") from None
+
+
+def template_value(value: pb.TemplateValue) -> TemplateValue | None:
+    kind = value.WhichOneof("kind")
+    return None if kind is None else getattr(value, kind)
+
+
+def context_overflow(prompt_tokens: int, max_tokens: int, max_model_len: int) -> str | None:
+    """vLLM's refusal of a request that asks for more tokens than the context holds, or None.
+
+    A prompt that alone fills the context is the engine's to refuse ("leaves no room").
+    """
+    if prompt_tokens >= max_model_len or prompt_tokens + max_tokens <= max_model_len:
+        return None
+    return (
+        f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+        f"{prompt_tokens + max_tokens} tokens ({prompt_tokens} in the messages, {max_tokens} in the "
+        "completion). Please reduce the length of the messages or completion."
+    )
 
 
 def build_request(
@@ -151,6 +202,11 @@ def build_request(
         )
     sampling = sampling_from_proto(message.sampling, defaults)
     problems = sampling.problems(vocab_size, max_logprobs)
+    # Only a max_tokens the caller asked for: the server's default is capped by the context.
+    if message.sampling.HasField("max_tokens") and sampling.max_tokens:
+        overflow = context_overflow(len(token_ids), sampling.max_tokens, info.max_model_len)
+        if overflow is not None:
+            problems.append(overflow)
     if sampling.stop and text is None:
         problems.append("stop strings need a tokenizer (start the server with --tokenizer)")
     if problems:

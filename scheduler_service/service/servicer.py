@@ -98,6 +98,16 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         pieces = self.engine.text.token_pieces(ids) if self.engine.text else []
         return pb.TokenizeResponse(token_ids=ids, tokens=pieces)
 
+    async def Detokenize(
+        self, request: pb.DetokenizeRequest, context: grpc.aio.ServicerContext
+    ) -> pb.DetokenizeResponse:
+        info = self.engine.info
+        try:
+            text = await self.intake.text_of(request, info.vocab_size if info else None)
+        except RequestRejected as rejected:
+            await context.abort(STATUS_CODES[rejected.kind], str(rejected))
+        return pb.DetokenizeResponse(text=text)
+
     async def GetModelInfo(self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext) -> pb.ModelInfo:
         info = await self._require_info(context)
         text = self.engine.text
