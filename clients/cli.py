@@ -1,4 +1,7 @@
-"""Command-line client: `python -m clients generate|tokenize|status --server HOST:PORT ...`."""
+"""Command-line client: `python -m clients generate|tokenize|status [--server HOST:PORT] ...`.
+
+Generated text goes to stdout; errors and (with -v) log lines go to stderr, so the text can be
+piped on its own."""
 
 from __future__ import annotations
 
@@ -7,8 +10,10 @@ import json
 import logging
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+
+import grpc
 
 from google.protobuf import json_format
 from google.protobuf.message import Message
@@ -20,25 +25,37 @@ from protos.cli_help import DefaultsHelpFormatter
 
 logger = logging.getLogger("clients.cli")
 API_KEY_ENV = "SPLITSERVE_API_KEY"
+SERVER_ENV = "SPLITSERVE_SERVER"
+# Where `splitserve run` and `splitserve scheduler` listen by default.
+DEFAULT_SERVER = "127.0.0.1:50051"
 # A bound a person at a terminal wants: a chat answer of a few paragraphs. Without one a request
 # may run to the model's maximum length (8,192 tokens for the default model).
 DEFAULT_MAX_TOKENS = 256
 
 
 def build_parser(prog: str = "python -m clients") -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=DefaultsHelpFormatter)
-    parser.add_argument("-v", "--verbose", action="store_true", help="log to stderr")
+    # -v is taken before and after the subcommand, so `splitserve generate -v` works too.
+    verbosity = argparse.ArgumentParser(add_help=False)
+    verbosity.add_argument(
+        "-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help="log to stderr"
+    )
+    parser = argparse.ArgumentParser(
+        prog=prog, description=__doc__, formatter_class=DefaultsHelpFormatter, parents=[verbosity]
+    )
     commands = parser.add_subparsers(dest="command", required=True)
 
     generate = commands.add_parser(
-        "generate", help="stream the answer to a prompt", formatter_class=DefaultsHelpFormatter
+        "generate",
+        help="stream the answer to a prompt",
+        formatter_class=DefaultsHelpFormatter,
+        parents=[verbosity],
     )
     _add_server(generate)
     generate.add_argument("prompt")
     generate.add_argument("--chat", action="store_true", help="send the prompt as a user turn")
     generate.add_argument(
         "--max-tokens",
-        type=int,
+        type=at_least(0),
         default=DEFAULT_MAX_TOKENS,
         help="most tokens to generate; 0 leaves it to the server, which runs to the model's "
         "maximum length unless its generation config sets a limit",
@@ -46,28 +63,52 @@ def build_parser(prog: str = "python -m clients") -> argparse.ArgumentParser:
     sampling = "default: the server's, from the model's generation_config.json (see `status`)"
     generate.add_argument("--temperature", type=float, help=f"0 is greedy ({sampling})")
     generate.add_argument("--top-p", type=float, help=sampling)
-    generate.add_argument("--top-k", type=int, help=sampling)
+    generate.add_argument("--top-k", type=at_least(0), help=sampling)
     generate.add_argument("--seed", type=int, help="same seed, same tokens (default: random)")
     generate.add_argument("--stop", action="append", help="stop string (repeatable)")
 
     tokenize = commands.add_parser(
-        "tokenize", help="print the token ids of a text", formatter_class=DefaultsHelpFormatter
+        "tokenize",
+        help="print the token ids of a text",
+        formatter_class=DefaultsHelpFormatter,
+        parents=[verbosity],
     )
     _add_server(tokenize)
     tokenize.add_argument("text")
     tokenize.add_argument("--chat", action="store_true", help="tokenize as a user turn")
 
     status = commands.add_parser(
-        "status", help="print the model and the server's state", formatter_class=DefaultsHelpFormatter
+        "status",
+        help="print the model and the server's state",
+        formatter_class=DefaultsHelpFormatter,
+        parents=[verbosity],
     )
     _add_server(status)
     return parser
 
 
+def at_least(minimum: int) -> Callable[[str], int]:
+    """An argparse type: an integer >= minimum, or argparse's one-line error."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {value}")
+        return value
+
+    return parse
 
 
 def _add_server(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--server", required=True, metavar="HOST:PORT")
+    parser.add_argument(
+        "--server",
+        default=os.environ.get(SERVER_ENV) or DEFAULT_SERVER,
+        metavar="HOST:PORT",
+        help=f"the scheduler (default: ${SERVER_ENV}, else {DEFAULT_SERVER})",
+    )
     parser.add_argument("--timeout", type=float, help="deadline per call, in seconds")
     parser.add_argument("--tls-ca", type=Path, help="PEM CA of the server's certificate: connect over TLS")
     parser.add_argument("--tls", action="store_true", help="connect over TLS trusting the system's root certificates")
@@ -90,7 +131,7 @@ def _api_key(args: argparse.Namespace) -> str | None:
 def main(argv: Sequence[str] | None = None, prog: str = "python -m clients") -> int:
     args = build_parser(prog).parse_args(argv)
     logging.basicConfig(
-        level=logging.INFO if args.verbose else logging.WARNING,
+        level=logging.INFO if getattr(args, "verbose", False) else logging.WARNING,
         stream=sys.stderr,
         format="%(levelname)s %(name)s: %(message)s",
     )
@@ -116,6 +157,10 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m clients") -> 
     except SplitserveError as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
+    except ValueError as error:
+        # A value the client library refuses before sending (sampling ranges, combinations).
+        print(f"error: {error}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         # Leaving the stream loop already cancelled the call, so the server aborted it.
         return 130
@@ -134,18 +179,22 @@ def _generate(client: Client, args: argparse.Namespace) -> int:
         deltas = client.stream(messages=[("user", args.prompt)], **options)
     else:
         deltas = client.stream(args.prompt, **options)
+    last = None
     for delta in deltas:
         sys.stdout.write(delta.text)
         sys.stdout.flush()
-        if delta.finish_reason is not None:
-            logger.info(
-                "finish_reason=%s stop_reason=%s usage=%s timings=%s",
-                delta.finish_reason,
-                delta.stop_reason,
-                delta.usage,
-                delta.timings,
-            )
+        last = delta
+    # The answer's line ends before any log line, which goes to stderr on a line of its own.
     sys.stdout.write("\n")
+    sys.stdout.flush()
+    if last is not None and last.finish_reason is not None:
+        logger.info(
+            "event=generated finish_reason=%s stop_reason=%s usage=%s timings=%s",
+            last.finish_reason,
+            last.stop_reason,
+            last.usage,
+            last.timings,
+        )
     return 0
 
 
@@ -159,10 +208,17 @@ def _tokenize(client: Client, args: argparse.Namespace) -> int:
 
 
 def _status(client: Client) -> int:
-    report = {
-        "model": _as_dict(client.model_info()),
-        "server": _as_dict(client.server_status()),
-    }
+    """The server's state even when no executor is up: the model is known only once one was
+    reached, and each executor's entry then says why it is not serving."""
+    report: dict[str, object] = {}
+    try:
+        report["model"] = _as_dict(client.model_info())
+    except SplitserveError as error:
+        if error.code != grpc.StatusCode.UNAVAILABLE:
+            raise
+        report["model"] = None
+        report["model_unavailable"] = error.details
+    report["server"] = _as_dict(client.server_status())
     print(json.dumps(report, indent=2))
     return 0
 

@@ -41,6 +41,10 @@ logger = logging.getLogger(__name__)
 # A request whose executor is lost this many times while it runs is failed rather than retried:
 # it may be what brings executors down.
 MAX_EXECUTOR_LOSSES = 3
+# A request waits this long while no executor can take it (all down, drained or refused) before
+# it fails with UNAVAILABLE naming why: long enough for a killed executor to be restarted and
+# reload a small model, short enough that a client of a drained fleet is not left hanging.
+DEFAULT_NO_EXECUTOR_TIMEOUT_S = 30.0
 DRAINING_MESSAGE = "this scheduler is shutting down and takes no new requests; retry on another"
 
 
@@ -53,6 +57,8 @@ class EngineOptions:
     route_tokens_per_request: int = DEFAULT_TOKENS_PER_REQUEST
     # Tokens a stream gathers before sending them (service/output_stream.py).
     stream_interval: int = 1
+    # Seconds a request may wait with no executor able to take it (see run()).
+    no_executor_timeout_s: float = DEFAULT_NO_EXECUTOR_TIMEOUT_S
 
 
 class EngineUnavailable(RequestRejected):
@@ -88,6 +94,8 @@ class Engine:
         self.info: executor_pb2.ExecutorInfo | None = None
         # Requests no lane can take now (none up), in arrival order.
         self.unplaced: list[Request] = []
+        # When each unplaced request was first seen unplaced (run() checks once a second).
+        self._unplaced_since: dict[str, float] = {}
         self._arrivals = itertools.count()
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._first_up = asyncio.Event()
@@ -172,16 +180,49 @@ class Engine:
         await self._first_up.wait()
 
     async def run(self) -> None:
-        """Runs until cancelled; a lane whose loop fails takes the engine down with it."""
+        """Runs until cancelled; a lane whose loop fails takes the engine down with it. Once a
+        second, requests that no executor could take for --no-executor-timeout fail."""
         while True:
             tasks = list(self._tasks.values())
             if not tasks:
                 await asyncio.sleep(1.0)
-                continue
-            done, _ = await asyncio.wait(tasks, timeout=1.0, return_when=asyncio.FIRST_COMPLETED)
-            for task in done:
-                if task.exception() is not None:
-                    raise task.exception()  # type: ignore[misc]
+            else:
+                done, _ = await asyncio.wait(tasks, timeout=1.0, return_when=asyncio.FIRST_COMPLETED)
+                for task in done:
+                    if task.exception() is not None:
+                        raise task.exception()  # type: ignore[misc]
+            self.expire_unplaced(time.monotonic())
+
+    def expire_unplaced(self, now: float) -> None:
+        """Fails the requests that have waited unplaced for the timeout: with every executor
+        drained, down or refused, a client learns why instead of waiting without end."""
+        since = {r.request_id: self._unplaced_since.get(r.request_id, now) for r in self.unplaced}
+        self._unplaced_since = since
+        timeout = self.options.no_executor_timeout_s
+        expired = [r for r in self.unplaced if now - since[r.request_id] >= timeout]
+        if not expired:
+            return
+        message = f"no executor could take the request for {timeout:g} s: {self.why_no_executor()}"
+        for request in expired:
+            self.unplaced.remove(request)
+            del since[request.request_id]
+            request.finish_reason = FinishReason.ABORT
+            self._fail(request, RequestError(ErrorKind.UNAVAILABLE, message))
+        logger.warning("event=requests_expired_unplaced count=%d reason=%r", len(expired), message)
+
+    def why_no_executor(self) -> str:
+        """Each executor's state and reason, as a client reads it in an error."""
+        if not self.lanes:
+            return "no executor is configured"
+        parts = []
+        for lane in self.lanes.values():
+            part = f"{lane.address} is {lane.state.value}"
+            if lane.reason and lane.reason != lane.state.value:
+                part += f" ({lane.reason})"
+            if lane.state in (LaneState.DRAINING, LaneState.DRAINED):
+                part += " (Admin/ResumeExecutor takes it back)"
+            parts.append(part)
+        return "; ".join(parts)
 
     async def close(self) -> None:
         for task in self._tasks.values():
@@ -196,7 +237,7 @@ class Engine:
         if self.draining:
             raise RequestRejected(ErrorKind.UNAVAILABLE, DRAINING_MESSAGE)
         if info is None:
-            raise EngineUnavailable("no executor has been reached yet")
+            raise EngineUnavailable(f"no executor has been reached yet: {self.why_no_executor()}")
         if self._find(request.request_id) is not None:
             raise RequestRejected(
                 ErrorKind.DUPLICATE, f"request id {request.request_id!r} is already in flight"
@@ -295,6 +336,7 @@ class Engine:
         self._counts_seen[lane.address] = (0, 0)
         self._first_up.set()
         placing, self.unplaced = self.unplaced, []
+        self._unplaced_since.clear()
         self._place(placing)
         self._report_serving()
 
