@@ -10,11 +10,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from protos.cli_help import DefaultsHelpFormatter
+from protos.default_ports import DEFAULT_EXECUTOR_PORT, DEFAULT_SCHEDULER_PORT
 from scheduler_service.launch.ports import free_port
 
 DEFAULT_QUESTION = "What is the capital of France?"
-DEFAULT_PORT = 50051
-DEFAULT_EXECUTOR_PORT = 50052
 DEFAULT_METRICS_PORT = 9400
 DEFAULT_GATEWAY_PORT = 8000
 # Addresses a server binds to but a client cannot dial.
@@ -60,7 +59,7 @@ def parse_args(argv: Sequence[str] | None, prog: str = "python -m scheduler_serv
         "~/.cache/splitserve/models/SmolLM2-135M-Instruct)",
     )
     parser.add_argument("--host", default="127.0.0.1", help="address both services bind")
-    parser.add_argument("--port", type=int, default=DEFAULT_PORT, help="scheduler; 0 = any")
+    parser.add_argument("--port", type=int, default=DEFAULT_SCHEDULER_PORT, help="scheduler; 0 = any")
     parser.add_argument("--executor-port", type=int, default=DEFAULT_EXECUTOR_PORT, help="executor; 0 = any")
     parser.add_argument("--metrics-port", type=int, default=DEFAULT_METRICS_PORT, help="scheduler's Prometheus metrics")
     parser.add_argument(

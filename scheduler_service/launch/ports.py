@@ -4,19 +4,14 @@ from __future__ import annotations
 
 import socket
 
+# The services check their own ports with the same helper (protos/port_check.py).
+from protos.port_check import port_taken
+
+__all__ = ["PortTaken", "free_port", "port_taken"]
+
 
 class PortTaken(Exception):
     """A fixed port is already listened on, most likely by an earlier launch still running."""
-
-
-def port_taken(host: str, port: int) -> bool:
-    family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
-    try:
-        # create_server sets SO_REUSEADDR, so only a live listener, not TIME_WAIT, counts.
-        socket.create_server((host, port), family=family).close()
-    except OSError:
-        return True
-    return False
 
 
 def free_port(host: str) -> int:
