@@ -15,6 +15,7 @@ from pathlib import Path
 import uvicorn
 
 from clients.openai_gateway.app import GatewaySettings, create_app
+from clients.openai_gateway.body_limit import DEFAULT_MAX_BODY_BYTES
 from protos.cli_help import DefaultsHelpFormatter
 from protos.log_format import add_log_format_flag, configure_logging
 
@@ -36,6 +37,12 @@ def parse_args(argv: Sequence[str] | None, prog: str = "python -m clients.openai
     )
     parser.add_argument("--tls-ca", type=Path, help="PEM CA of the scheduler's certificate: connect over TLS")
     parser.add_argument("--tls", action="store_true", help="connect over TLS trusting the system's root certificates")
+    parser.add_argument(
+        "--max-body-bytes",
+        type=positive_int,
+        default=DEFAULT_MAX_BODY_BYTES,
+        help="largest request body taken; a larger one is answered 413 before it is read",
+    )
     add_log_format_flag(parser)
     parser.add_argument(
         "--drain-timeout",
@@ -44,6 +51,13 @@ def parse_args(argv: Sequence[str] | None, prog: str = "python -m clients.openai
         help="after SIGTERM, seconds open responses get to finish before they are cut",
     )
     return parser.parse_args(argv)
+
+
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
 
 
 class GatewayServer(uvicorn.Server):
@@ -102,6 +116,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m clients.opena
         served_model_name=args.served_model_name,
         root_certificates=root_certificates,
         tls=args.tls,
+        max_body_bytes=args.max_body_bytes,
     )
     config = uvicorn.Config(
         create_app(settings),

@@ -8,15 +8,14 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
-from typing import Annotated, Any
+from typing import Any
 
-from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from clients.async_client import AsyncClient
 from clients.errors import SplitserveError
-from clients.openai_gateway.auth import bearer_token
+from clients.openai_gateway.body_limit import BodyLimit
 from clients.openai_gateway.errors import bad_request, install_error_handlers
 from clients.openai_gateway.responses import (
     ChatShaper,
@@ -30,6 +29,7 @@ from clients.openai_gateway.schemas import (
     SamplingFields,
 )
 from clients.openai_gateway.served_model import ServedModel
+from clients.openai_gateway.state import ApiKey, Gateway, GatewayDep, GatewaySettings
 from clients.openai_gateway.streaming import (
     ClientDisconnected,
     EventStreamResponse,
@@ -42,26 +42,11 @@ from protos.splitserve.v1 import generation_pb2 as pb
 
 logger = logging.getLogger(__name__)
 TRACE_CONTEXT_HEADERS = ("traceparent", "tracestate")
+# W3C's limit for tracestate, and far above any traceparent.
+MAX_TRACE_HEADER_CHARS = 512
 
 # nginx's code for "the client closed the connection": nobody receives it, but logs show it.
 CLIENT_CLOSED_REQUEST = 499
-
-
-@dataclass(slots=True, frozen=True)
-class GatewaySettings:
-    server: str
-    served_model_name: str | None = None
-    root_certificates: bytes | None = None
-    tls: bool = False
-    health_timeout_s: float = 5.0
-
-
-@dataclass(slots=True, frozen=True)
-class Gateway:
-    client: AsyncClient
-    model: ServedModel
-    settings: GatewaySettings
-    started: int
 
 
 def create_app(settings: GatewaySettings) -> FastAPI:
@@ -76,17 +61,12 @@ def create_app(settings: GatewaySettings) -> FastAPI:
             yield
 
     app = FastAPI(title="splitserve OpenAI-compatible gateway", lifespan=lifespan)
+    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
     install_error_handlers(app)
     app.include_router(router)
     return app
 
 
-def current_gateway(request: Request) -> Gateway:
-    return request.app.state.gateway
-
-
-GatewayDep = Annotated[Gateway, Depends(current_gateway)]
-ApiKey = Annotated[str | None, Depends(bearer_token)]
 router = APIRouter()
 
 
@@ -133,6 +113,18 @@ async def health(gateway: GatewayDep) -> JSONResponse:
     return JSONResponse({"status": status}, status_code=200 if serving else 503)
 
 
+def trace_context(request: Request) -> dict[str, str]:
+    """The caller's W3C trace context, passed on so a tracing scheduler continues its trace. A
+    header gRPC metadata could not carry (not printable ASCII, or too long) is dropped, as W3C
+    asks of an invalid one."""
+    headers = {name: request.headers.get(name, "") for name in TRACE_CONTEXT_HEADERS}
+    return {
+        name: value
+        for name, value in headers.items()
+        if value and len(value) <= MAX_TRACE_HEADER_CHARS and value.isascii() and value.isprintable()
+    }
+
+
 def _model_card(gateway: Gateway, info: pb.ModelInfo) -> dict[str, Any]:
     return {
         "id": gateway.model.name(info),
@@ -171,10 +163,7 @@ async def _respond(
             prompt_token_ids=call.prompt_token_ids,
             messages=call.messages,
             api_key=api_key,
-            # The caller's W3C trace context goes on, so a tracing scheduler continues its trace.
-            trace_context={
-                name: value for name in TRACE_CONTEXT_HEADERS if (value := request.headers.get(name))
-            },
+            trace_context=trace_context(request),
             **call.options,
         )
     except ValueError as error:

@@ -1,10 +1,17 @@
 """Errors in OpenAI's JSON shape, `{"error": {"message", "type", "param", "code"}}`, with the
 HTTP status a client of OpenAI's API expects, for the gateway's own refusals and for the
-scheduler's gRPC statuses alike."""
+scheduler's gRPC statuses alike.
+
+Every 4xx is the caller's to fix (type invalid_request_error unless a more precise one applies),
+every 5xx the server's (server_error). Overload is OpenAI's: RESOURCE_EXHAUSTED becomes 429
+rate_limit_error with code rate_limit_exceeded, which OpenAI's clients retry after a pause;
+UNAVAILABLE becomes 503, also retried.
+"""
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from typing import Any
 
 import grpc
@@ -30,13 +37,21 @@ HTTP_STATUS: dict[grpc.StatusCode, int] = {
 }
 
 ERROR_TYPES: dict[int, str] = {
-    400: "invalid_request_error",
     401: "authentication_error",
     403: "permission_error",
     404: "not_found_error",
     409: "conflict_error",
     429: "rate_limit_error",
 }
+SERVED_ROUTES = "/v1/completions, /v1/chat/completions, /v1/models, /health"
+# The code OpenAI's API gives its 429s; other statuses carry the scheduler's status name.
+RATE_LIMIT_CODE = "rate_limit_exceeded"
+
+
+def default_error_type(status: int) -> str:
+    if status in ERROR_TYPES:
+        return ERROR_TYPES[status]
+    return "invalid_request_error" if 400 <= status < 500 else "server_error"
 
 
 class GatewayError(Exception):
@@ -50,13 +65,15 @@ class GatewayError(Exception):
         param: str | None = None,
         code: str | None = None,
         error_type: str | None = None,
+        headers: Mapping[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
         self.code = code
-        self.error_type = error_type or ERROR_TYPES.get(status, "server_error")
+        self.error_type = error_type or default_error_type(status)
+        self.headers = dict(headers or {})
 
     def body(self) -> dict[str, Any]:
         return {
@@ -69,11 +86,13 @@ class GatewayError(Exception):
         }
 
     def response(self, request: Request) -> JSONResponse:
+        # The path is the caller's text, decoded: quoted, so no control character or forged
+        # `key=value` of its own reaches the log.
         logger.info(
-            "event=request_refused path=%s status=%d code=%s message=%r",
-            request.url.path, self.status, self.code, self.message,
+            "event=request_refused method=%r path=%r status=%d code=%s message=%r",
+            request.method, request.url.path, self.status, self.code, self.message,
         )
-        return JSONResponse(self.body(), status_code=self.status)
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
 
 def bad_request(message: str, param: str | None = None) -> GatewayError:
@@ -86,11 +105,26 @@ def unsupported(param: str, message: str) -> GatewayError:
 
 def from_splitserve(error: SplitserveError) -> GatewayError:
     """The scheduler's status as HTTP; its message is passed on unchanged (it names the field)."""
+    status = HTTP_STATUS.get(error.code, 500)
     return GatewayError(
-        HTTP_STATUS.get(error.code, 500),
+        status,
         error.details or error.code.name,
-        code=error.code.name.lower(),
+        code=RATE_LIMIT_CODE if status == 429 else error.code.name.lower(),
     )
+
+
+def from_http_exception(request: Request, error: HTTPException) -> GatewayError:
+    """Starlette's own refusals (unknown route, wrong method) in OpenAI's shape, saying what to
+    send instead."""
+    headers = dict(error.headers or {})
+    if error.status_code == 404:
+        message = f"there is no route {request.url.path!r} (this server serves {SERVED_ROUTES})"
+        return GatewayError(404, message, code="not_found")
+    if error.status_code == 405:
+        allowed = headers.get("Allow") or "another method"
+        message = f"{request.method} is not allowed on {request.url.path!r}; use {allowed}"
+        return GatewayError(405, message, code="method_not_allowed", headers=headers)
+    return GatewayError(error.status_code, str(error.detail), headers=headers)
 
 
 def validation_error(error: RequestValidationError) -> GatewayError:
@@ -131,9 +165,9 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(HTTPException)
     async def on_http_error(request: Request, error: HTTPException) -> JSONResponse:
         # Unknown routes and methods, in the same shape as every other error.
-        return GatewayError(error.status_code, str(error.detail)).response(request)
+        return from_http_exception(request, error).response(request)
 
     @app.exception_handler(Exception)
     async def on_unexpected_error(request: Request, error: Exception) -> JSONResponse:
-        logger.exception("event=gateway_internal_error path=%s", request.url.path)
+        logger.exception("event=gateway_internal_error path=%r", request.url.path)
         return GatewayError(500, f"internal error: {type(error).__name__}").response(request)

@@ -166,26 +166,30 @@ def test_chat_fields_map_as_openai_and_vllm_define_them() -> None:
 
 
 @pytest.mark.parametrize(
-    ("code", "status"),
+    ("code", "status", "error_type"),
     [
-        (grpc.StatusCode.INVALID_ARGUMENT, 400),
-        (grpc.StatusCode.FAILED_PRECONDITION, 400),
-        (grpc.StatusCode.UNAUTHENTICATED, 401),
-        (grpc.StatusCode.PERMISSION_DENIED, 403),
-        (grpc.StatusCode.NOT_FOUND, 404),
-        (grpc.StatusCode.ALREADY_EXISTS, 409),
-        (grpc.StatusCode.RESOURCE_EXHAUSTED, 429),
-        (grpc.StatusCode.UNAVAILABLE, 503),
-        (grpc.StatusCode.DEADLINE_EXCEEDED, 504),
-        (grpc.StatusCode.INTERNAL, 500),
-        (grpc.StatusCode.UNKNOWN, 500),
+        (grpc.StatusCode.INVALID_ARGUMENT, 400, "invalid_request_error"),
+        (grpc.StatusCode.FAILED_PRECONDITION, 400, "invalid_request_error"),
+        (grpc.StatusCode.UNAUTHENTICATED, 401, "authentication_error"),
+        (grpc.StatusCode.PERMISSION_DENIED, 403, "permission_error"),
+        (grpc.StatusCode.NOT_FOUND, 404, "not_found_error"),
+        (grpc.StatusCode.ALREADY_EXISTS, 409, "conflict_error"),
+        (grpc.StatusCode.RESOURCE_EXHAUSTED, 429, "rate_limit_error"),
+        (grpc.StatusCode.UNAVAILABLE, 503, "server_error"),
+        (grpc.StatusCode.DEADLINE_EXCEEDED, 504, "server_error"),
+        (grpc.StatusCode.INTERNAL, 500, "server_error"),
+        (grpc.StatusCode.UNKNOWN, 500, "server_error"),
     ],
 )
-def test_grpc_statuses_become_http_statuses(code: grpc.StatusCode, status: int) -> None:
+def test_grpc_statuses_become_http_statuses(code: grpc.StatusCode, status: int, error_type: str) -> None:
     error = from_splitserve(SplitserveError(code, "the scheduler's reason"))
     assert error.status == status
     assert error.body()["error"]["message"] == "the scheduler's reason"
-    assert error.body()["error"]["code"] == code.name.lower()
+    assert error.body()["error"]["type"] == error_type
+    # Overload carries OpenAI's own code, which its clients know; the rest the status's name.
+    expected_code = "rate_limit_exceeded" if status == 429 else code.name.lower()
+    assert error.body()["error"]["code"] == expected_code
+
 
 
 # --- completions ------------------------------------------------------------------------------
