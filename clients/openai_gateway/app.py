@@ -37,6 +37,7 @@ from clients.openai_gateway.streaming import (
     event_stream,
     first_delta,
 )
+from clients.openai_gateway.tokenization import router as tokenization_router
 from clients.openai_gateway.translate import GenerateCall, chat_call, completion_call
 from protos.splitserve.v1 import generation_pb2 as pb
 
@@ -64,6 +65,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
     install_error_handlers(app)
     app.include_router(router)
+    app.include_router(tokenization_router)
     return app
 
 

@@ -43,7 +43,7 @@ ERROR_TYPES: dict[int, str] = {
     409: "conflict_error",
     429: "rate_limit_error",
 }
-SERVED_ROUTES = "/v1/completions, /v1/chat/completions, /v1/models, /health"
+SERVED_ROUTES = "/v1/completions, /v1/chat/completions, /v1/models, /tokenize, /detokenize, /version, /health"
 # The code OpenAI's API gives its 429s; other statuses carry the scheduler's status name.
 RATE_LIMIT_CODE = "rate_limit_exceeded"
 

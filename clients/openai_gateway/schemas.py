@@ -5,6 +5,8 @@ the way to the scheduler, which then applies the model's own defaults.
 Fields outside these models are refused (extra="forbid"): a feature this server does not have
 must fail loudly rather than be dropped. Fields OpenAI defines but that only some values of are
 supported (n, echo, tools, ...) are declared here and checked in translate.py, which can say why.
+Fields that change nothing a server returns (user, store, metadata, service_tier, a message's
+name) are taken and ignored, as OpenAI's clients send them routinely.
 """
 
 from __future__ import annotations
@@ -34,6 +36,8 @@ class ContentPart(BaseModel):
 class ChatMessage(Body):
     role: str
     content: str | list[ContentPart] | None = None
+    # A participant's name; the chat templates served here have no place for it.
+    name: str | None = None
 
 
 class ResponseFormat(BaseModel):
@@ -69,6 +73,7 @@ class SamplingFields(Body):
     skip_special_tokens: bool | None = None
     priority: int | None = None
     cache_salt: str | None = None
+    include_stop_str_in_output: bool | None = None
 
 
 class CompletionRequest(SamplingFields):
@@ -93,3 +98,34 @@ class ChatCompletionRequest(SamplingFields):
     function_call: str | dict[str, Any] | None = None
     # vLLM's: False renders the chat without the assistant prefix.
     add_generation_prompt: bool | None = None
+    # vLLM's: extra chat template variables, e.g. {"enable_thinking": false}.
+    chat_template_kwargs: dict[str, Any] | None = None
+    # Ignored: stored completions, request tags, processing tiers and reasoning budgets are not
+    # things this server has.
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    service_tier: str | None = None
+    reasoning_effort: str | None = None
+
+
+class TokenizeRequest(Body):
+    """vLLM's /tokenize body: a prompt, or messages rendered with the chat template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    # Default: true for a prompt, false for messages (the template writes its own).
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    return_token_strs: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+
+
+class DetokenizeRequest(Body):
+    """vLLM's /detokenize body."""
+
+    model: str | None = None
+    tokens: list[int]

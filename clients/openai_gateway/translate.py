@@ -9,7 +9,7 @@ refused here with a 400 that says which.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import cast
+from typing import Any, cast
 
 from clients.openai_gateway.errors import bad_request, unsupported
 from clients.openai_gateway.schemas import (
@@ -18,7 +18,10 @@ from clients.openai_gateway.schemas import (
     CompletionRequest,
     SamplingFields,
 )
-from clients.request_builder import GenerateOptions
+from clients.request_builder import GenerateOptions, TemplateValue
+
+# OpenAI's newer name for the system role; the templates served here know only "system".
+ROLE_ALIASES = {"developer": "system"}
 
 
 @dataclass(slots=True, frozen=True)
@@ -57,8 +60,6 @@ def chat_call(body: ChatCompletionRequest, request_id: str) -> GenerateCall:
     for name, choice in (("tool_choice", body.tool_choice), ("function_call", body.function_call)):
         if choice not in (None, "none"):
             raise unsupported(name, "tool calling is not supported")
-    if body.parallel_tool_calls:
-        raise unsupported("parallel_tool_calls", "tool calling is not supported")
     if body.response_format is not None and body.response_format.type != "text":
         raise unsupported(
             "response_format",
@@ -72,8 +73,27 @@ def chat_call(body: ChatCompletionRequest, request_id: str) -> GenerateCall:
     options = _sampling(body, request_id, max_tokens=max_tokens, logprobs=logprobs)
     if body.add_generation_prompt is not None:
         options["add_generation_prompt"] = body.add_generation_prompt
-    messages = [_chat_turn(index, message) for index, message in enumerate(body.messages)]
-    return GenerateCall(None, None, messages, options)
+    if body.chat_template_kwargs is not None:
+        options["chat_template_kwargs"] = template_kwargs(body.chat_template_kwargs)
+    return GenerateCall(None, None, chat_messages(body.messages), options)
+
+
+def chat_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
+    """The turns as the scheduler takes them: text content, OpenAI's role aliases resolved."""
+    return [_chat_turn(index, message) for index, message in enumerate(messages)]
+
+
+def template_kwargs(variables: dict[str, Any]) -> dict[str, TemplateValue]:
+    """chat_template_kwargs as the scheduler takes them: plain JSON values only. Which names are
+    allowed, and how many, is the scheduler's to say (for gRPC callers alike)."""
+    for name, value in variables.items():
+        if not isinstance(value, (bool, int, float, str)):
+            raise bad_request(
+                f"chat_template_kwargs.{name} must be a boolean, a number or a string, not "
+                f"{'null' if value is None else type(value).__name__}",
+                f"chat_template_kwargs.{name}",
+            )
+    return variables
 
 
 def _single_prompt(prompt: str | list[int] | list[str] | list[list[int]]) -> str | list[int]:
@@ -117,6 +137,7 @@ def _sampling(
         stop=body.stop,
         stop_token_ids=body.stop_token_ids,
         ignore_eos=body.ignore_eos,
+        include_stop_str_in_output=body.include_stop_str_in_output,
         logprobs=logprobs,
         min_tokens=body.min_tokens,
         skip_special_tokens=body.skip_special_tokens,
@@ -131,10 +152,11 @@ def _sampling(
 
 def _chat_turn(index: int, message: ChatMessage) -> dict[str, str]:
     content = message.content
+    role = ROLE_ALIASES.get(message.role, message.role)
     if content is None:
         raise bad_request(f"messages[{index}].content is required", f"messages.{index}.content")
     if isinstance(content, str):
-        return {"role": message.role, "content": content}
+        return {"role": role, "content": content}
     texts: list[str] = []
     for part_index, part in enumerate(content):
         param = f"messages.{index}.content.{part_index}"
@@ -144,4 +166,4 @@ def _chat_turn(index: int, message: ChatMessage) -> dict[str, str]:
             raise bad_request(f"{param}: a text part needs its text", param)
         texts.append(part.text)
     # Parts joined by newlines, as vLLM renders a multi-part text message.
-    return {"role": message.role, "content": "\n".join(texts)}
+    return {"role": role, "content": "\n".join(texts)}

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import http.client
+from importlib import metadata
 import json
 import re
 import time
@@ -190,6 +191,15 @@ def test_grpc_statuses_become_http_statuses(code: grpc.StatusCode, status: int, 
     expected_code = "rate_limit_exceeded" if status == 429 else code.name.lower()
     assert error.body()["error"]["code"] == expected_code
 
+
+def test_openais_harmless_fields_are_taken_and_developer_is_system() -> None:
+    body = ChatCompletionRequest(
+        messages=[{"role": "developer", "content": "Be brief.", "name": "ops"}, {"role": "user", "content": "hi"}],
+        store=False, metadata={"team": "a"}, user="u-1", reasoning_effort="low", service_tier="auto",
+        parallel_tool_calls=True,
+    )
+    call = chat_call(body, "chatcmpl-1")
+    assert call.messages == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
 
 
 # --- completions ------------------------------------------------------------------------------
@@ -375,6 +385,141 @@ def test_chat_logprobs_in_openai_format(oai: openai.OpenAI, grpc_client: Client)
         for entry in chunk.choices[0].logprobs.content
     ]
     assert [entry.token for entry in streamed] == [entry.token for entry in content]
+
+
+def test_include_stop_str_in_output_keeps_the_stop_string(oai: openai.OpenAI, grpc_client: Client) -> None:
+    full = grpc_client.generate(prompt=PROMPT, max_tokens=24, temperature=0, ignore_eos=True).text
+    stop = full[len(full) // 2 : len(full) // 2 + 3]
+    expected = full[: full.index(stop) + len(stop)]
+    by_grpc = grpc_client.generate(
+        prompt=PROMPT, max_tokens=24, temperature=0, ignore_eos=True, stop=stop, include_stop_str_in_output=True
+    )
+    assert (by_grpc.text, by_grpc.finish_reason, by_grpc.stop_reason) == (expected, "stop", stop)
+    arguments: dict[str, Any] = dict(
+        model=MODEL_NAME, prompt=PROMPT, max_tokens=24, temperature=0, stop=stop,
+        extra_body={**IGNORE_EOS, "include_stop_str_in_output": True},
+    )
+    completion = oai.completions.create(**arguments)
+    assert (completion.choices[0].text, completion.choices[0].finish_reason) == (expected, "stop")
+    chunks = list(oai.completions.create(**arguments, stream=True))
+    assert "".join(chunk.choices[0].text for chunk in chunks) == expected
+
+
+def test_openais_harmless_fields_and_the_developer_role_answer_as_system(
+    oai: openai.OpenAI, grpc_client: Client
+) -> None:
+    expected = grpc_client.generate(messages=MESSAGES, max_tokens=6, temperature=0, ignore_eos=True)
+    developer = [{**MESSAGES[0], "role": "developer", "name": "ops"}, {**MESSAGES[1], "name": "alice"}]
+    chat = oai.chat.completions.create(
+        model=MODEL_NAME, messages=developer, max_completion_tokens=6, temperature=0, store=False,
+        metadata={"team": "a"}, user="user-1", reasoning_effort="low", service_tier="auto",
+        parallel_tool_calls=True, extra_body=IGNORE_EOS,
+    )
+    assert chat.choices[0].message.content == expected.text
+    assert chat.usage.prompt_tokens == expected.usage.prompt_tokens
+
+
+def test_chat_template_kwargs_reach_the_template(stack: Stack, oai: openai.OpenAI, grpc_client: Client) -> None:
+    no_thinking = {"enable_thinking": False}
+    plain = grpc_client.tokenize(messages=MESSAGES).token_ids
+    expected = grpc_client.tokenize(messages=MESSAGES, chat_template_kwargs=no_thinking).token_ids
+    # Qwen3's template opens an empty thinking block when thinking is off.
+    assert expected[: len(plain)] == plain and len(expected) > len(plain)
+    status, body = http_request(
+        stack.gateway, "POST", "/tokenize", {"model": MODEL_NAME, "messages": MESSAGES, "chat_template_kwargs": no_thinking}
+    )
+    assert (status, body["tokens"], body["count"]) == (200, expected, len(expected))
+    chat = oai.chat.completions.create(
+        model=MODEL_NAME, messages=MESSAGES, max_completion_tokens=2, temperature=0,
+        extra_body={"chat_template_kwargs": no_thinking},
+    )
+    assert chat.usage.prompt_tokens == len(expected)
+
+
+@pytest.mark.parametrize(
+    ("variables", "message"),
+    [
+        ({"add_generation_prompt": False}, "may not set 'add_generation_prompt'"),
+        ({"messages": "[]"}, "may not set 'messages'"),
+        ({"nested": {"a": 1}}, "chat_template_kwargs.nested must be a boolean, a number or a string"),
+        ({f"v{i}": True for i in range(33)}, "at most 32"),
+    ],
+)
+def test_chat_template_kwargs_the_server_will_not_pass_get_400(
+    oai: openai.OpenAI, variables: dict[str, Any], message: str
+) -> None:
+    with pytest.raises(openai.BadRequestError) as error:
+        oai.chat.completions.create(
+            model=MODEL_NAME, messages=MESSAGES, max_completion_tokens=2, extra_body={"chat_template_kwargs": variables}
+        )
+    assert message in error.value.body["message"]
+
+
+def test_max_tokens_beyond_the_context_is_refused_as_vllm_does(oai: openai.OpenAI, grpc_client: Client) -> None:
+    prompt_tokens = len(grpc_client.tokenize(PROMPT).token_ids)
+    expected = (
+        f"This model's maximum context length is {MAX_MODEL_LEN} tokens. However, you requested "
+        f"{prompt_tokens + MAX_MODEL_LEN} tokens ({prompt_tokens} in the messages, {MAX_MODEL_LEN} in the "
+        "completion). Please reduce the length of the messages or completion."
+    )
+    with pytest.raises(SplitserveError) as refused:
+        grpc_client.generate(prompt=PROMPT, max_tokens=MAX_MODEL_LEN)
+    assert refused.value.code is grpc.StatusCode.INVALID_ARGUMENT and refused.value.details == expected
+    with pytest.raises(openai.BadRequestError) as error:
+        oai.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=MAX_MODEL_LEN)
+    assert error.value.body["message"] == expected
+    chat_tokens = len(grpc_client.tokenize(messages=MESSAGES).token_ids)
+    with pytest.raises(openai.BadRequestError) as error:
+        oai.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, max_completion_tokens=MAX_MODEL_LEN - 1)
+    assert f"({chat_tokens} in the messages, {MAX_MODEL_LEN - 1} in the completion)" in error.value.body["message"]
+
+
+# --- tokenize, detokenize, version -------------------------------------------------------------
+
+
+def test_tokenize_and_detokenize_as_vllm_serves_them(stack: Stack, grpc_client: Client) -> None:
+    expected = grpc_client.tokenize(PROMPT)
+    status, body = http_request(stack.gateway, "POST", "/tokenize", {"model": MODEL_NAME, "prompt": PROMPT})
+    assert status == 200
+    assert body == {"count": len(expected.token_ids), "max_model_len": MAX_MODEL_LEN, "tokens": expected.token_ids, "token_strs": None}
+    status, body = http_request(stack.gateway, "POST", "/tokenize", {"prompt": PROMPT, "return_token_strs": True})
+    assert (status, body["token_strs"]) == (200, expected.tokens)
+
+    chat = grpc_client.tokenize(messages=MESSAGES, add_generation_prompt=False).token_ids
+    status, body = http_request(
+        stack.gateway, "POST", "/tokenize", {"model": MODEL_NAME, "messages": MESSAGES, "add_generation_prompt": False}
+    )
+    assert (status, body["tokens"]) == (200, chat)
+
+    status, body = http_request(stack.gateway, "POST", "/detokenize", {"model": MODEL_NAME, "tokens": expected.token_ids})
+    assert (status, body) == (200, {"prompt": PROMPT})
+    # Special tokens are written, as vLLM's /detokenize does.
+    assert grpc_client.detokenize(chat).startswith("<|im_start|>system\nBe brief.<|im_end|>")
+    assert http_request(stack.gateway, "POST", "/detokenize", {"tokens": chat})[1]["prompt"] == grpc_client.detokenize(chat)
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "status", "message"),
+    [
+        ("/tokenize", {"prompt": PROMPT, "messages": MESSAGES}, 400, "exactly one of prompt and messages"),
+        ("/tokenize", {"prompt": PROMPT, "add_special_tokens": False}, 400, "add_special_tokens"),
+        ("/tokenize", {"messages": MESSAGES, "chat_template": "{{ messages }}"}, 400, "chat_template"),
+        ("/tokenize", {"messages": MESSAGES, "chat_template_kwargs": {"tokenize": True}}, 400, "may not set 'tokenize'"),
+        ("/tokenize", {"model": "gpt-4o", "prompt": PROMPT}, 404, "does not exist"),
+        ("/detokenize", {"tokens": [5, VOCAB_SIZE + 1]}, 400, "outside the vocabulary"),
+        ("/detokenize", {"tokens": [-1]}, 400, "token_ids"),
+        ("/detokenize", {"tokens": "abc"}, 400, "tokens"),
+    ],
+)
+def test_bad_tokenize_and_detokenize_requests_say_why(
+    stack: Stack, path: str, body: dict[str, Any], status: int, message: str
+) -> None:
+    answer_status, answer = http_request(stack.gateway, "POST", path, body)
+    assert answer_status == status and message in answer["error"]["message"], answer
+
+
+def test_version_is_the_installed_packages(stack: Stack) -> None:
+    assert http_request(stack.gateway, "GET", "/version", token=None) == (200, {"version": metadata.version("splitserve")})
 
 
 # --- errors -----------------------------------------------------------------------------------
