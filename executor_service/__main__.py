@@ -1,13 +1,20 @@
-"""Command line: python -m executor_service --model DIR --port PORT [options]."""
+"""Command line: python -m executor_service --model DIR [--port PORT] [options].
+
+What a user can get wrong at start (the folder, the device, a port, a flag's value) is refused
+in one line and exit status 2 before the model loads; -v adds the traceback."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
 import logging
+import os
 import sys
 from pathlib import Path
 
+import torch
+
+from executor_service.model_loader import check_model_folder
 from executor_service.model_support import UnsupportedModel
 from executor_service.paged_attention import BACKENDS, BackendUnavailable
 from executor_service.server import ServeOptions, serve, step_thread
@@ -15,18 +22,57 @@ from executor_service.settings import (
     DEFAULT_BLOCK_SIZE,
     DEFAULT_CUDA_GRAPH_MAX_BATCH,
     DEFAULT_DRAIN_TIMEOUT_S,
+    DEFAULT_GPU_MEMORY_UTILIZATION,
     DEFAULT_LEASE_TIMEOUT_S,
+    DEFAULT_MAX_LOGPROBS,
     ExecutorSettings,
     parse_size,
 )
 from executor_service.startup import build_executor
+from executor_service.tp_group import launched_by_torchrun
 from executor_service.tp_serve import serve_tensor_parallel
 from protos.cli_help import DefaultsHelpFormatter
+from protos.default_ports import DEFAULT_EXECUTOR_PORT
+from protos.flag_types import (
+    fraction,
+    non_negative_float,
+    non_negative_int,
+    port_number,
+    positive_float,
+    positive_int,
+)
 from protos.health_port import add_health_port_flag
+from protos.local_folder import FolderError
 from protos.log_format import add_log_format_flag, configure_logging
+from protos.port_check import PortUnavailable, check_listen_ports
 from protos.transport_security import TlsConfigError, server_tls
 
 logger = logging.getLogger("executor_service")
+
+
+class DeviceUnavailable(ValueError):
+    """--device names a device this machine does not have."""
+
+
+def device_name(text: str) -> str:
+    """A device torch can name (auto, cpu, cuda, cuda:N); whether this machine has it is checked
+    at start, so that a GPU deployment's flags still parse on a machine without one."""
+    if text != "auto":
+        try:
+            torch.device(text)
+        except RuntimeError:
+            raise argparse.ArgumentTypeError(f"not a device: {text!r} (auto, cpu, cuda or cuda:N)") from None
+    return text
+
+
+def kv_cache_size(text: str) -> int:
+    try:
+        size = parse_size(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+    if size <= 0:
+        raise argparse.ArgumentTypeError(f"must be above 0 bytes, got {text!r}")
+    return size
 
 
 def parse_args(argv: list[str] | None, prog: str = "python -m executor_service") -> ExecutorSettings:
@@ -35,33 +81,48 @@ def parse_args(argv: list[str] | None, prog: str = "python -m executor_service")
         description="Serve the splitserve Executor API.",
         formatter_class=DefaultsHelpFormatter,
     )
-    parser.add_argument("--model", type=Path, required=True, help="local Hugging Face model folder")
-    parser.add_argument("--port", type=int, required=True, help="0 picks a free port")
+    parser.add_argument(
+        "--model",
+        type=Path,
+        required=True,
+        help="local Hugging Face model folder (config.json and *.safetensors weights); nothing is "
+        "downloaded: `splitserve prepare-model` prepares the default model and prints its folder",
+    )
+    parser.add_argument(
+        "--port", type=port_number, default=DEFAULT_EXECUTOR_PORT, help="Executor API port; 0 picks a free one"
+    )
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 in containers)")
-    parser.add_argument("--device", default="auto", help="auto (cuda when torch sees a GPU), cpu, cuda or cuda:N")
+    parser.add_argument(
+        "--device", type=device_name, default="auto", help="auto (cuda when torch sees a GPU), cpu, cuda or cuda:N"
+    )
     parser.add_argument(
         "--dtype",
         default="auto",
         choices=["auto", "float32", "bfloat16", "float16"],
         help="auto: bfloat16 on CUDA, float32 on CPU",
     )
-    parser.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE, help="tokens per KV block")
+    parser.add_argument("--block-size", type=positive_int, default=DEFAULT_BLOCK_SIZE, help="tokens per KV block")
     budget = parser.add_mutually_exclusive_group()
     budget.add_argument(
         "--num-kv-blocks",
-        type=int,
+        type=positive_int,
         default=None,
         help="KV cache size in blocks (default: 1 GiB on CPU; on CUDA the free memory after a "
         "profiling pass)",
     )
     budget.add_argument(
-        "--kv-cache-memory", type=parse_size, default=None, help="KV cache size in bytes, e.g. 512MiB, 2GiB"
+        "--kv-cache-memory", type=kv_cache_size, default=None, help="KV cache size in bytes, e.g. 512MiB, 2GiB"
     )
-    parser.add_argument("--max-model-len", type=int, default=None, help="cap below the model's own")
-    parser.add_argument("--max-logprobs", type=int, default=20, help="most top logprobs a request may ask for")
-    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    parser.add_argument("--max-model-len", type=positive_int, default=None, help="cap below the model's own")
     parser.add_argument(
-        "--gpu-memory-utilization", type=float, default=0.9, help="share of GPU memory the executor may use"
+        "--max-logprobs", type=non_negative_int, default=DEFAULT_MAX_LOGPROBS, help="most top logprobs a request may ask for"
+    )
+    parser.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads (default: torch's)")
+    parser.add_argument(
+        "--gpu-memory-utilization",
+        type=fraction,
+        default=DEFAULT_GPU_MEMORY_UTILIZATION,
+        help="share of GPU memory the executor may use, above 0 and at most 1",
     )
     parser.add_argument(
         "--attention-backend",
@@ -73,7 +134,7 @@ def parse_args(argv: list[str] | None, prog: str = "python -m executor_service")
     )
     parser.add_argument(
         "--lease-timeout",
-        type=float,
+        type=positive_float,
         default=DEFAULT_LEASE_TIMEOUT_S,
         help="seconds without a plan after which another scheduler may take this executor",
     )
@@ -111,7 +172,7 @@ def parse_args(argv: list[str] | None, prog: str = "python -m executor_service")
     )
     parser.add_argument(
         "--cuda-graph-max-batch",
-        type=int,
+        type=non_negative_int,
         default=DEFAULT_CUDA_GRAPH_MAX_BATCH,
         help="replay pure decode steps of up to N sequences from CUDA graphs captured per batch "
         "and context bucket (CUDA, without tensor parallelism); 0 runs every step eagerly",
@@ -126,11 +187,11 @@ def parse_args(argv: list[str] | None, prog: str = "python -m executor_service")
         "anyone who reaches the port can run plans: never expose an executor without it",
     )
     add_health_port_flag(parser)
-    parser.add_argument("--metrics-port", type=int, help="serve Prometheus metrics over HTTP on this port")
+    parser.add_argument("--metrics-port", type=port_number, help="serve Prometheus metrics over HTTP on this port")
     add_log_format_flag(parser)
     parser.add_argument(
         "--tensor-parallel-size",
-        type=int,
+        type=positive_int,
         default=1,
         help="shard the model over N ranks with transformers' tensor-parallel plan (NCCL on "
         "CUDA, one GPU per rank; gloo on CPU); the executor starts the other ranks itself, or "
@@ -138,26 +199,22 @@ def parse_args(argv: list[str] | None, prog: str = "python -m executor_service")
     )
     parser.add_argument(
         "--drain-timeout",
-        type=float,
+        type=non_negative_float,
         default=DEFAULT_DRAIN_TIMEOUT_S,
         help="seconds after SIGTERM for the scheduler to finish the requests running here and "
         "end its stream; what still runs then is recomputed by the scheduler elsewhere",
+    )
+    parser.add_argument(
+        "-v",
+        "--verbose",
+        action="store_true",
+        help="on a start-up failure, log its traceback after the one-line reason",
     )
     args = parser.parse_args(argv)
     try:
         tls = server_tls(args.tls_cert, args.tls_key, args.tls_client_ca)
     except TlsConfigError as error:
         parser.error(str(error))
-    if args.drain_timeout < 0:
-        parser.error("--drain-timeout must be >= 0")
-    if args.tensor_parallel_size < 1:
-        parser.error("--tensor-parallel-size must be >= 1")
-    if args.block_size <= 0:
-        parser.error("--block-size must be > 0")
-    if args.num_kv_blocks is not None and args.num_kv_blocks <= 0:
-        parser.error("--num-kv-blocks must be > 0")
-    if args.cuda_graph_max_batch < 0:
-        parser.error("--cuda-graph-max-batch must be >= 0")
     return ExecutorSettings(
         model_dir=args.model,
         host=args.host,
@@ -185,16 +242,43 @@ def parse_args(argv: list[str] | None, prog: str = "python -m executor_service")
         metrics_port=args.metrics_port,
         log_format=args.log_format,
         tensor_parallel_size=args.tensor_parallel_size,
+        verbose=args.verbose,
+    )
+
+
+def check_device(name: str) -> None:
+    device = torch.device("cpu" if name == "auto" else name)
+    if device.type != "cuda":
+        return
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if count == 0:
+        raise DeviceUnavailable(f"--device {name}: torch sees no CUDA device here; pass --device cpu (or auto)")
+    if device.index is not None and device.index >= count:
+        raise DeviceUnavailable(
+            f"--device {name}: torch sees {count} CUDA device(s), cuda:0 to cuda:{count - 1}; pass one of them"
+        )
+
+
+def check_before_loading(settings: ExecutorSettings) -> None:
+    """What would otherwise fail only once the model has loaded (tens of seconds later), checked
+    first: the folder, the device, and the ports this process will listen on."""
+    try:
+        check_model_folder(settings.model_dir, settings.trust_remote_code)
+    except FolderError as error:
+        raise FolderError(f"--model {error}") from error
+    check_device(settings.device)
+    # Under torchrun only rank 0 serves; the others may run on machines of their own.
+    if launched_by_torchrun() and os.environ.get("RANK") != "0":
+        return
+    check_listen_ports(
+        settings.host,
+        {"--port": settings.port, "--health-port": settings.health_port, "--metrics-port": settings.metrics_port},
     )
 
 
 def main(argv: list[str] | None = None, prog: str = "python -m executor_service") -> int:
     settings = parse_args(argv, prog)
     configure_logging(settings.log_format)
-    logger.info(
-        "event=executor_starting model=%s port=%d tensor_parallel_size=%d",
-        settings.model_dir, settings.port, settings.tensor_parallel_size,
-    )
     options = ServeOptions(
         host=settings.host,
         port=settings.port,
@@ -204,17 +288,28 @@ def main(argv: list[str] | None = None, prog: str = "python -m executor_service"
         drain_timeout_s=settings.drain_timeout_s,
         metrics_port=settings.metrics_port,
     )
+    # A refusal is one line that says why and what to do, not a traceback (unless -v): the
+    # folder, the flags or the model is the problem, not the code.
     try:
+        check_before_loading(settings)
+        logger.info(
+            "event=executor_starting model=%s port=%d tensor_parallel_size=%d",
+            settings.model_dir, settings.port, settings.tensor_parallel_size,
+        )
         if settings.tensor_parallel_size > 1:
             return serve_tensor_parallel(settings, options)
         worker = step_thread()
         executor = worker.submit(build_executor, settings).result()
+    except (FolderError, DeviceUnavailable, PortUnavailable) as problem:
+        logger.error("event=executor_refused reason=%r", str(problem), exc_info=settings.verbose)
+        return 2
     except UnsupportedModel as refusal:
-        # One line that says why, not a traceback: the model is the problem, not the code.
-        logger.error("event=executor_refused model_type=%s reason=%r", refusal.model_type, refusal.reason)
+        logger.error(
+            "event=executor_refused model_type=%s reason=%r", refusal.model_type, refusal.reason, exc_info=settings.verbose
+        )
         return 1
     except BackendUnavailable as refusal:
-        logger.error("event=executor_refused reason=%r", str(refusal))
+        logger.error("event=executor_refused reason=%r", str(refusal), exc_info=settings.verbose)
         return 1
     asyncio.run(serve(executor, options, worker))
     return 0

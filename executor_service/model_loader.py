@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,11 +15,14 @@ from transformers import (
     PretrainedConfig,
     PreTrainedModel,
 )
+from transformers import __version__ as transformers_version
 from transformers.distributed import DistributedConfig
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 from executor_service.kv_geometry import probe_kv_geometry
 from executor_service.model_support import UnsupportedModel, check_config
 from executor_service.paged_attention import ATTENTION_NAME, register_paged_attention
+from protos.local_folder import FolderError, require_folder
 
 if TYPE_CHECKING:
     from executor_service.lean_forward import LeanLlama
@@ -28,6 +32,9 @@ logger = logging.getLogger(__name__)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Config attributes that bound a sequence, in the order models use them.
 _LENGTH_ATTRIBUTES = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length")
+MODEL_FOLDER_HOLDS = "config.json and the weights (*.safetensors), as save_pretrained writes them"
+# What from_pretrained reads weights from in a local folder, shards included.
+_WEIGHT_PATTERNS = ("*.safetensors", "pytorch_model*.bin")
 
 
 @dataclass(slots=True)
@@ -87,8 +94,7 @@ def load_model(
     tensor_parallel_size > 1 shards the weights over the initialized process group by the
     model's own tensor-parallel plan (every rank calls this together).
     """
-    if not (model_dir / "config.json").is_file():
-        raise FileNotFoundError(f"{model_dir} holds no config.json")
+    check_model_folder(model_dir, trust_remote_code)
     torch_device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, torch_device)
     register_paged_attention()
@@ -139,6 +145,46 @@ def load_model(
         loaded.eos_token_ids,
     )
     return loaded
+
+
+def check_model_folder(model_dir: Path, trust_remote_code: bool = False) -> None:
+    """Refuses, before anything is loaded, a folder that is no checkpoint transformers can load:
+    FolderError says what is missing, UnsupportedModel names a model type transformers lacks."""
+    require_folder(model_dir, MODEL_FOLDER_HOLDS)
+    config_path = model_dir / "config.json"
+    if not config_path.is_file():
+        raise FolderError(f"{model_dir}: holds no config.json; a model folder holds {MODEL_FOLDER_HOLDS}")
+    try:
+        config = json.loads(config_path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise FolderError(
+            f"{config_path}: not readable as JSON ({error}); a model folder holds {MODEL_FOLDER_HOLDS}"
+        ) from error
+    model_type = config.get("model_type") if isinstance(config, dict) else None
+    if not isinstance(model_type, str) or not model_type:
+        raise FolderError(f"{config_path}: names no model_type; a model folder holds {MODEL_FOLDER_HOLDS}")
+    if not any(any(model_dir.glob(pattern)) for pattern in _WEIGHT_PATTERNS):
+        gguf = " (GGUF files are not loaded)" if any(model_dir.glob("*.gguf")) else ""
+        raise FolderError(
+            f"{model_dir}: holds config.json but no weights{gguf}; a model folder holds {MODEL_FOLDER_HOLDS}"
+        )
+    _check_model_type_known(model_type, "auto_map" in config, trust_remote_code)
+
+
+def _check_model_type_known(model_type: str, ships_code: bool, trust_remote_code: bool) -> None:
+    """A one-line refusal where transformers would raise its own (a multi-line ValueError) from
+    deep inside AutoConfig."""
+    if model_type in CONFIG_MAPPING or (ships_code and trust_remote_code):
+        return
+    if ships_code:
+        raise UnsupportedModel(
+            model_type, "its modelling code ships in the folder (auto_map); pass --trust-remote-code to run it"
+        )
+    raise UnsupportedModel(
+        model_type,
+        f"transformers {transformers_version} does not know it; upgrade transformers, or use a "
+        "folder that ships its modelling code (auto_map) with --trust-remote-code",
+    )
 
 
 def check_tensor_parallel(model_type: str, text_config: PretrainedConfig, size: int) -> None:

@@ -86,6 +86,8 @@ class ExecutorSettings:
     log_format: str = "text"
     # Ranks the model is sharded over (tp_group.py); 1 runs it on one device.
     tensor_parallel_size: int = 1
+    # A start-up refusal logs its traceback too (-v).
+    verbose: bool = False
 
 
 def parse_size(text: str) -> int:

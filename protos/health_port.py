@@ -9,11 +9,13 @@ import argparse
 import grpc
 from grpc_health.v1 import health, health_pb2_grpc
 
+from protos.flag_types import port_number
+
 
 def add_health_port_flag(parser: argparse._ActionsContainer) -> None:
     parser.add_argument(
         "--health-port",
-        type=int,
+        type=port_number,
         help="also serve grpc.health.v1 alone, in plaintext, on this port (for probes that cannot "
         "do TLS)",
     )

@@ -8,6 +8,7 @@ import pytest
 
 from executor_service.__main__ import parse_args
 from executor_service.settings import parse_size
+from protos.default_ports import DEFAULT_EXECUTOR_PORT
 
 
 @pytest.mark.parametrize(
@@ -45,3 +46,52 @@ def test_block_budget_flags_are_exclusive() -> None:
         parse_args(
             ["--model", "/m", "--port", "0", "--num-kv-blocks", "8", "--kv-cache-memory", "1GiB"]
         )
+
+
+def test_the_port_has_a_default_the_scheduler_dials_by_default() -> None:
+    assert parse_args(["--model", "/m"]).port == DEFAULT_EXECUTOR_PORT == 50052
+    assert not parse_args(["--model", "/m"]).verbose
+    assert parse_args(["--model", "/m", "-v"]).verbose
+
+
+@pytest.mark.parametrize(
+    ("flag", "value"),
+    [
+        ("--port", "-1"),
+        ("--port", "65536"),
+        ("--health-port", "70000"),
+        ("--metrics-port", "-5"),
+        ("--block-size", "0"),
+        ("--num-kv-blocks", "0"),
+        ("--kv-cache-memory", "0"),
+        ("--kv-cache-memory", "lots"),
+        ("--max-model-len", "0"),
+        ("--max-logprobs", "-1"),
+        ("--threads", "0"),
+        ("--gpu-memory-utilization", "0"),
+        ("--gpu-memory-utilization", "1.5"),
+        ("--gpu-memory-utilization", "nan"),
+        ("--lease-timeout", "0"),
+        ("--lease-timeout", "-3"),
+        ("--drain-timeout", "-1"),
+        ("--tensor-parallel-size", "0"),
+        ("--cuda-graph-max-batch", "-1"),
+        ("--block-size", "sixteen"),
+        ("--device", "gpu"),
+    ],
+)
+def test_a_meaningless_value_is_argparses_error(
+    flag: str, value: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        parse_args(["--model", "/m", flag, value])
+    assert exit_.value.code == 2
+    assert f"error: argument {flag}: " in capsys.readouterr().err.splitlines()[-1]
+
+
+@pytest.mark.parametrize(
+    ("flag", "value"),
+    [("--port", "0"), ("--max-logprobs", "0"), ("--drain-timeout", "0"), ("--gpu-memory-utilization", "1")],
+)
+def test_edge_values_that_mean_something_are_taken(flag: str, value: str) -> None:
+    parse_args(["--model", "/m", flag, value])
