@@ -1,5 +1,7 @@
-"""Command line: python -m scheduler_service --port PORT --executor HOST:PORT [--executor ...]
-[options]."""
+"""Command line: python -m scheduler_service [--port PORT] [--executor HOST:PORT ...] [options].
+
+What a user can get wrong at start (a port, the tokenizer, a TLS file, a flag's value) is
+refused in one line and exit status 2 before anything serves; -v adds the traceback."""
 
 import argparse
 import asyncio
@@ -8,8 +10,19 @@ import sys
 from pathlib import Path
 
 from protos.cli_help import DefaultsHelpFormatter
+from protos.default_ports import DEFAULT_EXECUTOR_ADDRESS, DEFAULT_SCHEDULER_PORT
+from protos.flag_types import (
+    MAX_PORT,
+    non_negative_float,
+    non_negative_int,
+    port_number,
+    positive_float,
+    positive_int,
+)
 from protos.health_port import add_health_port_flag
+from protos.local_folder import FolderError
 from protos.log_format import add_log_format_flag, configure_logging
+from protos.port_check import check_listen_ports
 from protos.transport_security import (
     ClientTls,
     ServerTls,
@@ -38,6 +51,11 @@ from scheduler_service.service.server import (
     ServerSettings,
     serve,
 )
+from scheduler_service.service.stream_backlog import (
+    DEFAULT_MAX_BACKLOG_BYTES,
+    DEFAULT_MAX_BACKLOG_TOKENS,
+    BacklogLimits,
+)
 from scheduler_service.service.tracing import NO_TRACING, OtelTracing, Tracing
 from scheduler_service.text.generation_config import load_sampling_defaults
 from scheduler_service.text.tokenizer import TextProcessor
@@ -45,11 +63,18 @@ from scheduler_service.text.tokenizer import TextProcessor
 logger = logging.getLogger("scheduler_service")
 
 
-def positive(value: str) -> int:
-    number = int(value)
-    if number < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {number}")
-    return number
+def executor_target(text: str) -> str:
+    """HOST:PORT, or dns:///NAME:PORT; anything else would only be dialled, in vain, forever."""
+    if text.startswith(DNS_PREFIX):
+        try:
+            split_target(text)
+        except ValueError as error:
+            raise argparse.ArgumentTypeError(str(error)) from None
+        return text
+    host, _, port = text.rpartition(":")
+    if not host or not port.isdigit() or not 1 <= int(port) <= MAX_PORT:
+        raise argparse.ArgumentTypeError(f"{text!r} is not HOST:PORT (port 1..{MAX_PORT}) or dns:///NAME:PORT")
+    return text
 
 
 def parse_args(argv: list[str] | None, prog: str = "python -m scheduler_service") -> argparse.Namespace:
@@ -58,39 +83,42 @@ def parse_args(argv: list[str] | None, prog: str = "python -m scheduler_service"
         description="Serve the splitserve Generation API.",
         formatter_class=DefaultsHelpFormatter,
     )
-    parser.add_argument("--port", type=int, required=True, help="gRPC port for clients; 0 picks a free one")
+    parser.add_argument(
+        "--port", type=port_number, default=DEFAULT_SCHEDULER_PORT, help="gRPC port for clients; 0 picks a free one"
+    )
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 in containers)")
     parser.add_argument(
         "--executor",
-        required=True,
+        type=executor_target,
         action="append",
         metavar="HOST:PORT",
         help="an executor to drive (repeat for several), or dns:///NAME:PORT for every address "
-        "NAME resolves to, looked up again every --resolve-interval seconds",
+        "NAME resolves to, looked up again every --resolve-interval seconds (default: "
+        f"{DEFAULT_EXECUTOR_ADDRESS}, an executor started here without --port)",
     )
     parser.add_argument(
         "--scheduler-id",
         help="identity presented to executors, which serve one scheduler at a time "
         "(default HOSTNAME:PORT; keep it stable so a restarted scheduler takes its executors back)",
     )
-    parser.add_argument("--resolve-interval", type=float, default=DEFAULT_RESOLVE_INTERVAL_S, help="seconds between DNS lookups of dns:/// executors")
+    parser.add_argument("--resolve-interval", type=positive_float, default=DEFAULT_RESOLVE_INTERVAL_S, help="seconds between DNS lookups of dns:/// executors")
     parser.add_argument(
         "--route-tokens-per-request",
-        type=int,
+        type=non_negative_int,
         default=DEFAULT_TOKENS_PER_REQUEST,
         help="routing: cached prompt tokens worth one more queued request on an executor "
         "(0: by prefix alone; large: by load alone)",
     )
     parser.add_argument(
         "--step-timeout-floor",
-        type=float,
+        type=positive_float,
         default=DEFAULT_STEP_TIMEOUT_FLOOR_S,
         help="seconds a step result may take before its executor counts as lost, at least "
         "(the deadline is this or --step-timeout-factor x the slowest recent step)",
     )
     parser.add_argument(
         "--step-timeout-factor",
-        type=float,
+        type=positive_float,
         default=DEFAULT_STEP_TIMEOUT_FACTOR,
         help="see --step-timeout-floor",
     )
@@ -104,8 +132,8 @@ def parse_args(argv: list[str] | None, prog: str = "python -m scheduler_service"
         "--tokenizer folder, DIR the one in DIR; none (or vllm) keeps the built-in ones "
         "(temperature 1, top_p 1, top_k 0, min_p 0, repetition_penalty 1, max_tokens unset)",
     )
-    parser.add_argument("--max-num-seqs", type=positive, default=256, help="most requests running at once")
-    parser.add_argument("--max-num-batched-tokens", type=positive, default=2048, help="most tokens computed per step")
+    parser.add_argument("--max-num-seqs", type=positive_int, default=256, help="most requests running at once")
+    parser.add_argument("--max-num-batched-tokens", type=positive_int, default=2048, help="most tokens computed per step")
     parser.add_argument(
         "--policy",
         choices=[p.value for p in Policy],
@@ -119,19 +147,34 @@ def parse_args(argv: list[str] | None, prog: str = "python -m scheduler_service"
         help="mixed: decodes and prefill chunks share steps; prefill-first: a step with prefill "
         "work runs only that; decode-first: new requests start only when none is running",
     )
-    parser.add_argument("--max-waiting", type=positive, default=10_000, help="queue length past which requests are refused")
+    parser.add_argument("--max-waiting", type=positive_int, default=10_000, help="queue length past which requests are refused")
     parser.add_argument(
         "--stream-interval",
-        type=positive,
+        type=positive_int,
         default=1,
         help="tokens a stream gathers before sending them (its first token and its end go at "
         "once); above 1, fewer messages per token for less CPU at high concurrency, as vLLM's "
         "--stream-interval",
     )
-    parser.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port")
+    parser.add_argument(
+        "--max-stream-backlog-tokens",
+        type=positive_int,
+        default=DEFAULT_MAX_BACKLOG_TOKENS,
+        help="tokens a stream's client may fall behind (generated, not yet read) before its "
+        "request is ended with RESOURCE_EXHAUSTED and its blocks freed; room for a reader that "
+        "stalls a minute or two on a long generation (at least --stream-interval)",
+    )
+    parser.add_argument(
+        "--max-stream-backlog-bytes",
+        type=positive_int,
+        default=DEFAULT_MAX_BACKLOG_BYTES,
+        help="the same in bytes of unread output (a few per token; ~330 with 20 logprobs): "
+        "what one stream may hold for a slow or absent reader",
+    )
+    parser.add_argument("--metrics-port", type=port_number, help="serve Prometheus metrics on this port")
     parser.add_argument(
         "--drain-timeout",
-        type=float,
+        type=non_negative_float,
         default=DEFAULT_DRAIN_TIMEOUT_S,
         help="on SIGTERM: seconds the requests in flight get to finish (new ones are refused "
         "with UNAVAILABLE and health turns NOT_SERVING) before the rest are aborted",
@@ -155,9 +198,18 @@ def parse_args(argv: list[str] | None, prog: str = "python -m scheduler_service"
         action="store_true",
         help="send spans to the collector without TLS",
     )
+    parser.add_argument(
+        "-v",
+        "--verbose",
+        action="store_true",
+        help="on a start-up failure, log its traceback after the one-line reason",
+    )
     _add_security_flags(parser)
     _add_cap_flags(parser)
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    # Not the flag's default: argparse would append the executors given to it.
+    args.executor = args.executor or [DEFAULT_EXECUTOR_ADDRESS]
+    return args
 
 
 def _add_security_flags(parser: argparse.ArgumentParser) -> None:
@@ -185,17 +237,17 @@ def _add_cap_flags(parser: argparse.ArgumentParser) -> None:
     """Per-request caps (service/intake_limits.py); the receive limit follows from them."""
     caps = IntakeLimits()
     group = parser.add_argument_group("request caps (a request over one gets INVALID_ARGUMENT)")
-    group.add_argument("--max-prompt-bytes", type=positive, default=caps.max_prompt_bytes, help="UTF-8 bytes of a text prompt or of a chat's contents together")
-    group.add_argument("--max-prompt-tokens", type=positive, default=caps.max_prompt_tokens, help="token ids of a token-id prompt (the model's maximum length caps it too)")
-    group.add_argument("--max-request-id-chars", type=positive, default=caps.max_request_id_chars, help="length of a request_id (printable ASCII without spaces)")
-    group.add_argument("--max-cache-salt-bytes", type=positive, default=caps.max_cache_salt_bytes)
-    group.add_argument("--max-stop-strings", type=positive, default=caps.max_stop_strings)
-    group.add_argument("--max-stop-bytes", type=positive, default=caps.max_stop_bytes, help="UTF-8 bytes of one stop string")
-    group.add_argument("--max-stop-token-ids", type=positive, default=caps.max_stop_token_ids)
-    group.add_argument("--max-chat-messages", type=positive, default=caps.max_chat_messages)
+    group.add_argument("--max-prompt-bytes", type=positive_int, default=caps.max_prompt_bytes, help="UTF-8 bytes of a text prompt or of a chat's contents together")
+    group.add_argument("--max-prompt-tokens", type=positive_int, default=caps.max_prompt_tokens, help="token ids of a token-id prompt (the model's maximum length caps it too)")
+    group.add_argument("--max-request-id-chars", type=positive_int, default=caps.max_request_id_chars, help="length of a request_id (printable ASCII without spaces)")
+    group.add_argument("--max-cache-salt-bytes", type=positive_int, default=caps.max_cache_salt_bytes)
+    group.add_argument("--max-stop-strings", type=positive_int, default=caps.max_stop_strings)
+    group.add_argument("--max-stop-bytes", type=positive_int, default=caps.max_stop_bytes, help="UTF-8 bytes of one stop string")
+    group.add_argument("--max-stop-token-ids", type=positive_int, default=caps.max_stop_token_ids)
+    group.add_argument("--max-chat-messages", type=positive_int, default=caps.max_chat_messages)
     group.add_argument(
         "--max-message-bytes",
-        type=positive,
+        type=positive_int,
         default=caps.max_message_bytes,
         help="bytes of one message gRPC takes in at all (RESOURCE_EXHAUSTED beyond); a request "
         "over what the caps above allow but under this gets INVALID_ARGUMENT naming its field",
@@ -265,21 +317,31 @@ def intake_limits(args: argparse.Namespace) -> IntakeLimits:
     )
 
 
+def text_processor(tokenizer: Path | None) -> TextProcessor | None:
+    if tokenizer is None:
+        return None
+    try:
+        return TextProcessor.from_pretrained(tokenizer)
+    except FolderError as error:
+        raise FolderError(f"--tokenizer {error}") from error
+
+
 def main(argv: list[str] | None = None, prog: str = "python -m scheduler_service") -> int:
     args = parse_args(argv, prog)
     configure_logging(args.log_format)
     try:
         tls, api_keys, executor_tls = security_settings(args)
         limits = intake_limits(args)
+        # Before the tokenizer loads (seconds), not once serve() fails to bind.
+        check_listen_ports(
+            args.host, {"--port": args.port, "--health-port": args.health_port, "--metrics-port": args.metrics_port}
+        )
         defaults = sampling_defaults(args.generation_config, args.tokenizer)
+        text = text_processor(args.tokenizer)
         tracing = tracing_of(args)
     except ValueError as error:
-        logger.error("event=scheduler_refused reason=%r", str(error))
+        logger.error("event=scheduler_refused reason=%r", str(error), exc_info=args.verbose)
         return 2
-    text = TextProcessor.from_pretrained(args.tokenizer) if args.tokenizer else None
-    for target in args.executor:
-        if target.startswith(DNS_PREFIX):
-            split_target(target)
     settings = ServerSettings(
         host=args.host,
         port=args.port,
@@ -309,6 +371,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m scheduler_service
             max_waiting=args.max_waiting,
             route_tokens_per_request=args.route_tokens_per_request,
             stream_interval=args.stream_interval,
+            stream_backlog=BacklogLimits(args.max_stream_backlog_tokens, args.max_stream_backlog_bytes),
         ),
     )
     logger.info(

@@ -23,6 +23,7 @@ from scheduler_service.text.template_kwargs import (
     reserved_template_names,
 )
 from scheduler_service.text.token_bytes import TokenBytes
+from scheduler_service.text.tokenizer_folder import check_tokenizer_folder, unloadable
 
 logger = logging.getLogger(__name__)
 
@@ -58,20 +59,27 @@ class TextProcessor:
 
     @classmethod
     def from_pretrained(cls, tokenizer_dir: str | Path) -> TextProcessor:
-        """Loads the tokenizer of a local model folder (no hub access is ever attempted).
+        """Loads the tokenizer of a local model folder (no hub access is ever attempted); a
+        folder that holds none raises FolderError saying what is missing.
 
         EOS ids also come from the folder's generation_config.json when it has one: chat models
         often end turns with a token the tokenizer does not call EOS (Qwen's <|im_end|>).
         """
         folder = Path(tokenizer_dir)
-        tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+        check_tokenizer_folder(folder)
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+        except Exception as error:
+            # Whatever transformers trips on in a folder of the user's (broken JSON, a missing
+            # key, a class it lacks) is a refusal of that folder, not a crash of the scheduler.
+            raise unloadable(folder, error) from error
         processor = cls(tokenizer, _generation_eos_ids(folder))
         logger.info(
-            "loaded tokenizer %s from %s (vocab %d, eos %s, chat template %s)",
+            "event=tokenizer_loaded class=%s folder=%s vocab=%d eos=%s chat_template=%s",
             type(tokenizer).__name__,
             folder,
             len(tokenizer),
-            list(processor.eos_token_ids),
+            ",".join(map(str, processor.eos_token_ids)),
             processor.has_chat_template,
         )
         return processor
