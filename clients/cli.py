@@ -22,12 +22,11 @@ from clients.errors import SplitserveError
 from clients.request_builder import GenerateOptions
 from clients.sync_client import Client
 from protos.cli_help import DefaultsHelpFormatter
+from protos.default_ports import DEFAULT_SCHEDULER_ADDRESS
 
 logger = logging.getLogger("clients.cli")
 API_KEY_ENV = "SPLITSERVE_API_KEY"
 SERVER_ENV = "SPLITSERVE_SERVER"
-# Where `splitserve run` and `splitserve scheduler` listen by default.
-DEFAULT_SERVER = "127.0.0.1:50051"
 # A bound a person at a terminal wants: a chat answer of a few paragraphs. Without one a request
 # may run to the model's maximum length (8,192 tokens for the default model).
 DEFAULT_MAX_TOKENS = 256
@@ -105,9 +104,9 @@ def at_least(minimum: int) -> Callable[[str], int]:
 def _add_server(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--server",
-        default=os.environ.get(SERVER_ENV) or DEFAULT_SERVER,
+        default=os.environ.get(SERVER_ENV) or DEFAULT_SCHEDULER_ADDRESS,
         metavar="HOST:PORT",
-        help=f"the scheduler (default: ${SERVER_ENV}, else {DEFAULT_SERVER})",
+        help=f"the scheduler (default: ${SERVER_ENV}, else {DEFAULT_SCHEDULER_ADDRESS})",
     )
     parser.add_argument("--timeout", type=float, help="deadline per call, in seconds")
     parser.add_argument("--tls-ca", type=Path, help="PEM CA of the server's certificate: connect over TLS")

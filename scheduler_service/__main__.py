@@ -39,7 +39,7 @@ from scheduler_service.service.discovery import (
     DNS_PREFIX,
     split_target,
 )
-from scheduler_service.service.engine import EngineOptions
+from scheduler_service.service.engine import DEFAULT_NO_EXECUTOR_TIMEOUT_S, EngineOptions
 from scheduler_service.service.intake_limits import IntakeLimits
 from scheduler_service.service.lane import (
     DEFAULT_STEP_TIMEOUT_FACTOR,
@@ -168,8 +168,15 @@ def parse_args(argv: list[str] | None, prog: str = "python -m scheduler_service"
         "--max-stream-backlog-bytes",
         type=positive_int,
         default=DEFAULT_MAX_BACKLOG_BYTES,
-        help="the same in bytes of unread output (a few per token; ~330 with 20 logprobs): "
+        help="the same in bytes of unread output (a few per token, ~300 with 20 logprobs): "
         "what one stream may hold for a slow or absent reader",
+    )
+    parser.add_argument(
+        "--no-executor-timeout",
+        type=non_negative_float,
+        default=DEFAULT_NO_EXECUTOR_TIMEOUT_S,
+        help="seconds a request waits while no executor can take it (all down, drained or "
+        "refused) before it fails with UNAVAILABLE saying why",
     )
     parser.add_argument("--metrics-port", type=port_number, help="serve Prometheus metrics on this port")
     parser.add_argument(
@@ -372,6 +379,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m scheduler_service
             route_tokens_per_request=args.route_tokens_per_request,
             stream_interval=args.stream_interval,
             stream_backlog=BacklogLimits(args.max_stream_backlog_tokens, args.max_stream_backlog_bytes),
+            no_executor_timeout_s=args.no_executor_timeout,
         ),
     )
     logger.info(

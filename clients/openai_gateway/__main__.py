@@ -1,5 +1,5 @@
-"""`python -m clients.openai_gateway --port 8000 --server HOST:PORT`: the OpenAI-compatible HTTP
-gateway in front of a scheduler. Logs `event=gateway_ready address=HOST:PORT` once it listens
+"""`python -m clients.openai_gateway [--port 8000] [--server 127.0.0.1:50051]`: the
+OpenAI-compatible HTTP gateway in front of a scheduler. Logs `event=gateway_ready address=HOST:PORT` once it listens
 (with --port 0, the port the system picked)."""
 
 from __future__ import annotations
@@ -17,7 +17,10 @@ import uvicorn
 from clients.openai_gateway.app import GatewaySettings, create_app
 from clients.openai_gateway.body_limit import DEFAULT_MAX_BODY_BYTES
 from protos.cli_help import DefaultsHelpFormatter
+from protos.default_ports import DEFAULT_GATEWAY_PORT, DEFAULT_SCHEDULER_ADDRESS
+from protos.flag_types import non_negative_float, port_number, positive_int
 from protos.log_format import add_log_format_flag, configure_logging
+from protos.port_check import PortUnavailable, check_listen_ports
 
 logger = logging.getLogger("clients.openai_gateway")
 
@@ -28,9 +31,11 @@ def parse_args(argv: Sequence[str] | None, prog: str = "python -m clients.openai
         description=__doc__,
         formatter_class=DefaultsHelpFormatter,
     )
-    parser.add_argument("--port", type=int, required=True, help="HTTP port (0: any free one)")
+    parser.add_argument("--port", type=port_number, default=DEFAULT_GATEWAY_PORT, help="HTTP port (0: any free one)")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    parser.add_argument("--server", required=True, metavar="HOST:PORT", help="the scheduler's client API")
+    parser.add_argument(
+        "--server", default=DEFAULT_SCHEDULER_ADDRESS, metavar="HOST:PORT", help="the scheduler's client API"
+    )
     parser.add_argument(
         "--served-model-name",
         help="the name clients must send as `model` (default: the model_id GetModelInfo reports)",
@@ -46,18 +51,11 @@ def parse_args(argv: Sequence[str] | None, prog: str = "python -m clients.openai
     add_log_format_flag(parser)
     parser.add_argument(
         "--drain-timeout",
-        type=float,
+        type=non_negative_float,
         default=25.0,
         help="after SIGTERM, seconds open responses get to finish before they are cut",
     )
     return parser.parse_args(argv)
-
-
-def positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
 
 
 class GatewayServer(uvicorn.Server):
@@ -107,8 +105,9 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m clients.opena
     configure_logging(args.log_format)
     try:
         root_certificates = args.tls_ca.read_bytes() if args.tls_ca else None
+        check_listen_ports(args.host, {"--port": args.port})
         listener = listen(args.host, args.port)
-    except OSError as error:
+    except (OSError, PortUnavailable) as error:
         logger.error("event=gateway_refused reason=%r", str(error))
         return 2
     settings = GatewaySettings(

@@ -4,8 +4,10 @@ listens and what to try against it."""
 from __future__ import annotations
 
 import shlex
+import shutil
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from scheduler_service.launch.children import Child
 from scheduler_service.launch.options import LaunchOptions
@@ -23,8 +25,17 @@ def print_banner(
     model_name: str,
     children: Sequence[Child],
 ) -> None:
-    python = shlex.quote(sys.executable)
     logs = ", ".join(str(c.log_path) for c in children if c.log_path is not None)
+    command = client_program()
+    # grpcurl is not something setup installs: suggested only where it is on PATH.
+    grpcurl = (
+        f"""
+  grpcurl -plaintext {address} list
+  grpcurl -plaintext {address} grpc.health.v1.Health/Check
+  grpcurl -plaintext {executor_address} describe"""
+        if shutil.which("grpcurl")
+        else ""
+    )
     print(
         f"""
 splitserve is running; Ctrl-C stops it.
@@ -35,13 +46,19 @@ splitserve is running; Ctrl-C stops it.
   logs       {logs}
 
 Try:
-  {python} -m clients generate --server {address} --chat "Write a haiku about the sea"
-  {python} -m clients status --server {address}
+  {command} generate --server {address} --chat "Write a haiku about the sea"
+  {command} status --server {address}
   curl -s {gateway}/v1/chat/completions -H 'content-type: application/json' \\
-    -d '{{"model": "{model_name}", "messages": [{{"role": "user", "content": "Hi"}}]}}'
-  grpcurl -plaintext {address} list
-  grpcurl -plaintext {address} grpc.health.v1.Health/Check
-  grpcurl -plaintext {executor_address} describe
+    -d '{{"model": "{model_name}", "messages": [{{"role": "user", "content": "Hi"}}]}}'{grpcurl}
 """,
         flush=True,
     )
+
+
+def client_program() -> str:
+    """How to run the client from here: the installed `splitserve` beside this Python (the one
+    setup installed), else this Python's `-m clients`."""
+    installed = Path(sys.executable).parent / "splitserve"
+    if installed.is_file():
+        return shlex.quote(str(installed))
+    return f"{shlex.quote(sys.executable)} -m clients"

@@ -51,6 +51,13 @@ class Child:
             return ""
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
 
+    def last_error(self) -> str:
+        """The last line the service logged at ERROR (its one-line refusal), else its last
+        line; empty without a log."""
+        lines = [line for line in self.tail().splitlines() if line.strip()]
+        errors = [line for line in lines if "level=ERROR" in line or '"level": "ERROR"' in line]
+        return (errors or lines or [""])[-1]
+
 
 @dataclass(slots=True)
 class Children:

@@ -2,6 +2,7 @@
 tools, in the ecosystem's habit (`vllm serve`, `text-generation-launcher`).
 
     splitserve run            the default model, an executor and a scheduler (make run)
+    splitserve serve DIR      the same for a model folder of your own, nothing asked
     splitserve scheduler ...  python -m scheduler_service
     splitserve executor ...   python -m executor_service
     splitserve gateway ...    python -m clients.openai_gateway
@@ -29,12 +30,20 @@ class Subcommand:
     summary: str
     # Words put before the user's arguments (the client CLI's own subcommand).
     prefix: tuple[str, ...] = ()
+    # The module's function that runs it.
+    function: str = "main"
 
 
 SUBCOMMANDS: dict[str, Subcommand] = {
     "run": Subcommand(
         "scheduler_service.launch.__main__",
-        "start an executor and a scheduler with the default model, and print where they listen",
+        "start an executor, a scheduler and the gateway with the default model (or --model DIR), "
+        "ask it a question, and print where they listen",
+    ),
+    "serve": Subcommand(
+        "scheduler_service.launch.__main__",
+        "serve a local model folder: executor, scheduler and gateway on the default ports",
+        function="serve_main",
     ),
     "scheduler": Subcommand("scheduler_service.__main__", "serve the Generation API in front of executors"),
     "executor": Subcommand("executor_service.__main__", "serve a model's forward passes to a scheduler"),
@@ -65,7 +74,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if command is None:
         sys.stderr.write(f"{PROG}: unknown command {name!r}\n\n{usage()}")
         return 2
-    entry: Callable[..., int] = importlib.import_module(command.module).main
+    entry: Callable[..., int] = getattr(importlib.import_module(command.module), command.function)
     if command.prefix:
         # The client CLI names its own subcommand; its usage line then reads `splitserve generate`.
         return entry([*command.prefix, *rest], prog=PROG)

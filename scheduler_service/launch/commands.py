@@ -48,7 +48,7 @@ def scheduler_command(options: LaunchOptions, model_dir: Path, executor_address:
         "--executor",
         executor_address,
         "--tokenizer",
-        str(model_dir),
+        str(options.tokenizer or model_dir),
         "--metrics-port",
         str(options.metrics_port),
     ]
@@ -71,7 +71,7 @@ def gateway_command(options: LaunchOptions, model_dir: Path, address: str) -> li
     ]
 
 
-def client_command(options: LaunchOptions, address: str) -> list[str]:
+def client_command(question: str, address: str) -> list[str]:
     return [
         sys.executable,
         "-m",
@@ -86,7 +86,7 @@ def client_command(options: LaunchOptions, address: str) -> list[str]:
         "0",
         "--timeout",
         str(ASK_TIMEOUT_S),
-        options.question,
+        question,
     ]
 
 

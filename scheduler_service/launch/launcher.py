@@ -25,7 +25,7 @@ from scheduler_service.launch.commands import (
     scheduler_command,
 )
 from scheduler_service.launch.options import LaunchOptions
-from scheduler_service.launch.ports import PortTaken, port_taken
+from protos.port_check import check_listen_ports
 
 # One logger for the whole launcher: its lines read logger=scheduler_service.launch whichever
 # module wrote them.
@@ -45,7 +45,7 @@ class Launcher:
 
     def run(self) -> int:
         self.check_ports()
-        model_dir = self.prepare_model()
+        model_dir = self.options.model or self.prepare_model()
         _, executor_port = self.start_service(
             "executor", executor_command(self.options, model_dir), EXECUTOR_READY
         )
@@ -60,7 +60,7 @@ class Launcher:
         _, gateway_port = self.start_service(
             "gateway", gateway_command(self.options, model_dir, address), GATEWAY_READY
         )
-        status = self.ask(address)
+        status = self.ask(address) if self.options.question is not None else 0
         if self.options.once:
             return status
         gateway = f"http://{self.options.connect_host}:{gateway_port}"
@@ -69,20 +69,18 @@ class Launcher:
         return 0
 
     def check_ports(self) -> None:
-        """Refuses taken ports before the minute spent preparing and loading the model: the
-        services would only fail to bind them afterwards."""
+        """Refuses taken ports (PortUnavailable) before the minute spent preparing and loading
+        the model: the services would only fail to bind them afterwards."""
         options = self.options
-        for flag, port in (
-            ("--port", options.port),
-            ("--executor-port", options.executor_port),
-            ("--metrics-port", options.metrics_port),
-            ("--gateway-port", options.gateway_port),
-        ):
-            if port and port_taken(options.host, port):
-                raise PortTaken(
-                    f"{options.host}:{port} ({flag}) is already in use; stop what listens "
-                    f"there or pass {flag} 0 for any free port"
-                )
+        check_listen_ports(
+            options.host,
+            {
+                "--port": options.port,
+                "--executor-port": options.executor_port,
+                "--metrics-port": options.metrics_port,
+                "--gateway-port": options.gateway_port,
+            },
+        )
 
     def prepare_model(self) -> Path:
         """Runs prepare_model as a child so the launcher never holds torch's memory; its
@@ -157,10 +155,11 @@ class Launcher:
         logger.info("event=scheduler_serving address=%s", address)
 
     def ask(self, address: str) -> int:
+        assert self.options.question is not None
         print_question(self.options.question)
         child = self.children.spawn(
             "client",
-            client_command(self.options, address),
+            client_command(self.options.question, address),
             env=child_environment("client", self.options),
         )
         status = self.children.wait_exit(child)

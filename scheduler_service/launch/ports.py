@@ -1,17 +1,8 @@
-"""Checking and picking TCP ports before the services bind them."""
+"""Picking a TCP port for a service whose own log does not name it."""
 
 from __future__ import annotations
 
 import socket
-
-# The services check their own ports with the same helper (protos/port_check.py).
-from protos.port_check import port_taken
-
-__all__ = ["PortTaken", "free_port", "port_taken"]
-
-
-class PortTaken(Exception):
-    """A fixed port is already listened on, most likely by an earlier launch still running."""
 
 
 def free_port(host: str) -> int:

@@ -159,8 +159,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
 
     def _info(self) -> executor_pb2.ExecutorInfo:
         if self.engine.info is None:
-            addresses = ", ".join(sorted(self.engine.lanes)) or "none configured"
-            raise RequestRejected(ErrorKind.UNAVAILABLE, f"no executor has been reached yet ({addresses})")
+            reason = self.engine.why_no_executor()
+            raise RequestRejected(ErrorKind.UNAVAILABLE, f"no executor has been reached yet: {reason}")
         return self.engine.info
 
 

@@ -26,7 +26,7 @@ from executor_service.prepare_model import COMPLETE_MARKER
 REPO_ROOT = Path(__file__).resolve().parents[2]
 CHILD_PID = re.compile(r"event=child_started name=(\w+) pid=(\d+)")
 # The last line of the banner printed once both services serve.
-BANNER_END = re.compile(r"grpcurl -plaintext \S+ describe")
+BANNER_END = re.compile(r"status --server \S+\n")
 
 
 def launcher_command(cache_dir: Path, log_dir: Path, *extra: str) -> list[str]:
@@ -119,7 +119,8 @@ def test_signal_stops_both_services_and_exits_zero(
         address = re.search(r"scheduler\s+(127\.0\.0\.1:\d+)", stdout)
         assert address is not None, stdout
         assert f"--server {address.group(1)}" in stdout
-        assert "grpcurl -plaintext" in stdout
+        # What it suggests is installed: the splitserve command beside this Python.
+        assert f"{Path(sys.executable).parent / 'splitserve'} generate --server" in stdout
         gateway = re.search(r"gateway\s+(http://127\.0\.0\.1:\d+/v1)", stdout)
         assert gateway is not None, stdout
         with urllib.request.urlopen(f"{gateway.group(1)}/models", timeout=30) as reply:
@@ -143,15 +144,17 @@ def test_signal_stops_both_services_and_exits_zero(
     assert re.search(r"event=child_stopped name=gateway status=0", stderr), stderr[-4000:]
 
 
-def test_service_dying_during_start_shows_its_log(tmp_path: Path) -> None:
+@pytest.mark.parametrize("verbose", [False, True], ids=["quiet", "verbose"])
+def test_service_dying_during_start_says_why(tmp_path: Path, verbose: bool) -> None:
     # A folder marked prepared whose config is not a model: prepare_model trusts the marker,
-    # and the executor fails while loading it.
+    # and the executor refuses it.
     broken = tmp_path / "broken-model"
     broken.mkdir()
     (broken / COMPLETE_MARKER).write_text("test\n")
     (broken / "config.json").write_text(json.dumps({"model_type": "no-such-architecture"}))
+    extra = ("--once", "-v") if verbose else ("--once",)
     result = subprocess.run(
-        launcher_command(broken, tmp_path / "logs", "--once"),
+        launcher_command(broken, tmp_path / "logs", *extra),
         cwd=REPO_ROOT,
         capture_output=True,
         text=True,
@@ -159,7 +162,14 @@ def test_service_dying_during_start_shows_its_log(tmp_path: Path) -> None:
     )
     assert result.returncode == 1
     assert "event=child_failed" in result.stderr
-    assert f"last lines of {tmp_path / 'logs' / 'executor.log'}" in result.stderr
+    log = tmp_path / "logs" / "executor.log"
+    if verbose:
+        assert f"last lines of {log}" in result.stderr
+    else:
+        # The executor's own refusal, one line under the launcher's, and where the rest is.
+        assert f"last lines of {log}" not in result.stderr and "Traceback" not in result.stderr
+        error = result.stderr[result.stderr.index("error: executor exited") :].splitlines()
+        assert str(log) in error[0] and "event=executor_refused" in error[1], result.stderr[-2000:]
     # The scheduler is never started without a ready executor.
     assert set(child_pids(result.stderr)) == {"executor"}
 
@@ -171,7 +181,7 @@ def test_fixed_port_in_use_is_refused_before_anything_starts(tmp_path: Path) -> 
         command = launcher_command(tmp_path / "never-prepared", tmp_path / "logs", "--once")
         command[command.index("--port") + 1] = str(port)
         result = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)
-    assert result.returncode == 1
+    assert result.returncode == 2
     assert f"127.0.0.1:{port} (--port) is already in use" in result.stderr
     assert child_pids(result.stderr) == {}
     assert not (tmp_path / "never-prepared").exists()

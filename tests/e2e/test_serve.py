@@ -1,0 +1,138 @@
+"""`splitserve serve MODEL_DIR` and `splitserve run --model DIR`: a model folder of the user's own,
+served in one command and answered through the official `openai` package.
+
+Every run binds port 0 for each service, so tests never race for the default ports.
+"""
+
+from __future__ import annotations
+
+import queue
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import openai
+import pytest
+
+from tests.helpers.model_factory import build_model
+from tests.helpers.tokenizer_assets import qwen3_tokenizer_dir
+
+SPLITSERVE = str(Path(sys.executable).parent / "splitserve")
+# Qwen3's tokenizer: the random model's vocabulary must hold every id it makes.
+VOCAB_SIZE = 151_936
+GATEWAY = re.compile(r"gateway\s+(http://127\.0\.0\.1:\d+/v1)")
+BANNER_END = re.compile(r"status --server \S+\n")
+ANY_PORT = ("--port", "0", "--executor-port", "0", "--metrics-port", "0", "--gateway-port", "0")
+
+
+@pytest.fixture(scope="module")
+def own_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A user's checkpoint: config, safetensors weights and a tokenizer with a chat template, in
+    a folder named for the model."""
+    folder = build_model("llama", tmp_path_factory.mktemp("mine") / "my-tiny-llama", seed=3, vocab_size=VOCAB_SIZE)
+    for source in qwen3_tokenizer_dir().iterdir():
+        if source.is_file():
+            shutil.copyfile(source, folder / source.name)
+    return folder
+
+
+def _snapshot(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture
+def served(own_model: Path, tmp_path: Path) -> Iterator[str]:
+    """`splitserve serve` running on own_model; yields the gateway's base URL."""
+    process = subprocess.Popen(
+        [SPLITSERVE, "serve", str(own_model), *ANY_PORT, "--threads", "1", "--log-dir", str(tmp_path)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    lines: queue.Queue[str] = queue.Queue()
+
+    def forward() -> None:
+        assert process.stdout is not None
+        for line in process.stdout:
+            lines.put(line)
+
+    reader = threading.Thread(target=forward, daemon=True)
+    reader.start()
+    stdout = ""
+    try:
+        deadline = time.monotonic() + 240
+        while not BANNER_END.search(stdout):
+            assert time.monotonic() < deadline and process.poll() is None, stdout
+            try:
+                stdout += lines.get(timeout=0.5)
+            except queue.Empty:
+                continue
+        # serve asks nothing: the banner is the first thing it prints.
+        assert "> " not in stdout.split("splitserve is running")[0], stdout
+        gateway = GATEWAY.search(stdout)
+        assert gateway is not None, stdout
+        yield gateway.group(1)
+        process.send_signal(signal.SIGINT)
+        assert process.wait(timeout=60) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
+def test_serve_answers_through_the_openai_package(own_model: Path, served: str) -> None:
+    before = _snapshot(own_model)
+    with openai.OpenAI(base_url=served, api_key="unused", max_retries=0, timeout=60.0) as client:
+        assert [model.id for model in client.models.list()] == ["my-tiny-llama"]
+        answer = client.chat.completions.create(
+            model="my-tiny-llama",
+            messages=[{"role": "user", "content": "What is the capital of France?"}],
+            max_completion_tokens=8,
+            temperature=0,
+        )
+        again = client.chat.completions.create(
+            model="my-tiny-llama",
+            messages=[{"role": "user", "content": "What is the capital of France?"}],
+            max_completion_tokens=8,
+            temperature=0,
+        )
+    choice = answer.choices[0]
+    assert choice.finish_reason in ("stop", "length")
+    assert answer.usage is not None and 0 < answer.usage.completion_tokens <= 8
+    assert isinstance(choice.message.content, str)
+    # Greedy: the same question, the same answer.
+    assert again.choices[0].message.content == choice.message.content
+    # Serving a folder reads it and never writes to it.
+    assert _snapshot(own_model) == before
+
+
+def test_run_with_model_asks_its_question_of_that_model(own_model: Path, tmp_path: Path) -> None:
+    result = subprocess.run(
+        [SPLITSERVE, "run", "--model", str(own_model), *ANY_PORT, "--threads", "1", "--log-dir",
+         str(tmp_path), "--once", "--question", "Hello"],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "> Hello" in result.stdout
+    # The default model was never prepared: no prepare-model child ran.
+    assert "name=prepare-model" not in result.stderr and "event=model_preparing" not in result.stderr
+    assert re.search(rf"--tokenizer {re.escape(str(own_model))}", result.stderr), result.stderr[-3000:]
+
+
+def test_run_refuses_model_and_cache_dir_together(own_model: Path, tmp_path: Path) -> None:
+    result = subprocess.run(
+        [SPLITSERVE, "run", "--model", str(own_model), "--cache-dir", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 2
+    assert "give one" in result.stderr and "Traceback" not in result.stderr
