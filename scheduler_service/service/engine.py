@@ -33,6 +33,7 @@ from scheduler_service.service.lane_audit import ExecutorAudit
 from scheduler_service.service.metrics import SchedulerMetrics
 from scheduler_service.service.output_stream import OutputStream
 from scheduler_service.service.step_trace import StepTrace
+from scheduler_service.service.stream_backlog import BacklogLimits
 from scheduler_service.service.tracing import NO_TRACING, Tracing
 from scheduler_service.text.tokenizer import TextProcessor
 
@@ -57,6 +58,8 @@ class EngineOptions:
     route_tokens_per_request: int = DEFAULT_TOKENS_PER_REQUEST
     # Tokens a stream gathers before sending them (service/output_stream.py).
     stream_interval: int = 1
+    # How far a stream's reader may fall behind before its request is ended (stream_backlog.py).
+    stream_backlog: BacklogLimits = BacklogLimits()
     # Seconds a request may wait with no executor able to take it (see run()).
     no_executor_timeout_s: float = DEFAULT_NO_EXECUTOR_TIMEOUT_S
 
@@ -263,7 +266,10 @@ class Engine:
             )
         request.arrival_index = next(self._arrivals)
         request.arrival_time = request.arrival_time or time.monotonic()
-        stream = request.output = OutputStream(request, self.text, self.options.stream_interval)
+        stream = request.output = OutputStream(
+            request, self.text, self.options.stream_interval, self.options.stream_backlog,
+            lambda error: self._abort(request, error),
+        )
         if self.tracing.enabled:
             self.tracing.request_started(stream, trace_carrier or {})
         if serving:
@@ -499,7 +505,8 @@ class Engine:
         )
         return choice.index if choice is not None else None
 
-    def _abort(self, request: Request) -> bool:
+    def _abort(self, request: Request, error: RequestError | None = None) -> bool:
+        """Ends a request now, freeing its blocks; its stream closes, or fails with error."""
         lane = self._lane_of(request)
         if lane is not None and lane.scheduler is not None:
             lane.scheduler.finish(request, FinishReason.ABORT)
@@ -509,7 +516,10 @@ class Engine:
             # Unplaced: no scheduler holds it, so nothing else is to free.
             self.unplaced.remove(request)
             request.finish_reason = FinishReason.ABORT
-        self._close(request)
+        if error is None:
+            self._close(request)
+        else:
+            self._fail(request, error)
         return True
 
     def _trace_ended(self, lane: ExecutorLane, request: Request, how: str) -> None:

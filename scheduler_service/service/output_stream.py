@@ -1,16 +1,19 @@
 """One request's way back to its client: token updates become GenerateResponse messages."""
 
 import asyncio
-from collections import deque
-from collections.abc import Sequence
+import logging
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from protos.splitserve.executor.v1 import executor_pb2
 from protos.splitserve.v1 import generation_pb2 as pb
-from scheduler_service.core.errors import RequestError
+from scheduler_service.core.errors import ErrorKind, RequestError
 from scheduler_service.core.request import FinishReason, Request
+from scheduler_service.service.stream_backlog import BacklogLimits, PendingMessage
 from scheduler_service.text.detokenizer import IncrementalDetokenizer
 from scheduler_service.text.tokenizer import TextProcessor
+
+logger = logging.getLogger(__name__)
 
 FINISH_REASONS = {
     FinishReason.STOP: pb.FINISH_REASON_STOP,
@@ -27,18 +30,36 @@ StreamItem = pb.GenerateResponse | RequestError | None
 class OutputStream:
     """Messages for one Generate call, queued for the servicer that streams them.
 
-    stream_interval: tokens gathered before they are sent (the scheduler's --stream-interval).
-    The first token goes at once, for the time to first token, and so does anything that is not
-    a token message (the end of the stream, an error); held tokens leave with it."""
+    Token messages are folded as they come into the one message the servicer has not taken yet
+    (stream_backlog.py), so a stream whose client or event loop fell behind catches up in one
+    message, and its backlog costs bytes per token rather than a message per step. A reader that
+    falls further behind than backlog allows has its request ended with RESOURCE_EXHAUSTED
+    (on_backlog_exceeded; by default the stream just fails).
 
-    def __init__(self, request: Request, text: TextProcessor | None, stream_interval: int = 1) -> None:
+    stream_interval: tokens gathered before they are sent (the scheduler's --stream-interval).
+    The first token goes at once, for the time to first token, and so does the end of the
+    stream or an error; held tokens leave with the end, and before an error (never in one
+    message with it)."""
+
+    def __init__(
+        self,
+        request: Request,
+        text: TextProcessor | None,
+        stream_interval: int = 1,
+        backlog: BacklogLimits = BacklogLimits(),
+        on_backlog_exceeded: Callable[[RequestError], None] | None = None,
+    ) -> None:
         self.request = request
         self._text = text
-        self._items: deque[StreamItem] = deque()
+        self._pending: PendingMessage | None = None
+        # Set while there is something to take: released tokens, or the end.
         self._ready = asyncio.Event()
         self._stream_interval = stream_interval
         self._held_tokens = 0
         self._first_sent = False
+        self._backlog = backlog
+        self._on_backlog_exceeded = on_backlog_exceeded or self.fail
+        # Set by close() or fail(); what follows the last message is then self.error.
         self.closed = False
         # When tokens last reached this stream (time.monotonic), for the inter-token latency.
         self.last_tokens_at: float | None = None
@@ -80,36 +101,31 @@ class OutputStream:
         message.text = step.text_delta
         return message, step.stop_string
 
-    def send(self, item: StreamItem) -> None:
-        self._items.append(item)
-        if isinstance(item, pb.GenerateResponse) and self._first_sent:
-            self._held_tokens += len(item.token_ids)
+    def send(self, message: pb.GenerateResponse) -> None:
+        """Queues a token message; the stream owns it from here on."""
+        tokens = len(message.token_ids)
+        pending = self._fold(message)
+        if self._first_sent:
+            self._held_tokens += tokens
             if self._held_tokens < self._stream_interval:
                 return
         self._first_sent = True
         self._held_tokens = 0
         self._ready.set()
+        self._check_backlog(pending)
 
     async def next_item(self) -> StreamItem:
-        """The next item to send, once the stream interval lets it go. Token messages queued
-        behind a message are folded into it, so a stream whose client or event loop fell behind
-        catches up in one message instead of one per step: the cost of sending stays per step,
-        not per token."""
-        while not (self._items and self._ready.is_set()):
+        """The next item to send, once the stream interval lets it go: every token message
+        queued so far as one, then (once closed) the end or the error."""
+        await self._ready.wait()
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return self.error
+        # Tokens that arrived after the release leave with it, so none are held any more.
+        self._held_tokens = 0
+        if not self.closed:
             self._ready.clear()
-            await self._ready.wait()
-        item = self._items.popleft()
-        if isinstance(item, pb.GenerateResponse):
-            while self._items and isinstance(self._items[0], pb.GenerateResponse):
-                following = self._items.popleft()
-                text = item.text + following.text
-                item.MergeFrom(following)
-                item.text = text
-            # Tokens that arrived after the release leave with it, so none are held any more.
-            self._held_tokens = 0
-        if not self._items:
-            self._ready.clear()
-        return item
+        return pending.take()
 
     def close(self, message: pb.GenerateResponse | None = None) -> None:
         """Sends the last message (built here if not given) with finish reason, usage, timings."""
@@ -130,15 +146,45 @@ class OutputStream:
             )
         )
         message.timings.CopyFrom(timings(request))
-        self.send(message)
-        self.send(None)
+        # Not held to the backlog limits: the stream ends here, one step past them at most.
+        self._fold(message)
         self.closed = True
+        self._ready.set()
 
     def fail(self, error: RequestError) -> None:
         if not self.closed:
             self.error = error
-            self.send(error)
             self.closed = True
+            self._ready.set()
+
+    def _fold(self, message: pb.GenerateResponse) -> PendingMessage:
+        if self._pending is None:
+            self._pending = PendingMessage(message)
+        else:
+            self._pending.fold(message)
+        return self._pending
+
+    def _check_backlog(self, pending: PendingMessage) -> None:
+        """Ends the request of a reader that fell behind the limits (checked as tokens are
+        released to it, not while the stream interval holds them back): its backlog is dropped
+        at once, and the request with its blocks by on_backlog_exceeded."""
+        flag = self._backlog.exceeded_by(pending)
+        if flag is None:
+            return
+        self._pending = None
+        request_id = self.request.request_id
+        logger.warning(
+            "event=stream_backlog_exceeded request_id=%s tokens=%d bytes=%d max_tokens=%d max_bytes=%d",
+            request_id, pending.tokens, pending.size, self._backlog.max_tokens, self._backlog.max_bytes,
+        )
+        self._on_backlog_exceeded(
+            RequestError(
+                ErrorKind.OVERLOADED,
+                f"the client read too slowly: it fell {pending.tokens} tokens ({pending.size} "
+                f"bytes) behind its request {request_id!r}, past the scheduler's {flag}; the "
+                "request was ended. Read the stream as it arrives (or ask for fewer logprobs).",
+            )
+        )
 
 
 def timings(request: Request) -> pb.Timings:

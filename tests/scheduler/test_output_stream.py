@@ -1,14 +1,20 @@
 """A stream that fell behind catches up in one message: the tokens, text and logprobs of the
-messages queued behind the next one are folded into it, in order, and nothing else is. With a
-stream interval, tokens leave in groups, the first token and the end at once."""
+messages queued behind the next one are folded into it, in order, and nothing else is. They are
+folded as they arrive, so a backlog costs bytes per token, and it is bounded: a reader that falls
+further behind than the limits is ended with its backlog dropped. With a stream interval, tokens
+leave in groups, the first token and the end at once."""
 
 import asyncio
+import tracemalloc
 
 from protos.splitserve.v1 import generation_pb2 as pb
 from scheduler_service.core.errors import ErrorKind, RequestError
 from scheduler_service.core.request import FinishReason, Request
 from scheduler_service.core.sampling_params import SamplingParams
 from scheduler_service.service.output_stream import OutputStream
+from scheduler_service.service.stream_backlog import BacklogLimits
+
+UNBOUNDED = BacklogLimits(max_tokens=10**9, max_bytes=10**12)
 
 
 def _message(tokens: list[int], text: str) -> pb.GenerateResponse:
@@ -103,3 +109,119 @@ def test_tokens_that_leave_early_with_a_group_do_not_count_towards_the_next() ->
         return groups
 
     assert asyncio.run(scenario()) == [[5], [6, 7, 8, 9], [10, 11, 12]]
+
+
+def _with_top_logprobs(token: int, text: str, top: int = 20) -> pb.GenerateResponse:
+    message = pb.GenerateResponse(request_id="r", token_ids=[token], text=text)
+    entry = message.logprobs.add(token_id=token, logprob=-1.5, token_bytes=text.encode())
+    entry.top_token_ids.extend(range(top))
+    entry.top_logprobs.extend([-0.5] * top)
+    entry.top_token_bytes.extend([b"tok"] * top)
+    return message
+
+
+def test_folding_keeps_multibyte_text_logprobs_and_the_end_in_order() -> None:
+    async def scenario() -> tuple[object, object]:
+        request = Request("r", [1], SamplingParams(max_tokens=3))
+        stream = OutputStream(request, None)
+        stream.send(_with_top_logprobs(5, "a"))
+        first = await stream.next_item()
+        stream.send(_with_top_logprobs(6, "é"))
+        stream.send(_with_top_logprobs(7, "日本"))
+        request.finish_reason = FinishReason.LENGTH
+        stream.close(_with_top_logprobs(8, "🙂"))
+        return first, await stream.next_item()
+
+    first, folded = asyncio.run(scenario())
+    assert isinstance(first, pb.GenerateResponse) and list(first.token_ids) == [5]
+    assert isinstance(folded, pb.GenerateResponse)
+    assert folded.request_id == "r"
+    assert list(folded.token_ids) == [6, 7, 8] and folded.text == "é日本🙂"
+    assert [entry.token_bytes.decode() for entry in folded.logprobs] == ["é", "日本", "🙂"]
+    assert all(len(entry.top_token_ids) == 20 for entry in folded.logprobs)
+    assert folded.finish_reason == pb.FINISH_REASON_LENGTH and folded.usage.completion_tokens == 0
+
+
+def _unread_backlog_bytes(stream: OutputStream, tokens: int) -> int:
+    """What Python allocates while the stream holds tokens its reader has not taken."""
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for token in range(tokens):
+            stream.send(pb.GenerateResponse(request_id="r", token_ids=[token % 1000], text="ab"))
+        return tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+
+
+def test_an_unread_backlog_costs_bytes_per_token_not_a_message_per_step() -> None:
+    stream = OutputStream(Request("r", [1], SamplingParams()), None, backlog=UNBOUNDED)
+    tokens = 20_000
+    per_token = _unread_backlog_bytes(stream, tokens) / tokens
+    # Each token is ~6 bytes on the wire; a message per step held ~80 bytes of Python object
+    # here (and ~1.6 KB with its upb arena, which tracemalloc does not see).
+    assert per_token < 16, f"{per_token:.1f} bytes per unread token"
+
+
+def test_a_reader_further_behind_than_the_token_limit_is_ended_and_its_backlog_dropped() -> None:
+    async def scenario() -> tuple[list[RequestError], object, object]:
+        ended: list[RequestError] = []
+
+        def end_request(error: RequestError) -> None:
+            ended.append(error)
+            stream.fail(error)
+
+        stream = OutputStream(
+            Request("slow", [1], SamplingParams()), None, backlog=BacklogLimits(max_tokens=10),
+            on_backlog_exceeded=end_request,
+        )
+        token = 5
+        while not stream.closed:
+            stream.send(_message([token], "x"))
+            token += 1
+        return ended, await stream.next_item(), await stream.next_item()
+
+    ended, first, second = asyncio.run(scenario())
+    # Eleven tokens unread: ended once, with none of them sent before the error.
+    assert len(ended) == 1 and first == ended[0] == second
+    assert isinstance(first, RequestError) and first.kind is ErrorKind.OVERLOADED
+    assert "read too slowly" in first.message and "11 tokens" in first.message
+    assert "--max-stream-backlog-tokens 10" in first.message
+
+
+def test_a_reader_further_behind_than_the_byte_limit_is_ended() -> None:
+    async def scenario() -> tuple[int, object]:
+        stream = OutputStream(Request("r", [1], SamplingParams()), None, backlog=BacklogLimits(max_bytes=2000))
+        sent = 0
+        while not stream.closed:
+            stream.send(_with_top_logprobs(sent, "x"))
+            sent += 1
+        return sent, await stream.next_item()
+
+    sent, error = asyncio.run(scenario())
+    # About 200 bytes a token with 20 top logprobs.
+    assert 5 <= sent <= 12, sent
+    assert isinstance(error, RequestError) and error.kind is ErrorKind.OVERLOADED
+    assert "--max-stream-backlog-bytes 2000" in error.message
+
+
+def test_a_reader_that_keeps_up_is_never_ended_even_with_a_stream_interval_at_the_limit() -> None:
+    async def scenario() -> list[int]:
+        request = Request("r", [1], SamplingParams(max_tokens=200))
+        stream = OutputStream(request, None, stream_interval=8, backlog=BacklogLimits(max_tokens=8))
+        received: list[int] = []
+
+        async def read() -> None:
+            while isinstance(item := await stream.next_item(), pb.GenerateResponse):
+                received.extend(item.token_ids)
+
+        reader = asyncio.create_task(read())
+        for token in range(200):
+            stream.send(_message([token], "t"))
+            await asyncio.sleep(0)
+        request.finish_reason = FinishReason.LENGTH
+        stream.close()
+        await reader
+        return received
+
+    assert asyncio.run(scenario()) == list(range(200))
