@@ -5,6 +5,12 @@ CPython's default thresholds run full collections every few steps, each scanning
 which was measured as 40 ms p99 pauses per step at 1,024 running (bench.scheduler_overhead).
 Objects made at start-up (tokenizer, model info) never die, so they are frozen out of the scans,
 and young collections run less often.
+
+So an object that lives through a few young collections ends in the oldest generation, which is
+collected only once it has grown by a quarter: rarely. A stream lives that long, and ends in
+reference cycles (grpc's call state holds the done-callbacks that hold the stream; a request and
+its stream name each other), so whatever it still held would wait for such a collection: a
+stream drops its unread output when its call ends (OutputStream.discard) instead.
 """
 
 import gc

@@ -157,6 +157,13 @@ class OutputStream:
             self.closed = True
             self._ready.set()
 
+    def discard(self) -> None:
+        """Drops what the client has not taken, once its call is over. The stream itself lives
+        on in reference cycles (grpc's call state and its callbacks; the request and its
+        stream) until the collector finds them, which for a long stream is a full collection
+        (gc_tuning.py): what it holds must not live on with it."""
+        self._pending = None
+
     def _fold(self, message: pb.GenerateResponse) -> PendingMessage:
         if self._pending is None:
             self._pending = PendingMessage(message)

@@ -79,8 +79,11 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         return self.engine.submit(scheduled, carrier)
 
     def _cancel(self, stream: OutputStream) -> None:
+        """The call is over: its request ends (if it still runs) and what its client did not
+        read is dropped now, not when the collector finds the call's reference cycles."""
         if self.engine.cancel(stream):
             logger.info("event=request_cancelled request_id=%s", stream.request.request_id)
+        stream.discard()
 
     async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
         return pb.AbortResponse(found=self.engine.abort(request.request_id))

@@ -1,8 +1,9 @@
 """A stream that fell behind catches up in one message: the tokens, text and logprobs of the
 messages queued behind the next one are folded into it, in order, and nothing else is. They are
 folded as they arrive, so a backlog costs bytes per token, and it is bounded: a reader that falls
-further behind than the limits is ended with its backlog dropped. With a stream interval, tokens
-leave in groups, the first token and the end at once."""
+further behind than the limits is ended with its backlog dropped. A finished call drops what its
+client did not read. With a stream interval, tokens leave in groups, the first token and the end
+at once."""
 
 import asyncio
 import tracemalloc
@@ -161,6 +162,22 @@ def test_an_unread_backlog_costs_bytes_per_token_not_a_message_per_step() -> Non
     # Each token is ~6 bytes on the wire; a message per step held ~80 bytes of Python object
     # here (and ~1.6 KB with its upb arena, which tracemalloc does not see).
     assert per_token < 16, f"{per_token:.1f} bytes per unread token"
+
+
+def test_a_finished_call_drops_what_its_client_did_not_read() -> None:
+    stream = OutputStream(Request("r", [1], SamplingParams()), None, backlog=UNBOUNDED)
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for token in range(20_000):
+            stream.send(pb.GenerateResponse(request_id="r", token_ids=[token % 1000], text="ab"))
+        held = tracemalloc.get_traced_memory()[0] - before
+        stream.discard()
+        # The stream object itself is still referenced here, as grpc's cycles keep it.
+        left = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert held > 50_000 and left < held / 20, (held, left)
 
 
 def test_a_reader_further_behind_than_the_token_limit_is_ended_and_its_backlog_dropped() -> None:
