@@ -14,7 +14,7 @@ import secrets
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from tokenizers import Tokenizer
+from tokenizers import AddedToken, Tokenizer
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from scheduler_service.text.template_kwargs import (
@@ -46,12 +46,15 @@ class TextProcessor:
         if tokenizer.eos_token_id is not None:
             eos.add(tokenizer.eos_token_id)
         self._eos_token_ids = tuple(sorted(eos))
-        added = {i: t.content for i, t in tokenizer.added_tokens_decoder.items() if t.special}
-        self._special_ids = frozenset(added).union(tokenizer.all_special_ids)
-        # Longest first, so that a special token containing another one is matched whole.
-        specials = set(added.values()).union(tokenizer.all_special_tokens)
-        by_length = sorted(specials, key=len, reverse=True)
-        self._special_text = re.compile("|".join(map(re.escape, by_length)) or "(?!)")
+        # Control tokens: every added token, not only those marked special. Qwen3's <think>,
+        # <tool_call> and <|fim_prefix|> are added but not special, and a client that could
+        # write them would close a reasoning block or forge a tool call.
+        added = {i: t.content for i, t in tokenizer.added_tokens_decoder.items()}
+        self._control_ids = frozenset(added).union(tokenizer.all_special_ids)
+        # Longest first, so that a control token containing another one is matched whole.
+        controls = set(added.values()).union(tokenizer.all_special_tokens)
+        by_length = sorted(controls, key=len, reverse=True)
+        self._control_text = re.compile("|".join(map(re.escape, by_length)) or "(?!)")
         self._plain_backend = _plain_text_backend(tokenizer)
         self._reserved_template_names = reserved_template_names(tokenizer)
         # Each token's bytes, for logprobs.
@@ -109,49 +112,54 @@ class TextProcessor:
         """Token ids of a conversation rendered with the chat template.
 
         The template writes its own special tokens (BOS included where the model wants one), so
-        the rendered text is encoded without adding more. Special-token strings that a client
-        writes in a message's content are encoded as plain text: they could otherwise end a
-        turn and forge the next one. template_kwargs are extra template variables
-        (TemplateKwargsError, a ValueError, for those refused; see text/template_kwargs.py).
+        the rendered text is encoded without adding more. Control-token strings (any added token,
+        special or not) that a client writes in a message's content are encoded as plain text:
+        they could otherwise end a turn and forge the next one. template_kwargs are extra
+        template variables (TemplateKwargsError, a ValueError, for those refused; see
+        text/template_kwargs.py).
         """
         if not self.has_chat_template:
             raise ValueError("the tokenizer has no chat template")
         variables = checked_template_kwargs(template_kwargs or {}, self._reserved_template_names)
-        # A template may print a variable anywhere, where no stand-in could quote it.
-        if any(isinstance(v, str) and self._special_text.search(v) for v in variables.values()):
-            raise ChatContentError("a chat_template_kwargs string contains a special token")
+        # A template may print a variable or a role anywhere, where no stand-in could quote it.
+        for value in variables.values():
+            if isinstance(value, str) and (found := self._control_text.search(value)):
+                raise ChatContentError(f"a chat_template_kwargs string contains {_control_token(found)}")
         conversation = [_as_dict(turn) for turn in messages]
-        if any(self._special_text.search(turn["role"]) for turn in conversation):
-            raise ChatContentError("a message role contains a special token")
-        if any(self._special_text.search(turn["content"]) for turn in conversation):
-            return self._encode_chat_quoting_specials(conversation, add_generation_prompt, variables)
+        for turn in conversation:
+            if found := self._control_text.search(turn["role"]):
+                raise ChatContentError(f"a message role contains {_control_token(found)}")
+        if any(self._control_text.search(turn["content"]) for turn in conversation):
+            return self._encode_chat_quoting_controls(conversation, add_generation_prompt, variables)
         rendered = self._render_chat(conversation, add_generation_prompt, variables)
         return list(self._tokenizer.encode(rendered, add_special_tokens=False))
 
-    def _encode_chat_quoting_specials(
+    def _encode_chat_quoting_controls(
         self,
         conversation: list[dict[str, str]],
         add_generation_prompt: bool,
         variables: Mapping[str, TemplateValue],
     ) -> list[int]:
-        """encode_chat for contents that hold special-token strings.
+        """encode_chat for contents that hold control-token strings.
 
         Before rendering, each such string is swapped for a stand-in: a random key the client
         cannot guess, in hex digits, which the filters templates apply to text (trim, escape,
-        tojson) leave whole and which cannot hold or complete a special token (those are spelled
-        with punctuation). Every special token in the rendered text was therefore written by the
+        tojson) leave whole and which cannot hold or complete a control token (those are spelled
+        with punctuation). Every control token in the rendered text was therefore written by the
         template, and whatever the template does with a content (trim it, drop it, repeat it), a
-        stand-in stays one client's string. The tokenizer splits its input at special tokens
-        before it normalizes or merges anything, so each stretch between two of them is encoded
-        on its own anyway: the stretches holding a stand-in are encoded again with the client's
-        strings put back and special-token parsing off; the others keep the ids they get without
-        stand-ins. (SentencePiece tokenizers that mark only the start of the whole text with a
-        space also mark a re-encoded stretch: a text difference, never a special token.)
+        stand-in stays one client's string. A template that looks into contents for control
+        tokens (Qwen3's moves what precedes a '</think>' into a reasoning block) sees none of the
+        client's. The tokenizer splits its input at added tokens before it normalizes or merges
+        anything, so each stretch between two of them is encoded on its own anyway: the
+        stretches holding a stand-in are encoded again with the client's strings put back and
+        added-token parsing off; the others keep the ids they get without stand-ins.
+        (SentencePiece tokenizers that mark only the start of the whole text with a space also
+        mark a re-encoded stretch: a text difference, never a control token.)
         """
         plain = self._plain_backend
         if plain is None:
             raise ChatContentError(
-                "messages contain special tokens, which this tokenizer cannot encode as text"
+                "messages contain special or added tokens, which this tokenizer cannot encode as text"
             )
         key = secrets.token_hex(16)
         originals: dict[str, str] = {}
@@ -162,7 +170,7 @@ class TextProcessor:
             return name
 
         marked = [
-            {"role": turn["role"], "content": self._special_text.sub(stand_in, turn["content"])}
+            {"role": turn["role"], "content": self._control_text.sub(stand_in, turn["content"])}
             for turn in conversation
         ]
         rendered = self._render_chat(marked, add_generation_prompt, variables)
@@ -171,7 +179,7 @@ class TextProcessor:
         if rendered.count(key) != 2 * len(found) or not originals.keys() >= set(found):
             # The template cut or rewrote a stand-in: refuse rather than guess what it held.
             raise ChatContentError(
-                "the chat template rewrites message contents that hold special tokens"
+                "the chat template rewrites message contents that hold special or added tokens"
             )
 
         def stretch(start: int, end: int, encoded: list[int]) -> list[int]:
@@ -180,9 +188,9 @@ class TextProcessor:
                 return encoded
             text = stand_ins.sub(lambda match: originals[match.group()], text)
             quoted = plain.encode(text, add_special_tokens=False).ids
-            if not self._special_ids.isdisjoint(quoted):
-                # A vocabulary that merges plain text into a special token: no way to quote it.
-                raise ChatContentError("a message holds a special token the tokenizer cannot quote")
+            if not self._control_ids.isdisjoint(quoted):
+                # A vocabulary that merges plain text into a control token: no way to quote it.
+                raise ChatContentError("a message holds a control token the tokenizer cannot quote")
             return quoted
 
         encoding = self._tokenizer(rendered, add_special_tokens=False, return_offsets_mapping=True)
@@ -190,10 +198,10 @@ class TextProcessor:
         pending: list[int] = []
         pending_start = 0
         for token_id, (start, end) in zip(encoding["input_ids"], encoding["offset_mapping"]):
-            if token_id not in self._special_ids:
+            if token_id not in self._control_ids:
                 pending.append(token_id)
                 continue
-            # A special token's offsets include the whitespace it strips (lstrip, rstrip).
+            # A control token's offsets include the whitespace it strips (lstrip, rstrip).
             ids += stretch(pending_start, start, pending)
             ids.append(token_id)
             pending, pending_start = [], end
@@ -220,6 +228,10 @@ class TextProcessor:
         return self._tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
 
+def _control_token(found: re.Match[str]) -> str:
+    return f"{found.group()!r}, a special token or added token of the tokenizer"
+
+
 def _as_dict(turn: ChatTurn) -> dict[str, str]:
     if isinstance(turn, tuple):
         role, content = turn
@@ -228,7 +240,7 @@ def _as_dict(turn: ChatTurn) -> dict[str, str]:
 
 
 def _plain_text_backend(tokenizer: PreTrainedTokenizerBase) -> Tokenizer | None:
-    """A copy of a fast tokenizer's backend that encodes special-token strings as text.
+    """A copy of a fast tokenizer's backend that encodes every added token's string as text.
 
     A copy of its own, since split_special_tokens=True sets a flag on the shared backend for
     the length of a call, and a call on another thread can set it back meanwhile.
@@ -237,6 +249,22 @@ def _plain_text_backend(tokenizer: PreTrainedTokenizerBase) -> Tokenizer | None:
     if not isinstance(backend, Tokenizer):
         return None
     plain = copy.deepcopy(backend)
+    # encode_special_tokens spells out only the added tokens marked special: the others are
+    # marked so here (same ids, same matching), which re-adding an existing token does.
+    plain.add_special_tokens(
+        [
+            AddedToken(
+                token.content,
+                single_word=token.single_word,
+                lstrip=token.lstrip,
+                rstrip=token.rstrip,
+                normalized=token.normalized,
+                special=True,
+            )
+            for token in plain.get_added_tokens_decoder().values()
+            if not token.special
+        ]
+    )
     plain.encode_special_tokens = True
     plain.no_truncation()
     plain.no_padding()
