@@ -5,11 +5,11 @@ argmax_kernel.py, greedy_head.py, panel_linear.py and decode_program.py wrap its
 Plain C files need only the system's C compiler (no torch headers, no ninja) and build in about
 a second.
 
-The shared library is cached under $SPLITSERVE_KERNEL_CACHE (default
-$XDG_CACHE_HOME/splitserve/kernels, else ~/.cache/splitserve/kernels), keyed by the sources,
-the flags, the compiler and the CPU's feature flags (it is built with -march=native), and is
-written under a temporary name and renamed, so executors starting together never load half a
-file.
+The shared library is cached in a folder of this user's alone (kernel_cache.py: where, and what
+is checked before anything there is loaded), keyed by the sources, the flags, the compiler and the
+CPU's feature flags (it is built with -march=native), and is written under a temporary name and
+renamed, so executors starting together never load half a file. A cached library that is refused
+(not this user's alone, not loadable, missing a function) is logged once and rebuilt.
 """
 
 from __future__ import annotations
@@ -23,10 +23,18 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from executor_service.kernel_cache import (
+    library_refusal,
+    log_refusal,
+    private_cache_folder,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -52,23 +60,26 @@ HEADERS = tuple(sorted(KERNEL_DIR.glob("*.h")))
 COMPILE_FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffast-math", "-fPIC", "-std=gnu11")
 LINK_FLAGS = ("-shared", "-fopenmp")
 BUILD_TIMEOUT_S = 120.0
+# Exported by every build whatever the CPU (those built for AVX-512 only are looked up by their
+# wrappers where panel_linear_available says so): a library without one is not ours.
+REQUIRED_SYMBOLS = (
+    "paged_decode_attention",
+    "paged_prefill_attention",
+    "rms_norm",
+    "silu_mul",
+    "rope",
+    "row_argmax",
+    "quantize_rows",
+    "screened_logits",
+    "panel_linear_available",
+    "panel_packed_floats",
+    "panel_pack",
+    "panel_amx_use",
+)
 
 
 class KernelUnavailable(RuntimeError):
     """The kernel cannot be built or loaded here; the reason is the message."""
-
-
-def kernel_cache_dir() -> Path:
-    explicit = os.environ.get("SPLITSERVE_KERNEL_CACHE")
-    if explicit:
-        return Path(explicit)
-    base = os.environ.get("XDG_CACHE_HOME")
-    if not base:
-        try:
-            base = str(Path.home() / ".cache")
-        except RuntimeError:  # no home directory (some containers run as an unnamed uid)
-            base = tempfile.gettempdir()
-    return Path(base) / "splitserve" / "kernels"
 
 
 def _compiler() -> str:
@@ -119,24 +130,88 @@ def cpu_flags() -> set[str]:
     return set(line.split(":", 1)[1].split()) if line is not None else set()
 
 
+def kernel_library_name(compiler: str | None = None) -> str:
+    """The cached library's file name on this machine: cpu-kernels-<build key>.so."""
+    return f"cpu-kernels-{_build_key(compiler or _compiler())}.so"
+
+
 def build_kernel() -> Path:
-    """The shared library's path, compiled first when this machine has none cached."""
+    """The shared library's path, compiled first when this machine has none cached (or has one
+    that is refused)."""
     compiler = _compiler()
-    directory = kernel_cache_dir()
-    target = directory / f"cpu-kernels-{_build_key(compiler)}.so"
-    if target.is_file():
-        return target
+    target = _cache_folder() / kernel_library_name(compiler)
+    if not _cached(target):
+        with _fresh_build(target, compiler):
+            pass
+    return target
+
+
+def open_kernel_library() -> ctypes.CDLL:
+    """The library loaded from the cache, or built and loaded where the cache has none or a
+    refused one; raises KernelUnavailable saying why it cannot be had."""
+    compiler = _compiler()
+    target = _cache_folder() / kernel_library_name(compiler)
+    if _cached(target):
+        try:
+            return open_library(target)
+        except KernelUnavailable as refused:
+            log_refusal(target, str(refused))
+    with _fresh_build(target, compiler) as built:
+        # Loaded under its fresh name: the dynamic loader hands back a library it has loaded
+        # from the same path before, which may be the one just refused.
+        return open_library(built)
+
+
+def open_library(path: Path) -> ctypes.CDLL:
+    """The library at path, loaded, once it is known to export REQUIRED_SYMBOLS; else
+    KernelUnavailable saying what is wrong with it."""
     try:
-        directory.mkdir(parents=True, exist_ok=True)
-        scratch = Path(tempfile.mkdtemp(dir=directory, prefix=".build-"))
+        library = ctypes.CDLL(str(path))
     except OSError as error:
-        raise KernelUnavailable(f"kernel cache {directory} is not writable: {error}") from error
+        raise KernelUnavailable(f"cannot load {path}: {error}") from error
+    missing = [name for name in REQUIRED_SYMBOLS if not hasattr(library, name)]
+    if missing:
+        raise KernelUnavailable(f"{path} lacks {', '.join(missing)}")
+    return library
+
+
+def _cache_folder() -> Path:
+    folder = private_cache_folder()
+    if folder is None:
+        raise KernelUnavailable(
+            "no folder of this user's alone to cache the kernels in (the refusals logged say why)"
+        )
+    return folder
+
+
+def _cached(target: Path) -> bool:
+    """Whether target is there to be loaded: absent, or refused (and logged), it is rebuilt."""
+    if not os.path.lexists(target):
+        return False
+    reason = library_refusal(target)
+    if reason is not None:
+        log_refusal(target, reason)
+    return reason is None
+
+
+@contextmanager
+def _fresh_build(target: Path, compiler: str) -> Iterator[Path]:
+    """The library compiled in a private scratch folder beside target, for the caller's block;
+    then moved to target, and the scratch folder removed whatever happened."""
     try:
-        os.replace(compile_library(SOURCES, scratch, compiler), target)
+        scratch = Path(tempfile.mkdtemp(dir=target.parent, prefix=".build-"))
+    except OSError as error:
+        raise KernelUnavailable(f"kernel cache {target.parent} is not writable: {error}") from error
+    try:
+        built = compile_library(SOURCES, scratch, compiler)
+        yield built
+        try:
+            os.replace(built, target)
+        except OSError as error:
+            raise KernelUnavailable(f"cannot put the library at {target}: {error}") from error
+        logger.info("event=cpu_kernels_built path=%s", target)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-    logger.info("event=cpu_kernels_built path=%s", target)
-    return target
 
 
 def compile_library(sources: tuple[Path, ...] | list[Path], directory: Path, compiler: str | None = None) -> Path:
@@ -189,15 +264,22 @@ def attention_function(library: ctypes.CDLL, name: str, pointers: int, sizes: in
     return declare(getattr(library, name), argtypes, ctypes.c_int)
 
 
-@functools.cache
 def load_kernel_library() -> ctypes.CDLL:
     """The library, built if needed; raises KernelUnavailable saying why it cannot be had.
 
-    Cached: a loaded shared library is process-wide and immutable, so one load serves every
-    step; a failure is not cached and is retried by the next caller.
+    Once per process, failure included: a loaded shared library is process-wide and immutable,
+    so one load serves every step, and each wrapper asks for it at start, so a refusal or a failed
+    build is logged and tried once, not once per wrapper.
     """
-    library = build_kernel()
+    outcome = _library_or_reason()
+    if isinstance(outcome, KernelUnavailable):
+        raise KernelUnavailable(str(outcome))
+    return outcome
+
+
+@functools.cache
+def _library_or_reason() -> ctypes.CDLL | KernelUnavailable:
     try:
-        return ctypes.CDLL(str(library))
-    except OSError as error:
-        raise KernelUnavailable(f"cannot load {library}: {error}") from error
+        return open_kernel_library()
+    except KernelUnavailable as error:
+        return error

@@ -14,7 +14,7 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -38,10 +38,13 @@ def executor_command(model_dir: Path | str, **flags: object) -> list[str]:
 
 
 class ExecutorProcess(ServiceProcess):
-    """An executor started in the background; wait_ready() blocks until it serves."""
+    """An executor started in the background; wait_ready() blocks until it serves. env: changes
+    to the environment it inherits (None removes a variable)."""
 
-    def __init__(self, model_dir: Path | str, **flags: object) -> None:
-        super().__init__(executor_command(model_dir, **flags), READY_PATTERN, "executor")
+    def __init__(
+        self, model_dir: Path | str, env: Mapping[str, str | None] | None = None, **flags: object
+    ) -> None:
+        super().__init__(executor_command(model_dir, **flags), READY_PATTERN, "executor", env)
 
 
 @contextmanager

@@ -10,6 +10,7 @@ import socket
 import subprocess
 import tempfile
 import time
+from collections.abc import Mapping
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -39,10 +40,28 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-class ServiceProcess:
-    """Starts command in the background; wait_ready() returns HOST:PORT from the ready line."""
+def child_environment(changes: Mapping[str, str | None]) -> dict[str, str]:
+    """This process's environment with `changes` made (None: the variable is removed)."""
+    environment = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    for name, value in changes.items():
+        if value is None:
+            environment.pop(name, None)
+        else:
+            environment[name] = value
+    return environment
 
-    def __init__(self, command: list[str], ready_pattern: re.Pattern[str], name: str) -> None:
+
+class ServiceProcess:
+    """Starts command in the background; wait_ready() returns HOST:PORT from the ready line.
+    env: changes to the environment it inherits (None removes a variable)."""
+
+    def __init__(
+        self,
+        command: list[str],
+        ready_pattern: re.Pattern[str],
+        name: str,
+        env: Mapping[str, str | None] | None = None,
+    ) -> None:
         self.name = name
         self._ready_pattern = ready_pattern
         self._log = tempfile.NamedTemporaryFile(prefix=f"{name}-", suffix=".log", delete=False)
@@ -53,7 +72,7 @@ class ServiceProcess:
             cwd=REPO_ROOT,
             stdout=self._log,
             stderr=subprocess.STDOUT,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            env=child_environment(env or {}),
         )
 
     def wait_ready(self, timeout_s: float = 180.0) -> str:
