@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 import grpc
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
@@ -71,6 +72,7 @@ KEEPALIVE_OPTIONS = [
 # Seconds in-flight calls get to finish once the drain is over.
 SHUTDOWN_GRACE_S = 5.0
 DRAINING_MESSAGE = "this executor is shutting down and takes no new plan streams"
+MALFORMED_PLAN_MESSAGE = "a message on the plan stream could not be parsed as a StepPlan"
 
 
 @dataclass(slots=True, frozen=True)
@@ -157,7 +159,7 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
             logger.warning("event=stream_refused holder=%r peer=%s reason=%r", holder, context.peer(), refusal)
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, refusal)
         stream = self._open_stream(context.peer(), holder)
-        reader = asyncio.create_task(self._read_plans(request_iterator, stream))
+        reader = asyncio.create_task(self._read_plans(request_iterator, stream, context.peer()))
         try:
             while (item := await stream.pending.get()) is not None:
                 if stream.ending is not None or isinstance(item, _StreamError):
@@ -227,7 +229,7 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
         return result
 
     async def _read_plans(
-        self, plans: AsyncIterator[executor_pb2.StepPlan], stream: _Stream
+        self, plans: AsyncIterator[executor_pb2.StepPlan], stream: _Stream, peer: str
     ) -> None:
         """Hands each plan to the worker as soon as it arrives, so plan N+1 queues behind plan N
         instead of waiting for result N to be sent."""
@@ -247,6 +249,11 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
                 await stream.pending.put(
                     loop.run_in_executor(self._worker, self._run_plan, stream, plan)
                 )
+        except DecodeError as error:
+            # grpc.aio raises the StepPlan parser's error from the request iterator; uncaught, it
+            # ended this task silently and the stream with status OK.
+            logger.warning("event=plan_malformed peer=%s reason=%r", peer, str(error))
+            stream.end(_StreamError(grpc.StatusCode.INVALID_ARGUMENT, f"{MALFORMED_PLAN_MESSAGE}: {error}"))
         except grpc.RpcError as error:
             # The caller went away mid-stream; the plans it did send still run in order.
             logger.info("event=stream_broken error=%r", error)
