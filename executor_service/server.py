@@ -61,10 +61,13 @@ SERVICE_NAME = executor_pb2.DESCRIPTOR.services_by_name["Executor"].full_name
 # sends it under the same name).
 SCHEDULER_ID_METADATA = "x-splitserve-scheduler-id"
 # Pings from schedulers (every 10 s) are welcome, with or without calls; the executor pings an
-# idle scheduler connection too, so a frozen scheduler's stream ends and releases its hold.
+# idle scheduler connection too, so a frozen scheduler's stream ends and releases its hold (in
+# about 20 s, not when the lease lapses). ping_timeout_ms is what bounds the answer: grpcio times
+# every ping by it (default 60 s); see the scheduler's executor_link.KEEPALIVE_OPTIONS.
 KEEPALIVE_OPTIONS = [
     ("grpc.keepalive_time_ms", 10_000),
     ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.http2.ping_timeout_ms", 10_000),
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.min_recv_ping_interval_without_data_ms", 5_000),
     ("grpc.http2.max_ping_strikes", 0),

@@ -22,13 +22,19 @@ logger = logging.getLogger(__name__)
 DESCRIBE_TIMEOUT_S = 5.0
 # Metadata key of the identity the scheduler presents on Execute.
 SCHEDULER_ID_METADATA = "x-splitserve-scheduler-id"
-# A ping every 10 s, answered within 10 s or the connection is closed and the stream fails. Ten
-# seconds stays under the idle timeouts of common load balancers and proxies (60 s and more),
-# and above the executor's accepted ping interval (executor_service/server.py), so it is never
-# answered with GOAWAY "too_many_pings".
+# A ping after 10 s without incoming data, answered within 10 s or the connection is closed and
+# the stream fails. Ten seconds stays under the idle timeouts of common load balancers and proxies
+# (60 s and more), and above the executor's accepted ping interval (executor_service/server.py),
+# so it is never answered with GOAWAY "too_many_pings".
+# The answer's deadline is ping_timeout_ms: grpcio (1.85) times every ping, keepalive or flow
+# control's, by it (default 60 s), and with keepalive_timeout_ms alone a SIGSTOPped executor
+# outlived the 30 s step deadline. Now it is found in 10-20 s: a flow-control ping is often in
+# flight when a peer stops, else the keepalive ping goes out 10 s after the last data. Pings are
+# answered by gRPC's core threads, not by Python, so a long step does not delay the answer.
 KEEPALIVE_OPTIONS = [
     ("grpc.keepalive_time_ms", 10_000),
     ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.http2.ping_timeout_ms", 10_000),
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.max_pings_without_data", 0),
 ]
