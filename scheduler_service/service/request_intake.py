@@ -1,6 +1,8 @@
 """Turns a client's GenerateRequest into a scheduler Request, or says exactly what is wrong.
 
-Caps are checked first, on the parsed message (service/intake_limits.py). A big request's
+Caps are checked first, on the parsed message (service/intake_limits.py), and a text prompt
+that certainly holds more tokens than the model's length is refused from its length alone
+(text/token_count_bound.py): neither costs any tokenizing. A big request's
 tokenizing, chat templating and block hashing then run on a worker thread, so the event loop
 that serves every other stream never waits on them: Hugging Face's Rust tokenizers release the
 GIL while they encode, and a thread needs no copy of the prompt, where a process pool would
@@ -50,6 +52,7 @@ class Intake:
 
     async def generate_request(self, message: pb.GenerateRequest, info: executor_pb2.ExecutorInfo) -> Request:
         check_generate(message, self.limits, info.max_model_len)
+        refuse_certain_overflow(message, self.text, info.max_model_len)
         if _is_small(message, "prompt"):
             return build_request(message, self.text, info, self.defaults)
         return await asyncio.get_running_loop().run_in_executor(
@@ -103,6 +106,20 @@ def _is_small(message: pb.GenerateRequest | pb.TokenizeRequest, field: str) -> b
     if kind == "chat":
         return sum(len(turn.content) for turn in message.chat.messages) <= INLINE_TEXT_BYTES // 4
     return kind is None or len(message.token_ids.ids) <= INLINE_TOKEN_IDS
+
+
+def refuse_certain_overflow(message: pb.GenerateRequest, text: TextProcessor | None, max_model_len: int) -> None:
+    """The engine's refusal of a prompt that leaves no room under the model's length, made
+    before tokenizing where the text's length alone proves it (text/token_count_bound.py)."""
+    if text is None or message.WhichOneof("prompt") != "text":
+        return
+    fewest = text.fewest_tokens(message.text)
+    if fewest >= max_model_len:
+        raise RequestRejected(
+            ErrorKind.INVALID,
+            f"prompt of at least {fewest} tokens leaves no room to generate under the maximum "
+            f"model length of {max_model_len}",
+        )
 
 
 def sampling_from_proto(message: pb.SamplingParams, defaults: SamplingDefaults) -> SamplingParams:

@@ -23,6 +23,7 @@ from scheduler_service.text.template_kwargs import (
     reserved_template_names,
 )
 from scheduler_service.text.token_bytes import TokenBytes
+from scheduler_service.text.token_count_bound import token_count_bound
 from scheduler_service.text.tokenizer_folder import check_tokenizer_folder, unloadable
 
 logger = logging.getLogger(__name__)
@@ -56,6 +57,7 @@ class TextProcessor:
         by_length = sorted(controls, key=len, reverse=True)
         self._control_text = re.compile("|".join(map(re.escape, by_length)) or "(?!)")
         self._plain_backend = _plain_text_backend(tokenizer)
+        self._token_count_bound = token_count_bound(tokenizer)
         self._reserved_template_names = reserved_template_names(tokenizer)
         # Each token's bytes, for logprobs.
         self.token_bytes = TokenBytes(tokenizer)
@@ -102,6 +104,12 @@ class TextProcessor:
     def encode(self, text: str) -> list[int]:
         """Token ids of plain text, with the special tokens the tokenizer adds (BOS, if any)."""
         return list(self._tokenizer.encode(text, add_special_tokens=True))
+
+    def fewest_tokens(self, text: str) -> int:
+        """A number of tokens encode(text) certainly reaches, found without encoding: 0 for a
+        tokenizer that no text length bounds (text/token_count_bound.py)."""
+        bound = self._token_count_bound
+        return 0 if bound is None else bound.fewest_tokens(text)
 
     def encode_chat(
         self,
