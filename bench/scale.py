@@ -29,6 +29,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from bench.throughput_splitserve import wait_all_up
+from tests.helpers.executor_token import token_file
 from tests.helpers.scheduler_process import SchedulerProcess
 from tests.helpers.service_process import ServiceProcess
 
@@ -101,6 +102,7 @@ def run_once(config: ScaleConfig, workdir: Path | None = None) -> ScaleResult:
         for index in range(config.executors):
             command = [
                 sys.executable, "-m", "bench.sim_executor", "--port", "0",
+                "--executor-token-file", str(token_file()),
                 "--step-ms", str(config.step_ms), "--num-kv-blocks", str(blocks),
                 "--block-size", str(BLOCK_SIZE), "--stats-file", str(stats / f"executor-{index}.json"),
             ]

@@ -24,7 +24,9 @@ import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from executor_service.access import ExecutorAccess
 from executor_service.server import ServeOptions, serve, step_thread
+from protos.executor_access import read_token_file
 from protos import rpc_codes
 from protos.limits import UNHELD_DECODE_TOKEN
 from protos.splitserve.executor.v1 import executor_pb2
@@ -68,7 +70,8 @@ class TimedRunner:
         self.tokens = 0
         self._written_at = 0.0
 
-    def drop_all_requests(self) -> None:
+    def drop_all_requests(self, wipe_kv: bool = False) -> None:
+        # Simulated: no K/V to wipe.
         self.requests.clear()
         self.handles.clear()
 
@@ -181,10 +184,17 @@ def main() -> None:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--stats-file", type=Path, help="JSON snapshot of busy time, rewritten as steps run")
+    parser.add_argument("--executor-token-file", type=Path, help="the shared token schedulers must send")
+    parser.add_argument("--insecure-executor", action="store_true", help="take plans from anyone")
     args = parser.parse_args()
+    try:
+        token = read_token_file(args.executor_token_file) if args.executor_token_file else None
+        access = ExecutorAccess.from_flags(token, args.insecure_executor, "", mutual_tls=False)
+    except ValueError as error:
+        parser.error(str(error))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     executor = build(args.step_ms / 1000, args.num_kv_blocks, args.block_size, args.max_model_len, args.stats_file)
-    options = ServeOptions(args.host, args.port, executor.info.lease_timeout_s)
+    options = ServeOptions(args.host, args.port, executor.info.lease_timeout_s, access)
     asyncio.run(serve(executor, options, step_thread()))
 
 

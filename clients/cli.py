@@ -14,7 +14,6 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import grpc
-
 from google.protobuf import json_format
 from google.protobuf.message import Message
 

@@ -36,12 +36,15 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
+# The name executors allow by default (--allowed-scheduler-names).
+from protos.executor_access import DEFAULT_SCHEDULER_NAME
+
 logger = logging.getLogger("make_certs")
 
 # The executor takes the common name of the client certificate as the scheduler's identity, and
 # an executor serves one scheduler at a time: a CN that changed on every reissue would make a
 # restarted scheduler a stranger to its own executors until their lease ran out.
-SCHEDULER_IDENTITY = "splitserve-scheduler"
+SCHEDULER_IDENTITY = DEFAULT_SCHEDULER_NAME
 CA_NAME = "splitserve private CA"
 LOCAL_NAMES = ("localhost", "127.0.0.1")
 # Certificates this close to expiry are made again, so a restart never picks up one that lapses

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from executor_service.access import ExecutorAccess
 from executor_service.model_loader import check_model_folder
 from executor_service.model_support import UnsupportedModel
 from executor_service.paged_attention import BACKENDS, BackendUnavailable
@@ -33,6 +34,7 @@ from executor_service.tp_group import launched_by_torchrun
 from executor_service.tp_serve import serve_tensor_parallel
 from protos.cli_help import DefaultsHelpFormatter
 from protos.default_ports import DEFAULT_EXECUTOR_PORT
+from protos.executor_access import DEFAULT_SCHEDULER_NAME, read_token_file
 from protos.flag_types import (
     fraction,
     non_negative_float,
@@ -45,7 +47,7 @@ from protos.health_port import add_health_port_flag
 from protos.local_folder import FolderError
 from protos.log_format import add_log_format_flag, configure_logging
 from protos.port_check import PortUnavailable, check_listen_ports
-from protos.transport_security import TlsConfigError, server_tls
+from protos.transport_security import server_tls
 
 logger = logging.getLogger("executor_service")
 
@@ -182,9 +184,28 @@ def parse_args(argv: list[str] | None, prog: str = "python -m executor_service")
     parser.add_argument(
         "--tls-client-ca",
         type=Path,
-        help="PEM CA: only schedulers presenting a certificate it signed may connect (mutual "
-        "TLS); the certificate's common name is then the scheduler's identity. Without it, "
-        "anyone who reaches the port can run plans: never expose an executor without it",
+        help="PEM CA: only schedulers presenting a certificate it signed, with a name among "
+        "--allowed-scheduler-names, may connect (mutual TLS); the certificate's common name is "
+        "then the scheduler's identity",
+    )
+    parser.add_argument(
+        "--allowed-scheduler-names",
+        default=DEFAULT_SCHEDULER_NAME,
+        metavar="NAME[,NAME...]",
+        help="under mutual TLS, the certificate common names that may drive this executor "
+        "(deploy/make_certs.py issues the default); any other certificate the CA signed is refused",
+    )
+    parser.add_argument(
+        "--executor-token-file",
+        type=Path,
+        help="a shared token (the file's first line, 16+ characters) every caller must send; the "
+        "scheduler gets the same file. Required without mutual TLS",
+    )
+    parser.add_argument(
+        "--insecure-executor",
+        action="store_true",
+        help="take plans from anyone who reaches the port, who can then read the K/V of other "
+        "requests: for a network nothing else can reach; logged as a warning, and shown in status",
     )
     add_health_port_flag(parser)
     parser.add_argument("--metrics-port", type=port_number, help="serve Prometheus metrics over HTTP on this port")
@@ -213,7 +234,11 @@ def parse_args(argv: list[str] | None, prog: str = "python -m executor_service")
     args = parser.parse_args(argv)
     try:
         tls = server_tls(args.tls_cert, args.tls_key, args.tls_client_ca)
-    except TlsConfigError as error:
+        token = read_token_file(args.executor_token_file) if args.executor_token_file else None
+        access = ExecutorAccess.from_flags(
+            token, args.insecure_executor, args.allowed_scheduler_names, tls is not None and tls.mutual
+        )
+    except ValueError as error:
         parser.error(str(error))
     return ExecutorSettings(
         model_dir=args.model,
@@ -243,6 +268,7 @@ def parse_args(argv: list[str] | None, prog: str = "python -m executor_service")
         log_format=args.log_format,
         tensor_parallel_size=args.tensor_parallel_size,
         verbose=args.verbose,
+        access=access,
     )
 
 
@@ -279,10 +305,12 @@ def check_before_loading(settings: ExecutorSettings) -> None:
 def main(argv: list[str] | None = None, prog: str = "python -m executor_service") -> int:
     settings = parse_args(argv, prog)
     configure_logging(settings.log_format)
+    assert settings.access is not None, "parse_args always decides the access policy"
     options = ServeOptions(
         host=settings.host,
         port=settings.port,
         lease_timeout_s=settings.lease_timeout_s,
+        access=settings.access,
         tls=settings.tls,
         health_port=settings.health_port,
         drain_timeout_s=settings.drain_timeout_s,

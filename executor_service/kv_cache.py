@@ -65,6 +65,11 @@ class PagedKVCache:
     def block_size(self) -> int:
         return self.shape.block_size
 
+    def wipe(self) -> None:
+        """Zeroes every slot (the scratch gathers too): nothing computed so far stays readable."""
+        for tensor in (*self.keys, *self.values, self._gather.keys, self._gather.values):
+            tensor.zero_()
+
     def layer(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.keys[layer_idx], self.values[layer_idx]
 

@@ -114,11 +114,14 @@ class ModelRunner:
         )
         return result
 
-    def drop_all_requests(self) -> None:
-        """Forgets every request, for a scheduler that starts over and resends them all."""
-        logger.info("event=requests_dropped count=%d", len(self.requests))
+    def drop_all_requests(self, wipe_kv: bool = False) -> None:
+        """Forgets every request, for a scheduler that starts over and resends them all;
+        wipe_kv zeroes the K/V too, for a new holder that must not read the last one's."""
+        logger.info("event=requests_dropped count=%d wipe_kv=%s", len(self.requests), wipe_kv)
         self.requests.clear()
         self.handles.clear()
+        if wipe_kv:
+            self.kv_cache.wipe()
 
     def graphed_steps(self) -> int:
         """Steps so far whose logits came from a CUDA graph."""

@@ -19,6 +19,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
 
+from executor_service.access import ExecutorAccess
 from executor_service.metrics import ExecutorMetrics
 from executor_service.settings import DEFAULT_DRAIN_TIMEOUT_S
 from protos.health_port import start_health_port
@@ -35,7 +36,10 @@ class StepRunner(Protocol):
 
     def execute(self, plan: executor_pb2.StepPlan) -> executor_pb2.StepResult: ...
 
-    def drop_all_requests(self) -> None: ...
+    def drop_all_requests(self, wipe_kv: bool = False) -> None:
+        """Forgets every request; wipe_kv also zeroes every block's K/V (a new holder must not
+        read what the last one computed)."""
+        ...
 
     def num_kv_blocks_in_use(self) -> int:
         """Distinct blocks in the block tables of the requests held (worker thread only)."""
@@ -114,12 +118,15 @@ class _Stream:
 
 
 class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
-    """Request state lives in the runner and belongs to one scheduler at a time. The active
-    stream's scheduler holds the executor: a stream from another scheduler is refused with
+    """Only callers the access policy admits get anything (executor_service/access.py). Request
+    state lives in the runner and belongs to one scheduler at a time. The active stream's
+    scheduler holds the executor: a stream from another scheduler is refused with
     FAILED_PRECONDITION until the holder's stream ends or it sends no plan for lease_timeout_s,
     while a new stream from the holder itself supersedes its old one (a reconnect). Every new
-    stream starts from no request state. One worker thread runs all plans in arrival order,
-    which keeps the event loop free for Describe and health checks."""
+    stream starts from no request state, and one from another holder than the last also from
+    zeroed K/V: a plan can name any block, and must not read another scheduler's prompts back.
+    One worker thread runs all plans in arrival order, which keeps the event loop free for
+    Describe and health checks."""
 
     def __init__(
         self,
@@ -127,12 +134,16 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
         worker: ThreadPoolExecutor,
         lease_timeout_s: float,
         metrics: ExecutorMetrics,
+        access: ExecutorAccess,
     ) -> None:
         self._executor = executor
         self._worker = worker
         self._lease_timeout_s = lease_timeout_s
         self._metrics = metrics
+        self._access = access
         self._active: _Stream | None = None
+        # Who held the executor last, stream ended or not: the K/V in its blocks is theirs.
+        self._last_holder: str | None = None
         self._stream_numbers = itertools.count(1)
         # Set by SIGTERM: results tell the holder, and no new stream is taken.
         self.draining = False
@@ -143,15 +154,26 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
     async def Describe(
         self, request: executor_pb2.DescribeRequest, context: grpc.aio.ServicerContext
     ) -> executor_pb2.ExecutorInfo:
+        await self._admit(context, "Describe")
         return self._executor.info
+
+    async def _admit(self, context: grpc.aio.ServicerContext, method: str) -> None:
+        """Ends the call unless the access policy admits its caller."""
+        refusal = self._access.refusal(context)
+        if refusal is not None:
+            logger.warning(
+                "event=call_refused method=%s peer=%s code=%s", method, context.peer(), refusal.code.name
+            )
+            await context.abort(refusal.code, refusal.message)
 
     async def Execute(
         self,
         request_iterator: AsyncIterator[executor_pb2.StepPlan],
         context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[executor_pb2.StepResult]:
+        await self._admit(context, "Execute")
         # A verified certificate is the identity; the metadata is only a claim, trusted where
-        # nothing stronger is configured.
+        # nothing stronger is configured (the token admits; it names no one).
         holder = peer_certificate_name(context) or dict(context.invocation_metadata() or ()).get(
             SCHEDULER_ID_METADATA, ""
         )
@@ -159,7 +181,12 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, DRAINING_MESSAGE)
         refusal = self._refusal(holder)
         if refusal is not None:
-            logger.warning("event=stream_refused holder=%r peer=%s reason=%r", holder, context.peer(), refusal)
+            # The log names both; the caller learns only that someone else holds it: the holder's
+            # identity, sent back, was once all it took to take an executor over.
+            logger.warning(
+                "event=stream_refused holder=%r active_holder=%r peer=%s",
+                holder, self._active.holder if self._active else "", context.peer(),
+            )
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, refusal)
         stream = self._open_stream(context.peer(), holder)
         reader = asyncio.create_task(self._read_plans(request_iterator, stream, context.peer()))
@@ -194,8 +221,8 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
         if idle_s >= self._lease_timeout_s:
             return None
         return (
-            f"this executor is held by scheduler {active.holder!r} (last plan {idle_s:.1f} s ago; "
-            f"its hold lapses after {self._lease_timeout_s:g} s without plans or when its stream ends)"
+            f"this executor is held by another scheduler (its hold lapses after "
+            f"{self._lease_timeout_s:g} s without plans or when its stream ends)"
         )
 
     def _open_stream(self, peer: str, holder: str) -> _Stream:
@@ -216,9 +243,13 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
             )
         else:
             logger.info("event=stream_opened stream=%d holder=%r peer=%s", stream.number, holder, peer)
+        wipe = self._last_holder is not None and self._last_holder != holder
+        if wipe:
+            logger.info("event=kv_wiped reason=holder_changed stream=%d holder=%r", stream.number, holder)
+        self._last_holder = holder
         # Submitted before any plan of the new stream, so it runs after a superseded stream's
         # plan that may be mid-forward and before the new stream's first plan.
-        self._worker.submit(self._executor.runner.drop_all_requests)
+        self._worker.submit(self._executor.runner.drop_all_requests, wipe)
         return stream
 
     def _run_plan(
@@ -269,6 +300,8 @@ class ServeOptions:
     host: str
     port: int
     lease_timeout_s: float
+    # Who may call the Executor API; no default, so every way of serving decides.
+    access: ExecutorAccess
     # TLS on the executor API; with a client CA only schedulers holding a certificate it signed
     # may call (mutual TLS), and a plain client cannot even complete the handshake.
     tls: ServerTls | None = None
@@ -311,7 +344,9 @@ async def serve(executor: ServedExecutor, options: ServeOptions, worker: ThreadP
     metrics = ExecutorMetrics(
         executor.info.num_kv_blocks, runner.num_kv_blocks_in_use, graphed_steps=runner.graphed_steps
     )
-    servicer = ExecutorServicer(executor, worker, options.lease_timeout_s, metrics)
+    # Describe tells schedulers (and their status) who may drive this executor.
+    executor.info.access = options.access.mode
+    servicer = ExecutorServicer(executor, worker, options.lease_timeout_s, metrics, options.access)
     executor_pb2_grpc.add_ExecutorServicer_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -342,7 +377,7 @@ async def serve(executor: ServedExecutor, options: ServeOptions, worker: ThreadP
     info = executor.info
     logger.info(
         "event=executor_ready address=%s:%d port=%d model=%s device=%s dtype=%s blocks=%d "
-        "block_size=%d backend=%s incarnation=%s tls=%s",
+        "block_size=%d backend=%s incarnation=%s tls=%s access=%s",
         host,
         bound_port,
         bound_port,
@@ -354,7 +389,14 @@ async def serve(executor: ServedExecutor, options: ServeOptions, worker: ThreadP
         info.attention_backend,
         info.incarnation_id,
         "off" if options.tls is None else "mutual" if options.tls.mutual else "server",
+        options.access.mode,
     )
+    if options.access.insecure:
+        logger.warning(
+            "event=executor_insecure address=%s:%d advice='anyone who reaches this port can run "
+            "plans and read the K/V of other requests: use --executor-token-file or mutual TLS'",
+            host, bound_port,
+        )
     await stop.wait()
     await health_servicer.enter_graceful_shutdown()
     await drain(servicer, options.drain_timeout_s)

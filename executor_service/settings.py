@@ -6,6 +6,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from executor_service.access import ExecutorAccess
 from protos.transport_security import ServerTls
 
 # On CPU there is nothing to profile: the KV budget is a configured size, and 1 GiB holds ~23k
@@ -88,6 +89,9 @@ class ExecutorSettings:
     tensor_parallel_size: int = 1
     # A start-up refusal logs its traceback too (-v).
     verbose: bool = False
+    # Who may call the Executor API; the command line always decides it (None only for
+    # executors built in process, which serve nobody).
+    access: ExecutorAccess | None = None
 
 
 def parse_size(text: str) -> int:

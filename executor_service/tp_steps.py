@@ -30,6 +30,7 @@ class _Command(enum.IntEnum):
     PLAN = 0
     DROP_ALL = 1
     STOP = 2
+    DROP_ALL_AND_WIPE = 3
 
 
 class PlanBroadcaster:
@@ -42,9 +43,10 @@ class PlanBroadcaster:
         _send(_Command.PLAN, plan.SerializeToString())
         return _unless_failed(self.runner.execute(plan), rank=0)
 
-    def drop_all_requests(self) -> None:
-        _send(_Command.DROP_ALL)
-        self.runner.drop_all_requests()
+    def drop_all_requests(self, wipe_kv: bool = False) -> None:
+        # Every rank holds its own heads' K/V: each wipes its own.
+        _send(_Command.DROP_ALL_AND_WIPE if wipe_kv else _Command.DROP_ALL)
+        self.runner.drop_all_requests(wipe_kv)
 
     def num_kv_blocks_in_use(self) -> int:
         return self.runner.num_kv_blocks_in_use()
@@ -65,8 +67,8 @@ def follow_plans(runner: ModelRunner) -> None:
         if command is _Command.STOP:
             logger.info("event=tp_follower_stopped steps=%d", steps)
             return
-        if command is _Command.DROP_ALL:
-            runner.drop_all_requests()
+        if command in (_Command.DROP_ALL, _Command.DROP_ALL_AND_WIPE):
+            runner.drop_all_requests(wipe_kv=command is _Command.DROP_ALL_AND_WIPE)
             continue
         _unless_failed(runner.execute(executor_pb2.StepPlan.FromString(payload)), rank=dist.get_rank())
         steps += 1

@@ -59,6 +59,7 @@ def main(
         return 1
     finally:
         launcher.children.stop_all()
+        launcher.close()
         logger.info("event=launcher_stopped")
 
 

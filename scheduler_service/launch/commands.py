@@ -20,7 +20,7 @@ def prepare_model_command(options: LaunchOptions) -> list[str]:
     return command
 
 
-def executor_command(options: LaunchOptions, model_dir: Path) -> list[str]:
+def executor_command(options: LaunchOptions, model_dir: Path, token_file: Path) -> list[str]:
     return [
         sys.executable,
         "-m",
@@ -33,10 +33,14 @@ def executor_command(options: LaunchOptions, model_dir: Path) -> list[str]:
         str(options.executor_port),
         "--threads",
         str(options.threads),
+        "--executor-token-file",
+        str(token_file),
     ]
 
 
-def scheduler_command(options: LaunchOptions, model_dir: Path, executor_address: str) -> list[str]:
+def scheduler_command(
+    options: LaunchOptions, model_dir: Path, executor_address: str, token_file: Path
+) -> list[str]:
     return [
         sys.executable,
         "-m",
@@ -51,6 +55,8 @@ def scheduler_command(options: LaunchOptions, model_dir: Path, executor_address:
         str(options.tokenizer or model_dir),
         "--metrics-port",
         str(options.metrics_port),
+        "--executor-token-file",
+        str(token_file),
     ]
 
 

@@ -6,7 +6,9 @@ from __future__ import annotations
 import logging
 import re
 import shlex
+import shutil
 import subprocess
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -14,6 +16,8 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from protos.executor_access import write_token_file
+from protos.port_check import check_listen_ports
 from scheduler_service.launch.banner import print_banner, print_question
 from scheduler_service.launch.children import POLL_S, Child, ChildFailed, Children
 from scheduler_service.launch.commands import (
@@ -25,7 +29,6 @@ from scheduler_service.launch.commands import (
     scheduler_command,
 )
 from scheduler_service.launch.options import LaunchOptions
-from protos.port_check import check_listen_ports
 
 # One logger for the whole launcher: its lines read logger=scheduler_service.launch whichever
 # module wrote them.
@@ -42,17 +45,23 @@ GATEWAY_READY = re.compile(r"event=gateway_ready address=\S+:(\d+)")
 class Launcher:
     options: LaunchOptions
     children: Children = field(default_factory=Children)
+    # A private folder for the executor token both services read; removed by close().
+    secrets: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="splitserve-secrets-")))
 
     def run(self) -> int:
         self.check_ports()
         model_dir = self.options.model or self.prepare_model()
+        # Executors are closed by default: this launch's own token, known to its two services
+        # only, so nothing else that reaches the executor's port can drive it.
+        token_file = self.secrets / "executor-token"
+        write_token_file(token_file)
         _, executor_port = self.start_service(
-            "executor", executor_command(self.options, model_dir), EXECUTOR_READY
+            "executor", executor_command(self.options, model_dir, token_file), EXECUTOR_READY
         )
         executor_address = f"{self.options.connect_host}:{executor_port}"
         scheduler, port = self.start_service(
             "scheduler",
-            scheduler_command(self.options, model_dir, executor_address),
+            scheduler_command(self.options, model_dir, executor_address, token_file),
             SCHEDULER_READY,
         )
         address = f"{self.options.connect_host}:{port}"
@@ -67,6 +76,9 @@ class Launcher:
         print_banner(self.options, address, executor_address, gateway, model_dir.name, self.children.running)
         self.children.watch()
         return 0
+
+    def close(self) -> None:
+        shutil.rmtree(self.secrets, ignore_errors=True)
 
     def check_ports(self) -> None:
         """Refuses taken ports (PortUnavailable) before the minute spent preparing and loading

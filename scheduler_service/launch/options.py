@@ -10,7 +10,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from protos.cli_help import DefaultsHelpFormatter
-from protos.default_ports import DEFAULT_EXECUTOR_PORT, DEFAULT_GATEWAY_PORT, DEFAULT_SCHEDULER_PORT
+from protos.default_ports import (
+    DEFAULT_EXECUTOR_PORT,
+    DEFAULT_GATEWAY_PORT,
+    DEFAULT_SCHEDULER_PORT,
+)
 from protos.flag_types import port_number, positive_int
 from scheduler_service.launch.ports import free_port
 

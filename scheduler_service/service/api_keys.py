@@ -1,6 +1,8 @@
-"""Bearer tokens on the client API: every call but the health service's must carry
-`authorization: Bearer KEY` with a KEY from --api-key-file, else it ends UNAUTHENTICATED before
-any handler runs (and before its request is even parsed)."""
+"""Bearer tokens on the client port: every call but the health service's must carry
+`authorization: Bearer KEY`, else it ends UNAUTHENTICATED before any handler runs (and before its
+request is even parsed). Generation takes the keys of --api-key-file; Admin (drain, knobs,
+audit) only those of --admin-key-file, so a client key cannot drain executors. With client keys
+but no admin keys, Admin is closed (PERMISSION_DENIED); with no keys at all, both are open."""
 
 from __future__ import annotations
 
@@ -12,12 +14,19 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health
 
+from protos.splitserve.v1 import admin_pb2
+
 logger = logging.getLogger(__name__)
 
 AUTHORIZATION_METADATA = "authorization"
 BEARER_PREFIX = "Bearer "
 # Probes must not need credentials (Kubernetes' gRPC probe sends none).
 OPEN_METHOD_PREFIXES = (f"/{health.SERVICE_NAME}/",)
+ADMIN_METHOD_PREFIX = f"/{admin_pb2.DESCRIPTOR.services_by_name['Admin'].full_name}/"
+ADMIN_CLOSED = (
+    "the Admin service takes only admin keys, and this scheduler has none: start it with "
+    "--admin-key-file"
+)
 
 
 class ApiKeyFileError(ValueError):
@@ -41,8 +50,12 @@ def load_api_keys(path: Path) -> tuple[bytes, ...]:
 
 
 class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
-    def __init__(self, keys: tuple[bytes, ...]) -> None:
-        self._keys = keys
+    """client_keys: what every call but Admin's needs (None: nothing). admin_keys: what Admin's
+    calls need (None: closed when there are client keys, else open)."""
+
+    def __init__(self, client_keys: tuple[bytes, ...] | None, admin_keys: tuple[bytes, ...] | None) -> None:
+        self._client_keys = client_keys
+        self._admin_keys = admin_keys
 
     async def intercept_service(
         self,
@@ -52,22 +65,30 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
         handler = await continuation(details)
         if handler is None or details.method.startswith(OPEN_METHOD_PREFIXES):
             return handler
-        problem = self._problem(dict(details.invocation_metadata or ()).get(AUTHORIZATION_METADATA))
+        admin = details.method.startswith(ADMIN_METHOD_PREFIX)
+        keys = self._admin_keys if admin else self._client_keys
+        if keys is None:
+            if admin and self._client_keys is not None:
+                logger.info("event=call_refused method=%r reason=%r", details.method, ADMIN_CLOSED)
+                return refusing_handler(handler, grpc.StatusCode.PERMISSION_DENIED, ADMIN_CLOSED)
+            return handler
+        problem = _problem(dict(details.invocation_metadata or ()).get(AUTHORIZATION_METADATA), keys)
         if problem is None:
             return handler
         logger.info("event=call_unauthenticated method=%r reason=%r", details.method, problem)
         return refusing_handler(handler, grpc.StatusCode.UNAUTHENTICATED, problem)
 
-    def _problem(self, authorization: str | bytes | None) -> str | None:
-        if authorization is None:
-            return "this server needs an API key: send metadata 'authorization: Bearer KEY'"
-        text = authorization.decode(errors="replace") if isinstance(authorization, bytes) else authorization
-        if not text.startswith(BEARER_PREFIX):
-            return "the authorization metadata must be 'Bearer KEY'"
-        presented = text.removeprefix(BEARER_PREFIX).strip().encode()
-        # Every key compared in constant time, so timing tells nothing about any of them.
-        matches = [hmac.compare_digest(presented, key) for key in self._keys]
-        return None if any(matches) else "the API key is not valid"
+
+def _problem(authorization: str | bytes | None, keys: tuple[bytes, ...]) -> str | None:
+    if authorization is None:
+        return "this server needs an API key: send metadata 'authorization: Bearer KEY'"
+    text = authorization.decode(errors="replace") if isinstance(authorization, bytes) else authorization
+    if not text.startswith(BEARER_PREFIX):
+        return "the authorization metadata must be 'Bearer KEY'"
+    presented = text.removeprefix(BEARER_PREFIX).strip().encode()
+    # Every key compared in constant time, so timing tells nothing about any of them.
+    matches = [hmac.compare_digest(presented, key) for key in keys]
+    return None if any(matches) else "the API key is not valid"
 
 
 def refusing_handler(

@@ -1,7 +1,8 @@
 """The scheduler's connection to one executor: Describe, and the ordered plan/result stream.
 
 The stream carries the scheduler's identity (metadata `x-splitserve-scheduler-id`), so an
-executor held by another scheduler refuses it instead of being taken over. HTTP/2 keepalive pings
+executor held by another scheduler refuses it instead of being taken over, and every call carries
+the executors' shared token when one is configured (`--executor-token-file`). HTTP/2 keepalive pings
 find an executor that is alive but silent (a stopped process, a partition without a reset) and
 keep the long-lived stream open through load balancers and mesh proxies that close idle
 connections (see KEEPALIVE_OPTIONS).
@@ -12,6 +13,7 @@ import logging
 
 import grpc
 
+from protos.executor_access import EXECUTOR_TOKEN_METADATA
 from protos.limits import MAX_MESSAGE_BYTES
 from protos.splitserve.executor.v1 import executor_pb2 as pb
 from protos.splitserve.executor.v1 import executor_pb2_grpc
@@ -45,7 +47,17 @@ class ExecutorLost(Exception):
 
 
 class ExecutorRefused(Exception):
-    """The executor answers but will not take plans from this scheduler (held by another)."""
+    """The executor answers but will not take plans from this scheduler (held by another, or
+    this scheduler lacks its token or an allowed certificate)."""
+
+
+# Codes of an executor that answers but will not serve this scheduler: asking again soon will
+# not change the answer, unlike a connection failure.
+REFUSAL_CODES = (
+    grpc.StatusCode.FAILED_PRECONDITION,
+    grpc.StatusCode.UNAUTHENTICATED,
+    grpc.StatusCode.PERMISSION_DENIED,
+)
 
 
 class ExecutorLink:
@@ -54,9 +66,11 @@ class ExecutorLink:
         address: str,
         scheduler_id: str,
         tls: ClientTls | None = None,
+        token: str | None = None,
     ) -> None:
         self.address = address
         self.scheduler_id = scheduler_id
+        self._metadata: tuple[tuple[str, str], ...] = ((EXECUTOR_TOKEN_METADATA, token),) if token else ()
         options = [
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
@@ -72,8 +86,12 @@ class ExecutorLink:
     async def describe(self) -> pb.ExecutorInfo:
         """One Describe; ExecutorLost when the executor does not answer in time."""
         try:
-            return await self._stub.Describe(pb.DescribeRequest(), timeout=DESCRIBE_TIMEOUT_S)
+            return await self._stub.Describe(
+                pb.DescribeRequest(), timeout=DESCRIBE_TIMEOUT_S, metadata=self._metadata
+            )
         except grpc.aio.AioRpcError as error:
+            if error.code() in REFUSAL_CODES:
+                raise ExecutorRefused(f"{error.code().name}: {error.details()}") from error
             raise ExecutorLost(f"Describe: {error.code().name}: {error.details()}") from error
 
     async def open_stream(self, handshake_timeout_s: float) -> None:
@@ -81,17 +99,14 @@ class ExecutorLink:
         refusal (another scheduler holds the executor) is known before any real plan is sent."""
         self.close_stream()
         self._call = self._stub.Execute(
-            metadata=((SCHEDULER_ID_METADATA, self.scheduler_id),)
+            metadata=((SCHEDULER_ID_METADATA, self.scheduler_id), *self._metadata)
         )
         await self.send(pb.StepPlan(step_id=0))
         try:
             await self.receive(handshake_timeout_s)
         except ExecutorLost as lost:
             cause = lost.__cause__
-            if (
-                isinstance(cause, grpc.aio.AioRpcError)
-                and cause.code() == grpc.StatusCode.FAILED_PRECONDITION
-            ):
+            if isinstance(cause, grpc.aio.AioRpcError) and cause.code() in REFUSAL_CODES:
                 self.close_stream()
                 raise ExecutorRefused(cause.details() or "refused") from cause
             raise

@@ -25,6 +25,7 @@ def executor_status(lane: ExecutorLane) -> pb.ExecutorStatus:
         # Executors from before tensor parallelism leave these unset: one device.
         status.tensor_parallel_size = lane.info.tensor_parallel_size or 1
         status.kv_cache_bytes = lane.info.kv_cache_bytes
+        status.access = lane.info.access
     scheduler = lane.scheduler
     if scheduler is not None:
         stats = scheduler.kv.stats()

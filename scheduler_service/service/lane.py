@@ -19,6 +19,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Protocol
 
+from protos.executor_access import INSECURE_ACCESS
 from protos.splitserve.executor.v1 import executor_pb2
 from scheduler_service.core.audit import audit_executor
 from scheduler_service.core.config import SchedulerConfig
@@ -214,6 +215,12 @@ class ExecutorLane:
                 await asyncio.sleep(REFUSED_RETRY_S)
                 continue
             self.info = info
+            if info.access == INSECURE_ACCESS:
+                logger.warning(
+                    "event=executor_insecure address=%s advice='anyone who reaches it can run plans "
+                    "and read its KV: give it --executor-token-file or mutual TLS'",
+                    self.address,
+                )
             eos = frozenset(info.eos_token_ids) | self.extra_eos_token_ids
             self.scheduler = Scheduler(self._config(info), eos)
             self._step_times.clear()

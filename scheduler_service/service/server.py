@@ -69,8 +69,12 @@ class ServerSettings:
     tls: ServerTls | None = None
     # Bearer tokens a client must present (None: no token needed).
     api_keys: tuple[bytes, ...] | None = None
+    # Bearer tokens the Admin service takes instead (None: Admin is closed if api_keys are set).
+    admin_keys: tuple[bytes, ...] | None = None
     # TLS to the executors (mutual when it holds a certificate).
     executor_tls: ClientTls | None = None
+    # The executors' shared token (--executor-token-file), sent on every Executor API call.
+    executor_token: str | None = None
     # Plaintext grpc.health.v1-only port for probes.
     health_port: int | None = None
     # On SIGTERM, seconds the requests in flight get to finish before they are aborted.
@@ -99,7 +103,7 @@ async def serve(settings: ServerSettings) -> int:
             health_updates.add(task)
             task.add_done_callback(health_updates.discard)
 
-    link_factory = functools.partial(ExecutorLink, tls=settings.executor_tls)
+    link_factory = functools.partial(ExecutorLink, tls=settings.executor_tls, token=settings.executor_token)
     step_trace = StepTrace(settings.trace_dir) if settings.trace_dir is not None else None
     engine = Engine(
         "", settings.text, settings.options, metrics, report_serving, link_factory, settings.tracing,
@@ -108,9 +112,9 @@ async def serve(settings: ServerSettings) -> int:
     intake = Intake(settings.text, settings.limits, settings.sampling_defaults)
     receive_limit = settings.limits.receive_limit_bytes()
     interceptors: list[grpc.aio.ServerInterceptor] = [MessageParsingInterceptor(receive_limit)]
-    if settings.api_keys is not None:
+    if settings.api_keys is not None or settings.admin_keys is not None:
         # First in the chain: an unauthenticated call is refused before its request is parsed.
-        interceptors.insert(0, ApiKeyInterceptor(settings.api_keys))
+        interceptors.insert(0, ApiKeyInterceptor(settings.api_keys, settings.admin_keys))
     server = grpc.aio.server(
         interceptors=interceptors,
         options=[
@@ -163,11 +167,14 @@ async def serve(settings: ServerSettings) -> int:
     executors = ",".join(settings.executors)
     logger.info(
         "event=scheduler_listening address=%s:%d port=%d executors=%s scheduler_id=%s tls=%s "
-        "api_keys=%s executor_tls=%s receive_limit_bytes=%d max_message_bytes=%d",
+        "api_keys=%s admin_keys=%s executor_tls=%s executor_token=%s receive_limit_bytes=%d "
+        "max_message_bytes=%d",
         settings.host, port, port, executors, engine.scheduler_id,
         "on" if settings.tls else "off",
         len(settings.api_keys) if settings.api_keys else "off",
+        len(settings.admin_keys) if settings.admin_keys else "off",
         "off" if settings.executor_tls is None else "mutual" if settings.executor_tls.mutual else "server",
+        "on" if settings.executor_token else "off",
         receive_limit,
         settings.limits.transport_limit_bytes(),
     )

@@ -42,9 +42,10 @@ from tests.helpers.compose_services import (
 )
 
 COMPOSE_FILE = REPO_ROOT / "docker-compose.yml"
-SERVICES = {"prepare-model", "executor", "scheduler", "gateway"}
-# The services that read the prepared model.
+SERVICES = {"prepare-model", "executor-token", "executor", "scheduler", "gateway"}
+# The services that read the prepared model (and the executor token beside it).
 MODEL_SERVICES = {"prepare-model", "executor", "scheduler"}
+TOKEN_PATH = "/models/executor-token"
 MONITORING = {"prometheus", "grafana"}
 VOLUME_MOUNT = "models:/models"
 MODEL_PATH = "/models/SmolLM2-135M-Instruct"
@@ -66,7 +67,7 @@ def flag(command: list[str], name: str) -> str:
 # --- structure -------------------------------------------------------------------------------
 
 
-def test_three_services_from_one_image(compose: dict[str, Any]) -> None:
+def test_every_service_from_one_image(compose: dict[str, Any]) -> None:
     assert set(compose["services"]) == SERVICES | MONITORING
     services = own_services(compose["services"])
     assert set(services) == SERVICES
@@ -77,19 +78,32 @@ def test_three_services_from_one_image(compose: dict[str, Any]) -> None:
 
 def test_dependency_conditions(compose: dict[str, Any]) -> None:
     services = own_services(compose["services"])
-    assert startup_order(services) == ["prepare-model", "executor", "scheduler", "gateway"]
+    assert startup_order(services) == ["prepare-model", "executor-token", "executor", "scheduler", "gateway"]
     assert services["gateway"]["depends_on"] == {"scheduler": {"condition": "service_healthy"}}
     assert services["executor"]["depends_on"] == {
-        "prepare-model": {"condition": "service_completed_successfully"}
+        "prepare-model": {"condition": "service_completed_successfully"},
+        "executor-token": {"condition": "service_completed_successfully"},
     }
     assert services["scheduler"]["depends_on"] == {"executor": {"condition": "service_healthy"}}
     # A one-shot must not be restarted after it completed.
     assert services["prepare-model"]["restart"] == "no"
+    assert services["executor-token"]["restart"] == "no"
+
+
+def test_the_executor_takes_plans_only_with_the_token_the_scheduler_sends(compose: dict[str, Any]) -> None:
+    services = compose["services"]
+    assert services["executor-token"]["command"] == ["splitserve", "executor-token", TOKEN_PATH]
+    assert VOLUME_MOUNT in services["executor-token"]["volumes"]
+    for name in ("executor", "scheduler"):
+        command = services[name]["command"]
+        assert flag(command, "--executor-token-file") == TOKEN_PATH, name
+        assert "--insecure-executor" not in command, name
 
 
 def test_healthchecks_probe_each_server_over_grpc_health(compose: dict[str, Any]) -> None:
     services = compose["services"]
     assert "healthcheck" not in services["prepare-model"]
+    assert "healthcheck" not in services["executor-token"]
     for name in ("executor", "scheduler"):
         spec = services[name]
         test = spec["healthcheck"]["test"]
@@ -137,6 +151,7 @@ def test_addresses_and_published_ports(compose: dict[str, Any]) -> None:
     metrics = flag(scheduler["command"], "--metrics-port")
     assert sorted(scheduler["ports"]) == sorted([f"{port}:{port}", f"{metrics}:{metrics}"])
     assert "ports" not in services["prepare-model"]
+    assert "ports" not in services["executor-token"]
 
 
 def test_prometheus_scrapes_both_services_and_grafana_shows_the_dashboard(

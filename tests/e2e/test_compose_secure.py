@@ -62,6 +62,7 @@ API_KEY_FILES = {"api-keys", "client-api-key"}
 ALL_FILES = CERT_FILES | KEY_FILES | API_KEY_FILES
 LOCAL_NAMES = {"localhost", "127.0.0.1"}
 SCHEDULER_IDENTITY = "splitserve-scheduler"
+TOKEN_PATH = "/models/executor-token"
 # Flags that name a file, on each server.
 EXECUTOR_FILE_FLAGS = ("--tls-cert", "--tls-key", "--tls-client-ca")
 SCHEDULER_FILE_FLAGS = (
@@ -261,13 +262,13 @@ def test_every_file_a_command_names_lies_in_the_certs_mount(
             path = PurePosixPath(flag(command, file_flag))
             assert path.parent == target, (name, file_flag, path)
             assert path.name in written, (name, file_flag, path)
-        # Any other absolute path is the model, in its volume.
+        # Any other absolute path is the model, or the executor token beside it, in their volume.
         others = [
             PurePosixPath(arg)
             for arg in command
             if arg.startswith("/") and PurePosixPath(arg).parent != target
         ]
-        assert all(str(path) == MODEL_PATH for path in others), others
+        assert all(str(path) in (MODEL_PATH, TOKEN_PATH) for path in others), others
     # The private keys each side reads are the ones that match what it presents.
     executor, scheduler = services["executor"]["command"], services["scheduler"]["command"]
     assert flag(executor, "--tls-key").endswith("/executor-key.pem")

@@ -27,7 +27,7 @@ from cryptography import x509
 from executor_service.__main__ import parse_args as parse_executor_args
 from executor_service.server import SHUTDOWN_GRACE_S as EXECUTOR_STOP_S
 from scheduler_service.__main__ import parse_args as parse_scheduler_args
-from scheduler_service.__main__ import security_settings
+from scheduler_service.security_options import security_options
 from scheduler_service.service.discovery import DNS_PREFIX, split_target
 from scheduler_service.service.server import SHUTDOWN_GRACE_S as SCHEDULER_STOP_S
 from tests.helpers.kustomize_render import (
@@ -236,8 +236,9 @@ def test_every_container_runs_splitserve_with_arguments_its_parser_accepts(
     scheduler = process(rendered, certs, "scheduler").parsed
     # Reads every TLS file and the API keys, checks the pairs: what the scheduler does at start
     # (the executor's parser already read its own).
-    server_tls, api_keys, executor_tls = security_settings(scheduler)
-    assert server_tls is not None and api_keys and executor_tls is not None and executor_tls.mutual
+    security = security_options(scheduler)
+    assert security.tls is not None and security.api_keys and security.executor_tls is not None
+    assert security.executor_tls.mutual
     assert process(rendered, certs, "executor").parsed.tls.mutual
     gateway = process(rendered, certs, "gateway").parsed
     assert gateway.tls_ca.read_bytes().startswith(b"-----BEGIN CERTIFICATE")

@@ -26,6 +26,7 @@ from tests.helpers.greedy_client import stream_all, workload
 from tests.helpers.greedy_reference import Reference
 from tests.helpers.model_factory import build_model
 from tests.helpers.scheduler_process import SchedulerProcess, start_scheduler
+from tests.helpers.executor_token import with_token
 
 torch.set_num_threads(1)
 BLOCK_SIZE = 16
@@ -192,10 +193,10 @@ def test_a_second_scheduler_is_refused_and_the_first_finishes_undisturbed(
                 what="the second scheduler to be refused",
             )
             reason = _status(second_address).executors[0].reason
-            assert "held by scheduler" in reason, reason
-            # A plain client opening a plan stream is refused the same way.
+            assert "held by another scheduler" in reason, reason
+            # A client with the token opening a plan stream is refused the same way.
             with grpc.insecure_channel(executor_address) as channel:
-                stub = executor_pb2_grpc.ExecutorStub(channel)
+                stub = executor_pb2_grpc.ExecutorStub(with_token(channel))
                 results = stub.Execute(
                     iter([executor_pb2.StepPlan(step_id=1)]),
                     metadata=(("x-splitserve-scheduler-id", "intruder"),),

@@ -1,6 +1,7 @@
 """Transport security against real processes: an executor that takes plans only from a scheduler
-whose certificate its CA signed (the certificate's name is the scheduler's identity), and a
-client API behind TLS and bearer tokens whose health service stays open for probes."""
+whose certificate its CA signed with an allowed name (the certificate's name is the scheduler's
+identity), and a client API behind TLS and bearer tokens, Admin behind keys of its own, whose
+health service stays open for probes."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from clients import Client
 from clients.errors import SplitserveError
 from protos.splitserve.executor.v1 import executor_pb2, executor_pb2_grpc
+from protos.splitserve.v1 import admin_pb2, admin_pb2_grpc, generation_pb2, generation_pb2_grpc
 from tests.helpers.executor_process import ExecutorProcess
 from tests.helpers.greedy_reference import Reference
 from tests.helpers.model_factory import build_model
@@ -26,7 +28,10 @@ from tests.helpers.service_process import free_port
 torch.set_num_threads(1)
 
 API_KEY = "k3y-for-the-tests-0123456789"
+ADMIN_KEY = "adm1n-key-for-the-tests-0123456789"
 SCHEDULER_NAME = "scheduler-a"
+# Allowed to hold the executor beside scheduler-a; "scheduler-c" is signed by the same CA but not.
+OTHER_ALLOWED_NAME = "scheduler-b"
 
 
 @dataclass(slots=True, frozen=True)
@@ -40,10 +45,14 @@ class Pki:
     # Signed by the trusted CA, for another scheduler.
     other_client_cert: Path
     other_client_key: Path
+    # Signed by the trusted CA, with a name the executor does not allow.
+    stranger_client_cert: Path
+    stranger_client_key: Path
     # Signed by a CA nobody trusts.
     rogue_client_cert: Path
     rogue_client_key: Path
     api_keys: Path
+    admin_keys: Path
 
 
 def issue(ca: trustme.CA, folder: Path, name: str, *identities: str) -> tuple[Path, Path]:
@@ -61,11 +70,14 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
     ca.cert_pem.write_to_path(str(folder / "ca.pem"))
     server = issue(ca, folder, "server", "localhost", "127.0.0.1")
     client = issue(ca, folder, SCHEDULER_NAME, "scheduler-a.test")
-    other = issue(ca, folder, "scheduler-b", "scheduler-b.test")
+    other = issue(ca, folder, OTHER_ALLOWED_NAME, "scheduler-b.test")
+    stranger = issue(ca, folder, "scheduler-c", "scheduler-c.test")
     rogue_client = issue(rogue, folder, "rogue", "rogue.test")
     keys = folder / "api-keys"
     keys.write_text(f"# rotated in 2026-11\n{API_KEY}\n\nanother-key-9876543210\n")
-    return Pki(folder, folder / "ca.pem", *server, *client, *other, *rogue_client, keys)
+    admin_keys = folder / "admin-keys"
+    admin_keys.write_text(f"{ADMIN_KEY}\n")
+    return Pki(folder, folder / "ca.pem", *server, *client, *other, *stranger, *rogue_client, keys, admin_keys)
 
 
 @dataclass(slots=True, frozen=True)
@@ -88,6 +100,9 @@ def secured(tmp_path_factory: pytest.TempPathFactory, pki: Pki) -> Iterator[Secu
         tls_cert=pki.server_cert,
         tls_key=pki.server_key,
         tls_client_ca=pki.ca,
+        allowed_scheduler_names=f"{SCHEDULER_NAME},{OTHER_ALLOWED_NAME}",
+        # Mutual TLS alone, as make_certs sets executors up.
+        executor_token_file=None,
         health_port=executor_health,
     )
     try:
@@ -102,6 +117,8 @@ def secured(tmp_path_factory: pytest.TempPathFactory, pki: Pki) -> Iterator[Secu
             tls_cert=pki.server_cert,
             tls_key=pki.server_key,
             api_key_file=pki.api_keys,
+            admin_key_file=pki.admin_keys,
+            executor_token_file=None,
             health_port=scheduler_health,
         )
         try:
@@ -218,5 +235,58 @@ def test_the_scheduler_identity_is_its_certificate_name(secured: Secured, pki: P
         )
         next(responses)
     assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-    assert repr(SCHEDULER_NAME) in refused.value.details()
-    assert f"holder={SCHEDULER_NAME!r}" in secured.executor_process.log_text()
+    # Someone holds it; who is in the executor's log, never in the answer.
+    assert "held by another scheduler" in refused.value.details()
+    assert SCHEDULER_NAME not in refused.value.details()
+    assert f"active_holder={SCHEDULER_NAME!r}" in secured.executor_process.log_text()
+
+
+def test_a_certificate_the_ca_signed_for_another_name_cannot_hold_the_executor(secured: Secured, pki: Pki) -> None:
+    credentials = client_credentials(pki, pki.stranger_client_cert, pki.stranger_client_key)
+    with grpc.secure_channel(secured.executor, credentials) as channel:
+        stub = executor_pb2_grpc.ExecutorStub(channel)
+        with pytest.raises(grpc.RpcError) as described:
+            stub.Describe(executor_pb2.DescribeRequest(), timeout=10)
+        with pytest.raises(grpc.RpcError) as executed:
+            next(stub.Execute(iter([executor_pb2.StepPlan(step_id=0)]), timeout=10))
+    for refused in (described.value, executed.value):
+        assert refused.code() == grpc.StatusCode.PERMISSION_DENIED
+        assert "--allowed-scheduler-names" in refused.details() and "scheduler-a" not in refused.details()
+
+
+def test_admin_takes_only_admin_keys(secured: Secured, pki: Pki) -> None:
+    credentials = grpc.ssl_channel_credentials(root_certificates=pki.ca.read_bytes())
+    with grpc.secure_channel(secured.scheduler, credentials) as channel:
+        admin = admin_pb2_grpc.AdminStub(channel)
+        generation = generation_pb2_grpc.GenerationStub(channel)
+
+        def bearer(key: str) -> tuple[tuple[str, str], ...]:
+            return (("authorization", f"Bearer {key}"),)
+
+        config = admin.GetSchedulingConfig(admin_pb2.GetSchedulingConfigRequest(), metadata=bearer(ADMIN_KEY), timeout=10)
+        assert config.max_num_seqs > 0
+        # A client key drains nothing; an admin key generates nothing.
+        for call, key in (
+            (lambda m: admin.GetSchedulingConfig(admin_pb2.GetSchedulingConfigRequest(), metadata=m, timeout=10), API_KEY),
+            (lambda m: admin.DrainExecutor(admin_pb2.DrainExecutorRequest(address=secured.executor), metadata=m, timeout=10), API_KEY),
+            (lambda m: generation.GetModelInfo(generation_pb2.GetModelInfoRequest(), metadata=m, timeout=10), ADMIN_KEY),
+        ):
+            with pytest.raises(grpc.RpcError) as refused:
+                call(bearer(key))
+            assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
+def test_with_client_keys_but_no_admin_keys_admin_is_closed(pki: Pki) -> None:
+    scheduler = SchedulerProcess("127.0.0.1:1", wait_for="listening", api_key_file=pki.api_keys)
+    try:
+        with grpc.insecure_channel(scheduler.wait_ready(timeout_s=60.0)) as channel:
+            with pytest.raises(grpc.RpcError) as refused:
+                admin_pb2_grpc.AdminStub(channel).GetSchedulingConfig(
+                    admin_pb2.GetSchedulingConfigRequest(),
+                    metadata=(("authorization", f"Bearer {API_KEY}"),),
+                    timeout=10,
+                )
+    finally:
+        scheduler.close()
+    assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    assert "--admin-key-file" in refused.value.details()

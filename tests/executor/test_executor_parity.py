@@ -28,6 +28,7 @@ from tests.helpers.executor_process import ExecutorProcess
 from tests.helpers.greedy_client import generate_greedy
 from tests.helpers.model_factory import ARCHITECTURES, build_model
 from tests.helpers.scheduler_process import start_scheduler
+from tests.helpers.executor_token import with_token
 
 BLOCK_SIZE = 16
 NUM_BLOCKS = 1024
@@ -137,7 +138,7 @@ def executor_address(arch: str, executors: Executors) -> Iterator[str]:
 @pytest.fixture(scope="module")
 def channel(executor_address: str) -> Iterator[grpc.Channel]:
     with grpc.insecure_channel(executor_address) as channel:
-        yield channel
+        yield with_token(channel)
 
 
 @pytest.fixture

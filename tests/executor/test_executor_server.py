@@ -17,6 +17,7 @@ from protos.splitserve.executor.v1 import executor_pb2_grpc as pb_grpc
 from tests.helpers.executor_driver import PlanStream
 from tests.helpers.executor_process import ExecutorProcess, start_executor
 from tests.helpers.model_factory import EOS_TOKEN_ID, VOCAB_SIZE, build_model
+from tests.helpers.executor_token import token_channel, with_token
 
 SERVICE = "splitserve.executor.v1.Executor"
 NUM_BLOCKS = 32
@@ -32,8 +33,8 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def served(model_dir: Path) -> Iterator[tuple[grpc.Channel, int]]:
     """A channel to an executor with one torch thread, and its pid."""
     with start_executor(model_dir, num_kv_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE) as (address, process):
-        with grpc.insecure_channel(address) as channel:
-            yield channel, process.pid
+        with grpc.insecure_channel(address) as plain:
+            yield with_token(plain), process.pid
 
 
 @pytest.fixture(scope="module")
@@ -104,7 +105,7 @@ def test_kv_memory_budget_and_clean_sigterm(model_dir: Path) -> None:
     # 2 layers x K,V x 16 tokens x 2 KV heads x 16 dims x 4 bytes = 8 KiB per block.
     executor = ExecutorProcess(model_dir, kv_cache_memory="1MiB", block_size=16)
     try:
-        with grpc.insecure_channel(executor.wait_ready()) as channel:
+        with token_channel(executor.wait_ready()) as channel:
             info = pb_grpc.ExecutorStub(channel).Describe(pb.DescribeRequest())
         assert info.num_kv_blocks == 128
         assert executor.stop() == 0
@@ -168,7 +169,7 @@ def test_a_served_executor_runs_one_team_of_openmp_threads(
     stream.close()
     counts[1] = _threads_under_the_process_name(one_thread_pid)
     with start_executor(model_dir, num_kv_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, threads=3) as (address, process):
-        with grpc.insecure_channel(address) as channel:
+        with token_channel(address) as channel:
             stream = PlanStream(channel)
             assert stream.step(pb.StepPlan(step_id=1, new_requests=[prompt])).outputs[0].token_ids
             stream.close()

@@ -20,9 +20,11 @@ _CLOSE = object()
 class PlanStream:
     """One Execute stream; plans may be sent before earlier results are read."""
 
-    def __init__(self, channel: grpc.Channel) -> None:
+    def __init__(self, channel: grpc.Channel, holder: str | None = None) -> None:
+        """holder: the scheduler identity the stream claims (x-splitserve-scheduler-id)."""
         self._plans: queue.Queue[object] = queue.Queue()
-        self._results = pb_grpc.ExecutorStub(channel).Execute(self._iterate())
+        metadata = (("x-splitserve-scheduler-id", holder),) if holder is not None else None
+        self._results = pb_grpc.ExecutorStub(channel).Execute(self._iterate(), metadata=metadata)
 
     def _iterate(self) -> Iterator[pb.StepPlan]:
         while (plan := self._plans.get()) is not _CLOSE:

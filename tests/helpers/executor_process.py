@@ -20,6 +20,7 @@ from pathlib import Path
 
 import grpc
 
+from tests.helpers.executor_token import token_file, with_token
 from tests.helpers.service_process import ServiceProcess, cli_flags
 
 READY_PATTERN = re.compile(r"event=executor_ready address=(\S+):(\d+)")
@@ -29,7 +30,9 @@ DEFAULT_FLAGS: dict[str, object] = {"num_kv_blocks": 1024, "threads": 1}
 
 
 def executor_command(model_dir: Path | str, **flags: object) -> list[str]:
-    merged = dict(DEFAULT_FLAGS)
+    """Closed as executors are by default: the process's test token (executor_token.py) unless
+    flags name another access (executor_token_file=None with insecure_executor=True, say)."""
+    merged = {**DEFAULT_FLAGS, "executor_token_file": token_file()}
     if "kv_cache_memory" in flags:
         merged.pop("num_kv_blocks")
     merged.update(flags)
@@ -64,4 +67,4 @@ def executor_channel(model_dir: Path | str, **flags: object) -> Iterator[grpc.Ch
     """A channel to an executor started for the test, closed and stopped on exit."""
     with start_executor(model_dir, **flags) as (address, _):
         with grpc.insecure_channel(address) as channel:
-            yield channel
+            yield with_token(channel)

@@ -17,6 +17,7 @@ import sys
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
+from tests.helpers.executor_token import token_file
 from tests.helpers.service_process import ServiceProcess, cli_flags
 
 READY_PATTERN = re.compile(r"event=scheduler_ready address=(\S+):(\d+)")
@@ -24,10 +25,12 @@ LISTENING_PATTERN = re.compile(r"event=scheduler_listening address=(\S+):(\d+)")
 
 
 def scheduler_command(executors: str | Sequence[str], **flags: object) -> list[str]:
+    """With the process's executor token (executor_token.py), as the executors the tests start
+    expect, unless flags name another (executor_token_file=None sends none)."""
     command = [sys.executable, "-m", "scheduler_service", "--port", "0"]
     for address in [executors] if isinstance(executors, str) else executors:
         command += ["--executor", address]
-    return command + cli_flags(flags)
+    return command + cli_flags({"executor_token_file": token_file(), **flags})
 
 
 class SchedulerProcess(ServiceProcess):

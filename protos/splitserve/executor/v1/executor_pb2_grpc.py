@@ -26,7 +26,11 @@ if _version_not_supported:
 
 
 class ExecutorStub:
-    """The accelerator side: one forward pass per step plan.
+    """The accelerator side: one forward pass per step plan. Closed by default: every call needs what
+    ExecutorInfo.access names (a client certificate under mutual TLS, the shared token in the
+    metadata key x-splitserve-executor-token, or both), else UNAUTHENTICATED (no or a wrong token)
+    or PERMISSION_DENIED (a certificate whose name the executor does not allow). grpc.health.v1 and
+    reflection stay open.
     """
 
     def __init__(self, channel):
@@ -48,7 +52,11 @@ class ExecutorStub:
 
 
 class ExecutorServicer:
-    """The accelerator side: one forward pass per step plan.
+    """The accelerator side: one forward pass per step plan. Closed by default: every call needs what
+    ExecutorInfo.access names (a client certificate under mutual TLS, the shared token in the
+    metadata key x-splitserve-executor-token, or both), else UNAUTHENTICATED (no or a wrong token)
+    or PERMISSION_DENIED (a certificate whose name the executor does not allow). grpc.health.v1 and
+    reflection stay open.
     """
 
     def Describe(self, request, context):
@@ -61,11 +69,13 @@ class ExecutorServicer:
     def Execute(self, request_iterator, context):
         """Takes step plans in order and answers each with one StepResult, in the same order. The caller
         may send plan N+1 before result N arrives; the executor runs plans strictly in order. An
-        executor serves one scheduler at a time: the caller names itself in the metadata key
-        x-splitserve-scheduler-id; while another scheduler's stream is open and has sent a plan within
-        ExecutorInfo.lease_timeout_s, the call ends with FAILED_PRECONDITION naming the holder, and a
-        new stream from the holder itself supersedes its old one (which ends with ABORTED). Every
-        stream starts from no request state: its opener sends each request it wants run. A plan entry
+        executor serves one scheduler at a time: the caller is its certificate's common name under
+        mutual TLS, else what it names itself in the metadata key x-splitserve-scheduler-id; while
+        another scheduler's stream is open and has sent a plan within ExecutorInfo.lease_timeout_s,
+        the call ends with FAILED_PRECONDITION (which never names the holder), and a new stream from
+        the holder itself supersedes its old one (which ends with ABORTED). Every stream starts from
+        no request state: its opener sends each request it wants run; when the holder changes, every
+        block's K/V is wiped before the new holder's first plan runs. A plan entry
         that is wrong (unknown request id, block id outside the pool, more tokens than its blocks
         hold, bad sampling values) is rejected in StepResult.rejected and does not disturb the other
         requests of the plan. A malformed stream (step ids not increasing) ends with INVALID_ARGUMENT.
@@ -96,7 +106,11 @@ def add_ExecutorServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class Executor:
-    """The accelerator side: one forward pass per step plan.
+    """The accelerator side: one forward pass per step plan. Closed by default: every call needs what
+    ExecutorInfo.access names (a client certificate under mutual TLS, the shared token in the
+    metadata key x-splitserve-executor-token, or both), else UNAUTHENTICATED (no or a wrong token)
+    or PERMISSION_DENIED (a certificate whose name the executor does not allow). grpc.health.v1 and
+    reflection stay open.
     """
 
     @staticmethod
