@@ -1,5 +1,6 @@
 """Caps on what one client request may carry, checked on the parsed message before any
-tokenizing, hashing or copying, so an oversized request costs its sender, not the server.
+tokenizing, hashing or copying, so an oversized request costs its sender, not the server; and
+how many requests are tokenized at once.
 
 Each cap is a flag (scheduler_service/__main__.py). The receive limit is derived from them: a
 message larger than any request the caps allow is refused from its length alone, before it is
@@ -11,10 +12,11 @@ gRPC answers RESOURCE_EXHAUSTED there with no way to say which cap was broken.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from protos.splitserve.v1 import generation_pb2 as pb
 from scheduler_service.core.errors import ErrorKind, RequestRejected
+from scheduler_service.text.tokenizer_pool import default_threads
 
 # Printable ASCII without spaces: safe in key=value log lines and in any HTTP header.
 REQUEST_ID_PATTERN = re.compile(r"[!-~]+")
@@ -43,6 +45,8 @@ class IntakeLimits:
     # Roles a chat message may have; the chat template renders any string it is given, so
     # an unknown role would be written into the prompt verbatim.
     chat_roles: frozenset[str] = frozenset({"system", "user", "assistant", "tool"})
+    # Threads tokenizing requests at once (text/tokenizer_pool.py keeps one for small prompts).
+    tokenizer_threads: int = field(default_factory=default_threads)
 
     def receive_limit_bytes(self) -> int:
         """The largest GenerateRequest these caps allow, with room for its framing."""

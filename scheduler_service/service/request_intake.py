@@ -2,18 +2,14 @@
 
 Caps are checked first, on the parsed message (service/intake_limits.py), and a text prompt
 that certainly holds more tokens than the model's length is refused from its length alone
-(text/token_count_bound.py): neither costs any tokenizing. A big request's
-tokenizing, chat templating and block hashing then run on a worker thread, so the event loop
-that serves every other stream never waits on them: Hugging Face's Rust tokenizers release the
-GIL while they encode, and a thread needs no copy of the prompt, where a process pool would
-pickle it both ways (measured: tokenizing 1 MiB of text took 0.93 s; on a thread, the event
-loop's longest gap meanwhile was 29 ms). Small requests are built inline, where a thread hop
-would cost more than the work.
+(text/token_count_bound.py): neither costs any tokenizing. A request's tokenizing, chat
+templating and block hashing then run in the tokenizer pool (text/tokenizer_pool.py), smallest
+prompt first, with a thread that large prompts never take, so neither the event loop that serves
+every other stream nor a small prompt waits on a large one. Tiny requests are built inline, where
+a thread hop would cost more than the work.
 """
 
-import asyncio
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 
 from jinja2 import TemplateError
 
@@ -30,17 +26,17 @@ from scheduler_service.service.intake_limits import (
 )
 from scheduler_service.text.template_kwargs import TemplateValue
 from scheduler_service.text.tokenizer import TextProcessor
+from scheduler_service.text.tokenizer_pool import TokenizerPool
 
-# Above this much prompt text (UTF-8 bytes, about a millisecond of tokenizing) or this many
-# token ids, a request is built on the intake thread.
-INLINE_TEXT_BYTES = 2048
+# Up to this many characters of prompt text (well under a millisecond of tokenizing) or this many
+# token ids, a request is built on the event loop.
+INLINE_TEXT_CHARS = 512
 INLINE_TOKEN_IDS = 16_384
 
 
 class Intake:
-    """Builds requests for the Generation servicer: caps inline, the rest inline or on one
-    worker thread (one, so big requests queue behind each other and leave the other cores to
-    the engine and the executors)."""
+    """Builds requests for the Generation servicer: caps inline, the rest inline or in the
+    tokenizer pool."""
 
     def __init__(
         self, text: TextProcessor | None, limits: IntakeLimits, defaults: SamplingDefaults = SamplingDefaults()
@@ -48,26 +44,24 @@ class Intake:
         self.text = text
         self.limits = limits
         self.defaults = defaults
-        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="intake")
+        self._pool = TokenizerPool(limits.tokenizer_threads)
 
     async def generate_request(self, message: pb.GenerateRequest, info: executor_pb2.ExecutorInfo) -> Request:
         check_generate(message, self.limits, info.max_model_len)
         refuse_certain_overflow(message, self.text, info.max_model_len)
-        if _is_small(message, "prompt"):
+        size = prompt_size(message, "prompt")
+        if _is_inline(message, "prompt", size):
             return build_request(message, self.text, info, self.defaults)
-        return await asyncio.get_running_loop().run_in_executor(
-            self._worker, build_request, message, self.text, info, self.defaults
-        )
+        return await self._pool.run(size, build_request, message, self.text, info, self.defaults)
 
     async def token_ids(self, message: pb.TokenizeRequest, max_model_len: int | None) -> list[int]:
         # Tokenize may run before any executor is reached: the token count is then capped by
         # the flag alone.
         check_prompt(message, "input", self.limits, max_model_len or self.limits.max_prompt_tokens)
-        if _is_small(message, "input"):
+        size = prompt_size(message, "input")
+        if _is_inline(message, "input", size):
             return prompt_token_ids(message, self.text, "input")
-        return await asyncio.get_running_loop().run_in_executor(
-            self._worker, prompt_token_ids, message, self.text, "input"
-        )
+        return await self._pool.run(size, prompt_token_ids, message, self.text, "input")
 
     async def text_of(self, message: pb.DetokenizeRequest, vocab_size: int | None) -> str:
         """The text of token ids; vocab_size (None before any executor answered): the model's,
@@ -93,19 +87,26 @@ class Intake:
         skip = message.skip_special_tokens
         if len(ids) <= INLINE_TOKEN_IDS:
             return text.decode(ids, skip_special_tokens=skip)
-        return await asyncio.get_running_loop().run_in_executor(self._worker, text.decode, list(ids), skip)
+        return await self._pool.run(len(ids), text.decode, list(ids), skip)
 
     def close(self) -> None:
-        self._worker.shutdown(wait=False, cancel_futures=True)
+        self._pool.close()
 
 
-def _is_small(message: pb.GenerateRequest | pb.TokenizeRequest, field: str) -> bool:
+def prompt_size(message: pb.GenerateRequest | pb.TokenizeRequest, field: str) -> int:
+    """What orders the request in the tokenizer pool: characters of text or chat contents, or
+    token ids (checking and hashing an id costs a quarter of tokenizing a character, so an id
+    prompt never ranks ahead of work it outlasts)."""
     kind = message.WhichOneof(field)
     if kind == "text":
-        return len(message.text) <= INLINE_TEXT_BYTES // 4
+        return len(message.text)
     if kind == "chat":
-        return sum(len(turn.content) for turn in message.chat.messages) <= INLINE_TEXT_BYTES // 4
-    return kind is None or len(message.token_ids.ids) <= INLINE_TOKEN_IDS
+        return sum(len(turn.content) for turn in message.chat.messages)
+    return 0 if kind is None else len(message.token_ids.ids)
+
+
+def _is_inline(message: pb.GenerateRequest | pb.TokenizeRequest, field: str, size: int) -> bool:
+    return size <= (INLINE_TOKEN_IDS if message.WhichOneof(field) == "token_ids" else INLINE_TEXT_CHARS)
 
 
 def refuse_certain_overflow(message: pb.GenerateRequest, text: TextProcessor | None, max_model_len: int) -> None:
