@@ -19,27 +19,22 @@ from protos.flag_types import (
     positive_float,
     positive_int,
 )
-from protos.health_port import add_health_port_flag
 from protos.local_folder import FolderError
 from protos.log_format import add_log_format_flag, configure_logging
 from protos.port_check import check_listen_ports
-from protos.transport_security import (
-    ClientTls,
-    ServerTls,
-    TlsConfigError,
-    client_tls,
-    server_tls,
-)
 from scheduler_service.core.policy import Policy, StepMode
 from scheduler_service.core.router import DEFAULT_TOKENS_PER_REQUEST
 from scheduler_service.core.sampling_params import SamplingDefaults
-from scheduler_service.service.api_keys import load_api_keys
+from scheduler_service.security_options import add_security_flags, security_options
 from scheduler_service.service.discovery import (
     DEFAULT_RESOLVE_INTERVAL_S,
     DNS_PREFIX,
     split_target,
 )
-from scheduler_service.service.engine import DEFAULT_NO_EXECUTOR_TIMEOUT_S, EngineOptions
+from scheduler_service.service.engine import (
+    DEFAULT_NO_EXECUTOR_TIMEOUT_S,
+    EngineOptions,
+)
 from scheduler_service.service.intake_limits import IntakeLimits
 from scheduler_service.service.lane import (
     DEFAULT_STEP_TIMEOUT_FACTOR,
@@ -219,33 +214,12 @@ def parse_args(argv: list[str] | None, prog: str = "python -m scheduler_service"
         action="store_true",
         help="on a start-up failure, log its traceback after the one-line reason",
     )
-    _add_security_flags(parser)
+    add_security_flags(parser)
     _add_cap_flags(parser)
     args = parser.parse_args(argv)
     # Not the flag's default: argparse would append the executors given to it.
     args.executor = args.executor or [DEFAULT_EXECUTOR_ADDRESS]
     return args
-
-
-def _add_security_flags(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("security")
-    group.add_argument("--tls-cert", type=Path, help="PEM certificate (chain) of the client API; serves TLS")
-    group.add_argument("--tls-key", type=Path, help="PEM private key of --tls-cert")
-    group.add_argument(
-        "--api-key-file",
-        type=Path,
-        help="bearer tokens, one per line: every call but grpc.health.v1 must send "
-        "'authorization: Bearer KEY' with one of them",
-    )
-    group.add_argument("--executor-tls-ca", type=Path, help="PEM CA that signed the executors' certificates; connects to executors over TLS")
-    group.add_argument("--executor-tls-cert", type=Path, help="PEM client certificate presented to executors (mutual TLS); its common name is this scheduler's identity to them")
-    group.add_argument("--executor-tls-key", type=Path, help="PEM private key of --executor-tls-cert")
-    group.add_argument(
-        "--executor-tls-server-name",
-        help="name the executors' certificates carry, when it is not the address dialled "
-        "(needed with dns:/// executors, which are dialled by IP)",
-    )
-    add_health_port_flag(group)
 
 
 def _add_cap_flags(parser: argparse.ArgumentParser) -> None:
@@ -272,24 +246,6 @@ def _add_cap_flags(parser: argparse.ArgumentParser) -> None:
         default=",".join(sorted(caps.chat_roles)),
         help="comma-separated roles a chat message may have",
     )
-
-
-def security_settings(
-    args: argparse.Namespace,
-) -> tuple[ServerTls | None, tuple[bytes, ...] | None, ClientTls | None]:
-    """TLS of the client API, its API keys and TLS to executors; every file is read now, so a
-    wrong path or a missing half of a pair stops the start with a message."""
-    tls = server_tls(args.tls_cert, args.tls_key)
-    keys = load_api_keys(args.api_key_file) if args.api_key_file else None
-    executor_tls = None
-    if args.executor_tls_cert or args.executor_tls_key or args.executor_tls_server_name:
-        if args.executor_tls_ca is None:
-            raise TlsConfigError("--executor-tls-cert/-key/-server-name need --executor-tls-ca")
-    if args.executor_tls_ca is not None:
-        executor_tls = client_tls(
-            args.executor_tls_ca, args.executor_tls_cert, args.executor_tls_key, args.executor_tls_server_name
-        )
-    return tls, keys, executor_tls
 
 
 def tracing_of(args: argparse.Namespace) -> Tracing:
@@ -346,7 +302,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m scheduler_service
     args = parse_args(argv, prog)
     configure_logging(args.log_format)
     try:
-        tls, api_keys, executor_tls = security_settings(args)
+        security = security_options(args)
         limits = intake_limits(args)
         # Before the tokenizer loads (seconds), not once serve() fails to bind.
         check_listen_ports(
@@ -370,9 +326,11 @@ def main(argv: list[str] | None = None, prog: str = "python -m scheduler_service
         sampling_defaults=defaults,
         tracing=tracing,
         trace_dir=args.trace_dir,
-        tls=tls,
-        api_keys=api_keys,
-        executor_tls=executor_tls,
+        tls=security.tls,
+        api_keys=security.api_keys,
+        admin_keys=security.admin_keys,
+        executor_tls=security.executor_tls,
+        executor_token=security.executor_token,
         health_port=args.health_port,
         drain_timeout_s=args.drain_timeout,
         options=EngineOptions(
