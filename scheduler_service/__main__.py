@@ -54,6 +54,10 @@ from scheduler_service.service.stream_backlog import (
 from scheduler_service.service.tracing import NO_TRACING, OtelTracing, Tracing
 from scheduler_service.text.generation_config import load_sampling_defaults
 from scheduler_service.text.tokenizer import TextProcessor
+from scheduler_service.tier.all_in_one import run_all_in_one
+from scheduler_service.tier.frontend_server import FrontendOptions, serve_frontend
+from scheduler_service.tier.planner_server import PlannerOptions, serve_planner
+from scheduler_service.tier.role_flags import add_role_flags, role_options
 
 logger = logging.getLogger("scheduler_service")
 
@@ -215,6 +219,7 @@ def parse_args(argv: list[str] | None, prog: str = "python -m scheduler_service"
         help="on a start-up failure, log its traceback after the one-line reason",
     )
     add_security_flags(parser)
+    add_role_flags(parser)
     _add_cap_flags(parser)
     args = parser.parse_args(argv)
     # Not the flag's default: argparse would append the executors given to it.
@@ -303,11 +308,14 @@ def main(argv: list[str] | None = None, prog: str = "python -m scheduler_service
     configure_logging(args.log_format)
     try:
         security = security_options(args)
+        roles = role_options(args)
         limits = intake_limits(args)
-        # Before the tokenizer loads (seconds), not once serve() fails to bind.
-        check_listen_ports(
-            args.host, {"--port": args.port, "--health-port": args.health_port, "--metrics-port": args.metrics_port}
-        )
+        # Before the tokenizer loads (seconds), not once serve() fails to bind. A front-end
+        # sharing its port serves no health or metrics port: its owner does.
+        ports = {"--port": args.port, "--health-port": args.health_port, "--metrics-port": args.metrics_port}
+        if roles.role == "frontend":
+            ports = {} if roles.reuse_port else {"--port": args.port}
+        check_listen_ports(args.host, ports)
         defaults = sampling_defaults(args.generation_config, args.tokenizer)
         text = text_processor(args.tokenizer)
         tracing = tracing_of(args)
@@ -350,9 +358,15 @@ def main(argv: list[str] | None = None, prog: str = "python -m scheduler_service
         ),
     )
     logger.info(
-        "event=scheduler_starting port=%d executors=%s tokenizer=%s sampling_defaults=%r",
-        args.port, ",".join(args.executor), args.tokenizer, defaults,
+        "event=scheduler_starting role=%s port=%d executors=%s tokenizer=%s sampling_defaults=%r",
+        roles.role, args.port, ",".join(args.executor), args.tokenizer, defaults,
     )
+    if roles.role == "frontend":
+        return asyncio.run(serve_frontend(settings, FrontendOptions(roles.planners, roles.planner_token, roles.reuse_port)))
+    if roles.role == "planner":
+        return asyncio.run(serve_planner(settings, PlannerOptions(roles.planner_token, roles.insecure_planner)))
+    if roles.frontends > 1:
+        return run_all_in_one(settings, roles.frontends, sys.argv[1:] if argv is None else argv)
     return asyncio.run(serve(settings))
 
 

@@ -28,10 +28,12 @@ from scheduler_service.core.step_plan import (
     StepUpdates,
 )
 from scheduler_service.service.executor_link import ExecutorLink
+from scheduler_service.service.executor_status import executor_status
 from scheduler_service.service.lane import ExecutorLane, LaneOptions, LaneState
 from scheduler_service.service.lane_audit import ExecutorAudit
 from scheduler_service.service.metrics import SchedulerMetrics
 from scheduler_service.service.output_stream import OutputStream
+from scheduler_service.service.request_sink import RequestSink
 from scheduler_service.service.step_trace import StepTrace
 from scheduler_service.service.stream_backlog import BacklogLimits
 from scheduler_service.service.tracing import NO_TRACING, Tracing
@@ -179,6 +181,11 @@ class Engine:
             knobs.policy.value, knobs.mode.value, knobs.max_num_batched_tokens, knobs.max_num_seqs,
         )
 
+    @property
+    def serving(self) -> bool:
+        """Whether an executor takes requests now."""
+        return self._serving
+
     async def wait_until_serving(self) -> None:
         await self._first_up.wait()
 
@@ -235,7 +242,14 @@ class Engine:
 
     # ---- requests ----------------------------------------------------------------------------
 
-    def submit(self, request: Request, trace_carrier: Mapping[str, str] | None = None) -> OutputStream:
+    def submit(
+        self,
+        request: Request,
+        trace_carrier: Mapping[str, str] | None = None,
+        open_sink: Callable[[Request], RequestSink] | None = None,
+    ) -> RequestSink:
+        """Queues a request; its tokens go to the sink open_sink makes for it (by default its
+        client's stream in this process). RequestRejected says why it cannot run."""
         info = self.info
         if self.draining:
             raise RequestRejected(ErrorKind.UNAVAILABLE, DRAINING_MESSAGE)
@@ -266,10 +280,15 @@ class Engine:
             )
         request.arrival_index = next(self._arrivals)
         request.arrival_time = request.arrival_time or time.monotonic()
-        stream = request.output = OutputStream(
-            request, self.text, self.options.stream_interval, self.options.stream_backlog,
-            lambda error: self._abort(request, error),
+        stream: RequestSink = (
+            open_sink(request)
+            if open_sink is not None
+            else OutputStream(
+                request, self.text, self.options.stream_interval, self.options.stream_backlog,
+                lambda error: self._abort(request, error),
+            )
         )
+        request.output = stream
         if self.tracing.enabled:
             self.tracing.request_started(stream, trace_carrier or {})
         if serving:
@@ -283,11 +302,61 @@ class Engine:
             self.unplaced.append(request)
         return stream
 
+    def open_stream(self, request: Request, trace_carrier: Mapping[str, str] | None = None) -> OutputStream:
+        """submit() with the request's client in this process (the client API's Generate)."""
+        stream = self.submit(request, trace_carrier)
+        assert isinstance(stream, OutputStream)
+        return stream
+
+    @property
+    def wants_trace_context(self) -> bool:
+        return self.tracing.enabled
+
+    def stop_at_string(self, stream: RequestSink, stop_string: str) -> None:
+        """Ends the request of this sink, whose text reached a stop string where it was
+        detokenized (a front-end): as when this process finds one while delivering."""
+        request = stream.request
+        if self._find(request.request_id) is not request:
+            return
+        lane = self._lane_of(request)
+        if lane is not None and lane.scheduler is not None:
+            lane.scheduler.stop_at_string(request, stop_string)
+            self._trace_ended(lane, request, "stop")
+            lane.wake.set()
+        else:
+            self.unplaced.remove(request)
+            request.finish_reason, request.stop_reason = FinishReason.STOP, stop_string
+        self._close(request)
+
+    async def server_status(self) -> pb.ServerStatus:
+        """Queues, KV cache and executors, as GetServerStatus reports them."""
+        options = self.options.lane
+        status = pb.ServerStatus(
+            policy=options.policy.value,
+            mode=options.mode.value,
+            num_waiting=self.num_waiting,
+            num_running=self.num_running,
+        )
+        queried = hits = 0
+        for lane in self.lanes.values():
+            executor = executor_status(lane)
+            status.executors.append(executor)
+            status.kv_blocks_total += executor.kv_blocks_total
+            status.kv_blocks_free += executor.kv_blocks_free
+            if lane.scheduler is not None:
+                stats = lane.scheduler.kv.stats()
+                queried += stats.queried_tokens
+                hits += stats.hit_tokens
+        status.prefix_cache_hit_rate = hits / queried if queried else 0.0
+        status.num_preemptions = self.num_preemptions
+        status.num_steps = self.num_steps
+        return status
+
     def abort(self, request_id: str) -> bool:
         request = self._find(request_id)
         return request is not None and self._abort(request)
 
-    def cancel(self, stream: OutputStream) -> bool:
+    def cancel(self, stream: RequestSink) -> bool:
         """Aborts the request of this stream, if still running; unlike abort(id) it never
         touches a newer request that reuses the id after this one ended."""
         request = stream.request
@@ -476,7 +545,7 @@ class Engine:
             else:
                 stream.send(message)
 
-    def _observe_inter_token(self, stream: OutputStream, now: float) -> None:
+    def _observe_inter_token(self, stream: RequestSink, now: float) -> None:
         if stream.last_tokens_at is not None:
             self.metrics.inter_token.observe(now - stream.last_tokens_at)
         stream.last_tokens_at = now
@@ -610,8 +679,8 @@ class Engine:
         self.metrics.kv_usage.set(1.0 - free / total if total else 0.0)
 
 
-def _stream_of(request: Request) -> OutputStream:
+def _stream_of(request: Request) -> RequestSink:
     """The stream submit() attached to the request."""
     stream = request.output
-    assert isinstance(stream, OutputStream), f"request {request.request_id} has no output stream"
+    assert stream is not None, f"request {request.request_id} has no output stream"
     return stream

@@ -10,8 +10,8 @@ from protos.splitserve.v1 import generation_pb2 as pb
 from protos.splitserve.v1 import generation_pb2_grpc
 from scheduler_service.core.errors import ErrorKind, RequestError, RequestRejected
 from scheduler_service.core.sampling_params import SamplingDefaults
-from scheduler_service.service.engine import DRAINING_MESSAGE, Engine
-from scheduler_service.service.executor_status import executor_status
+from scheduler_service.service.backend import Backend
+from scheduler_service.service.engine import DRAINING_MESSAGE
 from scheduler_service.service.output_stream import OutputStream
 from scheduler_service.service.request_intake import Intake
 from scheduler_service.service.status_codes import STATUS_CODES
@@ -22,7 +22,7 @@ logger = logging.getLogger(__name__)
 
 
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
-    def __init__(self, engine: Engine, intake: Intake) -> None:
+    def __init__(self, engine: Backend, intake: Intake) -> None:
         self.engine = engine
         self.intake = intake
 
@@ -72,11 +72,11 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         info = self._info()
         scheduled = await self.intake.generate_request(request, info)
         carrier = {}
-        if self.engine.tracing.enabled:
+        if self.engine.wants_trace_context:
             # The caller's W3C trace context, which the request's span continues.
             metadata = context.invocation_metadata() or ()
             carrier = {key: value for key, value in metadata if key in TRACE_CONTEXT_KEYS}
-        return self.engine.submit(scheduled, carrier)
+        return self.engine.open_stream(scheduled, carrier)
 
     def _cancel(self, stream: OutputStream) -> None:
         """The call is over: its request ends (if it still runs) and what its client did not
@@ -130,28 +130,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     async def GetServerStatus(
         self, request: pb.GetServerStatusRequest, context: grpc.aio.ServicerContext
     ) -> pb.ServerStatus:
-        engine = self.engine
-        options = engine.options.lane
-        status = pb.ServerStatus(
-            policy=options.policy.value,
-            mode=options.mode.value,
-            num_waiting=engine.num_waiting,
-            num_running=engine.num_running,
-        )
-        queried = hits = 0
-        for lane in engine.lanes.values():
-            executor = executor_status(lane)
-            status.executors.append(executor)
-            status.kv_blocks_total += executor.kv_blocks_total
-            status.kv_blocks_free += executor.kv_blocks_free
-            if lane.scheduler is not None:
-                stats = lane.scheduler.kv.stats()
-                queried += stats.queried_tokens
-                hits += stats.hit_tokens
-        status.prefix_cache_hit_rate = hits / queried if queried else 0.0
-        status.num_preemptions = engine.num_preemptions
-        status.num_steps = engine.num_steps
-        return status
+        return await self.engine.server_status()
 
     async def _require_info(self, context: grpc.aio.ServicerContext) -> executor_pb2.ExecutorInfo:
         try:

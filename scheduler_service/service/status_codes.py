@@ -15,3 +15,7 @@ STATUS_CODES = {
     ErrorKind.INTERNAL: grpc.StatusCode.INTERNAL,
     ErrorKind.NOT_FOUND: grpc.StatusCode.NOT_FOUND,
 }
+
+# A status number back to a kind (the first kind of a shared code): a front-end passes on the
+# planner's failures (tier/planner_client.py) with the code the planner chose.
+KINDS_BY_CODE = {code.value[0]: kind for kind, code in reversed(STATUS_CODES.items())}

@@ -11,6 +11,7 @@ from typing import TypeVar
 from scheduler_service.service.engine import Engine, EngineOptions
 from scheduler_service.service.executor_link import ExecutorLink
 from scheduler_service.service.metrics import SchedulerMetrics
+from tests.helpers.executor_token import token
 
 LinkT = TypeVar("LinkT", bound=ExecutorLink)
 
@@ -21,7 +22,8 @@ async def engine_over(address: str, link_type: type[LinkT]) -> AsyncIterator[tup
     links: list[LinkT] = []
 
     def make_link(address: str, scheduler_id: str) -> LinkT:
-        links.append(link_type(address, scheduler_id))
+        # With the executors' token, as the test executors are closed by default.
+        links.append(link_type(address, scheduler_id, token=token()))
         return links[-1]
 
     engine = Engine("test", None, EngineOptions(), SchedulerMetrics(), link_factory=make_link)

@@ -12,6 +12,7 @@ as soon as it serves clients, executor or not).
 
 from __future__ import annotations
 
+import os
 import re
 import sys
 from collections.abc import Iterator, Sequence
@@ -24,13 +25,20 @@ READY_PATTERN = re.compile(r"event=scheduler_ready address=(\S+):(\d+)")
 LISTENING_PATTERN = re.compile(r"event=scheduler_listening address=(\S+):(\d+)")
 
 
+# Front-ends every scheduler the tests start runs with unless a test says otherwise: unset (1,
+# all in one process) in `make test`; `make test-frontends` runs the end-to-end tests again
+# with 2, through the planner and front-end processes (tier/all_in_one.py).
+FRONTENDS_ENV = "SPLITSERVE_TEST_FRONTENDS"
+
+
 def scheduler_command(executors: str | Sequence[str], **flags: object) -> list[str]:
     """With the process's executor token (executor_token.py), as the executors the tests start
     expect, unless flags name another (executor_token_file=None sends none)."""
     command = [sys.executable, "-m", "scheduler_service", "--port", "0"]
     for address in [executors] if isinstance(executors, str) else executors:
         command += ["--executor", address]
-    return command + cli_flags({"executor_token_file": token_file(), **flags})
+    defaults: dict[str, object] = {"executor_token_file": token_file(), "frontends": os.environ.get(FRONTENDS_ENV, "1")}
+    return command + cli_flags({**defaults, **flags})
 
 
 class SchedulerProcess(ServiceProcess):

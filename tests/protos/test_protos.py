@@ -45,7 +45,7 @@ def test_packages_are_versioned() -> None:
         for line in source.read_text().splitlines()
         if line.startswith("package ")
     }
-    assert packages == {"splitserve.v1", "splitserve.executor.v1"}
+    assert packages == {"splitserve.v1", "splitserve.executor.v1", "splitserve.planner.v1"}
 
 
 def test_executor_and_client_token_logprobs_share_one_wire_format() -> None:

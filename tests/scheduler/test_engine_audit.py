@@ -23,8 +23,8 @@ torch.set_num_threads(1)
 class TamperingLink(ExecutorLink):
     """The real link, rewriting what the executor says it holds, as a faulty executor would."""
 
-    def __init__(self, address: str, scheduler_id: str) -> None:
-        super().__init__(address, scheduler_id)
+    def __init__(self, address: str, scheduler_id: str, token: str | None = None) -> None:
+        super().__init__(address, scheduler_id, token=token)
         self.hide: str | None = None
         self.shorten: str | None = None
 

@@ -17,8 +17,8 @@ from tests.helpers.model_factory import build_model
 class RecordingLink(ExecutorLink):
     """The real link to a real executor, noting the order of sends and reads."""
 
-    def __init__(self, address: str, scheduler_id: str) -> None:
-        super().__init__(address, scheduler_id)
+    def __init__(self, address: str, scheduler_id: str, token: str | None = None) -> None:
+        super().__init__(address, scheduler_id, token=token)
         self.events: list[tuple[str, int]] = []
 
     async def send(self, plan: pb.StepPlan) -> None:

@@ -1,0 +1,163 @@
+"""The planner's side of one front-end's Connect stream: the requests it submitted, by handle,
+and the batch of tokens and ends gathered for it in this turn of the event loop, sent as one
+PlannerBatch when the turn ends (one message per executor step, never one per token)."""
+
+import asyncio
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from protos.splitserve.executor.v1 import executor_pb2
+from protos.splitserve.planner.v1 import planner_pb2
+from scheduler_service.core.errors import RequestError
+from scheduler_service.core.request import Request
+from scheduler_service.service.output_stream import FINISH_REASONS
+from scheduler_service.service.status_codes import STATUS_CODES
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class _Gathered:
+    """One PlannerBatch in the making, as plain lists until it is sent."""
+
+    handles: list[int] = field(default_factory=list)
+    num_tokens: list[int] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    # Whether every entry so far got one token (num_tokens is then left out of the message).
+    all_single: bool = True
+    logprobs: list[planner_pb2.RequestLogprobs] = field(default_factory=list)
+    started: list[int] = field(default_factory=list)
+    queued_s: list[float] = field(default_factory=list)
+    cached_tokens: list[int] = field(default_factory=list)
+    finished: list[planner_pb2.FinishedRequest] = field(default_factory=list)
+    failed: list[planner_pb2.FailedRequest] = field(default_factory=list)
+
+    def message(self) -> planner_pb2.PlannerBatch:
+        batch = planner_pb2.PlannerBatch(
+            handles=self.handles,
+            token_ids=self.token_ids,
+            logprobs=self.logprobs,
+            started=self.started,
+            queued_s=self.queued_s,
+            cached_tokens=self.cached_tokens,
+            finished=self.finished,
+            failed=self.failed,
+        )
+        if not self.all_single:
+            batch.num_tokens.extend(self.num_tokens)
+        return batch
+
+
+class FrontendLink:
+    def __init__(self, frontend_id: str, peer: str) -> None:
+        self.frontend_id = frontend_id
+        self.peer = peer
+        # What the stream submitted and has not seen end, by handle.
+        self.requests: dict[int, "RemoteSink"] = {}
+        # Batches ready to send, in order; None ends the stream.
+        self.outbox: asyncio.Queue[planner_pb2.PlannerBatch | None] = asyncio.Queue()
+        self._gathered: _Gathered | None = None
+
+    def tokens(
+        self, sink: "RemoteSink", token_ids: list[int], logprobs: Sequence[executor_pb2.TokenLogprob]
+    ) -> None:
+        gathered = self._gather()
+        gathered.handles.append(sink.handle)
+        gathered.num_tokens.append(len(token_ids))
+        gathered.token_ids.extend(token_ids)
+        if len(token_ids) != 1:
+            gathered.all_single = False
+        if logprobs:
+            gathered.logprobs.append(planner_pb2.RequestLogprobs(handle=sink.handle, logprobs=logprobs))
+        if not sink.started:
+            sink.started = True
+            request = sink.request
+            gathered.started.append(sink.handle)
+            scheduled = request.first_scheduled_time
+            gathered.queued_s.append(scheduled - request.arrival_time if scheduled is not None else 0.0)
+            gathered.cached_tokens.append(request.num_cached_tokens)
+
+    def finished(self, sink: "RemoteSink") -> None:
+        request = sink.request
+        self.requests.pop(sink.handle, None)
+        if request.finish_reason is None:
+            return
+        self._gather().finished.append(
+            planner_pb2.FinishedRequest(
+                handle=sink.handle,
+                finish_reason=FINISH_REASONS[request.finish_reason],
+                num_preemptions=request.num_preemptions,
+                stop_reason=request.stop_reason or "",
+            )
+        )
+
+    def failed(self, handle: int, error: RequestError) -> None:
+        self.requests.pop(handle, None)
+        self._gather().failed.append(
+            planner_pb2.FailedRequest(handle=handle, code=STATUS_CODES[error.kind].value[0], message=error.message)
+        )
+
+    def status(self, status: planner_pb2.PlannerStatus) -> None:
+        """Sent at once, after whatever was gathered before it."""
+        self.flush()
+        self.outbox.put_nowait(planner_pb2.PlannerBatch(status=status))
+
+    def close(self) -> None:
+        self.flush()
+        self.outbox.put_nowait(None)
+
+    def _gather(self) -> _Gathered:
+        if self._gathered is None:
+            self._gathered = _Gathered()
+            # Everything gathered in this turn of the loop leaves together.
+            asyncio.get_running_loop().call_soon(self.flush)
+        return self._gathered
+
+    def flush(self) -> None:
+        gathered, self._gathered = self._gathered, None
+        if gathered is not None:
+            self.outbox.put_nowait(gathered.message())
+
+
+class RemoteSink:
+    """A request's sink on the planner: its tokens go to the front-end that holds its client,
+    which detokenizes them, finds stop strings and streams (output_stream.OutputStream there)."""
+
+    __slots__ = ("request", "closed", "error", "last_tokens_at", "trace_span", "link", "handle", "started")
+
+    def __init__(self, request: Request, link: FrontendLink, handle: int) -> None:
+        self.request = request
+        self.closed = False
+        self.error: RequestError | None = None
+        self.last_tokens_at: float | None = None
+        self.trace_span: object = None
+        self.link = link
+        self.handle = handle
+        # Whether its first tokens from this planner went out (with its queue time).
+        self.started = False
+
+    def add_tokens(
+        self, token_ids: list[int], logprobs: Sequence[executor_pb2.TokenLogprob]
+    ) -> tuple[tuple[list[int], Sequence[executor_pb2.TokenLogprob]], None]:
+        return (token_ids, logprobs), None
+
+    def send(self, message: tuple[list[int], Sequence[executor_pb2.TokenLogprob]]) -> None:
+        token_ids, logprobs = message
+        if token_ids:
+            self.link.tokens(self, token_ids, logprobs)
+
+    def close(self, message: tuple[list[int], Sequence[executor_pb2.TokenLogprob]] | None = None) -> None:
+        if self.closed:
+            return
+        if message is not None:
+            self.send(message)
+        self.closed = True
+        self.link.finished(self)
+
+    def fail(self, error: RequestError) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self.error = error
+        self.link.failed(self.handle, error)

@@ -1,0 +1,106 @@
+"""The Planner API on a planner: one Connect stream per front-end (frontend_link.py), and the
+server status front-ends forward to their clients."""
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+
+import grpc
+
+from protos.splitserve.planner.v1 import planner_pb2, planner_pb2_grpc
+from protos.splitserve.v1 import generation_pb2 as pb
+from scheduler_service.core.errors import ErrorKind, RequestError, RequestRejected
+from scheduler_service.service.engine import Engine
+from scheduler_service.tier.frontend_link import FrontendLink, RemoteSink
+from scheduler_service.tier.request_codec import request_of
+
+logger = logging.getLogger(__name__)
+
+
+class PlannerServicer(planner_pb2_grpc.PlannerServicer):
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.links: set[FrontendLink] = set()
+
+    def status(self) -> planner_pb2.PlannerStatus:
+        engine = self.engine
+        status = planner_pb2.PlannerStatus(
+            serving=engine.serving and not engine.draining,
+            planner_id=engine.scheduler_id,
+            draining=engine.draining,
+        )
+        if not engine.serving:
+            status.reason = engine.why_no_executor()
+        if engine.info is not None:
+            status.model.CopyFrom(engine.info)
+        return status
+
+    def status_changed(self) -> None:
+        """Tells every front-end (the engine's serving state or draining changed)."""
+        status = self.status()
+        for link in self.links:
+            link.status(status)
+
+    async def Connect(
+        self, request_iterator: AsyncIterator[planner_pb2.FrontendBatch], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[planner_pb2.PlannerBatch]:
+        first = await anext(aiter(request_iterator), None)
+        if first is None or not first.HasField("hello") or not first.hello.frontend_id:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a Connect stream starts with a hello naming the front-end")
+        link = FrontendLink(first.hello.frontend_id, context.peer())
+        self.links.add(link)
+        logger.info("event=frontend_connected frontend=%s peer=%s", link.frontend_id, link.peer)
+        link.status(self.status())
+        self._apply(link, first)
+        reader = asyncio.create_task(self._read(link, request_iterator))
+        try:
+            while (batch := await link.outbox.get()) is not None:
+                yield batch
+        finally:
+            reader.cancel()
+            self.links.discard(link)
+            # The front-end is gone or done with this planner: what it submitted is nobody's.
+            left = list(link.requests.values())
+            link.requests.clear()
+            for sink in left:
+                self.engine.cancel(sink)
+            logger.info("event=frontend_disconnected frontend=%s aborted=%d", link.frontend_id, len(left))
+
+    async def GetServerStatus(self, request: pb.GetServerStatusRequest, context: grpc.aio.ServicerContext) -> pb.ServerStatus:
+        return await self.engine.server_status()
+
+    async def _read(self, link: FrontendLink, batches: AsyncIterator[planner_pb2.FrontendBatch]) -> None:
+        try:
+            async for batch in batches:
+                self._apply(link, batch)
+        except grpc.RpcError as error:
+            logger.info("event=frontend_stream_broken frontend=%s error=%r", link.frontend_id, error)
+        finally:
+            # The front-end closed its side (or broke it): the stream ends here too.
+            link.close()
+
+    def _apply(self, link: FrontendLink, batch: planner_pb2.FrontendBatch) -> None:
+        engine = self.engine
+        for submitted in batch.submitted:
+            handle = submitted.handle
+            if handle in link.requests or handle == 0:
+                link.failed(handle, RequestError(ErrorKind.INVALID, f"handle {handle} is 0 or already in flight on this stream"))
+                continue
+            request = request_of(submitted)
+            try:
+                sink = engine.submit(
+                    request, dict(submitted.trace_context), lambda r, h=handle: RemoteSink(r, link, h)
+                )
+            except RequestRejected as rejected:
+                link.failed(handle, RequestError(rejected.kind, str(rejected)))
+                continue
+            assert isinstance(sink, RemoteSink)
+            link.requests[handle] = sink
+        for ended in batch.ended:
+            sink = link.requests.pop(ended.handle, None)
+            if sink is None:
+                continue
+            if ended.stop_string:
+                engine.stop_at_string(sink, ended.stop_string)
+            else:
+                engine.cancel(sink)
