@@ -1,15 +1,22 @@
-"""Can one scheduler keep many executors busy? One scheduler process drives E simulated executors
+"""Can one scheduler keep many executors busy? One scheduler drives E simulated executors
 (bench.sim_executor: the real executor protocol, a fixed step time, no model) with R running
 requests each, the requests coming from L load-generator processes (bench.load_generator) over
-real client streams, so delivering every token to a client is part of the cost.
+real client streams, so delivering every token to a client is part of the cost. The scheduler
+runs as `python -m scheduler_service --frontends N`: with 1, one process does everything; with
+N >= 2, a planner process and N front-end processes behind the client port (tier/all_in_one.py).
 
-    python -m bench.scale [--executors 16] [--running 256] [--step-ms 20 5] [--load-processes 8]
-        [--warmup-s 8] [--measure-s 10] [--runs 3] [--json OUT]
+    python -m bench.scale [--executors 16] [--running 256] [--step-ms 20 5] [--frontends 1 2]
+        [--load-processes 8] [--warmup-s 8] [--measure-s 10] [--runs 3] [--json OUT]
 
-Reported per step time (median over runs): each executor's idle share over the measured window
-(time with no plan to run: the scheduler fell behind), tokens per second the clients received
-against the rate E x R / step time that executors never waiting would give, and the CPU the
-scheduler process used. Everything shares this machine's cores; read it with that in mind.
+Reported per step time and front-end count (median over runs): each executor's idle share over
+the measured window (time with no plan to run: the scheduler fell behind), tokens per second the
+clients received against the rate E x R / step time that executors never waiting would give, and
+the cores the scheduler used. Below the table, per configuration, the median over runs of the
+scheduler's CPU per token delivered to clients (microseconds), and with N >= 2 the planner's
+(the parent process) and the front-ends' (its children, together); times the rate asked, each
+says how many cores that role needs. CPU counts over the measured window only, after the
+warm-up. Everything shares this machine's cores, so it may not hold the load; CPU per delivered
+token depends on that much less, which is why the costs are per token.
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from bench.throughput_splitserve import wait_all_up
+from bench.tier_cpu import snapshot, used_between
 from tests.helpers.executor_token import token_file
 from tests.helpers.scheduler_process import SchedulerProcess
 from tests.helpers.service_process import ServiceProcess
@@ -49,6 +57,8 @@ class ScaleConfig:
     max_tokens: int
     warmup_s: float
     measure_s: float
+    # Front-end processes of the scheduler (--frontends); 1: everything in one process.
+    frontends: int = 1
 
 
 @dataclass(slots=True, frozen=True)
@@ -58,13 +68,24 @@ class ScaleResult:
     idle_shares: list[float]
     client_tokens_per_s: float
     ideal_tokens_per_s: float
-    # Scheduler CPU seconds per wall second over the window (1.0: one core, fully used).
+    # Scheduler CPU seconds per wall second over the window (1.0: one core, fully used), every
+    # process of it together.
     scheduler_cpu: float
     failed_streams: int
+    # Microseconds of CPU per token delivered to the clients: the whole scheduler, and with
+    # front-end processes (frontends >= 2) the planner's and all front-ends' together; None
+    # (not applicable) with one process.
+    scheduler_cpu_us_per_token: float
+    planner_cpu_us_per_token: float | None
+    frontend_cpu_us_per_token: float | None
 
     @property
     def worst_idle(self) -> float:
         return max(self.idle_shares)
+
+
+def _us_per_token(cpu_s: float, window_s: float, tokens_per_s: float) -> float:
+    return cpu_s / window_s / tokens_per_s * 1e6 if tokens_per_s > 0 else float("inf")
 
 
 def _read(path: Path) -> dict[str, float]:
@@ -73,12 +94,6 @@ def _read(path: Path) -> dict[str, float]:
             return json.loads(path.read_text())
         except (FileNotFoundError, json.JSONDecodeError):
             time.sleep(0.01)
-
-
-def _cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    # utime and stime are fields 14 and 15 of stat(5); after the command name, 12 and 13.
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _stop(process: subprocess.Popen[bytes]) -> None:
@@ -115,6 +130,7 @@ def run_once(config: ScaleConfig, workdir: Path | None = None) -> ScaleResult:
             max_num_seqs=config.running,
             max_num_batched_tokens=config.running * config.prompt_len,
             max_waiting=config.executors * config.running * 2,
+            frontends=config.frontends,
         )
         stack.callback(scheduler.close)
         address = scheduler.wait_ready(START_TIMEOUT_S)
@@ -136,24 +152,35 @@ def run_once(config: ScaleConfig, workdir: Path | None = None) -> ScaleResult:
         load_files = [stats / f"load-{i}.json" for i in range(config.load_processes)]
         before = [_read(f) for f in executor_files]
         loads_before = [_read(f) for f in load_files]
-        cpu_before, wall_before = _cpu_seconds(scheduler.process.pid), time.monotonic()
+        cpu_before, wall_before = snapshot(scheduler.process.pid), time.monotonic()
         time.sleep(config.measure_s)
         after = [_read(f) for f in executor_files]
         loads_after = [_read(f) for f in load_files]
-        cpu_after, wall_after = _cpu_seconds(scheduler.process.pid), time.monotonic()
+        cpu_after, wall_after = snapshot(scheduler.process.pid), time.monotonic()
     idle = [
         1.0 - (b["busy_s"] - a["busy_s"]) / (b["at"] - a["at"]) for a, b in zip(before, after, strict=True)
     ]
     tokens_per_s = sum(
         (b["tokens"] - a["tokens"]) / (b["at"] - a["at"]) for a, b in zip(loads_before, loads_after, strict=True)
     )
+    used, window_s = used_between(cpu_before, cpu_after), wall_after - wall_before
+    if used.frontends_counted != (config.frontends if config.frontends > 1 else 0):
+        raise RuntimeError(
+            f"counted the CPU of {used.frontends_counted} front-end processes over the window, "
+            f"not {config.frontends}: one died or was restarted (see the scheduler's log)"
+        )
+    tier_s = used.planner_s + used.frontends_s
+    split = config.frontends > 1
     return ScaleResult(
         config=config,
         idle_shares=idle,
         client_tokens_per_s=tokens_per_s,
         ideal_tokens_per_s=streams / (config.step_ms / 1000),
-        scheduler_cpu=(cpu_after - cpu_before) / (wall_after - wall_before),
+        scheduler_cpu=tier_s / window_s,
         failed_streams=int(sum(b["failed"] for b in loads_after)),
+        scheduler_cpu_us_per_token=_us_per_token(tier_s, window_s, tokens_per_s),
+        planner_cpu_us_per_token=_us_per_token(used.planner_s, window_s, tokens_per_s) if split else None,
+        frontend_cpu_us_per_token=_us_per_token(used.frontends_s, window_s, tokens_per_s) if split else None,
     )
 
 
@@ -165,17 +192,55 @@ def median_result(results: list[ScaleResult]) -> ScaleResult:
 
 def format_table(results: list[ScaleResult]) -> str:
     lines = [
-        "| step ms | executors x running | idle median | idle worst | client tok/s | ideal tok/s | scheduler CPU | failed streams |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| step ms | executors x running | front-ends | idle median | idle worst | client tok/s | ideal tok/s "
+        "| scheduler CPU | failed streams |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in results:
         c = r.config
         lines.append(
-            f"| {c.step_ms:g} | {c.executors} x {c.running} | {statistics.median(r.idle_shares):.1%} "
+            f"| {c.step_ms:g} | {c.executors} x {c.running} | {c.frontends} | {statistics.median(r.idle_shares):.1%} "
             f"| {r.worst_idle:.1%} | {r.client_tokens_per_s:,.0f} | {r.ideal_tokens_per_s:,.0f} "
             f"| {r.scheduler_cpu:.2f} | {r.failed_streams} |"
         )
     return "\n".join(lines)
+
+
+@dataclass(slots=True, frozen=True)
+class RoleCost:
+    role: str
+    # Median over the runs of one configuration.
+    us_per_token: float
+    # Cores the role needs to deliver the rate the configuration asks for (E x R / step time).
+    cores: float
+
+
+def role_costs(runs: list[ScaleResult]) -> list[RoleCost]:
+    """The whole scheduler's cost per delivered token, and with front-end processes the
+    planner's and the front-ends' apart; runs are of one configuration."""
+    ideal = runs[0].ideal_tokens_per_s
+    figures = {"scheduler": [r.scheduler_cpu_us_per_token for r in runs]}
+    if runs[0].config.frontends > 1:
+        figures["planner"] = [r.planner_cpu_us_per_token or 0.0 for r in runs]
+        figures["front-ends"] = [r.frontend_cpu_us_per_token or 0.0 for r in runs]
+    costs = []
+    for role, values in figures.items():
+        median = statistics.median(values)
+        costs.append(RoleCost(role, median, ideal * median / 1e6))
+    return costs
+
+
+def format_costs(runs: list[ScaleResult]) -> str:
+    c = runs[0].config
+    parts = [f"{cost.role} {cost.us_per_token:.1f} us/token -> {cost.cores:.2f} cores" for cost in role_costs(runs)]
+    return (
+        f"{c.step_ms:g} ms, {c.executors} x {c.running}, {c.frontends} front-end(s): "
+        f"{runs[0].ideal_tokens_per_s:,.0f} tok/s asked; " + "; ".join(parts)
+    )
+
+
+def _optional(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.1f}"
 
 
 def main() -> None:
@@ -183,6 +248,10 @@ def main() -> None:
     parser.add_argument("--executors", type=int, default=16)
     parser.add_argument("--running", type=int, default=256, help="running requests per executor")
     parser.add_argument("--step-ms", type=float, nargs="+", default=[20.0, 5.0])
+    parser.add_argument(
+        "--frontends", type=int, nargs="+", default=[1],
+        help="the scheduler's --frontends: 1 runs it in one process, N >= 2 as a planner and N front-ends",
+    )
     parser.add_argument("--load-processes", type=int, default=8)
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=1024)
@@ -193,24 +262,33 @@ def main() -> None:
     parser.add_argument("--keep-dir", type=Path, help="keep the last run's stats files and load-generator logs here")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
-    medians, every_run = [], []
+    medians, every_run, costs = [], [], []
     for step_ms in args.step_ms:
-        config = ScaleConfig(
-            args.executors, args.running, step_ms, args.load_processes, args.prompt_len,
-            args.max_tokens, args.warmup_s, args.measure_s,
-        )
-        runs = []
-        for index in range(args.runs):
-            if args.keep_dir is not None:
-                args.keep_dir.mkdir(parents=True, exist_ok=True)
-            result = run_once(config, args.keep_dir)
-            logger.info("event=scale_run step_ms=%g run=%d worst_idle=%.3f client_tok_s=%.0f",
-                        step_ms, index, result.worst_idle, result.client_tokens_per_s)
-            runs.append(result)
-        every_run += runs
-        medians.append(median_result(runs))
+        for frontends in args.frontends:
+            config = ScaleConfig(
+                args.executors, args.running, step_ms, args.load_processes, args.prompt_len,
+                args.max_tokens, args.warmup_s, args.measure_s, frontends,
+            )
+            runs = []
+            for index in range(args.runs):
+                if args.keep_dir is not None:
+                    args.keep_dir.mkdir(parents=True, exist_ok=True)
+                result = run_once(config, args.keep_dir)
+                logger.info(
+                    "event=scale_run step_ms=%g frontends=%d run=%d worst_idle=%.3f client_tok_s=%.0f "
+                    "scheduler_us_per_token=%.1f planner_us_per_token=%s frontend_us_per_token=%s",
+                    step_ms, frontends, index, result.worst_idle, result.client_tokens_per_s,
+                    result.scheduler_cpu_us_per_token, _optional(result.planner_cpu_us_per_token),
+                    _optional(result.frontend_cpu_us_per_token),
+                )
+                runs.append(result)
+            every_run += runs
+            medians.append(median_result(runs))
+            costs.append(format_costs(runs))
     print(f"median of {args.runs} runs; {os.cpu_count()} CPUs shared by every process")
     print(format_table(medians))
+    print(f"CPU per token delivered to clients (median of {args.runs} runs) and the cores it takes at the rate asked:")
+    print("\n".join(costs))
     if args.json is not None:
         args.json.write_text(json.dumps([asdict(r) for r in every_run], indent=2))
 
