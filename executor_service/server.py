@@ -99,8 +99,8 @@ class _Stream:
     """One Execute call: its plans on their way through the worker, and why it ended early."""
 
     number: int
-    # The scheduler that opened it: its certificate's common name under mutual TLS, else the
-    # metadata x-splitserve-scheduler-id ("" when none was sent).
+    # The scheduler that opened it: the metadata x-splitserve-scheduler-id ("" when none was
+    # sent), after its certificate's common name and a slash under mutual TLS.
     holder: str
     # When it last sent a plan (monotonic seconds): its hold lapses lease_timeout_s later.
     last_plan_at: float = field(default_factory=time.monotonic)
@@ -172,11 +172,14 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
         context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[executor_pb2.StepResult]:
         await self._admit(context, "Execute")
-        # A verified certificate is the identity; the metadata is only a claim, trusted where
-        # nothing stronger is configured (the token admits; it names no one).
-        holder = peer_certificate_name(context) or dict(context.invocation_metadata() or ()).get(
-            SCHEDULER_ID_METADATA, ""
-        )
+        # The metadata is only a claim, trusted where nothing stronger is configured (the token
+        # admits; it names no one). Under mutual TLS the certificate's name comes first, so no
+        # claim crosses from one certificate to another; the claim still follows it, since
+        # replicas of one scheduler share a certificate and one must wait for the other's lease
+        # rather than supersede its stream.
+        claimed = dict(context.invocation_metadata() or ()).get(SCHEDULER_ID_METADATA, "")
+        certificate_name = peer_certificate_name(context)
+        holder = claimed if certificate_name is None else f"{certificate_name}/{claimed}"
         if self.draining:
             await context.abort(grpc.StatusCode.UNAVAILABLE, DRAINING_MESSAGE)
         refusal = self._refusal(holder)

@@ -238,7 +238,8 @@ def test_the_scheduler_identity_is_its_certificate_name(secured: Secured, pki: P
     # Someone holds it; who is in the executor's log, never in the answer.
     assert "held by another scheduler" in refused.value.details()
     assert SCHEDULER_NAME not in refused.value.details()
-    assert f"active_holder={SCHEDULER_NAME!r}" in secured.executor_process.log_text()
+    # The certificate's name, then the scheduler's claim: the claim alone held nothing above.
+    assert f"active_holder={SCHEDULER_NAME + '/claimed-in-metadata'!r}" in secured.executor_process.log_text()
 
 
 def test_a_certificate_the_ca_signed_for_another_name_cannot_hold_the_executor(secured: Secured, pki: Pki) -> None:
