@@ -107,6 +107,9 @@ class Engine:
         self._serving = False
         # Set on shutdown: new requests are refused while the ones in flight finish.
         self.draining = False
+        # A standby planner takes requests before it has reached any executor (front-ends move
+        # theirs to it when their planner is lost); they wait, unplaced, for the executors.
+        self.queue_before_first_executor = False
         # Since start, over every lane and every planner a lane had (a lost executor's planner
         # goes with it).
         self.num_preemptions = 0
@@ -253,13 +256,13 @@ class Engine:
         info = self.info
         if self.draining:
             raise RequestRejected(ErrorKind.UNAVAILABLE, DRAINING_MESSAGE)
-        if info is None:
+        if info is None and not self.queue_before_first_executor:
             raise EngineUnavailable(f"no executor has been reached yet: {self.why_no_executor()}")
         if self._find(request.request_id) is not None:
             raise RequestRejected(
                 ErrorKind.DUPLICATE, f"request id {request.request_id!r} is already in flight"
             )
-        if request.num_prompt_tokens >= info.max_model_len:
+        if info is not None and request.num_prompt_tokens >= info.max_model_len:
             raise RequestRejected(
                 ErrorKind.INVALID,
                 f"prompt of {request.num_prompt_tokens} tokens leaves no room to generate under "

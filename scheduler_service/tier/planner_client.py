@@ -74,15 +74,15 @@ class PlannerClient:
         self._serving = False
         self._stopping = False
         self._tasks: list[asyncio.Task[None]] = []
+        self._model: executor_pb2.ExecutorInfo | None = None
 
     # ---- Backend -------------------------------------------------------------------------------
 
     @property
     def info(self) -> executor_pb2.ExecutorInfo | None:
-        for link in ([self.current] if self.current else []) + self.links:
-            if link.status is not None and link.status.HasField("model"):
-                return link.status.model
-        return None
+        """The model, as the last planner that knew it said: kept across a planner's loss, so
+        requests keep coming while a standby takes over."""
+        return self._model
 
     @property
     def draining(self) -> bool:
@@ -183,6 +183,8 @@ class PlannerClient:
 
     def _on_batch(self, link: PlannerLink, batch: planner_pb2.PlannerBatch) -> None:
         if batch.HasField("status"):
+            if batch.status.HasField("model"):
+                self._model = batch.status.model
             self._status_changed(link)
         if link is not self.current:
             return
@@ -275,17 +277,27 @@ class PlannerClient:
         self._report_serving()
 
     def _choose(self) -> None:
-        """Picks the planner new and orphaned requests go to: the current one while it is up;
-        otherwise one that serves, else any that is up (it may be waiting for the executors a
-        lost planner held)."""
-        if self.current is None or not self.current.up:
-            up = [link for link in self.links if link.up]
-            serving = [link for link in up if link.serving]
+        """Picks the planner requests go to: one that serves, else any that is up (it may be
+        waiting for the executors a lost planner held). The current one stays while it serves,
+        or while it is up and no other serves; requests waiting on a planner that does not
+        serve move to one that does (they hold no blocks there)."""
+        current = self.current
+        up = [link for link in self.links if link.up]
+        serving = [link for link in up if link.serving]
+        if current is not None and current.up and (current.serving or not serving):
+            chosen: PlannerLink | None = current
+        else:
             chosen = (serving or up or [None])[0]
-            if chosen is not self.current:
-                self.current = chosen
-                if chosen is not None:
-                    logger.info("event=planner_chosen address=%s planner=%s", chosen.address, chosen.status.planner_id)
+        if chosen is not current:
+            self.current = chosen
+            if current is not None and current.up:
+                for handle, entry in self._in_flight.items():
+                    if entry.planner is current:
+                        current.end(handle)
+                        entry.planner = None
+            if chosen is not None:
+                assert chosen.status is not None
+                logger.info("event=planner_chosen address=%s planner=%s", chosen.address, chosen.status.planner_id)
         if self.current is not None:
             for handle, entry in list(self._in_flight.items()):
                 if entry.planner is None:

@@ -85,6 +85,7 @@ async def serve_planner(settings: ServerSettings, options: PlannerOptions, hooks
     engine = Engine(
         "", settings.text, settings.options, metrics, report_serving, link_factory, settings.tracing, step_trace
     )
+    engine.queue_before_first_executor = True
     servicer = PlannerServicer(engine)
     hooks.on_servicer(servicer)
     interceptors = [] if options.insecure else [PlannerTokenInterceptor(options.token or "")]

@@ -1,0 +1,222 @@
+"""The scheduler tier survives its own deaths (real processes): a planner killed or frozen under
+load is replaced by a standby planner and no client notices (greedy streams equal transformers',
+seeded sampled streams equal an undisturbed run's); a front-end killed under load costs only its
+own streams, and the planner lets go of everything it held for them."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import signal
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import ExitStack
+from pathlib import Path
+
+import pytest
+import torch
+
+from clients import AsyncClient, Client
+from clients.errors import SplitserveError
+from protos.splitserve.v1 import generation_pb2 as pb
+from tests.helpers.block_audit import assert_books_agree
+from tests.helpers.executor_process import ExecutorProcess
+from tests.helpers.executor_token import token_file
+from tests.helpers.greedy_client import stream_all, workload
+from tests.helpers.greedy_reference import Reference
+from tests.helpers.model_factory import build_model
+from tests.helpers.service_process import ServiceProcess
+
+torch.set_num_threads(1)
+PLANNER_LISTENING = re.compile(r"event=planner_listening address=(\S+):(\d+)")
+FRONTEND_READY = re.compile(r"event=frontend_ready address=(\S+):(\d+)")
+EXECUTOR_FLAGS = {"num_kv_blocks": 256, "block_size": 16}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_model("llama", tmp_path_factory.mktemp("tier") / "llama", seed=21)
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir: Path) -> Reference:
+    return Reference(model_dir)
+
+
+@pytest.fixture(scope="module")
+def planner_token(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from protos.executor_access import write_token_file
+
+    path = tmp_path_factory.mktemp("planner-token") / "token"
+    write_token_file(path)
+    return path
+
+
+def planner(executors: list[str], token: Path) -> ServiceProcess:
+    command = [sys.executable, "-m", "scheduler_service", "--role", "planner", "--port", "0",
+               "--executor-token-file", str(token_file()), "--planner-token-file", str(token)]
+    for address in executors:
+        command += ["--executor", address]
+    return ServiceProcess(command, PLANNER_LISTENING, "planner")
+
+
+def frontend(planners: list[str], token: Path) -> ServiceProcess:
+    command = [sys.executable, "-m", "scheduler_service", "--role", "frontend", "--port", "0",
+               "--planner-token-file", str(token)]
+    for address in planners:
+        command += ["--planner", address]
+    return ServiceProcess(command, FRONTEND_READY, "frontend")
+
+
+@pytest.fixture
+def executors(model_dir: Path) -> Iterator[list[str]]:
+    with ExitStack() as stack:
+        started = [ExecutorProcess(model_dir, **EXECUTOR_FLAGS) for _ in range(2)]
+        for executor in started:
+            stack.callback(executor.close)
+        yield [executor.wait_ready() for executor in started]
+
+
+def _wait_for(predicate, timeout_s: float = 90.0, what: str = "condition") -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.1)
+
+
+async def _sampled(address: str, jobs: list[tuple[list[int], int]]) -> list[list[int]]:
+    async with AsyncClient(address) as client:
+
+        async def one(index: int, prompt: list[int], max_tokens: int) -> list[int]:
+            tokens: list[int] = []
+            async for delta in client.stream(
+                prompt_token_ids=prompt, max_tokens=max_tokens, temperature=0.9, top_p=0.95,
+                seed=1000 + index, ignore_eos=True,
+            ):
+                tokens.extend(delta.token_ids)
+            return tokens
+
+        return await asyncio.gather(*(one(i, p, m) for i, (p, m) in enumerate(jobs)))
+
+
+async def _with_fault(address: str, streams, fault, after_steps: int) -> list[list[int]]:  # type: ignore[no-untyped-def]
+    """Runs streams(address); once the planner has run after_steps steps, calls fault()."""
+    task = asyncio.create_task(streams(address))
+    async with AsyncClient(address) as client:
+        while (await client.server_status()).num_steps < after_steps:
+            await asyncio.sleep(0.02)
+    fault()
+    return await task
+
+
+@pytest.mark.parametrize("fault", ["kill", "freeze"])
+def test_a_planner_lost_under_load_is_replaced_and_no_stream_notices(
+    executors: list[str], reference: Reference, planner_token: Path, fault: str
+) -> None:
+    jobs = [(prompt, 40) for prompt, _ in workload(32, seed=55)]
+    with ExitStack() as stack:
+        first = planner(executors, planner_token)
+        stack.callback(first.close)
+        first_address = first.wait_ready()
+        _wait_for(lambda: first.log_text().count("state=up") >= 2, what="the first planner holding both executors")
+        standby = planner(executors, planner_token)
+        stack.callback(standby.close)
+        standby_address = standby.wait_ready()
+        front = frontend([first_address, standby_address], planner_token)
+        stack.callback(front.close)
+        address = front.wait_ready()
+
+        def lose_the_first() -> None:
+            first.process.send_signal(signal.SIGKILL if fault == "kill" else signal.SIGSTOP)
+
+        started = time.monotonic()
+        outputs = asyncio.run(_with_fault(address, lambda a: stream_all(a, jobs), lose_the_first, after_steps=8))
+        took = time.monotonic() - started
+        if fault == "freeze":
+            first.process.send_signal(signal.SIGKILL)
+        # The standby asks a refused executor again every few seconds: both are its soon.
+        _wait_for(lambda: _executors_up(address) == 2, what="the standby holding both executors")
+        assert_books_agree(address, audited_at_least=2)
+        log = front.log_text()
+    for (prompt, max_tokens), output in zip(jobs, outputs, strict=True):
+        assert output == reference(prompt, max_tokens)
+    assert took < 90, took
+    assert "event=planner_lost" in log and "event=planner_chosen" in log
+
+
+def test_seeded_sampled_streams_continue_exactly_across_a_planner_kill(
+    executors: list[str], planner_token: Path
+) -> None:
+    jobs = [(prompt, 32) for prompt, _ in workload(16, seed=56)]
+    with ExitStack() as stack:
+        first = planner(executors, planner_token)
+        stack.callback(first.close)
+        first_address = first.wait_ready()
+        _wait_for(lambda: first.log_text().count("state=up") >= 2, what="the first planner holding both executors")
+        standby = planner(executors, planner_token)
+        stack.callback(standby.close)
+        front = frontend([first_address, standby.wait_ready()], planner_token)
+        stack.callback(front.close)
+        address = front.wait_ready()
+        undisturbed = asyncio.run(_sampled(address, jobs))
+        disturbed = asyncio.run(
+            _with_fault(address, lambda a: _sampled(a, jobs), lambda: first.process.send_signal(signal.SIGKILL),
+                        after_steps=8 + _steps(address))
+        )
+    assert disturbed == undisturbed
+
+
+def _executors_up(address: str) -> int:
+    with Client(address) as client:
+        return sum(e.state == pb.EXECUTOR_STATE_UP for e in client.server_status().executors)
+
+
+def _steps(address: str) -> int:
+    with Client(address) as client:
+        return client.server_status().num_steps
+
+
+def test_a_frontend_killed_under_load_costs_only_its_own_streams(
+    executors: list[str], reference: Reference, planner_token: Path
+) -> None:
+    jobs = [(prompt, 48) for prompt, _ in workload(32, seed=57)]
+    mine, theirs = jobs[:16], jobs[16:]
+    with ExitStack() as stack:
+        the_planner = planner(executors, planner_token)
+        stack.callback(the_planner.close)
+        planner_address = the_planner.wait_ready()
+        _wait_for(lambda: the_planner.log_text().count("state=up") >= 2, what="both executors up")
+        fronts = [frontend([planner_address], planner_token) for _ in range(2)]
+        for front in fronts:
+            stack.callback(front.close)
+        survivor, victim = (front.wait_ready() for front in fronts)
+
+        async def both() -> tuple[list[list[int]], BaseException | list[list[int]]]:
+            kept = asyncio.create_task(stream_all(survivor, mine))
+            lost = asyncio.create_task(stream_all(victim, theirs))
+            async with AsyncClient(survivor) as client:
+                while (await client.server_status()).num_steps < 8:
+                    await asyncio.sleep(0.02)
+            fronts[1].process.send_signal(signal.SIGKILL)
+            results = await asyncio.gather(kept, lost, return_exceptions=True)
+            return results[0], results[1]  # type: ignore[return-value]
+
+        kept, lost = asyncio.run(both())
+        killed_at = time.monotonic()
+        assert isinstance(lost, SplitserveError), lost
+        assert lost.code.name == "UNAVAILABLE"
+        # Within seconds the planner holds nothing of the dead front-end's.
+        _wait_for(lambda: _idle(survivor), timeout_s=10.0, what="the planner to let go of the dead front-end's requests")
+        assert time.monotonic() - killed_at < 10.0
+        assert_books_agree(survivor, audited_at_least=2)
+        log = the_planner.log_text()
+    for (prompt, max_tokens), output in zip(mine, kept, strict=True):
+        assert output == reference(prompt, max_tokens)
+    assert re.search(r"event=frontend_disconnected frontend=\S+ aborted=\d+", log), log[-2000:]
+
+
+def _idle(address: str) -> bool:
+    with Client(address) as client:
+        status = client.server_status()
+    return status.num_running == 0 and status.num_waiting == 0 and status.kv_blocks_free == status.kv_blocks_total
