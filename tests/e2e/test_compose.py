@@ -6,10 +6,10 @@ in dependency order and with the service's environment, and every healthcheck co
 locally until it passes, as the engine would run them. What a container has and a local process
 has not is substituted, and nothing else:
 - the named volume `models` mounted at /models -> a temp folder (no volumes outside containers);
-- the service hostname `executor` and the bind address 0.0.0.0 -> 127.0.0.1 (no compose
-  network: all services share this machine's loopback);
-- the fixed ports 50051/50052/9400 -> free ports picked here (other tests, and a developer's
-  `make run`, may hold the defaults);
+- the service hostnames `executor`, `planner` and `frontend` and the bind address 0.0.0.0 ->
+  127.0.0.1 (no compose network: all services share this machine's loopback);
+- the fixed ports (50051 and up, 9400, 9401, 8000) -> free ports picked here (other tests, and a
+  developer's `make run`, may hold the defaults);
 - `python` -> this interpreter, `splitserve` -> the command this virtualenv installed, and the
   working directory -> the repository root (the image's
   WORKDIR /app holds the same tree, which is where deploy/health_probe.py is found).
@@ -28,6 +28,7 @@ from typing import Any
 
 import pytest
 import yaml
+from prometheus_client.parser import text_string_to_metric_families
 
 from clients import Client
 from tests.helpers.compose_services import (
@@ -42,15 +43,21 @@ from tests.helpers.compose_services import (
 )
 
 COMPOSE_FILE = REPO_ROOT / "docker-compose.yml"
-SERVICES = {"prepare-model", "executor-token", "executor", "scheduler", "gateway"}
-# The services that read the prepared model (and the executor token beside it).
-MODEL_SERVICES = {"prepare-model", "executor", "scheduler"}
+SERVICES = {
+    "prepare-model", "executor-token", "planner-token", "executor", "planner", "frontend", "gateway",
+}  # fmt: skip
+# The scheduler's two roles, each in a service of its own.
+SCHEDULER_ROLES = {"planner", "frontend"}
+# The services that read the prepared model (and the tokens beside it).
+MODEL_SERVICES = {"prepare-model", "executor", "planner", "frontend"}
 TOKEN_PATH = "/models/executor-token"
+PLANNER_TOKEN_PATH = "/models/planner-token"
 MONITORING = {"prometheus", "grafana"}
 VOLUME_MOUNT = "models:/models"
 MODEL_PATH = "/models/SmolLM2-135M-Instruct"
-# Ports the compose file fixes: scheduler, executor, their metrics, the gateway.
-FIXED_PORTS = (50051, 50052, 9400, 9401, 8000)
+# Ports the compose file fixes: front-end, executor, planner, metrics of planner and executor,
+# the gateway.
+FIXED_PORTS = (50051, 50052, 50053, 9400, 9401, 8000)
 
 
 @pytest.fixture(scope="module")
@@ -78,33 +85,55 @@ def test_every_service_from_one_image(compose: dict[str, Any]) -> None:
 
 def test_dependency_conditions(compose: dict[str, Any]) -> None:
     services = own_services(compose["services"])
-    assert startup_order(services) == ["prepare-model", "executor-token", "executor", "scheduler", "gateway"]
-    assert services["gateway"]["depends_on"] == {"scheduler": {"condition": "service_healthy"}}
+    assert startup_order(services) == [
+        "prepare-model", "executor-token", "executor", "planner-token", "planner", "frontend", "gateway",
+    ]  # fmt: skip
+    assert services["gateway"]["depends_on"] == {"frontend": {"condition": "service_healthy"}}
     assert services["executor"]["depends_on"] == {
         "prepare-model": {"condition": "service_completed_successfully"},
         "executor-token": {"condition": "service_completed_successfully"},
     }
-    assert services["scheduler"]["depends_on"] == {"executor": {"condition": "service_healthy"}}
+    assert services["planner"]["depends_on"] == {
+        "executor": {"condition": "service_healthy"},
+        "planner-token": {"condition": "service_completed_successfully"},
+    }
+    assert services["frontend"]["depends_on"] == {"planner": {"condition": "service_healthy"}}
     # A one-shot must not be restarted after it completed.
-    assert services["prepare-model"]["restart"] == "no"
-    assert services["executor-token"]["restart"] == "no"
+    for one_shot in ("prepare-model", "executor-token", "planner-token"):
+        assert services[one_shot]["restart"] == "no", one_shot
 
 
-def test_the_executor_takes_plans_only_with_the_token_the_scheduler_sends(compose: dict[str, Any]) -> None:
+def test_the_executor_takes_plans_only_with_the_token_the_planner_sends(compose: dict[str, Any]) -> None:
     services = compose["services"]
     assert services["executor-token"]["command"] == ["splitserve", "executor-token", TOKEN_PATH]
     assert VOLUME_MOUNT in services["executor-token"]["volumes"]
-    for name in ("executor", "scheduler"):
+    for name in ("executor", "planner"):
         command = services[name]["command"]
         assert flag(command, "--executor-token-file") == TOKEN_PATH, name
         assert "--insecure-executor" not in command, name
+    # The front-end never dials an executor: nothing to send it.
+    assert "--executor-token-file" not in services["frontend"]["command"]
+
+
+def test_the_planner_takes_requests_only_from_front_ends_with_its_token(compose: dict[str, Any]) -> None:
+    services = compose["services"]
+    # The executor token's one-shot, writing another file.
+    assert services["planner-token"]["command"] == ["splitserve", "executor-token", PLANNER_TOKEN_PATH]
+    assert VOLUME_MOUNT in services["planner-token"]["volumes"]
+    for role in SCHEDULER_ROLES:
+        command = services[role]["command"]
+        assert command[:2] == ["splitserve", "scheduler"] and flag(command, "--role") == role
+        assert flag(command, "--planner-token-file") == PLANNER_TOKEN_PATH, role
+        assert "--insecure-planner" not in command, role
 
 
 def test_healthchecks_probe_each_server_over_grpc_health(compose: dict[str, Any]) -> None:
     services = compose["services"]
-    assert "healthcheck" not in services["prepare-model"]
-    assert "healthcheck" not in services["executor-token"]
-    for name in ("executor", "scheduler"):
+    for one_shot in ("prepare-model", "executor-token", "planner-token"):
+        assert "healthcheck" not in services[one_shot], one_shot
+    # The planner's Planner API port and the front-end's client port both answer grpc.health.v1
+    # without a token or key.
+    for name in ("executor", *sorted(SCHEDULER_ROLES)):
         spec = services[name]
         test = spec["healthcheck"]["test"]
         assert test[:3] == ["CMD", "python", "deploy/health_probe.py"], test
@@ -119,7 +148,7 @@ def test_healthchecks_probe_each_server_over_grpc_health(compose: dict[str, Any]
     ]
 
 
-def test_one_volume_holds_the_model_for_all_three(compose: dict[str, Any]) -> None:
+def test_one_volume_holds_the_model_for_all_who_read_it(compose: dict[str, Any]) -> None:
     services = own_services(compose["services"])
     assert "models" in compose["volumes"]
     assert "volumes" not in services["gateway"]
@@ -129,32 +158,39 @@ def test_one_volume_holds_the_model_for_all_three(compose: dict[str, Any]) -> No
         assert spec["environment"]["SPLITSERVE_CACHE"] == MODEL_PATH, name
     assert flag(services["prepare-model"]["command"], "--cache-dir") == MODEL_PATH
     assert flag(services["executor"]["command"], "--model") == MODEL_PATH
-    assert flag(services["scheduler"]["command"], "--tokenizer") == MODEL_PATH
+    for role in SCHEDULER_ROLES:
+        assert flag(services[role]["command"], "--tokenizer") == MODEL_PATH, role
 
 
 def test_addresses_and_published_ports(compose: dict[str, Any]) -> None:
     services = compose["services"]
-    executor, scheduler = services["executor"], services["scheduler"]
+    executor, planner, frontend = services["executor"], services["planner"], services["frontend"]
     # Servers bind every interface, or nothing outside their own container reaches them.
-    assert flag(executor["command"], "--host") == "0.0.0.0"
-    assert flag(scheduler["command"], "--host") == "0.0.0.0"
+    for name in ("executor", "planner", "frontend", "gateway"):
+        assert flag(services[name]["command"], "--host") == "0.0.0.0", name
+    # Each dials the one before it by its service name, on the port that one listens on.
     executor_port = flag(executor["command"], "--port")
-    assert flag(scheduler["command"], "--executor") == f"executor:{executor_port}"
-    assert "ports" not in executor
-    assert flag(executor["command"], "--port") in [str(p) for p in executor["expose"]]
-    port = flag(scheduler["command"], "--port")
+    assert flag(planner["command"], "--executor") == f"executor:{executor_port}"
+    planner_port = flag(planner["command"], "--port")
+    assert flag(frontend["command"], "--planner") == f"planner:{planner_port}"
+    port = flag(frontend["command"], "--port")
     gateway = services["gateway"]["command"]
-    assert flag(gateway, "--server") == f"scheduler:{port}"
-    assert flag(gateway, "--host") == "0.0.0.0"
+    assert flag(gateway, "--server") == f"frontend:{port}"
+    # Published: the client port, the gateway and the planner's metrics. The Executor and
+    # Planner APIs stay on the compose network.
+    assert "ports" not in executor
+    assert executor_port in [str(p) for p in executor["expose"]]
+    assert planner_port in [str(p) for p in planner["expose"]]
+    metrics = flag(planner["command"], "--metrics-port")
+    assert planner["ports"] == [f"{metrics}:{metrics}"]
+    assert frontend["ports"] == [f"{port}:{port}"]
     gateway_port = flag(gateway, "--port")
     assert services["gateway"]["ports"] == [f"{gateway_port}:{gateway_port}"]
-    metrics = flag(scheduler["command"], "--metrics-port")
-    assert sorted(scheduler["ports"]) == sorted([f"{port}:{port}", f"{metrics}:{metrics}"])
-    assert "ports" not in services["prepare-model"]
-    assert "ports" not in services["executor-token"]
+    for one_shot in ("prepare-model", "executor-token", "planner-token"):
+        assert "ports" not in services[one_shot], one_shot
 
 
-def test_prometheus_scrapes_both_services_and_grafana_shows_the_dashboard(
+def test_prometheus_scrapes_planner_and_executor_and_grafana_shows_the_dashboard(
     compose: dict[str, Any],
 ) -> None:
     services = compose["services"]
@@ -169,9 +205,11 @@ def test_prometheus_scrapes_both_services_and_grafana_shows_the_dashboard(
     targets = {
         target for job in config["scrape_configs"] for group in job["static_configs"] for target in group["targets"]
     }
-    executor, scheduler = services["executor"]["command"], services["scheduler"]["command"]
+    executor, planner = services["executor"]["command"], services["planner"]["command"]
+    # Every scheduler metric is the planner's; the front-end serves none.
+    assert "--metrics-port" not in services["frontend"]["command"]
     assert targets == {
-        f"scheduler:{flag(scheduler, '--metrics-port')}",
+        f"planner:{flag(planner, '--metrics-port')}",
         f"executor:{flag(executor, '--metrics-port')}",
     }
     assert flag(executor, "--metrics-port") in [str(p) for p in services["executor"]["expose"]]
@@ -248,10 +286,20 @@ def test_services_come_up_in_order_and_answer(
     assert "Paris" in answer["choices"][0]["message"]["content"]
     assert answer["usage"]["completion_tokens"] > 0
 
+    scraped = {}
     for port in (9400, 9401):
         with urllib.request.urlopen(f"http://127.0.0.1:{stand_ins.ports[port]}/metrics") as reply:
             assert reply.status == 200
-            assert b"# HELP splitserve:" in reply.read()
+            scraped[port] = reply.read().decode()
+            assert "# HELP splitserve:" in scraped[port]
+    # Both answers were planned by the planner, which counted every token of them.
+    generated = sum(
+        sample.value
+        for family in text_string_to_metric_families(scraped[9400])
+        for sample in family.samples
+        if sample.name == "splitserve:generation_tokens_total"
+    )
+    assert generated == result.usage.completion_tokens + answer["usage"]["completion_tokens"]
 
     statuses = running.stop()
-    assert statuses == {"gateway": 0, "scheduler": 0, "executor": 0}
+    assert statuses == {"gateway": 0, "frontend": 0, "planner": 0, "executor": 0}

@@ -6,7 +6,7 @@ docker-compose.secure.yml` merges them (compose-spec merge rules, for the keys t
 and the merged configuration is what is checked and run. Beyond test_compose.py's stand-ins, a
 local run substitutes:
 - the bind-mounted ./certs at /certs -> a temp folder;
-- the health ports 50061/50062 -> free ports;
+- the executor's health port 50062 -> a free port;
 - make-certs' `--service-owner` is dropped: it hands files from root to the image's user, and
   here every process runs as the same user.
 """
@@ -36,7 +36,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from clients import Client
 from clients.errors import SplitserveError
-from tests.e2e.test_compose import COMPOSE_FILE, FIXED_PORTS, MODEL_PATH, flag
+from tests.e2e.test_compose import COMPOSE_FILE, FIXED_PORTS, MODEL_PATH, PLANNER_TOKEN_PATH, TOKEN_PATH, flag
 from tests.helpers.compose_services import (
     HOST_PORT,
     REPO_ROOT,
@@ -52,8 +52,8 @@ from tests.helpers.compose_services import (
 SECURE_FILE = REPO_ROOT / "docker-compose.secure.yml"
 MAKE_CERTS = REPO_ROOT / "deploy" / "make_certs.py"
 CERTS_SOURCE = "./certs"
-# Ports the override adds: scheduler and executor health.
-HEALTH_PORTS = (50061, 50062)
+# The port the override adds: the executor's plaintext health.
+HEALTH_PORTS = (50062,)
 # What the image runs as (Dockerfile: useradd --uid 10001).
 IMAGE_USER = "10001:10001"
 CERT_FILES = {"ca.pem", "scheduler.pem", "executor.pem", "scheduler-client.pem"}
@@ -62,17 +62,16 @@ API_KEY_FILES = {"api-keys", "client-api-key"}
 ALL_FILES = CERT_FILES | KEY_FILES | API_KEY_FILES
 LOCAL_NAMES = {"localhost", "127.0.0.1"}
 SCHEDULER_IDENTITY = "splitserve-scheduler"
-TOKEN_PATH = "/models/executor-token"
-# Flags that name a file, on each server.
+# Flags that name a file in the certs folder, on each server.
 EXECUTOR_FILE_FLAGS = ("--tls-cert", "--tls-key", "--tls-client-ca")
-SCHEDULER_FILE_FLAGS = (
-    "--tls-cert",
-    "--tls-key",
-    "--api-key-file",
-    "--executor-tls-ca",
-    "--executor-tls-cert",
-    "--executor-tls-key",
-)
+PLANNER_FILE_FLAGS = ("--executor-tls-ca", "--executor-tls-cert", "--executor-tls-key")
+FRONTEND_FILE_FLAGS = ("--tls-cert", "--tls-key", "--api-key-file")
+FILE_FLAGS = {
+    "executor": EXECUTOR_FILE_FLAGS,
+    "planner": PLANNER_FILE_FLAGS,
+    "frontend": FRONTEND_FILE_FLAGS,
+    "gateway": ("--tls-ca",),
+}
 
 
 # --- merging, as `docker compose -f A -f B` does ---------------------------------------------
@@ -164,7 +163,7 @@ def test_make_certs_is_a_one_shot_the_servers_wait_for(secure: dict[str, Any]) -
     assert make_certs["image"] == services["executor"]["image"]
     assert make_certs["build"] == services["executor"]["build"]
     assert dependency_condition(services, "make-certs") == {"service_completed_successfully"}
-    for name in ("executor", "scheduler"):
+    for name in ("executor", "planner", "frontend"):
         assert services[name]["depends_on"]["make-certs"] == {
             "condition": "service_completed_successfully"
         }
@@ -172,16 +171,17 @@ def test_make_certs_is_a_one_shot_the_servers_wait_for(secure: dict[str, Any]) -
     assert services["executor"]["depends_on"]["prepare-model"] == {
         "condition": "service_completed_successfully"
     }
-    assert services["scheduler"]["depends_on"]["executor"] == {"condition": "service_healthy"}
+    assert services["planner"]["depends_on"]["executor"] == {"condition": "service_healthy"}
+    assert services["frontend"]["depends_on"]["planner"] == {"condition": "service_healthy"}
     order = startup_order(services)
-    assert order.index("make-certs") < order.index("executor") < order.index("scheduler")
+    assert order.index("make-certs") < order.index("executor") < order.index("planner") < order.index("frontend")
 
 
 def test_secure_commands_extend_the_plain_ones(
     base: dict[str, Any], secure: dict[str, Any]
 ) -> None:
     # Compose replaces a command; the override repeats the base one, and must keep up with it.
-    for name in ("executor", "scheduler", "gateway"):
+    for name in FILE_FLAGS:
         plain = base["services"][name]["command"]
         command = secure["services"][name]["command"]
         assert command[: len(plain)] == plain, name
@@ -190,50 +190,55 @@ def test_secure_commands_extend_the_plain_ones(
 
 def test_executor_demands_mutual_tls_and_stays_unpublished(secure: dict[str, Any]) -> None:
     services = secure["services"]
-    executor, scheduler = services["executor"]["command"], services["scheduler"]["command"]
+    executor, planner = services["executor"]["command"], services["planner"]["command"]
     for name in EXECUTOR_FILE_FLAGS:
         flag(executor, name)
     assert "ports" not in services["executor"]
-    # The scheduler presents a certificate from the CA the executor checks, and checks the
+    # The planner presents a certificate from the CA the executor checks, and checks the
     # executor's against the CA that issued it.
-    assert flag(scheduler, "--executor-tls-ca") == flag(executor, "--tls-client-ca")
-    flag(scheduler, "--executor-tls-cert")
-    flag(scheduler, "--executor-tls-key")
+    assert flag(planner, "--executor-tls-ca") == flag(executor, "--tls-client-ca")
+    flag(planner, "--executor-tls-cert")
+    flag(planner, "--executor-tls-key")
+    # The front-end never dials an executor: no certificate of the planner's for it.
+    assert not any(arg.startswith("--executor-tls") for arg in services["frontend"]["command"])
 
 
-def test_scheduler_serves_tls_with_api_keys(base: dict[str, Any], secure: dict[str, Any]) -> None:
-    scheduler = secure["services"]["scheduler"]
-    for name in SCHEDULER_FILE_FLAGS:
-        flag(scheduler["command"], name)
-    # Published ports unchanged: the health port is for the healthcheck, inside the container.
-    assert sorted(scheduler["ports"]) == sorted(base["services"]["scheduler"]["ports"])
+def test_front_end_serves_tls_with_api_keys(base: dict[str, Any], secure: dict[str, Any]) -> None:
+    services = secure["services"]
+    for name in FRONTEND_FILE_FLAGS:
+        flag(services["frontend"]["command"], name)
+    # The Planner API stays plaintext (its token is the base file's): no client-API flags there.
+    assert not set(FRONTEND_FILE_FLAGS) & set(services["planner"]["command"])
+    # Published ports unchanged.
+    for name in ("frontend", "planner"):
+        assert sorted(services[name]["ports"]) == sorted(base["services"][name]["ports"]), name
 
 
-def test_healthchecks_probe_the_plaintext_health_ports(
+def test_healthchecks_probe_each_server_as_it_serves(
     base: dict[str, Any], secure: dict[str, Any]
 ) -> None:
-    published = {
-        port.split(":")[-1]
-        for spec in secure["services"].values()
-        for port in spec.get("ports", [])
-    }
-    health_ports = set()
-    for name in ("executor", "scheduler"):
-        spec = secure["services"][name]
-        health_port = flag(spec["command"], "--health-port")
-        assert health_port != flag(spec["command"], "--port")
-        assert spec["healthcheck"]["test"] == [
-            "CMD",
-            "python",
-            "deploy/health_probe.py",
-            f"127.0.0.1:{health_port}",
-        ]
-        assert health_port not in published
-        health_ports.add(health_port)
+    services = secure["services"]
+    published = {port.split(":")[-1] for spec in services.values() for port in spec.get("ports", [])}
+    probe = ["CMD", "python", "deploy/health_probe.py"]
+    # The executor's port demands a client certificate: its plaintext health port, unpublished.
+    executor = services["executor"]
+    health_port = flag(executor["command"], "--health-port")
+    assert health_port != flag(executor["command"], "--port")
+    assert executor["healthcheck"]["test"] == [*probe, f"127.0.0.1:{health_port}"]
+    assert health_port not in published
+    assert {health_port} == {str(port) for port in HEALTH_PORTS}
+    # The planner's port stays plaintext, as in the base file.
+    assert services["planner"]["healthcheck"] == base["services"]["planner"]["healthcheck"]
+    # The front-end's is TLS, checked against the CA the gateway trusts too.
+    frontend = services["frontend"]
+    assert frontend["healthcheck"]["test"] == [
+        *probe, f"127.0.0.1:{flag(frontend['command'], '--port')}",
+        "--tls-ca", flag(services["gateway"]["command"], "--tls-ca"),
+    ]  # fmt: skip
+    for name in ("executor", "frontend"):
         # Timing still comes from the base file.
         for key in ("interval", "timeout", "start_period", "retries"):
-            assert spec["healthcheck"][key] == base["services"][name]["healthcheck"][key]
-    assert health_ports == {str(port) for port in HEALTH_PORTS}
+            assert services[name]["healthcheck"][key] == base["services"][name]["healthcheck"][key]
 
 
 def test_every_file_a_command_names_lies_in_the_certs_mount(
@@ -250,11 +255,7 @@ def test_every_file_a_command_names_lies_in_the_certs_mount(
     assert flag(make_certs["command"], "--service-owner") == IMAGE_USER
     run_make_certs(tmp_path)
     written = {path.name for path in tmp_path.iterdir()}
-    for name, file_flags in (
-        ("executor", EXECUTOR_FILE_FLAGS),
-        ("scheduler", SCHEDULER_FILE_FLAGS),
-        ("gateway", ("--tls-ca",)),
-    ):
+    for name, file_flags in FILE_FLAGS.items():
         spec = services[name]
         assert certs_mount(spec) == f"{CERTS_SOURCE}:{target}:ro", name
         command = spec["command"]
@@ -262,21 +263,22 @@ def test_every_file_a_command_names_lies_in_the_certs_mount(
             path = PurePosixPath(flag(command, file_flag))
             assert path.parent == target, (name, file_flag, path)
             assert path.name in written, (name, file_flag, path)
-        # Any other absolute path is the model, or the executor token beside it, in their volume.
+        # Any other absolute path is the model, or a token beside it, in their volume.
         others = [
             PurePosixPath(arg)
             for arg in command
             if arg.startswith("/") and PurePosixPath(arg).parent != target
         ]
-        assert all(str(path) in (MODEL_PATH, TOKEN_PATH) for path in others), others
+        assert all(str(path) in (MODEL_PATH, TOKEN_PATH, PLANNER_TOKEN_PATH) for path in others), others
     # The private keys each side reads are the ones that match what it presents.
-    executor, scheduler = services["executor"]["command"], services["scheduler"]["command"]
+    executor, planner = services["executor"]["command"], services["planner"]["command"]
+    frontend = services["frontend"]["command"]
     assert flag(executor, "--tls-key").endswith("/executor-key.pem")
     assert flag(executor, "--tls-cert").endswith("/executor.pem")
-    assert flag(scheduler, "--tls-cert").endswith("/scheduler.pem")
-    assert flag(scheduler, "--tls-key").endswith("/scheduler-key.pem")
-    assert flag(scheduler, "--executor-tls-cert").endswith("/scheduler-client.pem")
-    assert flag(scheduler, "--executor-tls-key").endswith("/scheduler-client-key.pem")
+    assert flag(frontend, "--tls-cert").endswith("/scheduler.pem")
+    assert flag(frontend, "--tls-key").endswith("/scheduler-key.pem")
+    assert flag(planner, "--executor-tls-cert").endswith("/scheduler-client.pem")
+    assert flag(planner, "--executor-tls-key").endswith("/scheduler-client-key.pem")
 
 
 def test_certificates_name_the_hosts_dialled(secure: dict[str, Any]) -> None:
@@ -286,10 +288,12 @@ def test_certificates_name_the_hosts_dialled(secure: dict[str, Any]) -> None:
         option: {make_certs[i + 1] for i, arg in enumerate(make_certs) if arg == option}
         for option in ("--executor-name", "--scheduler-name")
     }
-    match = HOST_PORT.fullmatch(flag(services["scheduler"]["command"], "--executor"))
-    assert match, "the scheduler dials one executor by HOST:PORT"
+    match = HOST_PORT.fullmatch(flag(services["planner"]["command"], "--executor"))
+    assert match, "the planner dials one executor by HOST:PORT"
     assert match.group(1) in names["--executor-name"]
-    assert "scheduler" in names["--scheduler-name"]
+    match = HOST_PORT.fullmatch(flag(services["gateway"]["command"], "--server"))
+    assert match, "the gateway dials the front-end by HOST:PORT"
+    assert match.group(1) in names["--scheduler-name"]
 
 
 def test_dockerfile_installs_cryptography_for_make_certs() -> None:
@@ -567,10 +571,8 @@ def test_secured_services_come_up_and_demand_credentials(
         assert refused.value.code == grpc.StatusCode.UNAUTHENTICATED, metadata
 
     serving = health_pb2.HealthCheckResponse.SERVING
-    # Health needs no key on the client port, nor TLS on the health port.
+    # Health needs no key on the client port.
     with grpc.secure_channel(address, tls) as channel:
-        assert health_check(channel) == serving
-    with grpc.insecure_channel(f"127.0.0.1:{stand_ins.ports[50061]}") as channel:
         assert health_check(channel) == serving
     # The plaintext client API is gone.
     with grpc.insecure_channel(address) as channel:
@@ -600,4 +602,4 @@ def test_secured_services_come_up_and_demand_credentials(
         assert json.loads(reply.read())["data"][0]["id"] == "SmolLM2-135M-Instruct"
 
     statuses = running.stop()
-    assert statuses == {"gateway": 0, "scheduler": 0, "executor": 0}
+    assert statuses == {"gateway": 0, "frontend": 0, "planner": 0, "executor": 0}

@@ -21,7 +21,7 @@ from typing import Any
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 # Names that reach a service from another container, and the wildcard a server binds.
-CONTAINER_HOSTS = {"executor", "scheduler", "127.0.0.1", "localhost", "0.0.0.0"}
+CONTAINER_HOSTS = {"executor", "planner", "frontend", "127.0.0.1", "localhost", "0.0.0.0"}
 HOST_PORT = re.compile(r"([\w.-]+):(\d+)")
 URL = re.compile(r"(https?://)([\w.-]+:\d+)(/.*)?")
 
