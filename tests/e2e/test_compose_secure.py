@@ -36,7 +36,14 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from clients import Client
 from clients.errors import SplitserveError
-from tests.e2e.test_compose import COMPOSE_FILE, FIXED_PORTS, MODEL_PATH, PLANNER_TOKEN_PATH, TOKEN_PATH, flag
+from tests.e2e.test_compose import (
+    COMPOSE_FILE,
+    FIXED_PORTS,
+    MODEL_PATH,
+    PLANNER_TOKEN_PATH,
+    TOKEN_PATH,
+    flag,
+)
 from tests.helpers.compose_services import (
     HOST_PORT,
     REPO_ROOT,
