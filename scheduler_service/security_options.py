@@ -54,7 +54,7 @@ def add_security_flags(parser: argparse.ArgumentParser) -> None:
         "same file as each executor's --executor-token-file",
     )
     group.add_argument("--executor-tls-ca", type=Path, help="PEM CA that signed the executors' certificates; connects to executors over TLS")
-    group.add_argument("--executor-tls-cert", type=Path, help="PEM client certificate presented to executors (mutual TLS); its common name is this scheduler's identity to them")
+    group.add_argument("--executor-tls-cert", type=Path, help="PEM client certificate presented to executors (mutual TLS); its common name, with --scheduler-id, is this scheduler's identity to them")
     group.add_argument("--executor-tls-key", type=Path, help="PEM private key of --executor-tls-cert")
     group.add_argument(
         "--executor-tls-server-name",

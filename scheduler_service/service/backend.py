@@ -42,7 +42,8 @@ class Backend(Protocol):
         """Ends the request of this stream, if it still runs."""
         ...
 
-    def abort(self, request_id: str) -> bool:
+    async def abort_request(self, request_id: str) -> bool:
+        """Ends the request with this client id, wherever it runs; whether one was found."""
         ...
 
     async def server_status(self) -> pb.ServerStatus:

@@ -355,6 +355,9 @@ class Engine:
         status.num_steps = self.num_steps
         return status
 
+    async def abort_request(self, request_id: str) -> bool:
+        return self.abort(request_id)
+
     def abort(self, request_id: str) -> bool:
         request = self._find(request_id)
         return request is not None and self._abort(request)

@@ -86,7 +86,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         stream.discard()
 
     async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
-        return pb.AbortResponse(found=self.engine.abort(request.request_id))
+        return pb.AbortResponse(found=await self.engine.abort_request(request.request_id))
 
     async def Tokenize(self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext) -> pb.TokenizeResponse:
         info = self.engine.info

@@ -144,7 +144,7 @@ def run_all_in_one(settings: ServerSettings, count: int, argv: Sequence[str]) ->
         return asyncio.run(
             serve_planner(
                 planner_settings,
-                PlannerOptions(token=token, api_host="127.0.0.1"),
+                PlannerOptions(token=token, api_host="127.0.0.1", drain_on_stop=True),
                 PlannerHooks(on_listening=on_listening, on_servicer=on_servicer),
             )
         )

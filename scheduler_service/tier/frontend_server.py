@@ -12,6 +12,7 @@ import time
 import uuid
 from dataclasses import dataclass
 
+from protos.health_port import start_health_port
 from scheduler_service.service.client_port import (
     HealthReporter,
     bind_client_port,
@@ -68,6 +69,11 @@ async def serve_frontend(settings: ServerSettings, options: FrontendOptions) -> 
     await health_reporter.start()
     port = bind_client_port(server, settings)
     await server.start()
+    health_server = None
+    # A front-end sharing its port with others leaves the health port to their owner.
+    if settings.health_port is not None and not options.reuse_port:
+        health_server, health_port = await start_health_port(health_reporter.servicer, settings.host, settings.health_port)
+        logger.info("event=health_port_listening address=%s:%d", settings.host, health_port)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
@@ -93,6 +99,8 @@ async def serve_frontend(settings: ServerSettings, options: FrontendOptions) -> 
     logger.info("event=frontend_drained left=%d", client.num_in_flight)
     client.abort_all()
     await server.stop(SHUTDOWN_GRACE_S)
+    if health_server is not None:
+        await health_server.stop(None)
     runner.cancel()
     waiter.cancel()
     ready_logger.cancel()

@@ -146,12 +146,15 @@ class PlannerClient:
         self._end(handle, FinishReason.ABORT)
         return True
 
-    def abort(self, request_id: str) -> bool:
+    async def abort_request(self, request_id: str) -> bool:
+        """A request of this front-end ends here; another's, through the planner."""
         handle = self._handles_by_id.get(request_id)
-        if handle is None:
+        if handle is not None:
+            self._end(handle, FinishReason.ABORT)
+            return True
+        if self.current is None:
             return False
-        self._end(handle, FinishReason.ABORT)
-        return True
+        return await self.current.abort(request_id)
 
     async def server_status(self) -> pb.ServerStatus:
         if self.current is None:

@@ -68,6 +68,10 @@ class PlannerLink:
     async def server_status(self) -> pb.ServerStatus:
         return await self._stub.GetServerStatus(pb.GetServerStatusRequest(), metadata=self.metadata, timeout=10)
 
+    async def abort(self, request_id: str) -> bool:
+        reply = await self._stub.Abort(pb.AbortRequest(request_id=request_id), metadata=self.metadata, timeout=10)
+        return reply.found
+
     async def run(self) -> None:
         """Keeps the stream up: reached, read until it breaks, reached again."""
         delay = RETRY_MIN_S

@@ -50,6 +50,11 @@ class PlannerOptions:
     # Where the Planner API listens, when not on the settings' host (all_in_one.py keeps it on
     # loopback while health and metrics listen where the client port does).
     api_host: str | None = None
+    # On SIGTERM, let the requests in flight finish here (--drain-timeout) before stopping, as
+    # the all-in-one scheduler does; otherwise hand over at once: the front-ends' streams and
+    # the executors' are closed, so a standby planner takes the executors and the front-ends
+    # re-submit their requests to it (or to this planner restarted) with the tokens they have.
+    drain_on_stop: bool = False
 
 
 @dataclass(slots=True)
@@ -156,12 +161,15 @@ async def serve_planner(settings: ServerSettings, options: PlannerOptions, hooks
     failed = runner.done() and runner.exception() is not None
     if failed:
         logger.error("event=engine_failed error=%r", runner.exception())
-    else:
+    elif options.drain_on_stop:
         await drain(engine, runner, report_serving, settings.drain_timeout_s)
-    logger.info("event=planner_stopping")
-    engine.abort_all()
+    logger.info(
+        "event=planner_stopping handing_over=%d", 0 if options.drain_on_stop else engine.num_waiting + engine.num_running
+    )
+    # Front-ends first: told nothing ended, they take what runs here to the next planner.
     for link in list(servicer.links):
         link.close()
+    engine.abort_all()
     await server.stop(SHUTDOWN_GRACE_S)
     if health_server is not None:
         await health_server.stop(None)

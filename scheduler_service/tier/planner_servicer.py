@@ -69,6 +69,9 @@ class PlannerServicer(planner_pb2_grpc.PlannerServicer):
     async def GetServerStatus(self, request: pb.GetServerStatusRequest, context: grpc.aio.ServicerContext) -> pb.ServerStatus:
         return await self.engine.server_status()
 
+    async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
+        return pb.AbortResponse(found=self.engine.abort(request.request_id))
+
     async def _read(self, link: FrontendLink, batches: AsyncIterator[planner_pb2.FrontendBatch]) -> None:
         try:
             async for batch in batches:

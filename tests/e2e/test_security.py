@@ -242,6 +242,23 @@ def test_the_scheduler_identity_is_its_certificate_name(secured: Secured, pki: P
     assert f"active_holder={SCHEDULER_NAME + '/claimed-in-metadata'!r}" in secured.executor_process.log_text()
 
 
+def test_the_same_certificate_under_another_id_waits_instead_of_taking_over(secured: Secured, pki: Pki) -> None:
+    """Two planner replicas share one client certificate: the second is refused while the first
+    holds the executor, rather than superseding its stream."""
+    credentials = client_credentials(pki, pki.client_cert, pki.client_key)
+    with grpc.secure_channel(secured.executor, credentials) as channel, pytest.raises(grpc.RpcError) as refused:
+        responses = executor_pb2_grpc.ExecutorStub(channel).Execute(
+            iter([executor_pb2.StepPlan(step_id=0)]),
+            timeout=10,
+            metadata=(("x-splitserve-scheduler-id", "planner-replica-2"),),
+        )
+        next(responses)
+    assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    # The holder's stream was not superseded: it still serves.
+    with Client(secured.scheduler, api_key=API_KEY, root_certificates=pki.ca.read_bytes()) as client:
+        assert len(client.generate(prompt_token_ids=[5, 6], max_tokens=2).token_ids) == 2
+
+
 def test_a_certificate_the_ca_signed_for_another_name_cannot_hold_the_executor(secured: Secured, pki: Pki) -> None:
     credentials = client_credentials(pki, pki.stranger_client_cert, pki.stranger_client_key)
     with grpc.secure_channel(secured.executor, credentials) as channel:

@@ -1,5 +1,5 @@
-"""The scheduler tier survives its own deaths (real processes): a planner killed or frozen under
-load is replaced by a standby planner and no client notices (greedy streams equal transformers',
+"""The scheduler tier survives its own deaths (real processes): a planner killed, frozen or
+stopped (SIGTERM hands over) under load is replaced by a standby planner and no client notices (greedy streams equal transformers',
 seeded sampled streams equal an undisturbed run's); a front-end killed under load costs only its
 own streams, and the planner lets go of everything it held for them."""
 
@@ -110,7 +110,7 @@ async def _with_fault(address: str, streams, fault, after_steps: int) -> list[li
     return await task
 
 
-@pytest.mark.parametrize("fault", ["kill", "freeze"])
+@pytest.mark.parametrize("fault", ["kill", "freeze", "sigterm"])
 def test_a_planner_lost_under_load_is_replaced_and_no_stream_notices(
     executors: list[str], reference: Reference, planner_token: Path, fault: str
 ) -> None:
@@ -128,7 +128,8 @@ def test_a_planner_lost_under_load_is_replaced_and_no_stream_notices(
         address = front.wait_ready()
 
         def lose_the_first() -> None:
-            first.process.send_signal(signal.SIGKILL if fault == "kill" else signal.SIGSTOP)
+            signals = {"kill": signal.SIGKILL, "freeze": signal.SIGSTOP, "sigterm": signal.SIGTERM}
+            first.process.send_signal(signals[fault])
 
         started = time.monotonic()
         outputs = asyncio.run(_with_fault(address, lambda a: stream_all(a, jobs), lose_the_first, after_steps=8))

@@ -46,6 +46,11 @@ class PlannerStub:
                 request_serializer=protos_dot_splitserve_dot_v1_dot_generation__pb2.GetServerStatusRequest.SerializeToString,
                 response_deserializer=protos_dot_splitserve_dot_v1_dot_generation__pb2.ServerStatus.FromString,
                 _registered_method=True)
+        self.Abort = channel.unary_unary(
+                '/splitserve.planner.v1.Planner/Abort',
+                request_serializer=protos_dot_splitserve_dot_v1_dot_generation__pb2.AbortRequest.SerializeToString,
+                response_deserializer=protos_dot_splitserve_dot_v1_dot_generation__pb2.AbortResponse.FromString,
+                _registered_method=True)
 
 
 class PlannerServicer:
@@ -71,6 +76,14 @@ class PlannerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Abort(self, request, context):
+        """Ends a request by its client's id, whichever front-end holds it (that front-end's stream
+        then ends with finish reason ABORT), as splitserve.v1.Generation/Abort does.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PlannerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -83,6 +96,11 @@ def add_PlannerServicer_to_server(servicer, server):
                     servicer.GetServerStatus,
                     request_deserializer=protos_dot_splitserve_dot_v1_dot_generation__pb2.GetServerStatusRequest.FromString,
                     response_serializer=protos_dot_splitserve_dot_v1_dot_generation__pb2.ServerStatus.SerializeToString,
+            ),
+            'Abort': grpc.unary_unary_rpc_method_handler(
+                    servicer.Abort,
+                    request_deserializer=protos_dot_splitserve_dot_v1_dot_generation__pb2.AbortRequest.FromString,
+                    response_serializer=protos_dot_splitserve_dot_v1_dot_generation__pb2.AbortResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -140,6 +158,33 @@ class Planner:
             '/splitserve.planner.v1.Planner/GetServerStatus',
             protos_dot_splitserve_dot_v1_dot_generation__pb2.GetServerStatusRequest.SerializeToString,
             protos_dot_splitserve_dot_v1_dot_generation__pb2.ServerStatus.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Abort(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/splitserve.planner.v1.Planner/Abort',
+            protos_dot_splitserve_dot_v1_dot_generation__pb2.AbortRequest.SerializeToString,
+            protos_dot_splitserve_dot_v1_dot_generation__pb2.AbortResponse.FromString,
             options,
             channel_credentials,
             insecure,
