@@ -6,8 +6,10 @@ client library, starting a new request whenever one ends, until told to stop (SI
         [--max-tokens 256] [--ramp-s 2] [--stats-file F] [--duration-s S]
 
 Every token counts as it arrives. With --stats-file it rewrites, as JSON, the monotonic time,
-the tokens received so far, the streams finished and those that failed; a benchmark reads two
-snapshots to get the rate over a window.
+the tokens received so far, the streams finished and those that failed, and how many streams
+are delivering now (their request has sent a token and not ended); a benchmark reads two
+snapshots to get the rate over a window, and waits for every stream to deliver before the first
+so that a window holds steady delivery, not requests still being admitted.
 """
 
 from __future__ import annotations
@@ -34,6 +36,8 @@ class Counts:
     tokens: int = 0
     finished: int = 0
     failed: int = 0
+    # Streams whose current request has received a token and not ended.
+    delivering: int = 0
     # Longest wait between two messages of one stream, seconds.
     longest_gap_s: float = 0.0
 
@@ -45,6 +49,7 @@ async def keep_one_stream(
     while True:
         prompt = [rng.randrange(1, 30_000) for _ in range(args.prompt_len)]
         last = time.monotonic()
+        delivering = failed = False
         try:
             async for delta in client.stream(
                 prompt_token_ids=prompt, max_tokens=args.max_tokens, temperature=0, ignore_eos=True
@@ -53,10 +58,17 @@ async def keep_one_stream(
                 counts.longest_gap_s = max(counts.longest_gap_s, now - last)
                 last = now
                 counts.tokens += len(delta.token_ids)
+                if not delivering:
+                    delivering = True
+                    counts.delivering += 1
             counts.finished += 1
         except SplitserveError as error:
+            failed = True
             counts.failed += 1
             logger.warning("event=stream_failed code=%s details=%r", error.code.name, error.details)
+        finally:
+            counts.delivering -= delivering
+        if failed:
             await asyncio.sleep(1.0)
 
 
@@ -64,7 +76,8 @@ async def write_stats(path: Path, counts: Counts) -> None:
     partial = path.with_suffix(".partial")
     while True:
         snapshot = {"at": time.monotonic(), "tokens": counts.tokens, "finished": counts.finished,
-                    "failed": counts.failed, "longest_gap_s": counts.longest_gap_s}
+                    "failed": counts.failed, "delivering": counts.delivering,
+                    "longest_gap_s": counts.longest_gap_s}
         partial.write_text(json.dumps(snapshot))
         os.replace(partial, path)
         await asyncio.sleep(STATS_INTERVAL_S)

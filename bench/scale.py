@@ -6,17 +6,21 @@ runs as `python -m scheduler_service --frontends N`: with 1, one process does ev
 N >= 2, a planner process and N front-end processes behind the client port (tier/all_in_one.py).
 
     python -m bench.scale [--executors 16] [--running 256] [--step-ms 20 5] [--frontends 1 2]
-        [--load-processes 8] [--warmup-s 8] [--measure-s 10] [--runs 3] [--json OUT]
+        [--load-processes 8] [--warmup-s 8] [--settle-timeout-s 120] [--measure-s 10] [--runs 3]
+        [--json OUT]
 
 Reported per step time and front-end count (median over runs): each executor's idle share over
 the measured window (time with no plan to run: the scheduler fell behind), tokens per second the
-clients received against the rate E x R / step time that executors never waiting would give, and
-the cores the scheduler used. Below the table, per configuration, the median over runs of the
+clients received (and the executors sampled: more, while the scheduler holds tokens its streams
+have not yet sent) against the rate E x R / step time that executors never waiting would give,
+and the cores the scheduler used. Below the table, per configuration, the median over runs of the
 scheduler's CPU per token delivered to clients (microseconds), and with N >= 2 the planner's
 (the parent process) and the front-ends' (its children, together); times the rate asked, each
-says how many cores that role needs. CPU counts over the measured window only, after the
-warm-up. Everything shares this machine's cores, so it may not hold the load; CPU per delivered
-token depends on that much less, which is why the costs are per token.
+says how many cores that role needs. The window opens after the warm-up, once every stream
+receives tokens (or the settle timeout has passed: the table says how many did), so that it
+measures delivery rather than admission; CPU counts over the window only. Everything shares
+this machine's cores, so it may not hold the load; CPU per delivered token depends on that much
+less, which is why the costs are per token.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import json
 import logging
 import os
 import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -59,6 +64,8 @@ class ScaleConfig:
     measure_s: float
     # Front-end processes of the scheduler (--frontends); 1: everything in one process.
     frontends: int = 1
+    # After the warm-up, how long to wait at most for every stream to be delivering.
+    settle_timeout_s: float = 120.0
 
 
 @dataclass(slots=True, frozen=True)
@@ -67,11 +74,17 @@ class ScaleResult:
     # Idle share of each executor over the window, in executor order.
     idle_shares: list[float]
     client_tokens_per_s: float
+    # Tokens the executors sampled per second: above the clients' rate while the scheduler
+    # holds tokens for streams it has not caught up with (or for requests that failed).
+    generated_tokens_per_s: float
     ideal_tokens_per_s: float
     # Scheduler CPU seconds per wall second over the window (1.0: one core, fully used), every
     # process of it together.
     scheduler_cpu: float
     failed_streams: int
+    # Streams delivering tokens when the window opened: all of them, or the window also admitted
+    # requests, whose cost the per-token figures then carry too.
+    delivering_streams: int
     # Microseconds of CPU per token delivered to the clients: the whole scheduler, and with
     # front-end processes (frontends >= 2) the planner's and all front-ends' together; None
     # (not applicable) with one process.
@@ -96,6 +109,21 @@ def _read(path: Path) -> dict[str, float]:
             time.sleep(0.01)
 
 
+def _wait_until_delivering(load_files: list[Path], streams: int, timeout_s: float) -> int:
+    """How many streams deliver tokens once all do, or once timeout_s has passed: until then
+    requests are still being admitted, which costs more per token than delivering does."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        delivering = int(sum(_read(f)["delivering"] for f in load_files))
+        if delivering >= streams or time.monotonic() >= deadline:
+            break
+        logger.info("event=settling delivering=%d streams=%d", delivering, streams)
+        time.sleep(1.0)
+    if delivering < streams:
+        logger.warning("event=not_settled delivering=%d streams=%d timeout_s=%g", delivering, streams, timeout_s)
+    return delivering
+
+
 def _stop(process: subprocess.Popen[bytes]) -> None:
     process.terminate()
     try:
@@ -106,8 +134,8 @@ def _stop(process: subprocess.Popen[bytes]) -> None:
 
 
 def run_once(config: ScaleConfig, workdir: Path | None = None) -> ScaleResult:
-    """One run; the processes' stats files (and the load generators' logs) go to workdir,
-    a temporary folder when None."""
+    """One run; the processes' stats files (and the load generators' and the scheduler's logs)
+    go to workdir, a temporary folder when None."""
     blocks = config.running * ((config.prompt_len + config.max_tokens) // BLOCK_SIZE + 2) + 64
     with ExitStack() as stack:
         if workdir is None:
@@ -133,6 +161,8 @@ def run_once(config: ScaleConfig, workdir: Path | None = None) -> ScaleResult:
             frontends=config.frontends,
         )
         stack.callback(scheduler.close)
+        # Its log (front-ends' included) is removed when it closes: copied beside the others.
+        stack.callback(shutil.copyfile, scheduler.log_path, stats / "scheduler.log")
         address = scheduler.wait_ready(START_TIMEOUT_S)
         wait_all_up(address, config.executors)
         streams = config.executors * config.running
@@ -150,6 +180,7 @@ def run_once(config: ScaleConfig, workdir: Path | None = None) -> ScaleResult:
         time.sleep(config.warmup_s)
         executor_files = [stats / f"executor-{i}.json" for i in range(config.executors)]
         load_files = [stats / f"load-{i}.json" for i in range(config.load_processes)]
+        delivering = _wait_until_delivering(load_files, streams, config.settle_timeout_s)
         before = [_read(f) for f in executor_files]
         loads_before = [_read(f) for f in load_files]
         cpu_before, wall_before = snapshot(scheduler.process.pid), time.monotonic()
@@ -160,8 +191,9 @@ def run_once(config: ScaleConfig, workdir: Path | None = None) -> ScaleResult:
     idle = [
         1.0 - (b["busy_s"] - a["busy_s"]) / (b["at"] - a["at"]) for a, b in zip(before, after, strict=True)
     ]
-    tokens_per_s = sum(
-        (b["tokens"] - a["tokens"]) / (b["at"] - a["at"]) for a, b in zip(loads_before, loads_after, strict=True)
+    tokens_per_s, generated_per_s = (
+        sum((b["tokens"] - a["tokens"]) / (b["at"] - a["at"]) for a, b in zip(first, last, strict=True))
+        for first, last in ((loads_before, loads_after), (before, after))
     )
     used, window_s = used_between(cpu_before, cpu_after), wall_after - wall_before
     if used.frontends_counted != (config.frontends if config.frontends > 1 else 0):
@@ -175,9 +207,11 @@ def run_once(config: ScaleConfig, workdir: Path | None = None) -> ScaleResult:
         config=config,
         idle_shares=idle,
         client_tokens_per_s=tokens_per_s,
+        generated_tokens_per_s=generated_per_s,
         ideal_tokens_per_s=streams / (config.step_ms / 1000),
         scheduler_cpu=tier_s / window_s,
         failed_streams=int(sum(b["failed"] for b in loads_after)),
+        delivering_streams=delivering,
         scheduler_cpu_us_per_token=_us_per_token(tier_s, window_s, tokens_per_s),
         planner_cpu_us_per_token=_us_per_token(used.planner_s, window_s, tokens_per_s) if split else None,
         frontend_cpu_us_per_token=_us_per_token(used.frontends_s, window_s, tokens_per_s) if split else None,
@@ -192,16 +226,16 @@ def median_result(results: list[ScaleResult]) -> ScaleResult:
 
 def format_table(results: list[ScaleResult]) -> str:
     lines = [
-        "| step ms | executors x running | front-ends | idle median | idle worst | client tok/s | ideal tok/s "
-        "| scheduler CPU | failed streams |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| step ms | executors x running | front-ends | idle median | idle worst | client tok/s | generated tok/s | ideal tok/s "
+        "| scheduler CPU | delivering streams | failed streams |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in results:
         c = r.config
         lines.append(
             f"| {c.step_ms:g} | {c.executors} x {c.running} | {c.frontends} | {statistics.median(r.idle_shares):.1%} "
-            f"| {r.worst_idle:.1%} | {r.client_tokens_per_s:,.0f} | {r.ideal_tokens_per_s:,.0f} "
-            f"| {r.scheduler_cpu:.2f} | {r.failed_streams} |"
+            f"| {r.worst_idle:.1%} | {r.client_tokens_per_s:,.0f} | {r.generated_tokens_per_s:,.0f} | {r.ideal_tokens_per_s:,.0f} "
+            f"| {r.scheduler_cpu:.2f} | {r.delivering_streams} | {r.failed_streams} |"
         )
     return "\n".join(lines)
 
@@ -256,10 +290,14 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=1024)
     parser.add_argument("--warmup-s", type=float, default=8.0)
+    parser.add_argument(
+        "--settle-timeout-s", type=float, default=120.0,
+        help="after the warm-up, wait at most this long for every stream to receive tokens before measuring",
+    )
     parser.add_argument("--measure-s", type=float, default=10.0)
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--json", type=Path, help="write every run here")
-    parser.add_argument("--keep-dir", type=Path, help="keep the last run's stats files and load-generator logs here")
+    parser.add_argument("--keep-dir", type=Path, help="keep the last run's stats files and the load generators' and scheduler's logs here")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     medians, every_run, costs = [], [], []
@@ -267,7 +305,7 @@ def main() -> None:
         for frontends in args.frontends:
             config = ScaleConfig(
                 args.executors, args.running, step_ms, args.load_processes, args.prompt_len,
-                args.max_tokens, args.warmup_s, args.measure_s, frontends,
+                args.max_tokens, args.warmup_s, args.measure_s, frontends, args.settle_timeout_s,
             )
             runs = []
             for index in range(args.runs):

@@ -19,6 +19,10 @@ def test_scale_benchmark_drives_simulated_executors_from_client_streams(frontend
     # 16 streams at one token per 20 ms step at most: 800 tokens/s.
     assert result.ideal_tokens_per_s == 800
     assert 0 < result.client_tokens_per_s <= 800 * 1.1
+    # Every stream delivered before the window opened; the executors sampled what clients got
+    # (and, while they catch up, more).
+    assert result.delivering_streams == 16
+    assert result.generated_tokens_per_s > 0
     assert result.scheduler_cpu > 0 and result.scheduler_cpu_us_per_token > 0
     assert f"| 20 | 2 x 8 | {frontends} |" in format_table([result])
     roles = {cost.role: cost for cost in role_costs([result])}
