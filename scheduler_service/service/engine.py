@@ -537,12 +537,16 @@ class Engine:
         self, lane: ExecutorLane, requests: list[Request], token_ids: list[int]
     ) -> None:
         """Steady decodes' tokens: one each, none finishing (the scheduler saw to that), so
-        only a stop string can end one here."""
+        only a stop string can end one here. This loop runs once per token the scheduler
+        delivers, so the step's inter-token latencies go into the histogram together."""
         self.metrics.generation_tokens.inc(len(token_ids))
         now = time.monotonic()
+        gaps: list[float] = []
         for request, token in zip(requests, token_ids, strict=True):
             stream = _stream_of(request)
-            self._observe_inter_token(stream, now)
+            if stream.last_tokens_at is not None:
+                gaps.append(now - stream.last_tokens_at)
+            stream.last_tokens_at = now
             message, stop_string = stream.add_tokens([token], ())
             if stop_string is not None and lane.scheduler is not None:
                 lane.scheduler.stop_at_string(request, stop_string)
@@ -550,6 +554,7 @@ class Engine:
                 self._close(request, message)
             else:
                 stream.send(message)
+        self.metrics.inter_token.observe_all(gaps)
 
     def _observe_inter_token(self, stream: RequestSink, now: float) -> None:
         if stream.last_tokens_at is not None:

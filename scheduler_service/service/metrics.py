@@ -2,6 +2,9 @@
 dashboards map over by the prefix; one scheduler serves one model, so there is no model_name
 label. The executors export their own step timings (executor_service/metrics.py)."""
 
+from collections.abc import Sequence
+
+import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from scheduler_service.core.request import Request
@@ -11,6 +14,26 @@ TOKEN_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.
 LENGTH_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000)
 # Executor states as ExecutorStatus names them, one series each.
 EXECUTOR_STATES = ("connecting", "up", "draining", "drained", "refused", "down")
+
+
+class BatchHistogram(Histogram):
+    """A Histogram that also takes many observations at once. observe() takes a lock twice per
+    value (about a microsecond); the inter-token latency has one value per running request per
+    step, so a step's values go in together: one lock per bucket they fall in, one for the sum.
+    The buckets are prometheus_client's own (le: the first upper bound not below the value)."""
+
+    def observe_all(self, amounts: Sequence[float]) -> None:
+        if not amounts:
+            return
+        self._raise_if_not_observable()
+        values = np.asarray(amounts, dtype=np.float64)
+        # side="left": a value equal to a bound counts in that bound's bucket, as observe() does.
+        buckets = np.searchsorted(self._upper_bounds, values, side="left")
+        counts = np.bincount(buckets, minlength=len(self._upper_bounds))
+        self._sum.inc(float(values.sum()))
+        for bucket, count in zip(self._buckets, counts.tolist(), strict=True):
+            if count:
+                bucket.inc(count)
 
 
 class SchedulerMetrics:
@@ -38,7 +61,7 @@ class SchedulerMetrics:
         self.ttft = Histogram(
             "splitserve:time_to_first_token_seconds", "Arrival to first token.", buckets=LATENCY_BUCKETS, registry=r
         )
-        self.inter_token = Histogram(
+        self.inter_token = BatchHistogram(
             "splitserve:inter_token_latency_seconds",
             "Time between two deliveries of tokens to a request.",
             buckets=TOKEN_LATENCY_BUCKETS,
