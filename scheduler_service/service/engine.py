@@ -507,7 +507,7 @@ class Engine:
             requests = [update.request for update in updates.updates] + updates.decoded_requests
             self.tracing.step_done(lane.address, output, requests, received_ns)
         self._count(lane)
-        self._observe_queues()
+        self._observe_queues(lane)
 
     # ---- internals ---------------------------------------------------------------------------
 
@@ -675,19 +675,21 @@ class Engine:
         self.metrics.preemptions.inc(new_preemptions)
         self._counts_seen[lane.address] = (scheduler.num_preemptions, scheduler.num_steps)
 
-    def _observe_queues(self) -> None:
+    def _observe_queues(self, stepped: ExecutorLane) -> None:
+        """After a lane's step: the totals, and that lane's own gauges (each lane's change as
+        it steps, not every lane's at every step of any)."""
         self.metrics.running.set(self.num_running)
         self.metrics.waiting.set(self.num_waiting)
         total = free = 0
         for lane in self._serving_lanes():
-            lane_total, lane_free = lane.scheduler.kv.pool.num_blocks, lane.scheduler.kv.num_free_blocks
-            total += lane_total
-            free += lane_free
-            self.metrics.executor_requests.labels(executor=lane.address).set(lane.scheduler.load)
-            self.metrics.executor_kv_usage.labels(executor=lane.address).set(
-                1.0 - lane_free / lane_total if lane_total else 0.0
-            )
+            total += lane.scheduler.kv.pool.num_blocks
+            free += lane.scheduler.kv.num_free_blocks
         self.metrics.kv_usage.set(1.0 - free / total if total else 0.0)
+        scheduler = stepped.scheduler
+        if scheduler is not None:
+            lane_total = scheduler.kv.pool.num_blocks
+            lane_usage = 1.0 - scheduler.kv.num_free_blocks / lane_total if lane_total else 0.0
+            self.metrics.executor_stepped(stepped.address, scheduler.load, lane_usage)
 
 
 def _stream_of(request: Request) -> RequestSink:

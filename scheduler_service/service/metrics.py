@@ -91,6 +91,9 @@ class SchedulerMetrics:
         self.executor_kv_usage = Gauge(
             "splitserve:executor_kv_cache_usage_perc", "Share of each executor's KV blocks in use.", ["executor"], registry=r
         )
+        # Each executor's children of the two gauges above, set after every step it takes:
+        # labels() takes a lock and builds its key on every call.
+        self._executor_gauges: dict[str, tuple[Gauge, Gauge]] = {}
 
     def request_finished(self, request: Request) -> None:
         reason = request.finish_reason.value if request.finish_reason else "abort"
@@ -108,6 +111,16 @@ class SchedulerMetrics:
         if request.finish_time is not None:
             self.e2e.observe(request.finish_time - arrival)
 
+    def executor_stepped(self, address: str, num_requests: int, kv_usage: float) -> None:
+        gauges = self._executor_gauges.get(address)
+        if gauges is None:
+            gauges = self._executor_gauges[address] = (
+                self.executor_requests.labels(executor=address),
+                self.executor_kv_usage.labels(executor=address),
+            )
+        gauges[0].set(num_requests)
+        gauges[1].set(kv_usage)
+
     def executor_changed(self, address: str, state: str) -> None:
         for name in EXECUTOR_STATES:
             self.executor_state.labels(executor=address, state=name).set(1.0 if name == state else 0.0)
@@ -115,6 +128,7 @@ class SchedulerMetrics:
     def executor_removed(self, address: str) -> None:
         for name in EXECUTOR_STATES:
             self.executor_state.remove(address, name)
+        self._executor_gauges.pop(address, None)
         for gauge in (self.executor_requests, self.executor_kv_usage):
             try:
                 gauge.remove(address)
