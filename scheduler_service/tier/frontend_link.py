@@ -22,10 +22,10 @@ class _Gathered:
     """One PlannerBatch in the making, as plain lists until it is sent."""
 
     handles: list[int] = field(default_factory=list)
-    num_tokens: list[int] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
-    # Whether every entry so far got one token (num_tokens is then left out of the message).
-    all_single: bool = True
+    # Tokens of each entry of handles, kept from the first entry that got other than one: until
+    # then every entry got one (steady decodes), and the message leaves num_tokens out.
+    num_tokens: list[int] | None = None
     logprobs: list[planner_pb2.RequestLogprobs] = field(default_factory=list)
     started: list[int] = field(default_factory=list)
     queued_s: list[float] = field(default_factory=list)
@@ -44,7 +44,7 @@ class _Gathered:
             finished=self.finished,
             failed=self.failed,
         )
-        if not self.all_single:
+        if self.num_tokens is not None:
             batch.num_tokens.extend(self.num_tokens)
         return batch
 
@@ -62,12 +62,15 @@ class FrontendLink:
     def tokens(
         self, sink: "RemoteSink", token_ids: list[int], logprobs: Sequence[executor_pb2.TokenLogprob]
     ) -> None:
-        gathered = self._gather()
+        # Called once per token delivered: the common case (one token, no logprobs, started) is
+        # two appends.
+        gathered = self._gathered or self._gather()
         gathered.handles.append(sink.handle)
-        gathered.num_tokens.append(len(token_ids))
         gathered.token_ids.extend(token_ids)
-        if len(token_ids) != 1:
-            gathered.all_single = False
+        if gathered.num_tokens is not None:
+            gathered.num_tokens.append(len(token_ids))
+        elif len(token_ids) != 1:
+            gathered.num_tokens = [1] * (len(gathered.handles) - 1) + [len(token_ids)]
         if logprobs:
             gathered.logprobs.append(planner_pb2.RequestLogprobs(handle=sink.handle, logprobs=logprobs))
         if not sink.started:
