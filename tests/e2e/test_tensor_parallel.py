@@ -23,6 +23,7 @@ from tests.helpers.executor_process import (
     ExecutorProcess,
     start_executor,
 )
+from tests.helpers.executor_token import token_file
 from tests.helpers.greedy_client import stream_all, workload
 from tests.helpers.greedy_reference import Reference
 from tests.helpers.model_factory import build_model
@@ -125,6 +126,7 @@ def test_under_torchrun_each_rank_is_a_process_of_its_own_and_rank_0_serves(tmp_
         str(torchrun), "--nproc-per-node", "2", "--master-port", str(free_port()),
         "-m", "executor_service", "--model", str(model_dir), "--port", "0",
         "--tensor-parallel-size", "2", "--threads", "1", "--num-kv-blocks", "64",
+        "--executor-token-file", str(token_file()),
     ]
     executor = ServiceProcess(command, READY_PATTERN, "executor")
     try:

@@ -10,6 +10,9 @@ from executor_service.__main__ import parse_args
 from executor_service.settings import parse_size
 from protos.default_ports import DEFAULT_EXECUTOR_PORT
 
+# An executor refuses to start without an access rule; these tests are about the other flags.
+MODEL = ["--model", "/m", "--insecure-executor"]
+
 
 @pytest.mark.parametrize(
     ("text", "size"),
@@ -27,31 +30,31 @@ def test_parse_size_refuses_nonsense(text: str) -> None:
 
 def test_flags_reach_the_settings() -> None:
     settings = parse_args(
-        ["--model", "/m", "--port", "0", "--dtype", "bfloat16", "--kv-cache-memory", "64MiB"]
+        [*MODEL, "--port", "0", "--dtype", "bfloat16", "--kv-cache-memory", "64MiB"]
     )
     assert settings.model_dir == Path("/m")
     assert (settings.port, settings.dtype, settings.device) == (0, "bfloat16", "auto")
     assert (settings.kv_cache_bytes, settings.num_kv_blocks) == (64 << 20, None)
     assert (settings.trust_remote_code, settings.attention_backend) == (False, "auto")
     chosen = parse_args(
-        ["--model", "/m", "--port", "0", "--trust-remote-code", "--attention-backend", "sdpa"]
+        [*MODEL, "--port", "0", "--trust-remote-code", "--attention-backend", "sdpa"]
     )
     assert (chosen.trust_remote_code, chosen.attention_backend) == (True, "sdpa")
     assert settings.packed_linear
-    assert not parse_args(["--model", "/m", "--port", "0", "--no-packed-linear"]).packed_linear
+    assert not parse_args([*MODEL, "--port", "0", "--no-packed-linear"]).packed_linear
 
 
 def test_block_budget_flags_are_exclusive() -> None:
     with pytest.raises(SystemExit):
         parse_args(
-            ["--model", "/m", "--port", "0", "--num-kv-blocks", "8", "--kv-cache-memory", "1GiB"]
+            [*MODEL, "--port", "0", "--num-kv-blocks", "8", "--kv-cache-memory", "1GiB"]
         )
 
 
 def test_the_port_has_a_default_the_scheduler_dials_by_default() -> None:
-    assert parse_args(["--model", "/m"]).port == DEFAULT_EXECUTOR_PORT == 50052
-    assert not parse_args(["--model", "/m"]).verbose
-    assert parse_args(["--model", "/m", "-v"]).verbose
+    assert parse_args([*MODEL]).port == DEFAULT_EXECUTOR_PORT == 50052
+    assert not parse_args([*MODEL]).verbose
+    assert parse_args([*MODEL, "-v"]).verbose
 
 
 @pytest.mark.parametrize(
@@ -84,7 +87,7 @@ def test_a_meaningless_value_is_argparses_error(
     flag: str, value: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     with pytest.raises(SystemExit) as exit_:
-        parse_args(["--model", "/m", flag, value])
+        parse_args([*MODEL, flag, value])
     assert exit_.value.code == 2
     assert f"error: argument {flag}: " in capsys.readouterr().err.splitlines()[-1]
 
@@ -94,4 +97,4 @@ def test_a_meaningless_value_is_argparses_error(
     [("--port", "0"), ("--max-logprobs", "0"), ("--drain-timeout", "0"), ("--gpu-memory-utilization", "1")],
 )
 def test_edge_values_that_mean_something_are_taken(flag: str, value: str) -> None:
-    parse_args(["--model", "/m", flag, value])
+    parse_args([*MODEL, flag, value])

@@ -15,12 +15,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from protos.log_format import message_fields
+from tests.helpers.executor_token import token_file
 from tests.helpers.service_process import REPO_ROOT
 
 SPLITSERVE = str(Path(sys.executable).parent / "splitserve")
-# Each service through the installed command and through its module, as users start them.
-EXECUTOR = [SPLITSERVE, "executor"]
-EXECUTOR_MODULE = [sys.executable, "-m", "executor_service"]
+# Each service through the installed command and through its module, as users start them; an
+# executor is closed by default, so it is given the tests' token to get past that refusal.
+_EXECUTOR_ACCESS = ["--executor-token-file", str(token_file())]
+EXECUTOR = [SPLITSERVE, "executor", *_EXECUTOR_ACCESS]
+EXECUTOR_MODULE = [sys.executable, "-m", "executor_service", *_EXECUTOR_ACCESS]
 SCHEDULER = [SPLITSERVE, "scheduler"]
 SCHEDULER_MODULE = [sys.executable, "-m", "scheduler_service"]
 
