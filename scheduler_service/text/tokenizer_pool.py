@@ -82,8 +82,16 @@ class TokenizerPool:
                 raise RuntimeError("the tokenizer pool is closed")
             heapq.heappush(self._waiting, job)
             self._changed.notify_all()
-        future.add_done_callback(lambda _: self._forget(job))
-        return await asyncio.wrap_future(future)
+        try:
+            return await asyncio.wrap_future(future)
+        except asyncio.CancelledError:
+            self._forget(job)
+            raise
+        finally:
+            # A raised exception's traceback holds this frame: left bound, these would make a
+            # cycle (exception, frame, future, exception) that keeps the job's arguments, a
+            # whole request's bytes, until the collector next runs.
+            del future, job, args
 
     def close(self) -> None:
         """Cancels the waiting jobs; running ones finish on their daemon threads."""
@@ -96,7 +104,8 @@ class TokenizerPool:
 
     def _forget(self, job: _Job) -> None:
         """A cancelled job leaves the queue at once: its prompt is not kept until a thread
-        would have reached it."""
+        would have reached it. (Not a done callback of its future: that would tie the job to
+        the future that holds its exception.)"""
         if not job.future.cancelled():
             return
         with self._changed:
