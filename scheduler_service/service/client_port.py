@@ -19,7 +19,7 @@ from protos.splitserve.v1 import (
 from scheduler_service.service.api_keys import ApiKeyInterceptor
 from scheduler_service.service.backend import Backend
 from scheduler_service.service.message_parsing import MessageParsingInterceptor
-from scheduler_service.service.request_intake import Intake
+from scheduler_service.service.request_intake import PARSED_BY_INTAKE, Intake
 from scheduler_service.service.server_settings import ServerSettings
 from scheduler_service.service.servicer import GenerationServicer
 
@@ -59,7 +59,9 @@ def client_server(
 ) -> grpc.aio.Server:
     """The server, its services added; bind_client_port() then binds it. reuse_port: one of
     several front-ends sharing the port (SO_REUSEPORT), whose owner checked it was free."""
-    interceptors: list[grpc.aio.ServerInterceptor] = [MessageParsingInterceptor(settings.limits.receive_limit_bytes())]
+    interceptors: list[grpc.aio.ServerInterceptor] = [
+        MessageParsingInterceptor(settings.limits.receive_limit_bytes(), PARSED_BY_INTAKE)
+    ]
     if settings.api_keys is not None or settings.admin_keys is not None:
         # First in the chain: an unauthenticated call is refused before its request is parsed.
         interceptors.insert(0, ApiKeyInterceptor(settings.api_keys, settings.admin_keys))

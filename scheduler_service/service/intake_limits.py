@@ -1,6 +1,6 @@
-"""Caps on what one client request may carry, checked on the parsed message before any
-tokenizing, hashing or copying, so an oversized request costs its sender, not the server; and
-how many requests are tokenized at once.
+"""Caps on what one client request may carry, checked on the parsed message (a token-id list
+too long to be allowed is counted, not decoded) before any tokenizing, hashing or copying, so an
+oversized request costs its sender, not the server; and how many requests are tokenized at once.
 
 Each cap is a flag (scheduler_service/__main__.py). The receive limit is derived from them: a
 message larger than any request the caps allow is refused from its length alone, before it is
@@ -62,8 +62,11 @@ class IntakeLimits:
         return max(self.max_message_bytes, self.receive_limit_bytes())
 
 
-def check_generate(message: pb.GenerateRequest, limits: IntakeLimits, max_model_len: int) -> None:
-    """RequestRejected (INVALID) naming the first cap the request breaks."""
+def check_generate(
+    message: pb.GenerateRequest, limits: IntakeLimits, max_model_len: int, undecoded_ids: int | None = None
+) -> None:
+    """RequestRejected (INVALID) naming the first cap the request breaks. undecoded_ids: the
+    prompt is a token-id list of this many ids, left undecoded (service/request_parsing.py)."""
     _check_request_id(message.request_id, limits)
     if _utf8_length_exceeds(message.cache_salt, limits.max_cache_salt_bytes):
         _reject(f"cache_salt is longer than {limits.max_cache_salt_bytes} bytes")
@@ -78,7 +81,7 @@ def check_generate(message: pb.GenerateRequest, limits: IntakeLimits, max_model_
             _reject("a stop string is empty")
         if _utf8_length_exceeds(stop, limits.max_stop_bytes):
             _reject(f"a stop string is longer than {limits.max_stop_bytes} bytes")
-    check_prompt(message, "prompt", limits, max_model_len)
+    check_prompt(message, "prompt", limits, max_model_len, undecoded_ids)
 
 
 def check_prompt(
@@ -86,14 +89,15 @@ def check_prompt(
     field: str,
     limits: IntakeLimits,
     max_model_len: int,
+    undecoded_ids: int | None = None,
 ) -> None:
     """The prompt's caps (field names the oneof: 'prompt' or 'input')."""
-    kind = message.WhichOneof(field)
+    kind = "token_ids" if undecoded_ids is not None else message.WhichOneof(field)
     if kind == "text":
         if _utf8_length_exceeds(message.text, limits.max_prompt_bytes):
             _reject(f"the prompt text is longer than {limits.max_prompt_bytes} bytes (--max-prompt-bytes)")
     elif kind == "token_ids":
-        count = len(message.token_ids.ids)
+        count = len(message.token_ids.ids) if undecoded_ids is None else undecoded_ids
         most = min(limits.max_prompt_tokens, max_model_len)
         if count > most:
             _reject(

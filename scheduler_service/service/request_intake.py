@@ -7,10 +7,15 @@ templating and block hashing then run in the tokenizer pool (text/tokenizer_pool
 prompt first, with a thread that large prompts never take, so neither the event loop that serves
 every other stream nor a small prompt waits on a large one. Tiny requests are built inline, where
 a thread hop would cost more than the work.
+
+A request too large to parse on the event loop comes unparsed (service/message_parsing.py): it is
+parsed, checked and built in the pool, its token-id list counted before it is decoded
+(service/request_parsing.py).
 """
 
 import uuid
 
+from google.protobuf.message import Message
 from jinja2 import TemplateError
 
 from kv_manager.prefix_hash import chain_hashes
@@ -24,6 +29,7 @@ from scheduler_service.service.intake_limits import (
     check_generate,
     check_prompt,
 )
+from scheduler_service.service.request_parsing import UnparsedRequest, parse_request
 from scheduler_service.text.template_kwargs import TemplateValue
 from scheduler_service.text.tokenizer import TextProcessor
 from scheduler_service.text.tokenizer_pool import TokenizerPool
@@ -32,6 +38,8 @@ from scheduler_service.text.tokenizer_pool import TokenizerPool
 # token ids, a request is built on the event loop.
 INLINE_TEXT_CHARS = 512
 INLINE_TOKEN_IDS = 16_384
+# What the intake parses itself when large (MessageParsingInterceptor hands those over unparsed).
+PARSED_BY_INTAKE: frozenset[type[Message]] = frozenset({pb.GenerateRequest, pb.TokenizeRequest, pb.DetokenizeRequest})
 
 
 class Intake:
@@ -46,7 +54,11 @@ class Intake:
         self.defaults = defaults
         self._pool = TokenizerPool(limits.tokenizer_threads)
 
-    async def generate_request(self, message: pb.GenerateRequest, info: executor_pb2.ExecutorInfo) -> Request:
+    async def generate_request(
+        self, message: pb.GenerateRequest | UnparsedRequest, info: executor_pb2.ExecutorInfo
+    ) -> Request:
+        if isinstance(message, UnparsedRequest):
+            return await self._pool.run(len(message.raw), self._generate_unparsed, message, info)
         check_generate(message, self.limits, info.max_model_len)
         refuse_certain_overflow(message, self.text, info.max_model_len)
         size = prompt_size(message, "prompt")
@@ -54,28 +66,69 @@ class Intake:
             return build_request(message, self.text, info, self.defaults)
         return await self._pool.run(size, build_request, message, self.text, info, self.defaults)
 
-    async def token_ids(self, message: pb.TokenizeRequest, max_model_len: int | None) -> list[int]:
+    async def token_ids(self, message: pb.TokenizeRequest | UnparsedRequest, max_model_len: int | None) -> list[int]:
         # Tokenize may run before any executor is reached: the token count is then capped by
         # the flag alone.
-        check_prompt(message, "input", self.limits, max_model_len or self.limits.max_prompt_tokens)
+        most = max_model_len or self.limits.max_prompt_tokens
+        if isinstance(message, UnparsedRequest):
+            return await self._pool.run(len(message.raw), self._token_ids_unparsed, message, most)
+        check_prompt(message, "input", self.limits, most)
         size = prompt_size(message, "input")
         if _is_inline(message, "input", size):
             return prompt_token_ids(message, self.text, "input")
         return await self._pool.run(size, prompt_token_ids, message, self.text, "input")
 
-    async def text_of(self, message: pb.DetokenizeRequest, vocab_size: int | None) -> str:
+    async def text_of(self, message: pb.DetokenizeRequest | UnparsedRequest, vocab_size: int | None) -> str:
         """The text of token ids; vocab_size (None before any executor answered): the model's,
         else the tokenizer's own size bounds the ids."""
+        if isinstance(message, UnparsedRequest):
+            return await self._pool.run(len(message.raw), self._text_of_unparsed, message, vocab_size)
+        text = self._check_detokenize(message, vocab_size)
+        ids = message.token_ids
+        skip = message.skip_special_tokens
+        if len(ids) <= INLINE_TOKEN_IDS:
+            return text.decode(ids, skip_special_tokens=skip)
+        return await self._pool.run(len(ids), text.decode, list(ids), skip)
+
+    def _generate_unparsed(self, request: UnparsedRequest, info: executor_pb2.ExecutorInfo) -> Request:
+        """generate_request's work on a pool thread, parsing first."""
+        parsed = parse_request(request, min(self.limits.max_prompt_tokens, info.max_model_len))
+        message = parsed.message
+        assert isinstance(message, pb.GenerateRequest)
+        # Refuses a list left undecoded: it holds more ids than allowed.
+        check_generate(message, self.limits, info.max_model_len, parsed.undecoded_ids)
+        refuse_certain_overflow(message, self.text, info.max_model_len)
+        return build_request(message, self.text, info, self.defaults)
+
+    def _token_ids_unparsed(self, request: UnparsedRequest, most: int) -> list[int]:
+        message = parse_request(request, most).message
+        assert isinstance(message, pb.TokenizeRequest)
+        check_prompt(message, "input", self.limits, most)
+        return prompt_token_ids(message, self.text, "input")
+
+    def _text_of_unparsed(self, request: UnparsedRequest, vocab_size: int | None) -> str:
+        parsed = parse_request(request, self.limits.max_prompt_tokens)
+        message = parsed.message
+        assert isinstance(message, pb.DetokenizeRequest)
+        # Refuses a list left undecoded: it holds more ids than allowed.
+        text = self._check_detokenize(message, vocab_size, parsed.undecoded_ids)
+        return text.decode(list(message.token_ids), skip_special_tokens=message.skip_special_tokens)
+
+    def _check_detokenize(
+        self, message: pb.DetokenizeRequest, vocab_size: int | None, undecoded_ids: int | None = None
+    ) -> TextProcessor:
+        """The tokenizer to detokenize with; RequestRejected naming what is wrong."""
         text = self.text
         if text is None:
             raise RequestRejected(
                 ErrorKind.UNSUPPORTED, "this server has no tokenizer (start it with --tokenizer) to detokenize with"
             )
         ids = message.token_ids
-        if len(ids) > self.limits.max_prompt_tokens:
+        count = len(ids) if undecoded_ids is None else undecoded_ids
+        if count > self.limits.max_prompt_tokens:
             raise RequestRejected(
                 ErrorKind.INVALID,
-                f"{len(ids)} token ids; at most {self.limits.max_prompt_tokens} are allowed (--max-prompt-tokens)",
+                f"{count} token ids; at most {self.limits.max_prompt_tokens} are allowed (--max-prompt-tokens)",
             )
         # Ids past the tokenizer's own table have no text, whatever the model's vocabulary holds.
         bound = min(vocab_size, len(text.tokenizer)) if vocab_size else len(text.tokenizer)
@@ -84,10 +137,7 @@ class Intake:
             raise RequestRejected(
                 ErrorKind.INVALID, f"token ids {outside[:10]} are outside the vocabulary of {bound}"
             )
-        skip = message.skip_special_tokens
-        if len(ids) <= INLINE_TOKEN_IDS:
-            return text.decode(ids, skip_special_tokens=skip)
-        return await self._pool.run(len(ids), text.decode, list(ids), skip)
+        return text
 
     def close(self) -> None:
         self._pool.close()
