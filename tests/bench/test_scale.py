@@ -7,7 +7,7 @@ import pytest
 from bench.scale import ScaleConfig, format_costs, format_table, role_costs, run_once
 
 
-@pytest.mark.parametrize("frontends", [1, 2])
+@pytest.mark.parametrize("frontends", [pytest.param(1, marks=pytest.mark.slow), 2])
 def test_scale_benchmark_drives_simulated_executors_from_client_streams(frontends: int) -> None:
     config = ScaleConfig(
         executors=2, running=8, step_ms=20.0, load_processes=1, prompt_len=16, max_tokens=32,

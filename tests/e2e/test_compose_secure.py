@@ -530,6 +530,7 @@ def health_check(channel: grpc.Channel) -> int:
     return stub.Check(health_pb2.HealthCheckRequest(), timeout=10).status
 
 
+@pytest.mark.slow
 def test_secured_services_come_up_and_demand_credentials(
     secure: dict[str, Any], tmp_path: Path, running: RunningServices
 ) -> None:

@@ -92,6 +92,7 @@ def test_a_frozen_executor_is_lost_by_keepalive_and_its_requests_finish_elsewher
         assert output == reference(prompt, max_tokens)
 
 
+@pytest.mark.slow
 def test_keepalive_waits_out_a_slow_step_but_not_a_frozen_scheduler(stack: ExitStack) -> None:
     simulated = ServiceProcess(
         [

@@ -39,7 +39,7 @@ def prompts(prepared_model: Path) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def service(prepared_model: Path) -> Iterator[str]:
-    with start_executor(prepared_model, num_kv_blocks=512, block_size=16, threads=2) as (executor, _):
+    with start_executor(prepared_model, num_kv_blocks=512, block_size=16) as (executor, _):
         with start_scheduler(executor, max_num_batched_tokens=TOKEN_BUDGET) as address:
             yield address
 

@@ -29,7 +29,7 @@ GREETING = [
 @pytest.fixture(scope="module")
 def service(prepared_model: Path) -> Iterator[tuple[str, int]]:
     metrics_port = free_port()
-    with start_executor(prepared_model, num_kv_blocks=256, block_size=16, threads=2) as (executor, _):
+    with start_executor(prepared_model, num_kv_blocks=256, block_size=16) as (executor, _):
         with start_scheduler(executor, tokenizer=prepared_model, metrics_port=metrics_port) as address:
             yield address, metrics_port
 

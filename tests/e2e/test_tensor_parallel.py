@@ -44,7 +44,7 @@ def _followers(pid: int) -> list[int]:
     return [child for child in children if b"spawn_main" in Path(f"/proc/{child}/cmdline").read_bytes()]
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", pytest.param("qwen3", marks=pytest.mark.slow)])
 def test_two_ranks_match_transformers_through_chunks_prefix_hits_and_preemption(
     tmp_path: Path, arch: str
 ) -> None:

@@ -110,7 +110,9 @@ async def _with_fault(address: str, streams, fault, after_steps: int) -> list[li
     return await task
 
 
-@pytest.mark.parametrize("fault", ["kill", "freeze", "sigterm"])
+@pytest.mark.parametrize(
+    "fault", ["kill", pytest.param("freeze", marks=pytest.mark.slow), pytest.param("sigterm", marks=pytest.mark.slow)]
+)
 def test_a_planner_lost_under_load_is_replaced_and_no_stream_notices(
     executors: list[str], reference: Reference, planner_token: Path, fault: str
 ) -> None:

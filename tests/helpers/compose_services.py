@@ -1,7 +1,9 @@
 """Compose services run as plain local processes, for tests on machines without a Docker engine.
 
 `LocalStandIns` maps what a container has onto this machine (the volume, service hostnames, fixed
-ports, `python` and `splitserve`); `bring_up` starts the services in dependency order, runs the one-shots to
+ports, `python` and `splitserve`, and the executor's threads: a container has its cores, while
+here two test workers share two, and OpenMP threads waiting for a busy core made the compose
+tests' answers ten times slower); `bring_up` starts the services in dependency order, runs the one-shots to
 their end, and waits for each server's own healthcheck to pass; `RunningServices` stops them as
 `docker compose down` does. tests/e2e/test_compose.py says what is substituted and why.
 """
@@ -24,6 +26,8 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 CONTAINER_HOSTS = {"executor", "planner", "frontend", "127.0.0.1", "localhost", "0.0.0.0"}
 HOST_PORT = re.compile(r"([\w.-]+):(\d+)")
 URL = re.compile(r"(https?://)([\w.-]+:\d+)(/.*)?")
+# The executor's --threads and OMP_NUM_THREADS when run here.
+LOCAL_THREADS = "1"
 
 
 def seconds(duration: str) -> float:
@@ -81,7 +85,11 @@ class LocalStandIns:
         return text
 
     def command(self, command: list[str]) -> list[str]:
-        return [*self.program(command[0]), *(self.arg(text) for text in command[1:])]
+        args = [self.arg(text) for text in command[1:]]
+        for index, text in enumerate(args[:-1]):
+            if text == "--threads":
+                args[index + 1] = LOCAL_THREADS
+        return [*self.program(command[0]), *args]
 
     @staticmethod
     def program(name: str) -> list[str]:
@@ -94,7 +102,10 @@ class LocalStandIns:
 
     def environment(self, spec: dict[str, Any]) -> dict[str, str]:
         # The image's ENV lines hold nothing a local process needs beyond the service's own.
-        return {**os.environ, **{key: self.arg(str(value)) for key, value in spec.items()}}
+        environment = {**os.environ, **{key: self.arg(str(value)) for key, value in spec.items()}}
+        if "OMP_NUM_THREADS" in spec:
+            environment["OMP_NUM_THREADS"] = LOCAL_THREADS
+        return environment
 
 
 @dataclass(slots=True)
