@@ -11,6 +11,7 @@ from executor_service.greedy_head import ScreenedHead
 from executor_service.model_loader import LoadedModel
 from executor_service.paged_attention import STEP_KWARG, active_step
 from executor_service.plan_inputs import StepInputs
+from executor_service.sequence_rope import sequence_lengths
 
 
 def accepts_logits_to_keep(loaded: LoadedModel) -> bool:
@@ -29,7 +30,7 @@ def compute_logits(
     argmax hold -inf outside the tokens that could be it.
     """
     if loaded.lean is not None:
-        with active_step(inputs.attention), _argmax_only_rows(loaded, inputs):
+        with active_step(inputs.attention), sequence_lengths(inputs.rope_lengths), _argmax_only_rows(loaded, inputs):
             return loaded.lean.logits(inputs.input_ids, inputs.position_ids, inputs.attention, inputs.logits_indices)[0]
     common = {
         "input_ids": inputs.input_ids,
@@ -37,7 +38,7 @@ def compute_logits(
         "use_cache": False,
         STEP_KWARG: inputs.attention,
     }
-    with active_step(inputs.attention):
+    with active_step(inputs.attention), sequence_lengths(inputs.rope_lengths):
         if use_logits_to_keep:
             with _argmax_only_rows(loaded, inputs):
                 return loaded.model(**common, logits_to_keep=inputs.logits_indices).logits[0]

@@ -181,7 +181,7 @@ def _step_peak(
     torch.cuda.synchronize(device)
     start = torch.cuda.memory_allocated(device)
     torch.cuda.reset_peak_memory_stats(device)
-    inputs = build_step_inputs(work, cache, backend, device)
+    inputs = build_step_inputs(work, cache, backend, device, loaded.sequence_rope)
     logits = compute_logits(loaded, inputs, accepts_logits_to_keep(loaded))
     rows = [
         SamplingRow(s.sampling, None, s.prompt_token_ids, s.output_token_ids)

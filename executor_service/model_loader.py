@@ -22,6 +22,7 @@ from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 from executor_service.kv_geometry import probe_kv_geometry
 from executor_service.model_support import UnsupportedModel, check_config
 from executor_service.paged_attention import ATTENTION_NAME, register_paged_attention
+from executor_service.sequence_rope import install_sequence_rope
 from protos.local_folder import FolderError, require_folder
 
 if TYPE_CHECKING:
@@ -55,6 +56,8 @@ class LoadedModel:
     # Set at start-up once fuse_layers has replaced every layer (lean_forward.py): the step's
     # forward runs it instead of the model's own.
     lean: LeanLlama | None = None
+    # Rotary frequencies decided per sequence (sequence_rope.py): steps carry token lengths.
+    sequence_rope: bool = False
 
 
 def resolve_device(name: str) -> torch.device:
@@ -127,6 +130,7 @@ def load_model(
         num_kv_heads=geometry.num_kv_heads,
         key_dim=geometry.key_dim,
         value_dim=geometry.value_dim,
+        sequence_rope=install_sequence_rope(model),
     )
     logger.info(
         "event=model_loaded model=%s model_type=%s arch=%s device=%s dtype=%s vocab_size=%d "

@@ -144,7 +144,7 @@ class ModelRunner:
             # A graphed step is all decodes, every one sampled, in work order.
             sampled_states = [item.state for item in work]
         else:
-            inputs = build_step_inputs(work, self.kv_cache, self.backend, self.loaded.device)
+            inputs = build_step_inputs(work, self.kv_cache, self.backend, self.loaded.device, self.loaded.sequence_rope)
             logits = compute_logits(self.loaded, inputs, self._use_logits_to_keep)
             sampled_states = inputs.sampled
         sampled = sample(logits, [_sampling_row(s) for s in sampled_states], self._generator, self._argmax)

@@ -13,6 +13,7 @@ from executor_service.attention_metadata import (
 )
 from executor_service.kv_cache import PagedKVCache
 from executor_service.request_state import RequestState
+from executor_service.sequence_rope import token_lengths
 
 
 @dataclass(slots=True, frozen=True)
@@ -34,12 +35,20 @@ class StepInputs:
     # Flattened-batch index of the last token of each sampling request, in work order.
     logits_indices: torch.Tensor
     sampled: list[RequestState]
+    # Each token's sequence length as transformers' generate sees it (sequence_rope.py); only
+    # for models whose rotary frequencies depend on it.
+    rope_lengths: torch.Tensor | None = None
 
 
 def build_step_inputs(
-    work: list[ScheduledWork], kv_cache: PagedKVCache, backend: str, device: torch.device
+    work: list[ScheduledWork],
+    kv_cache: PagedKVCache,
+    backend: str,
+    device: torch.device,
+    rope_lengths: bool = False,
 ) -> StepInputs:
     token_ids: list[int] = []
+    lengths: list[int] = []
     positions: list[int] = []
     spans: list[SequenceSpan] = []
     logits_indices: list[int] = []
@@ -57,6 +66,8 @@ def build_step_inputs(
         )
         token_ids.extend(item.state.token_ids[start:end])
         positions.extend(range(start, end))
+        if rope_lengths:
+            lengths.extend(token_lengths(item.state.num_prompt_tokens, start, end))
         if item.samples:
             logits_indices.append(len(token_ids) - 1)
             sampled.append(item.state)
@@ -66,4 +77,5 @@ def build_step_inputs(
         attention=build_step_attention(spans, kv_cache, backend, device),
         logits_indices=torch.tensor(logits_indices, dtype=torch.long, device=device),
         sampled=sampled,
+        rope_lengths=torch.tensor(lengths, dtype=torch.long, device=device) if rope_lengths else None,
     )

@@ -141,7 +141,7 @@ def _paged_step(
     step: list[tuple[_Sequence, int]],
 ) -> None:
     work = [ScheduledWork(seq.state, count) for seq, count in step]
-    inputs = build_step_inputs(work, kv_cache, backend, loaded.device)
+    inputs = build_step_inputs(work, kv_cache, backend, loaded.device, loaded.sequence_rope)
     logits = compute_logits(loaded, inputs, accepts_logits_to_keep(loaded))
     sampled = {id(state): row for state, row in zip(inputs.sampled, logits, strict=True)}
     for seq, count in step:

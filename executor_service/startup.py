@@ -144,7 +144,10 @@ def build_executor(settings: ExecutorSettings, device: str | None = None) -> Rea
         kv_cache_bytes=num_blocks * shape.bytes_per_block() * settings.tensor_parallel_size,
     )
     graphs = None
-    if decode_graphs_on(loaded.device, settings.cuda_graph_max_batch, settings.tensor_parallel_size):
+    if loaded.sequence_rope and loaded.device.type == "cuda":
+        # A captured graph replays one rotary table; these models pick theirs per sequence.
+        logger.info("event=decode_graphs enabled=false reason='rotary frequencies depend on each sequence length'")
+    elif decode_graphs_on(loaded.device, settings.cuda_graph_max_batch, settings.tensor_parallel_size):
         recorder = CudaGraphRecorder(loaded.device)
         graphs = DecodeGraphs(loaded, kv_cache, settings.cuda_graph_max_batch, limits.max_model_len, recorder)
         logger.info(
