@@ -69,9 +69,9 @@ class ExecutorSettings:
     packed_linear: bool = True
     # Packed through the C panel kernel (panel_linear.py) where the CPU has AVX-512; oneDNN if not.
     panel_linear: bool = True
-    # Weights made of 4-bit blocks multiplied on AMX's bf16 tiles (panel_amx.c) where the CPU has
-    # them; off, the panel kernel's float path (its bits on every AVX-512 CPU).
-    amx: bool = True
+    # Linear layers multiplied on AMX's bf16 tiles (panel_amx.c) where the CPU has them: faster, but
+    # not the float path's bits (the same on every AVX-512 CPU), hence opt-in.
+    amx: bool = False
     # Pure decode steps of up to this many rows replay CUDA graphs (CUDA, one rank); 0: never.
     cuda_graph_max_batch: int = DEFAULT_CUDA_GRAPH_MAX_BATCH
     # Greedy rows' lm_head through the exact int8 screen (greedy_head.py), with packed linears.

@@ -134,16 +134,18 @@ def test_the_epilogues_give_the_bits_of_the_separate_operations(
     assert got.data_ptr() == residual.data_ptr() and torch.equal(residual, expected)
 
 
-def test_an_executor_turns_amx_off_when_told_to(panels: PanelKernel, tmp_path: Path) -> None:
-    """--no-amx (ExecutorSettings.amx) keeps the float path, its bits the same on every AVX-512 CPU;
-    the default turns AMX on where the CPU has it."""
+def test_amx_is_opt_in(panels: PanelKernel, tmp_path: Path) -> None:
+    """By default (and with --no-amx) the float path, its bits the same on every AVX-512 CPU;
+    --amx (ExecutorSettings.amx) turns AMX on where the CPU has it."""
     model_dir = build_model("llama", tmp_path / "llama")
-    assert not parse_args(["--model", str(model_dir), "--port", "0", "--no-amx"]).amx
-    assert parse_args(["--model", str(model_dir), "--port", "0"]).amx
+    open_model = ["--model", str(model_dir), "--port", "0", "--insecure-executor"]
+    assert not parse_args(open_model).amx
+    assert not parse_args([*open_model, "--no-amx"]).amx
+    assert parse_args([*open_model, "--amx"]).amx
     try:
-        build_executor(ExecutorSettings(model_dir=model_dir, device="cpu", num_kv_blocks=8, amx=False))
-        assert not panels.amx
         build_executor(ExecutorSettings(model_dir=model_dir, device="cpu", num_kv_blocks=8))
+        assert not panels.amx
+        build_executor(ExecutorSettings(model_dir=model_dir, device="cpu", num_kv_blocks=8, amx=True))
         assert panels.amx
     finally:
         panels.use_amx(True)
