@@ -6,7 +6,6 @@ loopback behind a token made for this run; the front-ends get SIGTERM when this 
 scheduler_ready for the client port as the one-process scheduler does."""
 
 import asyncio
-import ctypes
 import logging
 import shutil
 import signal
@@ -27,12 +26,12 @@ from scheduler_service.tier.planner_server import (
     PlannerOptions,
     serve_planner,
 )
+from scheduler_service.tier.parent_death import child_environment
 from scheduler_service.tier.planner_servicer import PlannerServicer
 
 logger = logging.getLogger("scheduler_service")
 
 # linux/prctl.h
-PR_SET_PDEATHSIG = 1
 WATCH_S = 0.2
 FRONTEND_STOP_S = 35.0
 
@@ -79,12 +78,7 @@ class Frontends:
                 process.wait()
 
     def _spawn(self, index: int) -> subprocess.Popen[bytes]:
-        prctl = ctypes.CDLL(None, use_errno=True).prctl
-
-        def die_with_parent() -> None:
-            prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-
-        process = subprocess.Popen(self.command, preexec_fn=die_with_parent)
+        process = subprocess.Popen(self.command, env=child_environment())
         logger.info("event=frontend_started index=%d pid=%d", index, process.pid)
         return process
 
@@ -125,8 +119,8 @@ def run_all_in_one(settings: ServerSettings, count: int, argv: Sequence[str]) ->
                 if connected and not state["listening"]:
                     state["listening"] = True
                     logger.info(
-                        "event=scheduler_listening address=%s:%d port=%d executors=%s frontends=%d",
-                        settings.host, client_port, client_port, executors, count,
+                        "event=scheduler_listening address=%s:%d port=%d executors=%s scheduler_id=%s frontends=%d",
+                        settings.host, client_port, client_port, executors, servicer.engine.scheduler_id, count,
                     )
                 if connected and servicer.engine.serving and not state["ready"]:
                     state["ready"] = True

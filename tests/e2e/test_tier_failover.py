@@ -26,6 +26,7 @@ from tests.helpers.executor_token import token_file
 from tests.helpers.greedy_client import stream_all, workload
 from tests.helpers.greedy_reference import Reference
 from tests.helpers.model_factory import build_model
+from tests.helpers.scheduler_process import SchedulerProcess
 from tests.helpers.service_process import ServiceProcess
 
 torch.set_num_threads(1)
@@ -223,3 +224,26 @@ def _idle(address: str) -> bool:
     with Client(address) as client:
         status = client.server_status()
     return status.num_running == 0 and status.num_waiting == 0 and status.kv_blocks_free == status.kv_blocks_total
+
+
+def test_the_all_in_one_schedulers_front_ends_end_with_it_even_when_it_is_killed(executors: list[str]) -> None:
+    scheduler = SchedulerProcess(executors[0], frontends=2)
+    try:
+        address = scheduler.wait_ready(timeout_s=120.0)
+        with Client(address) as client:
+            assert client.generate(prompt_token_ids=[5, 6, 7], max_tokens=3, ignore_eos=True).token_ids
+        pids = [int(pid) for pid in re.findall(r"event=frontend_started index=\d+ pid=(\d+)", scheduler.log_text())]
+        assert len(pids) == 2
+        scheduler.process.send_signal(signal.SIGKILL)
+        _wait_for(lambda: not any(_alive(pid) for pid in pids), timeout_s=20.0, what="the front-ends to end")
+    finally:
+        scheduler.close()
+
+
+def _alive(pid: int) -> bool:
+    """Running (a zombie whose parent is gone is reaped by init, so it ends up not found)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state != "Z"
