@@ -15,6 +15,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -79,13 +80,7 @@ class Canary:
 
     def wait_for_tokens(self, more: int, timeout_s: float = 30.0) -> CanaryStats:
         """Waits until the canary has streamed `more` tokens beyond now; AssertionError if not."""
-        target = self.stats().tokens + more
-        deadline = time.monotonic() + timeout_s
-        while (stats := self.stats()).tokens < target:
-            assert not stats.errors, stats.errors
-            assert time.monotonic() < deadline, f"the canary stalled at {stats.tokens} tokens"
-            time.sleep(0.01)
-        return stats
+        return _wait_for_tokens(self.stats, more, timeout_s)
 
     def _run(self) -> None:
         with Client(self._address, **self._client_options) as client:
@@ -123,6 +118,16 @@ class Canary:
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
+def _wait_for_tokens(stats_now: Callable[[], CanaryStats], more: int, timeout_s: float) -> CanaryStats:
+    target = stats_now().tokens + more
+    deadline = time.monotonic() + timeout_s
+    while (stats := stats_now()).tokens < target:
+        assert not stats.errors, stats.errors
+        assert time.monotonic() < deadline, f"the canary stalled at {stats.tokens} tokens"
+        time.sleep(0.01)
+    return stats
+
+
 class CanaryProcess:
     """Canary's methods, answered by a canary in a child process over its stdin and stdout
     (one command a line: stats or reset; one JSON line back for each)."""
@@ -158,13 +163,7 @@ class CanaryProcess:
 
     def wait_for_tokens(self, more: int, timeout_s: float = 30.0) -> CanaryStats:
         """As Canary.wait_for_tokens."""
-        target = self.stats().tokens + more
-        deadline = time.monotonic() + timeout_s
-        while (stats := self.stats()).tokens < target:
-            assert not stats.errors, stats.errors
-            assert time.monotonic() < deadline, f"the canary stalled at {stats.tokens} tokens"
-            time.sleep(0.01)
-        return stats
+        return _wait_for_tokens(self.stats, more, timeout_s)
 
     def _ask(self, command: str) -> str:
         assert self._process.stdin is not None and self._process.stdout is not None
