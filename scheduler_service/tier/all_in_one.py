@@ -21,12 +21,12 @@ from pathlib import Path
 
 from protos.executor_access import write_token_file
 from scheduler_service.service.server_settings import ServerSettings
+from scheduler_service.tier.parent_death import child_environment
 from scheduler_service.tier.planner_server import (
     PlannerHooks,
     PlannerOptions,
     serve_planner,
 )
-from scheduler_service.tier.parent_death import child_environment
 from scheduler_service.tier.planner_servicer import PlannerServicer
 
 logger = logging.getLogger("scheduler_service")
