@@ -46,6 +46,7 @@ from protos.flag_types import (
 from protos.health_port import add_health_port_flag
 from protos.local_folder import FolderError
 from protos.log_format import add_log_format_flag, configure_logging
+from protos.parent_death import end_with_parent
 from protos.port_check import PortUnavailable, check_listen_ports
 from protos.transport_security import server_tls
 
@@ -309,6 +310,7 @@ def check_before_loading(settings: ExecutorSettings) -> None:
 def main(argv: list[str] | None = None, prog: str = "python -m executor_service") -> int:
     settings = parse_args(argv, prog)
     configure_logging(settings.log_format)
+    end_with_parent()
     assert settings.access is not None, "parse_args always decides the access policy"
     options = ServeOptions(
         host=settings.host,

@@ -21,6 +21,7 @@ from protos.flag_types import (
 )
 from protos.local_folder import FolderError
 from protos.log_format import add_log_format_flag, configure_logging
+from protos.parent_death import end_with_parent
 from protos.port_check import check_listen_ports
 from scheduler_service.core.policy import Policy, StepMode
 from scheduler_service.core.router import DEFAULT_TOKENS_PER_REQUEST
@@ -306,6 +307,7 @@ def text_processor(tokenizer: Path | None) -> TextProcessor | None:
 def main(argv: list[str] | None = None, prog: str = "python -m scheduler_service") -> int:
     args = parse_args(argv, prog)
     configure_logging(args.log_format)
+    end_with_parent()
     try:
         security = security_options(args)
         roles = role_options(args)

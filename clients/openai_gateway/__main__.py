@@ -20,6 +20,7 @@ from protos.cli_help import DefaultsHelpFormatter
 from protos.default_ports import DEFAULT_GATEWAY_PORT, DEFAULT_SCHEDULER_ADDRESS
 from protos.flag_types import non_negative_float, port_number, positive_int
 from protos.log_format import add_log_format_flag, configure_logging
+from protos.parent_death import end_with_parent
 from protos.port_check import PortUnavailable, check_listen_ports
 
 logger = logging.getLogger("clients.openai_gateway")
@@ -103,6 +104,7 @@ def listen(host: str, port: int) -> socket.socket:
 def main(argv: Sequence[str] | None = None, prog: str = "python -m clients.openai_gateway") -> int:
     args = parse_args(argv, prog)
     configure_logging(args.log_format)
+    end_with_parent()
     try:
         root_certificates = args.tls_ca.read_bytes() if args.tls_ca else None
         check_listen_ports(args.host, {"--port": args.port})

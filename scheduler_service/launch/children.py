@@ -2,17 +2,15 @@
 
 from __future__ import annotations
 
-import ctypes
 import logging
-import signal
 import subprocess
-import sys
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
+
+from protos.parent_death import child_environment
 
 # One logger for the whole launcher: its lines read logger=scheduler_service.launch whichever
 # module wrote them.
@@ -23,8 +21,6 @@ logger = logging.getLogger("scheduler_service.launch")
 # before SIGKILL.
 STOP_GRACE_S = 30.0
 POLL_S = 0.05
-# linux/prctl.h
-PR_SET_PDEATHSIG = 1
 LOG_TAIL_LINES = 40
 
 
@@ -81,9 +77,10 @@ class Children:
             command,
             stdout=stdout,
             stderr=subprocess.STDOUT if log_path is not None else None,
-            env=env,
+            # A service in its own session ends with the launcher (protos/parent_death.py): a
+            # killed launcher would otherwise leave servers holding the default ports.
+            env=child_environment(env) if new_session else env,
             start_new_session=new_session,
-            preexec_fn=die_with_parent_hook() if new_session else None,
         )
         child = Child(name, process, log_path)
         self.running.append(child)
@@ -125,17 +122,3 @@ class Children:
             logger.info("event=child_stopped name=%s status=%d", child.name, status)
         self.running.clear()
 
-
-def die_with_parent_hook() -> Callable[[], None] | None:
-    """On Linux, a child in its own session gets SIGTERM when the launcher dies, even by
-    SIGKILL; otherwise a killed launcher would leave servers holding the default ports."""
-    if not sys.platform.startswith("linux"):
-        return None
-    # Looked up before the fork: the hook runs between fork and exec and should do no more than
-    # one system call.
-    prctl = ctypes.CDLL(None, use_errno=True).prctl
-
-    def hook() -> None:
-        prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-
-    return hook

@@ -20,8 +20,8 @@ from dataclasses import replace
 from pathlib import Path
 
 from protos.executor_access import write_token_file
+from protos.parent_death import child_environment
 from scheduler_service.service.server_settings import ServerSettings
-from scheduler_service.tier.parent_death import child_environment
 from scheduler_service.tier.planner_server import (
     PlannerHooks,
     PlannerOptions,

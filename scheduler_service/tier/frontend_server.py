@@ -23,7 +23,6 @@ from scheduler_service.service.request_intake import Intake
 from scheduler_service.service.server import DRAIN_POLL_S, SHUTDOWN_GRACE_S
 from scheduler_service.service.server_settings import ServerSettings
 from scheduler_service.tier.admin_forwarder import AdminForwarder
-from scheduler_service.tier.parent_death import end_with_parent
 from scheduler_service.tier.planner_client import PlannerClient
 
 logger = logging.getLogger("scheduler_service.frontend")
@@ -45,7 +44,6 @@ def frontend_id() -> str:
 async def serve_frontend(settings: ServerSettings, options: FrontendOptions) -> int:
     """Serves until SIGTERM/SIGINT, then drains: health NOT_SERVING, new streams refused, those
     in flight finish within --drain-timeout; exit status 0."""
-    end_with_parent()
     fix_mmap_threshold()
     health_reporter = HealthReporter()
     ready = asyncio.Event()

@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from executor_service.prepare_model import COMPLETE_MARKER
+from tests.helpers.service_process import is_running
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 CHILD_PID = re.compile(r"event=child_started name=(\w+) pid=(\d+)")
@@ -185,3 +186,39 @@ def test_fixed_port_in_use_is_refused_before_anything_starts(tmp_path: Path) -> 
     assert f"127.0.0.1:{port} (--port) is already in use" in result.stderr
     assert child_pids(result.stderr) == {}
     assert not (tmp_path / "never-prepared").exists()
+
+
+def test_a_launcher_killed_with_sigkill_takes_its_services_with_it(prepared_model: Path, tmp_path: Path) -> None:
+    """The services run in sessions of their own, so no signal reaches them from a terminal;
+    each asks to end with the launcher (protos/parent_death.py)."""
+    stderr_path = tmp_path / "launcher.err"
+    with stderr_path.open("w") as stderr_file:
+        process = subprocess.Popen(
+            launcher_command(prepared_model, tmp_path, "--question", "Say hello."),
+            cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=stderr_file, text=True,
+        )
+    lines: queue.Queue[str] = queue.Queue()
+    reader = threading.Thread(target=forward_lines, args=(process, lines))
+    reader.start()
+    stdout = ""
+    try:
+        deadline = time.monotonic() + 180
+        while not BANNER_END.search(stdout):
+            assert time.monotonic() < deadline and process.poll() is None, stdout
+            try:
+                stdout += lines.get(timeout=0.5)
+            except queue.Empty:
+                continue
+        pids = child_pids(stderr_path.read_text())
+        assert set(pids) == {"executor", "scheduler", "gateway"}
+        process.kill()
+        process.wait(timeout=60)
+        deadline = time.monotonic() + 30
+        while any(is_running(pid) for pid in pids.values()):
+            assert time.monotonic() < deadline, {name: is_running(pid) for name, pid in pids.items()}
+            time.sleep(0.2)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+        reader.join(timeout=10)

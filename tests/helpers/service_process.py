@@ -33,6 +33,15 @@ def cli_flags(flags: dict[str, object]) -> list[str]:
     return options
 
 
+def is_running(pid: int) -> bool:
+    """Alive and not a zombie: an orphan's exit is reaped by init, not by the test."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state != "Z"
+
+
 def free_port() -> int:
     """A port free right now on 127.0.0.1 (for services that need a fixed one)."""
     with socket.socket() as probe:
