@@ -27,7 +27,7 @@ from tests.helpers.greedy_client import stream_all, workload
 from tests.helpers.greedy_reference import Reference
 from tests.helpers.model_factory import build_model
 from tests.helpers.scheduler_process import SchedulerProcess
-from tests.helpers.service_process import ServiceProcess
+from tests.helpers.service_process import ServiceProcess, is_running
 
 torch.set_num_threads(1)
 PLANNER_LISTENING = re.compile(r"event=planner_listening address=(\S+):(\d+)")
@@ -68,6 +68,20 @@ def frontend(planners: list[str], token: Path) -> ServiceProcess:
     for address in planners:
         command += ["--planner", address]
     return ServiceProcess(command, FRONTEND_READY, "frontend")
+
+
+def planners_and_frontend(stack: ExitStack, executors: list[str], token: Path) -> tuple[ServiceProcess, ServiceProcess]:
+    """Planner A holding both executors, a standby planner B, and a front-end naming A then B,
+    each closed by stack; (A, the front-end)."""
+    first = planner(executors, token)
+    stack.callback(first.close)
+    first_address = first.wait_ready()
+    _wait_for(lambda: first.log_text().count("state=up") >= 2, what="the first planner holding both executors")
+    standby = planner(executors, token)
+    stack.callback(standby.close)
+    front = frontend([first_address, standby.wait_ready()], token)
+    stack.callback(front.close)
+    return first, front
 
 
 @pytest.fixture
@@ -119,15 +133,7 @@ def test_a_planner_lost_under_load_is_replaced_and_no_stream_notices(
 ) -> None:
     jobs = [(prompt, 40) for prompt, _ in workload(32, seed=55)]
     with ExitStack() as stack:
-        first = planner(executors, planner_token)
-        stack.callback(first.close)
-        first_address = first.wait_ready()
-        _wait_for(lambda: first.log_text().count("state=up") >= 2, what="the first planner holding both executors")
-        standby = planner(executors, planner_token)
-        stack.callback(standby.close)
-        standby_address = standby.wait_ready()
-        front = frontend([first_address, standby_address], planner_token)
-        stack.callback(front.close)
+        first, front = planners_and_frontend(stack, executors, planner_token)
         address = front.wait_ready()
 
         def lose_the_first() -> None:
@@ -154,14 +160,7 @@ def test_seeded_sampled_streams_continue_exactly_across_a_planner_kill(
 ) -> None:
     jobs = [(prompt, 32) for prompt, _ in workload(16, seed=56)]
     with ExitStack() as stack:
-        first = planner(executors, planner_token)
-        stack.callback(first.close)
-        first_address = first.wait_ready()
-        _wait_for(lambda: first.log_text().count("state=up") >= 2, what="the first planner holding both executors")
-        standby = planner(executors, planner_token)
-        stack.callback(standby.close)
-        front = frontend([first_address, standby.wait_ready()], planner_token)
-        stack.callback(front.close)
+        first, front = planners_and_frontend(stack, executors, planner_token)
         address = front.wait_ready()
         undisturbed = asyncio.run(_sampled(address, jobs))
         disturbed = asyncio.run(
@@ -235,15 +234,6 @@ def test_the_all_in_one_schedulers_front_ends_end_with_it_even_when_it_is_killed
         pids = [int(pid) for pid in re.findall(r"event=frontend_started index=\d+ pid=(\d+)", scheduler.log_text())]
         assert len(pids) == 2
         scheduler.process.send_signal(signal.SIGKILL)
-        _wait_for(lambda: not any(_alive(pid) for pid in pids), timeout_s=20.0, what="the front-ends to end")
+        _wait_for(lambda: not any(is_running(pid) for pid in pids), timeout_s=20.0, what="the front-ends to end")
     finally:
         scheduler.close()
-
-
-def _alive(pid: int) -> bool:
-    """Running (a zombie whose parent is gone is reaped by init, so it ends up not found)."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except FileNotFoundError:
-        return False
-    return state != "Z"
