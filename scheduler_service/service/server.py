@@ -86,26 +86,13 @@ async def serve(settings: ServerSettings) -> int:
         settings.limits.transport_limit_bytes(),
     )
 
-    async def connect_then_run() -> None:
-        discovery = asyncio.create_task(discover(engine, settings.executors, settings.resolve_interval_s))
-        running = asyncio.create_task(engine.run())
-        serving = asyncio.create_task(engine.wait_until_serving())
-        try:
-            # A lane that fails before any executor is up must not leave us waiting forever.
-            await asyncio.wait({running, serving}, return_when=asyncio.FIRST_COMPLETED)
-            if serving.done():
-                tune_gc()
-                logger.info(
-                    "event=scheduler_ready address=%s:%d port=%d executors=%s metrics_port=%s",
-                    settings.host, port, port, executors, settings.metrics_port,
-                )
-            await running
-        finally:
-            discovery.cancel()
-            serving.cancel()
-            running.cancel()
+    def ready() -> None:
+        logger.info(
+            "event=scheduler_ready address=%s:%d port=%d executors=%s metrics_port=%s",
+            settings.host, port, port, executors, settings.metrics_port,
+        )
 
-    runner = asyncio.create_task(connect_then_run())
+    runner = asyncio.create_task(connect_then_run(engine, settings, ready))
     waiter = asyncio.create_task(stop.wait())
     await asyncio.wait({runner, waiter}, return_when=asyncio.FIRST_COMPLETED)
     failed = runner.done() and runner.exception() is not None
@@ -128,6 +115,25 @@ async def serve(settings: ServerSettings) -> int:
         step_trace.close()
     logger.info("event=scheduler_stopped")
     return 1 if failed else 0
+
+
+async def connect_then_run(engine: Engine, settings: ServerSettings, on_ready: Callable[[], None]) -> None:
+    """Finds the executors and runs the engine until it ends; once the first executor serves,
+    the collector is tuned and on_ready says so."""
+    discovery = asyncio.create_task(discover(engine, settings.executors, settings.resolve_interval_s))
+    running = asyncio.create_task(engine.run())
+    serving = asyncio.create_task(engine.wait_until_serving())
+    try:
+        # A lane that fails before any executor is up must not leave us waiting forever.
+        await asyncio.wait({running, serving}, return_when=asyncio.FIRST_COMPLETED)
+        if serving.done():
+            tune_gc()
+            on_ready()
+        await running
+    finally:
+        discovery.cancel()
+        serving.cancel()
+        running.cancel()
 
 
 async def drain(

@@ -24,13 +24,11 @@ from protos.limits import MAX_MESSAGE_BYTES
 from protos.splitserve.planner.v1 import planner_pb2, planner_pb2_grpc
 from protos.splitserve.v1 import admin_pb2, admin_pb2_grpc
 from scheduler_service.service.admin_servicer import AdminServicer
-from scheduler_service.service.discovery import discover
 from scheduler_service.service.engine import Engine
 from scheduler_service.service.executor_link import KEEPALIVE_OPTIONS, ExecutorLink
-from scheduler_service.service.gc_tuning import tune_gc
 from scheduler_service.service.heap_tuning import fix_mmap_threshold
 from scheduler_service.service.metrics import SchedulerMetrics
-from scheduler_service.service.server import SHUTDOWN_GRACE_S, drain
+from scheduler_service.service.server import SHUTDOWN_GRACE_S, connect_then_run, drain
 from scheduler_service.service.server_settings import ServerSettings
 from scheduler_service.service.step_trace import StepTrace
 from scheduler_service.tier.planner_access import PlannerTokenInterceptor
@@ -140,22 +138,10 @@ async def serve_planner(settings: ServerSettings, options: PlannerOptions, hooks
         )
     hooks.on_listening(port)
 
-    async def connect_then_run() -> None:
-        discovery = asyncio.create_task(discover(engine, settings.executors, settings.resolve_interval_s))
-        running = asyncio.create_task(engine.run())
-        serving = asyncio.create_task(engine.wait_until_serving())
-        try:
-            await asyncio.wait({running, serving}, return_when=asyncio.FIRST_COMPLETED)
-            if serving.done():
-                tune_gc()
-                logger.info("event=planner_ready address=%s:%d port=%d executors=%s", api_host, port, port, executors)
-            await running
-        finally:
-            discovery.cancel()
-            serving.cancel()
-            running.cancel()
+    def ready() -> None:
+        logger.info("event=planner_ready address=%s:%d port=%d executors=%s", api_host, port, port, executors)
 
-    runner = asyncio.create_task(connect_then_run())
+    runner = asyncio.create_task(connect_then_run(engine, settings, ready))
     waiter = asyncio.create_task(stop.wait())
     await asyncio.wait({runner, waiter}, return_when=asyncio.FIRST_COMPLETED)
     failed = runner.done() and runner.exception() is not None
