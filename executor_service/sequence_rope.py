@@ -75,17 +75,19 @@ class SequenceRope:
             return self.decorated(x, position_ids, **kwargs)
         if not depends_on_length(rope_type):
             return self.undecorated(module, x, position_ids, **kwargs)
-        name = "inv_freq" if layer_type is None else f"{layer_type}_inv_freq"
+        # transformers names a layer type's tables with its name as a prefix.
+        prefix = "" if layer_type is None else f"{layer_type}_"
+        name = f"{prefix}inv_freq"
         saved = getattr(module, name), module.attention_scaling
         try:
             distinct = torch.unique(lengths).tolist()
             if len(distinct) == 1:
-                self._use_length(distinct[0], rope_type, name, layer_type, x.device)
+                self._use_length(distinct[0], rope_type, prefix, layer_type, x.device)
                 return self.undecorated(module, x, position_ids, **kwargs)
             cos = sin = None
             for length in distinct:
                 index = (lengths == length).nonzero().squeeze(1)
-                self._use_length(length, rope_type, name, layer_type, x.device)
+                self._use_length(length, rope_type, prefix, layer_type, x.device)
                 part_cos, part_sin = self.undecorated(module, x, position_ids[..., index], **kwargs)
                 if cos is None or sin is None:
                     shape = (*part_cos.shape[:-2], lengths.shape[0], part_cos.shape[-1])
@@ -97,11 +99,10 @@ class SequenceRope:
             setattr(module, name, saved[0])
             module.attention_scaling = saved[1]
 
-    def _use_length(self, length: int, rope_type: str, name: str, layer_type: str | None, device: torch.device) -> None:
+    def _use_length(self, length: int, rope_type: str, prefix: str, layer_type: str | None, device: torch.device) -> None:
         """Sets the frequencies and scaling a fresh module would use for a sequence of `length`."""
         module = self.module
         config = module.config
-        prefix = "" if layer_type is None else f"{layer_type}_"
         original = getattr(module, f"{prefix}original_inv_freq").to(device)
         layer_kwargs = {} if layer_type is None else {"layer_type": layer_type}
         if rope_type == "longrope":
@@ -117,7 +118,7 @@ class SequenceRope:
             inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, device, seq_len=length, **layer_kwargs)
         else:
             inv_freq, scaling = original, self.initial_scaling
-        setattr(module, name, inv_freq)
+        setattr(module, f"{prefix}inv_freq", inv_freq)
         module.attention_scaling = scaling
 
 
