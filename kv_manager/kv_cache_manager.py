@@ -4,7 +4,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kv_manager.block_pool import BlockPool, KVBlock
-from kv_manager.prefix_hash import BlockHash, chain_hashes
+from kv_manager.prefix_hash import BlockHash, chain_hashes, extend_chain
 
 
 @dataclass(slots=True)
@@ -169,9 +169,7 @@ class KVCacheManager:
     ) -> None:
         if num_full <= entry.num_registered:
             return
-        entry.hashes = chain_hashes(
-            token_ids[: num_full * self.block_size], self.block_size, entry.extra_key, entry.hashes
-        )
+        extend_chain(entry.hashes, token_ids, self.block_size, num_full, entry.extra_key)
         for index in range(entry.num_registered, num_full):
             self.pool.register(entry.blocks[index], entry.hashes[index])
         entry.num_registered = num_full

@@ -34,8 +34,17 @@ def chain_hashes(
 ) -> list[BlockHash]:
     """Hashes of every full block of token_ids, reusing the already computed leading ones."""
     hashes = list(known)
+    extend_chain(hashes, token_ids, block_size, len(token_ids) // block_size, extra_key)
+    return hashes
+
+
+def extend_chain(
+    hashes: list[BlockHash], token_ids: Sequence[int], block_size: int, num_blocks: int, extra_key: bytes = b""
+) -> None:
+    """Appends to hashes (the chain of token_ids' leading blocks) the hashes of the blocks after
+    them, up to num_blocks in all: in place, reading only those blocks' tokens, because a
+    request's chain grows by one block at a time through its whole decode."""
     parent = hashes[-1] if hashes else ROOT_HASH
-    for start in range(len(hashes) * block_size, len(token_ids) - block_size + 1, block_size):
+    for start in range(len(hashes) * block_size, num_blocks * block_size, block_size):
         parent = hash_block_tokens(parent, token_ids[start : start + block_size], extra_key)
         hashes.append(parent)
-    return hashes

@@ -10,7 +10,7 @@ back as a packed list of tokens in the same order.
 A request joins once its prefill is done, when nothing about it needs per-request care (no
 logprobs, no stop token ids, no min_tokens, not retried after a failed step). It leaves when it
 finishes, is preempted or its executor goes; while it is here its computed-token count lives in
-these arrays, and leave() writes it back to the Request.
+these arrays (as is the time of its last token), and leave() writes them back to the Request.
 """
 
 from collections.abc import Iterable, Sequence
@@ -40,21 +40,25 @@ class BulkStep:
 class BulkResult:
     """What a step's bulk decodes gave."""
 
-    # Requests that got one token and go on, with their tokens, in the same order.
+    # Requests that got one token and go on, with their tokens and delivery keys, in the same
+    # order.
     requests: list[Request]
     token_ids: list[int]
+    keys: np.ndarray
     # Requests whose token ends them (EOS or length): the scheduler finishes them.
     stopped: list[tuple[Request, int]]
     # Requests whose computed blocks are now complete, with their computed-token count.
     filled_blocks: list[tuple[Request, int]]
     # Requests the executor answered for with UNHELD_TOKEN.
     unheld: list[Request]
+    # Seconds since the previous token, for each request that got one and had had one before.
+    gaps: np.ndarray
 
 
 class DecodeSet:
     def __init__(self, block_size: int, eos_token_ids: Iterable[int]) -> None:
         self.block_size = block_size
-        self._eos = np.array(sorted(eos_token_ids), dtype=np.int64)
+        self._eos_ids = sorted(eos_token_ids)
         self._requests: list[Request | None] = []
         self._slot_of: dict[Request, int] = {}
         self._free: list[int] = []
@@ -71,6 +75,9 @@ class DecodeSet:
         self.stops_on_eos = np.zeros(capacity, dtype=bool)
         self.active = np.zeros(capacity, dtype=bool)
         self.epoch = np.zeros(capacity, dtype=np.int64)
+        self.key = np.zeros(capacity, dtype=np.int64)
+        # When the last token came back (NaN: none yet).
+        self.last_token_at = np.full(capacity, np.nan)
 
     def __len__(self) -> int:
         return len(self._slot_of)
@@ -91,12 +98,16 @@ class DecodeSet:
         self.limit[slot] = limit
         self.stops_on_eos[slot] = not request.sampling.ignore_eos
         self.active[slot] = True
+        self.key[slot] = request.delivery_key
+        self.last_token_at[slot] = np.nan if request.last_token_at is None else request.last_token_at
 
     def leave(self, request: Request) -> None:
         """Writes the request's progress back to it and frees its slot."""
         slot = self._slot_of.pop(request)
         request.num_computed_tokens = int(self.computed[slot])
         request.num_pending_outputs = request.num_computed_tokens + 1 - request.num_tokens
+        last = float(self.last_token_at[slot])
+        request.last_token_at = None if last != last else last
         self._requests[slot] = None
         self.active[slot] = False
         self.epoch[slot] += 1
@@ -109,9 +120,11 @@ class DecodeSet:
             self.leave(request)
         return requests
 
-    def token_received(self, request: Request) -> None:
+    def token_received(self, request: Request, now: float) -> None:
         """A member's token came back through a per-request result (the step it joined in)."""
-        self.num_tokens[self._slot_of[request]] += 1
+        slot = self._slot_of[request]
+        self.num_tokens[slot] += 1
+        self.last_token_at[slot] = now
 
     def live(self, step: BulkStep) -> list[Request]:
         """The step's requests still here as they were when it was planned."""
@@ -147,21 +160,28 @@ class DecodeSet:
             handles=self.handle[slots].tolist(),
         )
 
-    def apply(self, step: BulkStep, token_ids: Sequence[int]) -> BulkResult:
-        """Appends each token to its request, and says who stops and whose blocks filled."""
+    def apply(self, step: BulkStep, token_ids: Sequence[int], now: float) -> BulkResult:
+        """Appends each token to its request (received at now), and says who stops and whose
+        blocks filled."""
         tokens = np.asarray(token_ids, dtype=np.int64)
         slots = step.slots
         live = self.epoch[slots] == step.epochs
         unheld_mask = live & (tokens == UNHELD_TOKEN)
         live &= ~unheld_mask
-        result = BulkResult([], [], [], [], [self._requests[s] for s in slots[unheld_mask].tolist()])  # type: ignore[misc]
+        unheld: list[Request] = [self._requests[s] for s in slots[unheld_mask].tolist()]  # type: ignore[misc]
+        result = BulkResult([], [], np.zeros(0, dtype=np.int64), [], [], unheld, np.zeros(0))
         if not live.any():
             return result
         slots, tokens, computed = slots[live], tokens[live], step.computed[live]
         self.num_tokens[slots] += 1
-        stops = (self.num_tokens[slots] >= self.limit[slots]) | (
-            self.stops_on_eos[slots] & np.isin(tokens, self._eos)
-        )
+        previous = self.last_token_at[slots]
+        result.gaps = now - previous[~np.isnan(previous)]
+        self.last_token_at[slots] = now
+        keys = self.key[slots]
+        stops = self.num_tokens[slots] >= self.limit[slots]
+        # A comparison per EOS id: models have one to three, and np.isin's set-up costs more.
+        for eos in self._eos_ids:
+            stops |= self.stops_on_eos[slots] & (tokens == eos)
         filled = computed % self.block_size == 0
         requests = self._requests
         token_list = tokens.tolist()
@@ -174,8 +194,9 @@ class DecodeSet:
             go_on = np.flatnonzero(~stops).tolist()
             result.requests = [live_requests[i] for i in go_on]
             result.token_ids = [token_list[i] for i in go_on]
+            result.keys = keys[~stops]
         else:
-            result.requests, result.token_ids = live_requests, token_list
+            result.requests, result.token_ids, result.keys = live_requests, token_list, keys
         if filled.any():
             result.filled_blocks = [
                 (live_requests[i], int(computed[i])) for i in np.flatnonzero(filled).tolist()
@@ -185,7 +206,8 @@ class DecodeSet:
     def _grow(self) -> None:
         old = len(self._requests)
         new = max(64, old * _GROWTH)
-        for name in ("handle", "computed", "cover", "num_tokens", "limit", "stops_on_eos", "active", "epoch"):
+        names = ("handle", "computed", "cover", "num_tokens", "limit", "stops_on_eos", "active", "epoch", "key", "last_token_at")
+        for name in names:
             array = getattr(self, name)
             if array.shape[0] < new:
                 grown = np.zeros(new, dtype=array.dtype)

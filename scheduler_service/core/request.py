@@ -65,6 +65,9 @@ class Request:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finish_time: float | None = None
+    # When its last token came back, on the scheduler's clock, for the inter-token latency. While
+    # it decodes in bulk, its DecodeSet holds the live value and writes it back when it leaves.
+    last_token_at: float | None = None
     # Hashes of the leading full blocks of token_ids a prefix hit may cover, for blocks of
     # prefix_hashes_block_size tokens: computed once and extended as tokens are added, not
     # re-hashed at every admission attempt or routing decision.
@@ -73,6 +76,10 @@ class Request:
     # Where the service layer sends this request's output (its client's stream); opaque to the
     # planner, and kept here so that no second table of requests by id has to mirror this one.
     output: object = None
+    # An opaque number the service layer routes this request's tokens by, handed back with the
+    # steady decodes' tokens as an array (StepUpdates.decoded_keys), so that an owner sending
+    # tokens on in bulk (the planner, to its front-ends) need not look at each request.
+    delivery_key: int = 0
 
     def __post_init__(self) -> None:
         if not self.token_ids:

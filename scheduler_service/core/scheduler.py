@@ -598,12 +598,13 @@ class Scheduler:
         result = StepUpdates()
         updates = result.updates
         failed: list[Request] = []
+        now = self.clock()
         bulk = self._in_flight_bulk.pop(output.step_id, None)
         if bulk is not None:
             if output.failure is not None:
                 failed.extend(self.decodes.live(bulk))
             else:
-                self._apply_bulk(bulk, output, result)
+                self._apply_bulk(bulk, output, result, now)
         for request_id, sent in self._in_flight.pop(output.step_id, {}).items():
             request = sent.request
             # The request may have finished, been preempted, or even been replaced by a new
@@ -627,12 +628,12 @@ class Scheduler:
                     if request.retry_alone:
                         request.retry_alone = False
                         del self._retrying[request]
-                    updates.append(self._append_tokens(request, output))
+                    updates.append(self._append_tokens(request, output, now, result.inter_token_gaps))
         if output.failure is not None:
             updates += self._step_failed(failed, output.failure)
         return result
 
-    def _apply_bulk(self, bulk: BulkStep, output: StepOutput, result: StepUpdates) -> None:
+    def _apply_bulk(self, bulk: BulkStep, output: StepOutput, result: StepUpdates, now: float) -> None:
         if len(output.decode_token_ids) != len(bulk.handles):
             message = (
                 f"the executor answered {len(output.decode_token_ids)} decode tokens for "
@@ -641,7 +642,8 @@ class Scheduler:
             for request in self.decodes.live(bulk):
                 result.updates.append(self._end_in_error(request, RequestError(ErrorKind.INTERNAL, message)))
             return
-        applied = self.decodes.apply(bulk, output.decode_token_ids)
+        applied = self.decodes.apply(bulk, output.decode_token_ids, now)
+        result.inter_token_gaps += applied.gaps.tolist()
         for request in applied.unheld:
             rejection = output.rejected.get(request.request_id)
             error = (
@@ -659,6 +661,7 @@ class Scheduler:
             self.finish(request, FinishReason.STOP if eos else FinishReason.LENGTH)
             result.updates.append(RequestUpdate(request, [token], [], True))
         result.decoded_requests, result.decoded_token_ids = applied.requests, applied.token_ids
+        result.decoded_keys = applied.keys
 
     def _step_failed(self, requests: list[Request], failure: str) -> list[RequestUpdate]:
         """A failed step is retried once, alone (see Request.retry_alone); a request whose
@@ -679,16 +682,20 @@ class Scheduler:
         self.finish(request, FinishReason.ABORT)
         return RequestUpdate(request, [], [], True, error)
 
-    def _append_tokens(self, request: Request, output: StepOutput) -> RequestUpdate:
+    def _append_tokens(self, request: Request, output: StepOutput, now: float, gaps: list[float]) -> RequestUpdate:
         request.num_pending_outputs -= 1
         update = RequestUpdate(request, [], output.logprobs.get(request.request_id, []), False)
-        for token in output.sampled[request.request_id]:
+        sampled = output.sampled[request.request_id]
+        if sampled and request.last_token_at is not None:
+            gaps.append(now - request.last_token_at)
+        for token in sampled:
             request.token_ids.append(token)
+            request.last_token_at = now
             if request in self.decodes:
-                self.decodes.token_received(request)
+                self.decodes.token_received(request, now)
             update.new_token_ids.append(token)
             if request.first_token_time is None:
-                request.first_token_time = self.clock()
+                request.first_token_time = now
             stop = check_stop(request, self.eos_token_ids, self.config.max_seq_len)
             if stop is not None:
                 self.finish(request, *stop)

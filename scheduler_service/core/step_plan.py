@@ -9,6 +9,8 @@ built by plan_codec.
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from scheduler_service.core.errors import RequestError
 from scheduler_service.core.request import Request
 from scheduler_service.core.sampling_params import SamplingParams
@@ -148,6 +150,11 @@ class StepUpdates:
     updates: list[RequestUpdate] = field(default_factory=list)
     decoded_requests: list[Request] = field(default_factory=list)
     decoded_token_ids: list[int] = field(default_factory=list)
+    # The decoded requests' delivery keys (Request.delivery_key), in the same order.
+    decoded_keys: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    # Seconds between each token that came back in this step and the request's token before
+    # it (requests with an earlier token; one figure per request, however many tokens it got).
+    inter_token_gaps: list[float] = field(default_factory=list)
 
     def __iter__(self) -> Iterator[RequestUpdate]:
         """Every update as a RequestUpdate (the bulk ones built on the way; for callers that

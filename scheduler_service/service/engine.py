@@ -15,6 +15,8 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
+import numpy as np
+
 from protos.splitserve.executor.v1 import executor_pb2
 from protos.splitserve.v1 import generation_pb2 as pb
 from scheduler_service.core.config import SchedulingKnobs
@@ -110,6 +112,10 @@ class Engine:
         # A standby planner takes requests before it has reached any executor (front-ends move
         # theirs to it when their planner is lost); they wait, unplaced, for the executors.
         self.queue_before_first_executor = False
+        # Where steady decodes' tokens go in bulk, by delivery key (Request.delivery_key), when
+        # every request's sink only passes tokens on (the planner's, to its front-ends): then no
+        # token is looked at one by one here. None: each goes to its request's sink.
+        self.bulk_delivery: Callable[[np.ndarray, list[int]], None] | None = None
         # Since start, over every lane and every planner a lane had (a lost executor's planner
         # goes with it).
         self.num_preemptions = 0
@@ -500,9 +506,10 @@ class Engine:
         if self.step_trace is not None and lane.scheduler is not None:
             self.step_trace.result_applied(lane.address, output, updates, lane.scheduler)
         received_ns = time.time_ns() if self.tracing.enabled else 0
+        self.metrics.inter_token.observe_all(updates.inter_token_gaps)
         for update in updates.updates:
             self._deliver(lane, update)
-        self._deliver_decoded(lane, updates.decoded_requests, updates.decoded_token_ids)
+        self._deliver_decoded(lane, updates)
         if self.tracing.enabled:
             requests = [update.request for update in updates.updates] + updates.decoded_requests
             self.tracing.step_done(lane.address, output, requests, received_ns)
@@ -522,8 +529,6 @@ class Engine:
             return
         self.metrics.generation_tokens.inc(len(update.new_token_ids))
         stream = _stream_of(request)
-        if update.new_token_ids:
-            self._observe_inter_token(stream, time.monotonic())
         message, stop_string = stream.add_tokens(update.new_token_ids, update.new_logprobs)
         if stop_string is not None and lane.scheduler is not None:
             lane.scheduler.stop_at_string(request, stop_string)
@@ -533,20 +538,18 @@ class Engine:
         else:
             stream.send(message)
 
-    def _deliver_decoded(
-        self, lane: ExecutorLane, requests: list[Request], token_ids: list[int]
-    ) -> None:
+    def _deliver_decoded(self, lane: ExecutorLane, updates: StepUpdates) -> None:
         """Steady decodes' tokens: one each, none finishing (the scheduler saw to that), so
         only a stop string can end one here. This loop runs once per token the scheduler
-        delivers, so the step's inter-token latencies go into the histogram together."""
+        delivers, unless they go on in bulk."""
+        token_ids = updates.decoded_token_ids
         self.metrics.generation_tokens.inc(len(token_ids))
-        now = time.monotonic()
-        gaps: list[float] = []
-        for request, token in zip(requests, token_ids, strict=True):
+        if self.bulk_delivery is not None:
+            if token_ids:
+                self.bulk_delivery(updates.decoded_keys, token_ids)
+            return
+        for request, token in zip(updates.decoded_requests, token_ids, strict=True):
             stream = _stream_of(request)
-            if stream.last_tokens_at is not None:
-                gaps.append(now - stream.last_tokens_at)
-            stream.last_tokens_at = now
             message, stop_string = stream.add_tokens([token], ())
             if stop_string is not None and lane.scheduler is not None:
                 lane.scheduler.stop_at_string(request, stop_string)
@@ -554,12 +557,6 @@ class Engine:
                 self._close(request, message)
             else:
                 stream.send(message)
-        self.metrics.inter_token.observe_all(gaps)
-
-    def _observe_inter_token(self, stream: RequestSink, now: float) -> None:
-        if stream.last_tokens_at is not None:
-            self.metrics.inter_token.observe(now - stream.last_tokens_at)
-        stream.last_tokens_at = now
 
     def _place(self, requests: Iterable[Request]) -> None:
         """Puts requests that have no lane on the lanes taking work, or keeps them unplaced."""

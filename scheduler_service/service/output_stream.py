@@ -61,8 +61,6 @@ class OutputStream:
         self._on_backlog_exceeded = on_backlog_exceeded or self.fail
         # Set by close() or fail(); what follows the last message is then self.error.
         self.closed = False
-        # When tokens last reached this stream (time.monotonic), for the inter-token latency.
-        self.last_tokens_at: float | None = None
         # The request's span while tracing is on (service/tracing.py), else None.
         self.trace_span: Any = None
         # Why the request failed, once it has.

@@ -14,8 +14,6 @@ class RequestSink(Protocol):
     # Set once the request's end (close) or error (fail) went in; nothing follows.
     closed: bool
     error: RequestError | None
-    # When tokens last reached it (time.monotonic), for the inter-token latency.
-    last_tokens_at: float | None
     # The request's span while tracing is on (service/tracing.py).
     trace_span: Any
 

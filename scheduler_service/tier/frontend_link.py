@@ -50,9 +50,11 @@ class _Gathered:
 
 
 class FrontendLink:
-    def __init__(self, frontend_id: str, peer: str) -> None:
+    def __init__(self, frontend_id: str, peer: str, index: int) -> None:
         self.frontend_id = frontend_id
         self.peer = peer
+        # This stream's number on the planner: the high half of its requests' delivery keys.
+        self.index = index
         # What the stream submitted and has not seen end, by handle.
         self.requests: dict[int, "RemoteSink"] = {}
         # Batches ready to send, in order; None ends the stream.
@@ -80,6 +82,15 @@ class FrontendLink:
             scheduled = request.first_scheduled_time
             gathered.queued_s.append(scheduled - request.arrival_time if scheduled is not None else 0.0)
             gathered.cached_tokens.append(request.num_cached_tokens)
+
+    def bulk_tokens(self, handles: list[int], token_ids: list[int]) -> None:
+        """One token each for requests that have started: steady decodes, whose first token
+        after their prefill always came through tokens()."""
+        gathered = self._gathered or self._gather()
+        gathered.handles += handles
+        gathered.token_ids += token_ids
+        if gathered.num_tokens is not None:
+            gathered.num_tokens += [1] * len(handles)
 
     def finished(self, sink: "RemoteSink") -> None:
         request = sink.request
@@ -127,13 +138,12 @@ class RemoteSink:
     """A request's sink on the planner: its tokens go to the front-end that holds its client,
     which detokenizes them, finds stop strings and streams (output_stream.OutputStream there)."""
 
-    __slots__ = ("request", "closed", "error", "last_tokens_at", "trace_span", "link", "handle", "started")
+    __slots__ = ("request", "closed", "error", "trace_span", "link", "handle", "started")
 
     def __init__(self, request: Request, link: FrontendLink, handle: int) -> None:
         self.request = request
         self.closed = False
         self.error: RequestError | None = None
-        self.last_tokens_at: float | None = None
         self.trace_span: object = None
         self.link = link
         self.handle = handle

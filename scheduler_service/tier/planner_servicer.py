@@ -2,10 +2,12 @@
 server status front-ends forward to their clients."""
 
 import asyncio
+import itertools
 import logging
 from collections.abc import AsyncIterator
 
 import grpc
+import numpy as np
 
 from protos.splitserve.planner.v1 import planner_pb2, planner_pb2_grpc
 from protos.splitserve.v1 import generation_pb2 as pb
@@ -16,11 +18,19 @@ from scheduler_service.tier.request_codec import request_of
 
 logger = logging.getLogger(__name__)
 
+# A request's delivery key (Request.delivery_key) is its stream's index above these bits and
+# its handle (a uint32 on the wire) in them.
+_HANDLE_BITS = 32
+_HANDLE_MASK = (1 << _HANDLE_BITS) - 1
+
 
 class PlannerServicer(planner_pb2_grpc.PlannerServicer):
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self.links: set[FrontendLink] = set()
+        self._links_by_index: dict[int, FrontendLink] = {}
+        self._indexes = itertools.count(1)
+        engine.bulk_delivery = self.deliver_bulk
 
     def status(self) -> planner_pb2.PlannerStatus:
         engine = self.engine
@@ -47,8 +57,9 @@ class PlannerServicer(planner_pb2_grpc.PlannerServicer):
         first = await anext(aiter(request_iterator), None)
         if first is None or not first.HasField("hello") or not first.hello.frontend_id:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a Connect stream starts with a hello naming the front-end")
-        link = FrontendLink(first.hello.frontend_id, context.peer())
+        link = FrontendLink(first.hello.frontend_id, context.peer(), next(self._indexes))
         self.links.add(link)
+        self._links_by_index[link.index] = link
         logger.info("event=frontend_connected frontend=%s peer=%s", link.frontend_id, link.peer)
         link.status(self.status())
         self._apply(link, first)
@@ -59,12 +70,32 @@ class PlannerServicer(planner_pb2_grpc.PlannerServicer):
         finally:
             reader.cancel()
             self.links.discard(link)
+            del self._links_by_index[link.index]
             # The front-end is gone or done with this planner: what it submitted is nobody's.
             left = list(link.requests.values())
             link.requests.clear()
             for sink in left:
                 self.engine.cancel(sink)
             logger.info("event=frontend_disconnected frontend=%s aborted=%d", link.frontend_id, len(left))
+
+    def deliver_bulk(self, keys: np.ndarray, token_ids: list[int]) -> None:
+        """Steady decodes' tokens, one each, to the streams their keys name."""
+        link_of = keys >> _HANDLE_BITS
+        first = int(link_of[0])
+        if (link_of == first).all():
+            self._bulk_to(first, (keys & _HANDLE_MASK).tolist(), token_ids)
+            return
+        tokens = np.asarray(token_ids, dtype=np.int64)
+        for index in np.flatnonzero(np.bincount(link_of)).tolist():
+            chosen = link_of == index
+            self._bulk_to(index, (keys[chosen] & _HANDLE_MASK).tolist(), tokens[chosen].tolist())
+
+    def _bulk_to(self, index: int, handles: list[int], token_ids: list[int]) -> None:
+        link = self._links_by_index.get(index)
+        # Requests leave with their stream (Connect cancels them), so every key names a live
+        # stream; were one not to, its tokens are dropped rather than failing the whole lane.
+        if link is not None:
+            link.bulk_tokens(handles, token_ids)
 
     async def GetServerStatus(self, request: pb.GetServerStatusRequest, context: grpc.aio.ServicerContext) -> pb.ServerStatus:
         return await self.engine.server_status()
@@ -90,6 +121,7 @@ class PlannerServicer(planner_pb2_grpc.PlannerServicer):
                 link.failed(handle, RequestError(ErrorKind.INVALID, f"handle {handle} is 0 or already in flight on this stream"))
                 continue
             request = request_of(submitted)
+            request.delivery_key = link.index << _HANDLE_BITS | handle
             try:
                 sink = engine.submit(
                     request, dict(submitted.trace_context), lambda r, h=handle: RemoteSink(r, link, h)

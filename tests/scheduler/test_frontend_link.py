@@ -21,7 +21,7 @@ def _entries(batch: planner_pb2.PlannerBatch) -> list[tuple[int, list[int]]]:
 
 
 async def _gather(sent: list[tuple[int, list[int]]]) -> planner_pb2.PlannerBatch:
-    link = FrontendLink("frontend", "peer")
+    link = FrontendLink("frontend", "peer", 1)
     sinks = {handle: RemoteSink(Request(f"r{handle}", [1, 2, 3]), link, handle) for handle, _ in sent}
     for handle, tokens in sent:
         message, _ = sinks[handle].add_tokens(tokens, ())
@@ -50,3 +50,15 @@ def test_an_entry_of_several_tokens_puts_every_count_in() -> None:
 def test_a_first_entry_of_several_tokens_is_counted() -> None:
     sent = [(5, [50, 51]), (6, [60])]
     assert _entries(asyncio.run(_gather(sent))) == sent
+
+
+def test_bulk_tokens_after_an_entry_of_several_tokens_are_counted_as_one_each() -> None:
+    async def gather() -> planner_pb2.PlannerBatch:
+        link = FrontendLink("frontend", "peer", 1)
+        sink = RemoteSink(Request("r7", [1, 2, 3]), link, 7)
+        sink.send(sink.add_tokens([70, 71], ())[0])
+        link.bulk_tokens([8, 9], [80, 90])
+        await asyncio.sleep(0)
+        return link.outbox.get_nowait()
+
+    assert _entries(asyncio.run(gather())) == [(7, [70, 71]), (8, [80]), (9, [90])]

@@ -385,3 +385,26 @@ def test_a_result_missing_decode_tokens_ends_those_requests_in_error_not_the_sch
     assert update.finished and update.error is not None and update.error.kind is ErrorKind.INTERNAL
     assert "0 decode tokens for 1 decode handles" in update.error.message
     assert not scheduler.has_unfinished() and scheduler.kv.num_free_blocks == 64
+
+
+def test_steady_decodes_come_back_with_their_delivery_keys_and_one_gap_per_token_after_the_first() -> None:
+    """An owner that forwards tokens in bulk (the planner) routes them by these keys, and every
+    token but a request's first gives the inter-token histogram one figure, bulk or not."""
+    now = [0.0]
+    scheduler = Scheduler(config(), clock=lambda: now[0])
+    executor = SimulatedExecutor(64, 4)
+    for key in (7, 9):
+        request = Request(f"r{key}", [1, 2, 3], SamplingParams(max_tokens=5, ignore_eos=True))
+        request.delivery_key = key
+        scheduler.add_request(request)
+    keys: list[list[int]] = []
+    gaps: list[float] = []
+    while scheduler.has_unfinished():
+        now[0] += 0.5
+        updates = scheduler.update(executor.execute(scheduler.schedule()))
+        keys.append(updates.decoded_keys.tolist())
+        assert len(updates.decoded_keys) == len(updates.decoded_requests)
+        assert [r.delivery_key for r in updates.decoded_requests] == keys[-1]
+        gaps += updates.inter_token_gaps
+    assert [7, 9] in keys, "steady decodes came back in bulk"
+    assert gaps == [0.5] * (2 * 4)
