@@ -7,7 +7,7 @@ N >= 2, a planner process and N front-end processes behind the client port (tier
 
     python -m bench.scale [--executors 16] [--running 256] [--step-ms 20 5] [--frontends 1 2]
         [--load-processes 8] [--warmup-s 8] [--settle-timeout-s 120] [--measure-s 10] [--runs 3]
-        [--json OUT]
+        [--stream-interval 1] [--json OUT]
 
 Reported per step time and front-end count (median over runs): each executor's idle share over
 the measured window (time with no plan to run: the scheduler fell behind), tokens per second the
@@ -66,6 +66,9 @@ class ScaleConfig:
     frontends: int = 1
     # After the warm-up, how long to wait at most for every stream to be delivering.
     settle_timeout_s: float = 120.0
+    # The scheduler's --stream-interval: tokens a stream gathers before they are sent. gRPC
+    # costs the sender tens of microseconds a message, so this bounds the front-ends' cost.
+    stream_interval: int = 1
 
 
 @dataclass(slots=True, frozen=True)
@@ -159,6 +162,7 @@ def run_once(config: ScaleConfig, workdir: Path | None = None) -> ScaleResult:
             max_num_batched_tokens=config.running * config.prompt_len,
             max_waiting=config.executors * config.running * 2,
             frontends=config.frontends,
+            stream_interval=config.stream_interval,
         )
         stack.callback(scheduler.close)
         # Its log (front-ends' included) is removed when it closes: copied beside the others.
@@ -268,7 +272,8 @@ def format_costs(runs: list[ScaleResult]) -> str:
     c = runs[0].config
     parts = [f"{cost.role} {cost.us_per_token:.1f} us/token -> {cost.cores:.2f} cores" for cost in role_costs(runs)]
     return (
-        f"{c.step_ms:g} ms, {c.executors} x {c.running}, {c.frontends} front-end(s): "
+        f"{c.step_ms:g} ms, {c.executors} x {c.running}, {c.frontends} front-end(s), "
+        f"stream interval {c.stream_interval}: "
         f"{runs[0].ideal_tokens_per_s:,.0f} tok/s asked; " + "; ".join(parts)
     )
 
@@ -296,6 +301,10 @@ def main() -> None:
     )
     parser.add_argument("--measure-s", type=float, default=10.0)
     parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument(
+        "--stream-interval", type=int, default=1,
+        help="the scheduler's --stream-interval (tokens gathered per message to a client)",
+    )
     parser.add_argument("--json", type=Path, help="write every run here")
     parser.add_argument("--keep-dir", type=Path, help="keep the last run's stats files and the load generators' and scheduler's logs here")
     args = parser.parse_args()
@@ -306,6 +315,7 @@ def main() -> None:
             config = ScaleConfig(
                 args.executors, args.running, step_ms, args.load_processes, args.prompt_len,
                 args.max_tokens, args.warmup_s, args.measure_s, frontends, args.settle_timeout_s,
+                args.stream_interval,
             )
             runs = []
             for index in range(args.runs):

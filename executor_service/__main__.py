@@ -171,11 +171,14 @@ def parse_args(argv: list[str] | None, prog: str = "python -m executor_service")
         "mixing AMX and other hosts, or a request moved between them, no longer gets the same logits",
     )
     parser.add_argument(
-        "--no-greedy-screen",
-        dest="greedy_screen",
-        action="store_false",
-        help="compute greedy rows' logits with the full float32 lm_head instead of the exact "
-        "int8 screen (CPU, float32, with packed linears)",
+        "--greedy-screen",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="pick greedy rows' tokens through the int8 screen (CPU, float32, with packed linears, "
+        "where oneDNN's int8 linear is exact): the head's cost about halves, but the pick is the "
+        "argmax of the exact logits, which on a near-tie can differ from the float32 head's, and "
+        "whether a row is screened depends on the other rows of its step (it pauses after steps "
+        "with wide rows), so a greedy request's tokens may then depend on its batch",
     )
     parser.add_argument(
         "--cuda-graph-max-batch",

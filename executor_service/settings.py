@@ -74,8 +74,10 @@ class ExecutorSettings:
     amx: bool = False
     # Pure decode steps of up to this many rows replay CUDA graphs (CUDA, one rank); 0: never.
     cuda_graph_max_batch: int = DEFAULT_CUDA_GRAPH_MAX_BATCH
-    # Greedy rows' lm_head through the exact int8 screen (greedy_head.py), with packed linears.
-    greedy_screen: bool = True
+    # Greedy rows' lm_head through the int8 screen (greedy_head.py), with packed linears: opt-in,
+    # since its pick is the exact-math argmax, not always the float32 head's, and whether a row
+    # is screened depends on the rest of its step.
+    greedy_screen: bool = False
     # TLS (mutual with a client CA) on the executor API; None serves plaintext.
     tls: ServerTls | None = None
     # Plaintext grpc.health.v1-only port for probes.

@@ -44,6 +44,13 @@ def test_flags_reach_the_settings() -> None:
     assert not parse_args([*MODEL, "--port", "0", "--no-packed-linear"]).packed_linear
 
 
+def test_shortcuts_that_make_tokens_depend_on_the_batch_or_the_host_are_opt_in() -> None:
+    settings = parse_args([*MODEL])
+    assert not settings.greedy_screen and not settings.amx
+    assert parse_args([*MODEL, "--greedy-screen"]).greedy_screen
+    assert not parse_args([*MODEL, "--no-greedy-screen"]).greedy_screen
+
+
 def test_block_budget_flags_are_exclusive() -> None:
     with pytest.raises(SystemExit):
         parse_args(
