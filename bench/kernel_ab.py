@@ -40,7 +40,7 @@ from bench.step_profile import step_kind, workload
 from bench.throughput import build_bench_model
 from bench.throughput_workload import BenchConfig
 from executor_service.argmax_kernel import load_row_argmax
-from executor_service.cpu_kernels import KERNEL_DIR, compile_library
+from executor_service.cpu_kernels import KERNEL_DIR, KernelUnavailable, compile_library
 from executor_service.decode_kernel import load_decode_kernel
 from executor_service.layer_kernels import load_layer_kernels
 from executor_service.panel_linear import load_panel_kernel
@@ -71,7 +71,15 @@ class KernelSwitch:
 
     def __init__(self, base: ctypes.CDLL) -> None:
         loaders = (load_panel_kernel, load_prefill_kernel, load_decode_kernel, load_layer_kernels, load_row_argmax)
-        wrappers = [load() for load in loaders]
+        wrappers = []
+        # Kernels this CPU cannot run (the panel kernel without AVX-512) are not in the steps
+        # either, so they are left out of the comparison.
+        self.unavailable: list[str] = []
+        for load in loaders:
+            try:
+                wrappers.append(load())
+            except KernelUnavailable as unavailable:
+                self.unavailable.append(f"{load.__name__}: {unavailable}")
         self._functions: dict[str, list[tuple[Any, str, Any]]] = {side: [] for side in SIDES}
         # This tree's functions the revision lacks (such as panel_amx_use, a switch, before the
         # AMX path): both sides call this tree's.
@@ -118,6 +126,8 @@ def run(config: BenchConfig, revision: str, rounds: int, model_dir: Path | None)
             switch.use("tree")
     lacks = switch.missing if switch is not None else []
     missing = f" ({revision} lacks {', '.join(lacks)}: this tree's on both sides)" if lacks else ""
+    if switch is not None and switch.unavailable:
+        missing += f" (not on this CPU: {'; '.join(switch.unavailable)})"
     lines = [
         f"kernels of this tree against {revision}'s, {rounds} rounds alternating step by step{missing}",
         "| steps | indices on both | base ms | tree ms | tree / base |",

@@ -42,6 +42,7 @@ KERNEL_DIR = Path(__file__).with_name("kernels")
 SOURCES = tuple(
     KERNEL_DIR / name
     for name in (
+        "attention_chunk.c",
         "paged_decode.c",
         "paged_prefill.c",
         "layer_elementwise.c",

@@ -1,10 +1,11 @@
 /* Decode attention read straight from the paged KV cache (float32, CPU).
  *
  * One query token per sequence attends over that sequence's cached tokens, found through its
- * block table. A task is one sequence (or one of its KV heads, when sequences are too few to
- * occupy every thread): it walks the sequence's blocks and reads every K and V row it needs
- * once, for all the query heads that share each KV head, so nothing is gathered into a padded
- * copy first. Compiled and loaded by executor_service/decode_kernel.py.
+ * block table. A task is one sequence under one KV head (the query heads sharing it are its
+ * rows): it walks the sequence's keys in chunks of CHUNK positions and does exactly what the
+ * prefill kernel does for a row at that position (attention_chunk.h): the same functions on the same numbers, so a position
+ * decoded here and recomputed later by a prefill (failover, preemption, migration) gets the same
+ * bits. Compiled and loaded by executor_service/decode_kernel.py.
  *
  * Layouts (all contiguous):
  *   q            [batch, heads, key_dim]
@@ -19,12 +20,15 @@
  * softcap * tanh(score / softcap) to the scaled scores, as transformers' eager attention does.
  */
 #include <float.h>
-#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
+#include "attention_chunk.h"
 #include "kernel_api.h"
-#include "softmax_exp.h"
+
+/* Rows asked for at the start of each block (prefetch_slots): 2-8 measured alike on an AMD EPYC. */
+#define PREFETCH_ROWS 4
 
 typedef struct {
     const float *q, *key_cache, *value_cache, *sinks;
@@ -35,123 +39,102 @@ typedef struct {
 } Args;
 
 /* Blocks lie anywhere in the cache, and the hardware prefetcher stops at page boundaries: the
- * same row of the sequence's next block is asked for while this block's row is read, one block
- * (block_size rows) ahead of its use. Into L2, not L1 (locality 2, not 3): a block's worth of
- * lines in flight overflows L1's miss buffers, and on an AMD EPYC (2 threads, SmolLM2 shapes,
- * 590 MB of K/V) that took the kernel from 36.7 ms to 22.3 ms, 16 to 26 GB/s. */
+ * next chunk's blocks are asked for while this chunk is read. Into L2, not L1 (locality 2, not
+ * 3): lines in flight beyond L1's miss buffers stall the loads (on an AMD EPYC, SmolLM2 shapes,
+ * asking for the next block's rows took a decode layer from 36.7 ms to 22.3 ms). */
 static inline void prefetch_row(const float *row, int64_t floats) {
     for (int64_t i = 0; i < floats; i += 64 / (int64_t)sizeof(float))
         __builtin_prefetch(row + i, 0, 2);
 }
 
-/* Positions [first, last) of block bi that a sequence attends to (its window starts at
- * `start`, its context ends at `context`), the first of their rows in `cache` (rows of `row`
- * floats, from float `col` on), and the same row of the sequence's next block, or NULL when
- * the context ends in this block. */
-typedef struct {
-    int64_t first, last;
-    const float *rows, *next;
-} BlockSpan;
-
-static inline BlockSpan block_span(const float *cache, const int64_t *blocks, int64_t bi,
-                                   int64_t bs, int64_t start, int64_t context, int64_t row,
-                                   int64_t col) {
-    BlockSpan span;
-    span.first = bi * bs > start ? bi * bs : start;
-    span.last = (bi + 1) * bs < context ? (bi + 1) * bs : context;
-    const int64_t offset = span.first - bi * bs;
-    span.rows = cache + (blocks[bi] * bs + offset) * row + col;
-    span.next = span.last < context ? cache + (blocks[bi + 1] * bs + offset) * row + col : NULL;
-    return span;
+/* Asks for the rows of KV heads [kh0, kh1) in the count slots given, where a block starts: the
+ * rows of a block lie one after another, which the hardware prefetcher follows by itself. */
+static inline void prefetch_slots(const float *cache, int64_t row, const int64_t *slots,
+                                  int64_t count, int64_t kh0, int64_t kh1, int64_t width) {
+    int64_t run = 0;
+    for (int64_t j = 0; j < count; j++) {
+        run = j > 0 && slots[j] == slots[j - 1] + 1 ? run + 1 : 0;
+        if (run < PREFETCH_ROWS) prefetch_row(cache + slots[j] * row + kh0 * width, (kh1 - kh0) * width);
+    }
 }
 
-/* One task: sequence b, KV heads [kh0, kh1); 0, or 1 when its scratch memory could not be had.
- * Walking every KV head of a token before the next token reads each block's K and V rows front
- * to back, which streams from memory about twice as fast as reading one head's rows strided.
- * Inlined into copies where KD and VD are constants, so the loops over a head's width unroll. */
+/* One task: sequence b under KV heads [kh0, kh1). 0, or 1 when its scratch memory could not be
+ * had. Like the prefill kernel it walks the keys in chunks, but in two streams, as reading goes
+ * fastest: every key chunk's scores first, then the softmax of each chunk in order, then every
+ * value chunk, each chunk's rows asked for while the one before is used. Walking every KV head
+ * of a position reads the cache rows front to back, about twice as fast as one head's rows
+ * strided. */
 static inline __attribute__((always_inline)) int task(const Args *a, int64_t b, int64_t kh0,
-                                                      int64_t kh1, const int64_t KD,
-                                                      const int64_t VD) {
-    const int64_t group = a->heads / a->kv_heads;
+                                                      int64_t kh1, const int64_t KD, const int64_t VD) {
+    const int64_t group = a->heads / a->kv_heads, nh = (kh1 - kh0) * group;
     const int64_t context = a->context_lens[b];
     const int64_t start = (a->window > 0 && context > a->window) ? context - a->window : 0;
-    const int64_t n = context - start;
-    const int64_t bs = a->block_size;
-    const int64_t *blocks = a->block_table + b * a->table_width;
+    const int64_t first = start / CHUNK * CHUNK;
+    const int64_t chunks = context > first ? (context - first + CHUNK - 1) / CHUNK : 0;
     const int64_t krow = a->kv_heads * KD, vrow = a->kv_heads * VD;
-    const int64_t h0 = kh0 * group, nh = (kh1 - kh0) * group;
-    const float *queries = a->q + (b * a->heads + h0) * KD;
-    /* scores [nh][n], acc [nh][VD], inverse [nh] */
-    float *scores = malloc(sizeof(float) * (size_t)(nh * (n > 0 ? n : 1) + nh * VD + nh));
-    if (scores == NULL) return 1;
-    float *acc = scores + nh * (n > 0 ? n : 1), *inverse = acc + nh * VD;
-    /* The first blocks of both passes have no block before them to prefetch them. */
-    if (n > 0) {
-        const BlockSpan k0 =
-            block_span(a->key_cache, blocks, start / bs, bs, start, context, krow, kh0 * KD);
-        const BlockSpan v0 =
-            block_span(a->value_cache, blocks, start / bs, bs, start, context, vrow, kh0 * VD);
-        for (int64_t t = 0; t < k0.last - k0.first; t++) {
-            prefetch_row(k0.rows + t * krow, (kh1 - kh0) * KD);
-            prefetch_row(v0.rows + t * vrow, (kh1 - kh0) * VD);
+    /* queries [nh][KD], acc [nh][VD], per row: running maximum, running sum; weights
+     * [chunks][nh][CHUNK] and rescale [chunks][nh]; the slots of every position from first. */
+    float *queries = malloc(sizeof(float) * (size_t)(nh * (KD + VD + 2) + chunks * nh * (CHUNK + 1)));
+    int64_t *slots = malloc(sizeof(int64_t) * (size_t)(chunks * CHUNK + 1));
+    if (queries == NULL || slots == NULL) {
+        free(queries);
+        free(slots);
+        return 1;
+    }
+    float *acc = queries + nh * KD, *peak = acc + nh * VD, *total = peak + nh;
+    float *weights = total + nh, *rescale = weights + chunks * nh * CHUNK;
+    memset(acc, 0, sizeof(float) * (size_t)(nh * VD));
+    for (int64_t r = 0; r < nh; r++) {
+        const int64_t h = kh0 * group + r;
+        scale_row(a->q + (b * a->heads + h) * KD, a->scale, queries + r * KD, KD);
+        peak[r] = a->sinks != NULL ? a->sinks[h] : -FLT_MAX;
+        total[r] = a->sinks != NULL ? 1.0f : 0.0f;
+    }
+    {
+        const int64_t *blocks = a->block_table + b * a->table_width, bs = a->block_size;
+        int64_t block = first / bs, offset = first % bs;
+        for (int64_t p = first; p < context; p++) {
+            slots[p - first] = blocks[block] * bs + offset;
+            if (++offset == bs) offset = 0, block++;
         }
     }
-
-    for (int64_t bi = start / bs; bi * bs < context; bi++) {
-        const BlockSpan span =
-            block_span(a->key_cache, blocks, bi, bs, start, context, krow, kh0 * KD);
-        const float *k = span.rows;
-        for (int64_t pos = span.first; pos < span.last; pos++, k += krow) {
-            if (span.next != NULL)
-                prefetch_row(span.next + (pos - span.first) * krow, (kh1 - kh0) * KD);
-            for (int64_t h = 0; h < nh; h++) {
-                const float *qh = queries + h * KD, *kh = k + (h / group) * KD;
-                float s = 0.0f;
-#pragma omp simd reduction(+ : s)
-                for (int64_t d = 0; d < KD; d++) s += qh[d] * kh[d];
-                s *= a->scale;
-                if (a->softcap > 0.0f) s = a->softcap * tanhf(s / a->softcap);
-                scores[h * n + pos - start] = s;
-            }
+    prefetch_slots(a->key_cache, krow, slots, context - first < CHUNK ? context - first : CHUNK, kh0, kh1, KD);
+    for (int64_t c = 0; c < chunks; c++) {
+        const int64_t c0 = first + c * CHUNK, count = context - c0 < CHUNK ? context - c0 : CHUNK;
+        const int64_t *next = slots + (c + 1 < chunks ? (c + 1) * CHUNK : 0);
+        const int64_t ahead = c + 1 < chunks ? context - c0 - CHUNK : context - first;
+        if (c + 1 < chunks)
+            prefetch_slots(a->key_cache, krow, next, ahead < CHUNK ? ahead : CHUNK, kh0, kh1, KD);
+        else
+            prefetch_slots(a->value_cache, vrow, next, ahead < CHUNK ? ahead : CHUNK, kh0, kh1, VD);
+        chunk_scores(queries, nh, group, a->key_cache, slots + c * CHUNK, count, a->kv_heads, kh0,
+                     weights + c * nh * CHUNK, KD);
+    }
+    for (int64_t c = 0; c < chunks; c++) {
+        const int64_t c0 = first + c * CHUNK, count = context - c0 < CHUNK ? context - c0 : CHUNK;
+        const int64_t lo = (start > c0 ? start : c0) - c0;
+        for (int64_t r = 0; r < nh; r++)
+            chunk_softmax(weights + (c * nh + r) * CHUNK, lo, count, a->softcap, peak + r, total + r,
+                          rescale + c * nh + r);
+    }
+    for (int64_t c = 0; c < chunks; c++) {
+        const int64_t c0 = first + c * CHUNK, count = context - c0 < CHUNK ? context - c0 : CHUNK;
+        const int64_t lo = (start > c0 ? start : c0) - c0;
+        if (c + 1 < chunks) {
+            const int64_t ahead = context - c0 - CHUNK;
+            prefetch_slots(a->value_cache, vrow, slots + (c + 1) * CHUNK, ahead < CHUNK ? ahead : CHUNK, kh0, kh1, VD);
+        }
+        for (int64_t kh = kh0; kh < kh1; kh++) {
+            const int64_t r0 = (kh - kh0) * group;
+            chunk_values(a->value_cache, slots + c * CHUNK, a->kv_heads, kh, VD, group,
+                         weights + (c * nh + r0) * CHUNK, rescale + c * nh + r0, acc + r0 * VD, c0,
+                         c0 + lo, c0 + count);
         }
     }
-
-    for (int64_t h = 0; h < nh; h++) {
-        float *row = scores + h * n;
-        /* Finite stand-ins for -inf: the library is built with -ffast-math. */
-        const float sink = a->sinks != NULL ? a->sinks[h0 + h] : -FLT_MAX;
-        float peak = sink;
-        for (int64_t t = 0; t < n; t++) peak = row[t] > peak ? row[t] : peak;
-        float sum = a->sinks != NULL ? expf(sink - peak) : 0.0f;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t t = 0; t < n; t++) {
-            row[t] = softmax_exp(row[t] - peak);
-            sum += row[t];
-        }
-        inverse[h] = sum > 0.0f ? 1.0f / sum : 0.0f;
-    }
-
-    for (int64_t i = 0; i < nh * VD; i++) acc[i] = 0.0f;
-    for (int64_t bi = start / bs; bi * bs < context; bi++) {
-        const BlockSpan span =
-            block_span(a->value_cache, blocks, bi, bs, start, context, vrow, kh0 * VD);
-        const float *v = span.rows;
-        for (int64_t pos = span.first; pos < span.last; pos++, v += vrow) {
-            if (span.next != NULL)
-                prefetch_row(span.next + (pos - span.first) * vrow, (kh1 - kh0) * VD);
-            for (int64_t h = 0; h < nh; h++) {
-                const float p = scores[h * n + pos - start];
-                const float *vh = v + (h / group) * VD;
-                float *out = acc + h * VD;
-#pragma omp simd
-                for (int64_t d = 0; d < VD; d++) out[d] += p * vh[d];
-            }
-        }
-    }
-    float *dst = a->out + (b * a->heads + h0) * VD;
-    for (int64_t h = 0; h < nh; h++)
-        for (int64_t d = 0; d < VD; d++) dst[h * VD + d] = acc[h * VD + d] * inverse[h];
-    free(scores);
+    for (int64_t r = 0; r < nh; r++)
+        finish_row(acc + r * VD, total[r], a->out + (b * a->heads + kh0 * group + r) * VD, VD);
+    free(queries);
+    free(slots);
     return 0;
 }
 

@@ -1,0 +1,61 @@
+/* The arithmetic of attention over one chunk of keys, shared by the prefill and decode kernels
+ * (paged_prefill.c, paged_decode.c) so that a query row gets the same bits whichever computes it:
+ * a position first computed by a decode step and computed again by a prefill (after a failover,
+ * a preemption or a migration) attends exactly as before. Both kernels only move data (pack keys,
+ * find slots) and call these functions, which are defined once (attention_chunk.c) and never
+ * inlined into either, for every floating-point operation.
+ *
+ * A row's attention walks its keys in chunks of CHUNK positions that start at multiples of CHUNK
+ * (absolute positions, so a row's chunks do not depend on how its sequence was split into steps):
+ * per chunk, scores of ROWS query rows against the chunk's keys (chunk_scores), the online
+ * softmax update of each row (chunk_softmax), then the rows' value sums (chunk_values); at the
+ * end each row is divided by its softmax total (finish_row). */
+#ifndef SPLITSERVE_ATTENTION_CHUNK_H
+#define SPLITSERVE_ATTENTION_CHUNK_H
+#include <stdint.h>
+
+/* One native vector, and how many rows a micro-kernel keeps in registers: ROWS x 4 vector
+ * accumulators plus 4 loaded vectors must fit the register file (32 registers with AVX-512 and
+ * on AArch64, 16 with AVX and SSE). */
+#if defined(__AVX512F__)
+#define LANES 16
+#define ROWS 6
+#elif defined(__AVX__)
+#define LANES 8
+#define ROWS 3
+#elif defined(__aarch64__)
+#define LANES 4
+#define ROWS 6
+#else
+#define LANES 4
+#define ROWS 3
+#endif
+#define PANEL (4 * LANES)
+/* Keys per online-softmax step: the fastest of 32-128 on AMD EPYCs (SmolLM2 shapes). */
+#define CHUNK 64
+_Static_assert(CHUNK % PANEL == 0, "the score product reads whole panels of keys");
+
+/* queries[r][d] = src[r][d] * scale for one row of key_dim floats. */
+void scale_row(const float *src, float scale, float *dst, int64_t key_dim);
+/* scores[r][j] for rows r < nrows (rows KD floats apart, scores rows CHUNK apart) and keys
+ * j < count: row r against the key row of KV head kh + r / rows_per_head in cache slot
+ * slots[j], read where it lies (a position's heads one after another). */
+void chunk_scores(const float *rows, int64_t nrows, int64_t rows_per_head, const float *key_cache,
+                  const int64_t *slots, int64_t count, int64_t kv_heads, int64_t kh,
+                  float *scores, int64_t key_dim);
+/* One row's online softmax over the chunk's scores w[lo, hi) (softcap > 0 caps them first):
+ * w becomes the weights (0 outside [lo, hi)), and peak, total and rescale (the factor the
+ * row's value sums so far are to be multiplied by) are updated. lo >= hi leaves the row as it
+ * was (rescale 1, every weight 0). */
+void chunk_softmax(float *w, int64_t lo, int64_t hi, float softcap, float *peak, float *total,
+                   float *rescale);
+/* acc[r][0..VD) = acc[r] * rescale[r] + sum over j in [j0, j1), in order, of weights[r][j - c0]
+ * * V[j], for rows r < nrows (acc rows VD apart, weights rows CHUNK apart), where V[j] is the
+ * value row of KV head kh in cache slot slots[j - c0]. Row by row: a row's sums do not depend
+ * on the rows beside it. */
+void chunk_values(const float *value_cache, const int64_t *slots, int64_t kv_heads, int64_t kh,
+                  int64_t value_dim, int64_t nrows, const float *weights, const float *rescale,
+                  float *acc, int64_t c0, int64_t j0, int64_t j1);
+/* dst[0..VD) = acc / total (0 where the total is 0). */
+void finish_row(const float *acc, float total, float *dst, int64_t value_dim);
+#endif
