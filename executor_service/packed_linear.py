@@ -20,6 +20,7 @@ import logging
 
 import torch
 from torch import nn
+from transformers.pytorch_utils import Conv1D
 
 from executor_service.panel_linear import PanelKernel
 
@@ -89,9 +90,20 @@ def packing_available(device: torch.device, dtype: torch.dtype) -> bool:
     )
 
 
+def as_linear(conv: Conv1D) -> nn.Linear:
+    """GPT-2's Conv1D (x W + b, W stored [in, out]) as the nn.Linear it is. Packed like the
+    others, it leaves MKL's plain GEMM, which gives a row other bits when a step has 1-3 rows
+    than when it has 4 or more: the row's logits would depend on its batch."""
+    linear = nn.Linear(conv.nx, conv.nf, bias=conv.bias is not None, device="meta", dtype=conv.weight.dtype)
+    linear.weight = nn.Parameter(conv.weight.detach().t().contiguous(), requires_grad=False)
+    if conv.bias is not None:
+        linear.bias = conv.bias
+    return linear
+
+
 def pack_linears(model: nn.Module, panels: PanelKernel | None = None) -> int:
-    """Replaces every plain nn.Linear of the model in place; returns how many. panels: the
-    panel kernel, or None for oneDNN.
+    """Replaces every plain nn.Linear (and transformers' Conv1D) of the model in place; returns
+    how many. panels: the panel kernel, or None for oneDNN.
 
     Subclasses of nn.Linear are left alone: they may change what forward computes.
     """
@@ -99,14 +111,15 @@ def pack_linears(model: nn.Module, panels: PanelKernel | None = None) -> int:
         (parent, name, child)
         for parent in model.modules()
         for name, child in parent.named_children()
-        if type(child) is nn.Linear and child.weight.dtype in PACKABLE_DTYPES
+        if type(child) in (nn.Linear, Conv1D) and child.weight.dtype in PACKABLE_DTYPES
     ]
     packed: dict[int, PackedLinear] = {}
     for parent, name, child in targets:
         # A module reached by two paths is packed once and shared, as it was.
         replacement = packed.get(id(child))
         if replacement is None:
-            replacement = packed[id(child)] = PackedLinear(child, panels)
+            linear = as_linear(child) if isinstance(child, Conv1D) else child
+            replacement = packed[id(child)] = PackedLinear(linear, panels)
         setattr(parent, name, replacement)
     blocked = sum(linear.blocks is not None for linear in packed.values())
     logger.info(

@@ -251,10 +251,6 @@ def _logprobs_of(driver: Driver, requests: list[PlannedRequest]) -> dict[str, li
 # Architectures whose logits still depend on the batch (issue 35), and why. Strict: once one is
 # fixed, its entry must go.
 _BATCH_DEPENDENT = {
-    # Conv1D is torch.addmm on the plain weight, not a packed linear: MKL's GEMM gives a row other
-    # bits with 1-3 rows than with 4 or more (a GEMV path), so 1-token chunks, lone decodes and
-    # their recomputation differ.
-    "gpt2": "Conv1D layers run MKL's GEMM, whose rows depend on the row count below 4",
     # Each expert multiplies the tokens routed to it, a count that depends on the whole step.
     "gpt_oss": "mixture-of-experts GEMMs run on each step's per-expert token groups",
     "deepseek_v3": "mixture-of-experts GEMMs run on each step's per-expert token groups",
