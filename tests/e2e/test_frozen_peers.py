@@ -69,7 +69,9 @@ def test_a_frozen_executor_is_lost_by_keepalive_and_its_requests_finish_elsewher
     scheduler = SchedulerProcess(addresses, max_num_batched_tokens=512)
     address = _started(stack, scheduler)
     victim, victim_address = executors[0], addresses[0]
-    jobs = [(prompt, 32) for prompt, _ in workload(16, seed=32)]
+    # Long enough that both executors are mid-generation when the status shows them stepping
+    # (16 x 32 tokens took ~0.2 s in all, and a poll could see the 5th step after the last).
+    jobs = [(prompt, 128) for prompt, _ in workload(16, seed=32)]
 
     async def freeze_mid_generation() -> tuple[list[list[int]], float]:
         streams = asyncio.create_task(stream_all(address, jobs))
