@@ -8,13 +8,11 @@ from __future__ import annotations
 
 import json
 import os
-import queue
 import re
 import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -22,12 +20,11 @@ from pathlib import Path
 import pytest
 
 from executor_service.prepare_model import COMPLETE_MARKER
+from tests.helpers.launcher_output import LauncherOutput
 from tests.helpers.service_process import is_running
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 CHILD_PID = re.compile(r"event=child_started name=(\w+) pid=(\d+)")
-# The last line of the banner printed once both services serve.
-BANNER_END = re.compile(r"status --server \S+\n")
 
 
 def launcher_command(cache_dir: Path, log_dir: Path, *extra: str) -> list[str]:
@@ -65,12 +62,6 @@ def is_alive(pid: int) -> bool:
     return True
 
 
-def forward_lines(process: subprocess.Popen[str], lines: queue.Queue[str]) -> None:
-    assert process.stdout is not None
-    for line in process.stdout:
-        lines.put(line)
-
-
 def test_once_answers_the_question(prepared_model: Path, tmp_path: Path) -> None:
     started = time.monotonic()
     result = subprocess.run(
@@ -103,18 +94,9 @@ def test_signal_stops_both_services_and_exits_zero(
             stderr=stderr_file,
             text=True,
         )
-    lines: queue.Queue[str] = queue.Queue()
-    reader = threading.Thread(target=forward_lines, args=(process, lines))
-    reader.start()
-    stdout = ""
+    output = LauncherOutput(process)
     try:
-        deadline = time.monotonic() + 180
-        while not BANNER_END.search(stdout):
-            assert time.monotonic() < deadline and process.poll() is None, stdout
-            try:
-                stdout += lines.get(timeout=0.5)
-            except queue.Empty:
-                continue
+        stdout = output.until_banner(timeout_s=180)
         assert "splitserve is running" in stdout
         # The banner tells users what to run against the services it names.
         address = re.search(r"scheduler\s+(127\.0\.0\.1:\d+)", stdout)
@@ -132,7 +114,7 @@ def test_signal_stops_both_services_and_exits_zero(
         if process.poll() is None:
             process.kill()
             process.wait()
-        reader.join()
+        output.close()
     stderr = stderr_path.read_text()
     assert process.returncode == 0, stderr[-4000:]
     pids = child_pids(stderr)
@@ -197,18 +179,9 @@ def test_a_launcher_killed_with_sigkill_takes_its_services_with_it(prepared_mode
             launcher_command(prepared_model, tmp_path, "--question", "Say hello."),
             cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=stderr_file, text=True,
         )
-    lines: queue.Queue[str] = queue.Queue()
-    reader = threading.Thread(target=forward_lines, args=(process, lines))
-    reader.start()
-    stdout = ""
+    output = LauncherOutput(process)
     try:
-        deadline = time.monotonic() + 180
-        while not BANNER_END.search(stdout):
-            assert time.monotonic() < deadline and process.poll() is None, stdout
-            try:
-                stdout += lines.get(timeout=0.5)
-            except queue.Empty:
-                continue
+        output.until_banner(timeout_s=180)
         pids = child_pids(stderr_path.read_text())
         assert set(pids) == {"executor", "scheduler", "gateway"}
         process.kill()
@@ -221,4 +194,4 @@ def test_a_launcher_killed_with_sigkill_takes_its_services_with_it(prepared_mode
         if process.poll() is None:
             process.kill()
             process.wait()
-        reader.join(timeout=10)
+        output.close(timeout_s=10)

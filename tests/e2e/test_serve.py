@@ -6,20 +6,18 @@ Every run binds port 0 for each service, so tests never race for the default por
 
 from __future__ import annotations
 
-import queue
 import re
 import shutil
 import signal
 import subprocess
 import sys
-import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import openai
 import pytest
 
+from tests.helpers.launcher_output import LauncherOutput
 from tests.helpers.model_factory import build_model
 from tests.helpers.tokenizer_assets import qwen3_tokenizer_dir
 
@@ -27,7 +25,6 @@ SPLITSERVE = str(Path(sys.executable).parent / "splitserve")
 # Qwen3's tokenizer: the random model's vocabulary must hold every id it makes.
 VOCAB_SIZE = 151_936
 GATEWAY = re.compile(r"gateway\s+(http://127\.0\.0\.1:\d+/v1)")
-BANNER_END = re.compile(r"status --server \S+\n")
 ANY_PORT = ("--port", "0", "--executor-port", "0", "--metrics-port", "0", "--gateway-port", "0")
 
 
@@ -55,24 +52,8 @@ def served(own_model: Path, tmp_path: Path) -> Iterator[str]:
         stderr=subprocess.DEVNULL,
         text=True,
     )
-    lines: queue.Queue[str] = queue.Queue()
-
-    def forward() -> None:
-        assert process.stdout is not None
-        for line in process.stdout:
-            lines.put(line)
-
-    reader = threading.Thread(target=forward, daemon=True)
-    reader.start()
-    stdout = ""
     try:
-        deadline = time.monotonic() + 240
-        while not BANNER_END.search(stdout):
-            assert time.monotonic() < deadline and process.poll() is None, stdout
-            try:
-                stdout += lines.get(timeout=0.5)
-            except queue.Empty:
-                continue
+        stdout = LauncherOutput(process).until_banner(timeout_s=240)
         # serve asks nothing: the banner is the first thing it prints.
         assert "> " not in stdout.split("splitserve is running")[0], stdout
         gateway = GATEWAY.search(stdout)
