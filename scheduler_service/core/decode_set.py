@@ -13,6 +13,7 @@ finishes, is preempted or its executor goes; while it is here its computed-token
 these arrays (as is the time of its last token), and leave() writes them back to the Request.
 """
 
+import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -107,7 +108,7 @@ class DecodeSet:
         request.num_computed_tokens = int(self.computed[slot])
         request.num_pending_outputs = request.num_computed_tokens + 1 - request.num_tokens
         last = float(self.last_token_at[slot])
-        request.last_token_at = None if last != last else last
+        request.last_token_at = None if math.isnan(last) else last
         self._requests[slot] = None
         self.active[slot] = False
         self.epoch[slot] += 1
@@ -179,9 +180,10 @@ class DecodeSet:
         self.last_token_at[slots] = now
         keys = self.key[slots]
         stops = self.num_tokens[slots] >= self.limit[slots]
+        on_eos = self.stops_on_eos[slots]
         # A comparison per EOS id: models have one to three, and np.isin's set-up costs more.
         for eos in self._eos_ids:
-            stops |= self.stops_on_eos[slots] & (tokens == eos)
+            stops |= on_eos & (tokens == eos)
         filled = computed % self.block_size == 0
         requests = self._requests
         token_list = tokens.tolist()

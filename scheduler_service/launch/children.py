@@ -121,4 +121,3 @@ class Children:
                 status = child.process.wait()
             logger.info("event=child_stopped name=%s status=%d", child.name, status)
         self.running.clear()
-

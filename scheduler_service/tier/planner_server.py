@@ -153,7 +153,7 @@ async def serve_planner(settings: ServerSettings, options: PlannerOptions, hooks
         "event=planner_stopping handing_over=%d", 0 if options.drain_on_stop else engine.num_waiting + engine.num_running
     )
     # Front-ends first: told nothing ended, they take what runs here to the next planner.
-    for link in list(servicer.links):
+    for link in list(servicer.links.values()):
         link.close()
     engine.abort_all()
     await server.stop(SHUTDOWN_GRACE_S)

@@ -27,8 +27,8 @@ _HANDLE_MASK = (1 << _HANDLE_BITS) - 1
 class PlannerServicer(planner_pb2_grpc.PlannerServicer):
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
-        self.links: set[FrontendLink] = set()
-        self._links_by_index: dict[int, FrontendLink] = {}
+        # Connect streams open now, by their index (the high half of their requests' delivery keys).
+        self.links: dict[int, FrontendLink] = {}
         self._indexes = itertools.count(1)
         engine.bulk_delivery = self.deliver_bulk
 
@@ -48,7 +48,7 @@ class PlannerServicer(planner_pb2_grpc.PlannerServicer):
     def status_changed(self) -> None:
         """Tells every front-end (the engine's serving state or draining changed)."""
         status = self.status()
-        for link in self.links:
+        for link in self.links.values():
             link.status(status)
 
     async def Connect(
@@ -58,8 +58,7 @@ class PlannerServicer(planner_pb2_grpc.PlannerServicer):
         if first is None or not first.HasField("hello") or not first.hello.frontend_id:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a Connect stream starts with a hello naming the front-end")
         link = FrontendLink(first.hello.frontend_id, context.peer(), next(self._indexes))
-        self.links.add(link)
-        self._links_by_index[link.index] = link
+        self.links[link.index] = link
         logger.info("event=frontend_connected frontend=%s peer=%s", link.frontend_id, link.peer)
         link.status(self.status())
         self._apply(link, first)
@@ -69,8 +68,7 @@ class PlannerServicer(planner_pb2_grpc.PlannerServicer):
                 yield batch
         finally:
             reader.cancel()
-            self.links.discard(link)
-            del self._links_by_index[link.index]
+            del self.links[link.index]
             # The front-end is gone or done with this planner: what it submitted is nobody's.
             left = list(link.requests.values())
             link.requests.clear()
@@ -91,7 +89,7 @@ class PlannerServicer(planner_pb2_grpc.PlannerServicer):
             self._bulk_to(index, (keys[chosen] & _HANDLE_MASK).tolist(), tokens[chosen].tolist())
 
     def _bulk_to(self, index: int, handles: list[int], token_ids: list[int]) -> None:
-        link = self._links_by_index.get(index)
+        link = self.links.get(index)
         # Requests leave with their stream (Connect cancels them), so every key names a live
         # stream; were one not to, its tokens are dropped rather than failing the whole lane.
         if link is not None:
