@@ -9,6 +9,16 @@
 
 #include "softmax_exp.h"
 
+/* One native vector, and a panel of four: a value row's columns are summed a panel at a time. */
+#if defined(__AVX512F__)
+#define LANES 16
+#elif defined(__AVX__)
+#define LANES 8
+#else
+#define LANES 4
+#endif
+#define PANEL (4 * LANES)
+
 typedef float vec __attribute__((vector_size(LANES * sizeof(float))));
 typedef int32_t ivec __attribute__((vector_size(LANES * sizeof(int32_t))));
 /* The lanes of a shuffle mask past the first 8 (or 4): their results are never read. */

@@ -1,39 +1,21 @@
 /* The arithmetic of attention over one chunk of keys, shared by the prefill and decode kernels
  * (paged_prefill.c, paged_decode.c) so that a query row gets the same bits whichever computes it:
  * a position first computed by a decode step and computed again by a prefill (after a failover,
- * a preemption or a migration) attends exactly as before. Both kernels only move data (pack keys,
- * find slots) and call these functions, which are defined once (attention_chunk.c) and never
+ * a preemption or a migration) attends exactly as before. Both kernels only move data (find
+ * slots, lay out rows) and call these functions, which are defined once (attention_chunk.c) and never
  * inlined into either, for every floating-point operation.
  *
  * A row's attention walks its keys in chunks of CHUNK positions that start at multiples of CHUNK
  * (absolute positions, so a row's chunks do not depend on how its sequence was split into steps):
- * per chunk, scores of ROWS query rows against the chunk's keys (chunk_scores), the online
+ * per chunk, the rows' scores against the chunk's keys (chunk_scores), the online
  * softmax update of each row (chunk_softmax), then the rows' value sums (chunk_values); at the
  * end each row is divided by its softmax total (finish_row). */
 #ifndef SPLITSERVE_ATTENTION_CHUNK_H
 #define SPLITSERVE_ATTENTION_CHUNK_H
 #include <stdint.h>
 
-/* One native vector, and how many rows a micro-kernel keeps in registers: ROWS x 4 vector
- * accumulators plus 4 loaded vectors must fit the register file (32 registers with AVX-512 and
- * on AArch64, 16 with AVX and SSE). */
-#if defined(__AVX512F__)
-#define LANES 16
-#define ROWS 6
-#elif defined(__AVX__)
-#define LANES 8
-#define ROWS 3
-#elif defined(__aarch64__)
-#define LANES 4
-#define ROWS 6
-#else
-#define LANES 4
-#define ROWS 3
-#endif
-#define PANEL (4 * LANES)
 /* Keys per online-softmax step: the fastest of 32-128 on AMD EPYCs (SmolLM2 shapes). */
 #define CHUNK 64
-_Static_assert(CHUNK % PANEL == 0, "the score product reads whole panels of keys");
 
 /* queries[r][d] = src[r][d] * scale for one row of key_dim floats. */
 void scale_row(const float *src, float scale, float *dst, int64_t key_dim);

@@ -30,11 +30,10 @@
 #include "attention_chunk.h"
 
 /* Query tokens per task: the fastest of 8-36 on AMD EPYCs (SmolLM2 shapes: 7 sequences of
- * 98-500 tokens, 9/3 heads of 64). A tile of 18 tokens is a whole number of ROWS-row blocks for
- * query-head groups of 1, 2, 3, 4 and 6: 16 padded random Llama's 32 rows (groups of 2) to 36.
- * A 2,048-token step's 8 layers took 29.3 -> 24.8 ms there (groups of 3: 27.8 -> 25.9). A row's
- * result does not depend on its tile: chunks start at multiples of CHUNK, and chunks a row
- * cannot see leave it unchanged (attention_chunk.h). */
+ * 98-500 tokens, 9/3 heads of 64) when the kernel multiplied register blocks of rows; not
+ * measured again since rows are scored one at a time (attention_chunk.c). A row's result does
+ * not depend on its tile: chunks start at multiples of CHUNK, and chunks a row cannot see leave
+ * it unchanged (attention_chunk.h). */
 #define TILE 18
 
 typedef struct {
@@ -50,26 +49,21 @@ static inline __attribute__((always_inline)) int attend(const Args *a, int64_t s
                                                         int64_t kh, const int64_t KD) {
     const int64_t VD = a->value_dim, group = a->heads / a->kv_heads;
     const int64_t tokens = a->num_new[s] - t0 < TILE ? a->num_new[s] - t0 : TILE;
-    const int64_t rows = tokens * group, padded = (rows + ROWS - 1) / ROWS * ROWS;
-    /* queries [padded][KD], weights [padded][CHUNK], acc [padded][VD], then per row: running
-     * maximum, running sum, rescale, and the first and last key it may see. */
-    float *queries = malloc(sizeof(float) * (size_t)(padded * (KD + CHUNK + VD + 5)));
+    const int64_t rows = tokens * group;
+    /* queries [rows][KD], weights [rows][CHUNK], acc [rows][VD], then per row: running maximum,
+     * running sum, rescale, and the first and last key it may see. */
+    float *queries = malloc(sizeof(float) * (size_t)(rows * (KD + CHUNK + VD + 5)));
     if (queries == NULL) return 1;
-    float *weights = queries + padded * KD, *acc = weights + padded * CHUNK;
-    float *peak = acc + padded * VD, *total = peak + padded, *rescale = total + padded;
-    int64_t *bounds = malloc(sizeof(int64_t) * (size_t)(2 * padded));
+    float *weights = queries + rows * KD, *acc = weights + rows * CHUNK;
+    float *peak = acc + rows * VD, *total = peak + rows, *rescale = total + rows;
+    int64_t *bounds = malloc(sizeof(int64_t) * (size_t)(2 * rows));
     if (bounds == NULL) {
         free(queries);
         return 1;
     }
-    memset(queries, 0, sizeof(float) * (size_t)(padded * KD));
-    memset(acc, 0, sizeof(float) * (size_t)(padded * VD));
-    for (int64_t r = 0; r < padded; r++) {
+    memset(acc, 0, sizeof(float) * (size_t)(rows * VD));
+    for (int64_t r = 0; r < rows; r++) {
         const int64_t t = r / group, h = kh * group + r % group;
-        if (r >= rows) {
-            peak[r] = 0.0f, total[r] = 0.0f, bounds[2 * r] = bounds[2 * r + 1] = 0;
-            continue;
-        }
         scale_row(a->q + (a->token_start[s] + t0 + t) * a->q_stride + h * KD, a->scale,
                   queries + r * KD, KD);
         /* Finite stand-ins for -inf, as the decode kernel starts its rows. */
@@ -86,7 +80,7 @@ static inline __attribute__((always_inline)) int attend(const Args *a, int64_t s
         const int64_t c0 = c * CHUNK;
         chunk_scores(queries, rows, rows, a->key_cache, slots + c0, context - c0 < CHUNK ? context - c0 : CHUNK,
                      a->kv_heads, kh, weights, KD);
-        for (int64_t r = 0; r < padded; r++) {
+        for (int64_t r = 0; r < rows; r++) {
             const int64_t lo = (bounds[2 * r] > c0 ? bounds[2 * r] : c0) - c0;
             const int64_t hi = (bounds[2 * r + 1] < c0 + CHUNK ? bounds[2 * r + 1] : c0 + CHUNK) - c0;
             chunk_softmax(weights + r * CHUNK, lo, hi, a->softcap, peak + r, total + r, rescale + r);
