@@ -7,7 +7,7 @@ percent from the weather.
     python -m bench.kernel_ab --base HEAD [--model DIR] [--rounds 4] [--threads 2]
 
 The revision's executor_service/kernels/ (its .c files and headers) is built by
-cpu_kernels.compile_library, as the executor builds its own. Before each step, the C functions
+cpu_kernels.compile_library with the revision's own COMPILE_FLAGS, as its executor built them. Before each step, the C functions
 held by the wrappers that load_panel_kernel, load_prefill_kernel, load_decode_kernel,
 load_layer_kernels and load_row_argmax return are pointed at one library or the other.
 Weights are packed once, by this tree's panel_pack (and panel_q4_pack), so the two builds must
@@ -26,6 +26,7 @@ revision's.
 from __future__ import annotations
 
 import argparse
+import ast
 import ctypes
 import subprocess
 import tempfile
@@ -48,6 +49,7 @@ from executor_service.prefill_kernel import load_prefill_kernel
 from scheduler_service.service.plan_codec import output_from_proto, plan_to_proto
 
 REPOSITORY = KERNEL_DIR.parents[1]
+CPU_KERNELS = KERNEL_DIR.with_name("cpu_kernels.py")
 SIDES = ("base", "tree")
 
 
@@ -59,7 +61,17 @@ def build_revision(revision: str, directory: Path) -> ctypes.CDLL:
     sources.mkdir()
     for name in names:
         (sources / name).write_text(git("show", f"{revision}:{folder}/{name}"))
-    return ctypes.CDLL(str(compile_library(sorted(sources.glob("*.c")), directory)))
+    flags = compile_flags(git("show", f"{revision}:{CPU_KERNELS.relative_to(REPOSITORY).as_posix()}"))
+    return ctypes.CDLL(str(compile_library(sorted(sources.glob("*.c")), directory, flags=flags)))
+
+
+def compile_flags(cpu_kernels_source: str) -> tuple[str, ...]:
+    """The COMPILE_FLAGS a revision's cpu_kernels.py builds its kernels with: a change of flags
+    is part of the kernels it compares."""
+    for node in ast.parse(cpu_kernels_source).body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "COMPILE_FLAGS" for t in node.targets):
+            return tuple(ast.literal_eval(node.value))
+    raise ValueError("the revision's cpu_kernels.py has no COMPILE_FLAGS")
 
 
 def git(*args: str) -> str:

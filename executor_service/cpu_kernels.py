@@ -55,10 +55,15 @@ SOURCES = tuple(
 )
 # Included by the sources, so part of the build key like them.
 HEADERS = tuple(sorted(KERNEL_DIR.glob("*.h")))
-# -ffast-math lets the exponentials and reductions vectorise (glibc's vector expf). Compiling
-# and linking are separate steps so that the link, without -ffast-math, does not pull in
-# crtfastmath.o, which would switch the whole process to flush-denormals-to-zero on load.
-COMPILE_FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffast-math", "-fPIC", "-std=gnu11")
+# No -ffast-math: it would let the compiler reorder sums, fuse products and swap divisions for
+# approximations as it sees fit, so a kernel's bits would belong to the compiler's version.
+# -ffp-contract=off fuses only the products the kernels fuse themselves (vector_lanes.h);
+# -fno-math-errno lets sqrtf be the correctly rounded instruction it is anyway, since no kernel
+# reads errno; -fno-trapping-math lets a select compute both sides (vector_exp.h, silu_mul.h)
+# without changing any result, only whether a floating-point exception flag could be raised.
+# Reductions that vectorise write their order down (vector_lanes.h); the exponential is our own
+# (vector_exp.h) rather than glibc's vector expf, which only -ffast-math turns on.
+COMPILE_FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math", "-fPIC", "-std=gnu11")
 LINK_FLAGS = ("-shared", "-fopenmp")
 BUILD_TIMEOUT_S = 120.0
 # Exported by every build whatever the CPU (those built for AVX-512 only are looked up by their
@@ -215,13 +220,19 @@ def _fresh_build(target: Path, compiler: str) -> Iterator[Path]:
         shutil.rmtree(scratch, ignore_errors=True)
 
 
-def compile_library(sources: tuple[Path, ...] | list[Path], directory: Path, compiler: str | None = None) -> Path:
-    """sources compiled with the kernels' flags and linked into directory/cpu-kernels.so (its
-    path); the compiler defaults to $CC, else cc. Raises KernelUnavailable saying what failed."""
+def compile_library(
+    sources: tuple[Path, ...] | list[Path],
+    directory: Path,
+    compiler: str | None = None,
+    flags: tuple[str, ...] = COMPILE_FLAGS,
+) -> Path:
+    """sources compiled with flags (the kernels' own by default) and linked into
+    directory/cpu-kernels.so (its path); the compiler defaults to $CC, else cc. Raises
+    KernelUnavailable saying what failed."""
     compiler = compiler or _compiler()
     objects = [directory / f"{source.stem}.o" for source in sources]
     for source, obj in zip(sources, objects, strict=True):
-        _run([compiler, *COMPILE_FLAGS, "-c", str(source), "-o", str(obj)])
+        _run([compiler, *flags, "-c", str(source), "-o", str(obj)])
     library = directory / "cpu-kernels.so"
     _run([compiler, *LINK_FLAGS, *map(str, objects), "-o", str(library), "-lm"])
     return library

@@ -8,58 +8,17 @@
 #include <string.h>
 
 #include "softmax_exp.h"
+#include "vector_lanes.h"
 
-/* One native vector, and a panel of four: a value row's columns are summed a panel at a time. */
-#if defined(__AVX512F__)
-#define LANES 16
-#elif defined(__AVX__)
-#define LANES 8
-#else
-#define LANES 4
-#endif
+/* A value row's columns are summed a panel of four vectors at a time. */
 #define PANEL (4 * LANES)
-
-typedef float vec __attribute__((vector_size(LANES * sizeof(float))));
-typedef int32_t ivec __attribute__((vector_size(LANES * sizeof(int32_t))));
-/* The lanes of a shuffle mask past the first 8 (or 4): their results are never read. */
-#if LANES == 16
-#define SHUFFLE_REST 8, 9, 10, 11, 12, 13, 14, 15
-#define SHUFFLE_REST4 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15
-#elif LANES == 8
-#define SHUFFLE_REST
-#define SHUFFLE_REST4 4, 5, 6, 7
-#else
-#define SHUFFLE_REST4
-#endif
-typedef float vec_unaligned __attribute__((vector_size(LANES * sizeof(float)), aligned(4)));
-
-static inline vec load(const float *p) { return *(const vec_unaligned *)p; }
-static inline void store(float *p, vec v) { *(vec_unaligned *)p = v; }
 
 void scale_row(const float *src, float scale, float *dst, int64_t key_dim) {
     for (int64_t d = 0; d < key_dim; d++) dst[d] = src[d] * scale;
 }
 
-/* One row's score against one key: products summed lane by lane over the key's vectors in order,
- * then the lanes added in a fixed tree. Vectors of keys stay where the cache holds them. */
-static inline __attribute__((always_inline)) float dot(const float *q, const float *k, const int64_t KD) {
-    vec acc = {0};
-    int64_t d = 0;
-    for (; d + LANES <= KD; d += LANES) acc += load(q + d) * load(k + d);
-    float tail = 0.0f;
-    for (; d < KD; d++) tail += q[d] * k[d];
-#if LANES == 16
-    const vec high = __builtin_shuffle(acc, (ivec){8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7});
-    acc += high;
-#endif
-#if LANES >= 8
-    acc += __builtin_shuffle(acc, (ivec){4, 5, 6, 7, 0, 1, 2, 3, SHUFFLE_REST});
-#endif
-    acc += __builtin_shuffle(acc, (ivec){2, 3, 0, 1, SHUFFLE_REST4});
-    acc += __builtin_shuffle(acc, (ivec){1, 0, 3, 2, SHUFFLE_REST4});
-    return acc[0] + tail;
-}
-
+/* Each score is one row's dot product with one key (dot_lanes: a fixed order, whatever the row's
+ * neighbours), the key's vectors read where the cache holds them. */
 static inline __attribute__((always_inline)) void scores_of(
     const float *rows, int64_t nrows, int64_t rows_per_head, const float *key_cache,
     const int64_t *slots, int64_t count, int64_t krow, int64_t offset, float *scores,
@@ -67,7 +26,7 @@ static inline __attribute__((always_inline)) void scores_of(
     for (int64_t j = 0; j < count; j++) {
         const float *k = key_cache + slots[j] * krow + offset;
         for (int64_t r = 0; r < nrows; r++)
-            scores[r * CHUNK + j] = dot(rows + r * KD, k + r / rows_per_head * KD, KD);
+            scores[r * CHUNK + j] = dot_lanes(rows + r * KD, k + r / rows_per_head * KD, KD);
     }
 }
 
@@ -90,20 +49,20 @@ void chunk_softmax(float *w, int64_t lo, int64_t hi, float softcap, float *peak,
         *rescale = 1.0f;
         return;
     }
-    float top = *peak;
-    for (int64_t j = lo; j < hi; j++) {
-        if (softcap > 0.0f) w[j] = softcap * tanhf(w[j] / softcap);
-        top = w[j] > top ? w[j] : top;
-    }
-    float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-    for (int64_t j = lo; j < hi; j++) {
-        w[j] = softmax_exp(w[j] - top);
-        sum += w[j];
-    }
-    for (int64_t j = 0; j < lo; j++) w[j] = 0.0f;
-    for (int64_t j = hi; j < CHUNK; j++) w[j] = 0.0f;
-    *rescale = expf(*peak - top);
+    if (softcap > 0.0f)
+        for (int64_t j = lo; j < hi; j++) w[j] = softcap * tanhf(w[j] / softcap);
+    /* Positions outside [lo, hi) get -FLT_MAX, which loses every max and whose weight is 0. */
+    for (int64_t j = 0; j < lo; j++) w[j] = -FLT_MAX;
+    for (int64_t j = hi; j < CHUNK; j++) w[j] = -FLT_MAX;
+    vec highest = load(w);
+    for (int64_t j = LANES; j < CHUNK; j += LANES) highest = max_lanes(load(w + j), highest);
+    const float chunk_top = lane_max(highest), top = chunk_top > *peak ? chunk_top : *peak;
+    for (int64_t j = 0; j < CHUNK; j++) w[j] = softmax_exp(w[j] - top);
+    /* Summed over the whole chunk, zeros included, so that each position's lane is fixed. */
+    vec lanes = {0};
+    for (int64_t j = 0; j < CHUNK; j += LANES) lanes += load(w + j);
+    const float sum = lane_sum(lanes);
+    *rescale = softmax_exp(*peak - top);
     *total = *total * *rescale + sum;
     *peak = top;
 }
@@ -117,8 +76,8 @@ static inline __attribute__((always_inline)) void values_of(
     for (int i = 0; i < NV; i++) sum[i] = load(acc + col + i * LANES) * rescale;
     for (int64_t j = j0; j < j1; j++) {
         const float *v = value_cache + slots[j - c0] * vrow + offset + col;
-        const float w = weights[j - c0];
-        for (int i = 0; i < NV; i++) sum[i] += w * load(v + i * LANES);
+        const vec w = broadcast(weights[j - c0]);
+        for (int i = 0; i < NV; i++) sum[i] = fma_lanes(w, load(v + i * LANES), sum[i]);
     }
     for (int i = 0; i < NV; i++) store(acc + col + i * LANES, sum[i]);
 }

@@ -11,6 +11,7 @@
 
 #include "kernel_api.h"
 #include "silu_mul.h"
+#include "vector_lanes.h"
 
 /* Below this many elements a pass runs on the calling thread. With the step thread's OpenMP
  * team busy-waiting between regions a fork and join costs a microsecond or two, so a decode
@@ -26,9 +27,7 @@ void rms_norm(const float *x, const float *weight, float *out, int64_t rows, int
 #pragma omp parallel for num_threads(num_threads) if (rows * dim >= PARALLEL_FROM)
     for (int64_t r = 0; r < rows; r++) {
         const float *row = x + r * dim;
-        float squares = 0.0f;
-#pragma omp simd reduction(+ : squares)
-        for (int64_t d = 0; d < dim; d++) squares += row[d] * row[d];
+        const float squares = dot_lanes(row, row, dim);
         const float inverse = 1.0f / sqrtf(squares / (float)dim + eps);
         float *dst = out + r * dim;
 #pragma omp simd

@@ -1,23 +1,21 @@
 /* SiLU(gate) * up over one row, shared by the layer pass (layer_elementwise.c) and the gate-and-up
- * GEMM's epilogue (panel_linear.c), so that both give the same bits: the same expression,
- * vectorised the same way (glibc's vector expf under -ffast-math). */
+ * GEMM's epilogue (panel_linear.c, panel_amx.c), so that both give the same bits: the same
+ * expression, vectorised the same way. */
 #ifndef SPLITSERVE_SILU_MUL_H
 #define SPLITSERVE_SILU_MUL_H
-#include <math.h>
 #include <stdint.h>
 
-/* expf overflows above this. Beyond it torch's gate / (1 + inf) is 0, but under -ffast-math
- * (finite values assumed) the vector expf's overflow came out as NaN, so the argument is clamped
- * and the result selected, both sides computed finite. */
-#define SILU_EXP_CEILING 88.72f
+#include "vector_exp.h"
 
 static inline __attribute__((always_inline)) void silu_mul_row(const float *gate, const float *up, float *out,
                                                                int64_t width) {
 #pragma omp simd
     for (int64_t i = 0; i < width; i++) {
         const float g = gate[i];
-        const float clamped = -g < SILU_EXP_CEILING ? -g : SILU_EXP_CEILING;
-        const float silu = -g > SILU_EXP_CEILING ? 0.0f : g / (1.0f + expf(clamped));
+        /* Past EXP_HIGHEST torch's g / (1 + e^-g) is under 3e-37 in magnitude (0 from 88.7228
+         * on, where e^-g overflows): 0 here. */
+        const float e = -g < EXP_LOWEST ? 0.0f : exp_in_range(-g);
+        const float silu = -g > EXP_HIGHEST ? 0.0f : g / (1.0f + e);
         out[i] = silu * up[i];
     }
 }
