@@ -1,10 +1,13 @@
 """Start-up self-check: the paged path must reproduce the model's own forward before we serve.
 
-Two sequences go through the real step machinery (input building, paged attention, the model's
-head) over the real KV cache: one prefilled at once, one prefilled in two chunks beside the first
-one's decode, then a few decodes of both. Their logits are compared with one forward of each whole
-sequence through the model's own eager attention, which holds no cache. A model that passes has
-run every kind of step the scheduler will send, so it cannot fail every forward later.
+The reference is taken first, from the model as transformers built it: its own modules, torch's
+linear layers and head, and its own eager attention, over each whole sequence with no cache
+(self_check_reference, called before the executor fuses and packs anything). Then two sequences
+go through the real step machinery (input building, the fused and packed layers, paged attention,
+the head as the executor runs it) over the real KV cache: one prefilled at once, one prefilled in
+two chunks beside the first one's decode, then a few decodes of both (run_self_check). A fused
+layer, a packed GEMM or an attention kernel that computes the wrong thing fails it, and a model
+that passes has run every kind of step the scheduler will send.
 """
 
 from __future__ import annotations
@@ -72,37 +75,68 @@ def sequence_lengths(
     return min(2 * block_size + 3, per_sequence), min(longest, per_sequence)
 
 
-def run_self_check(loaded: LoadedModel, kv_cache: PagedKVCache, backend: str) -> float:
-    """Returns the worst relative logit error; raises UnsupportedModel when the model fails."""
+@dataclass(slots=True)
+class SelfCheckReference:
+    """The two sequences the check feeds and the logits the model as loaded gives for them."""
+
+    # Every token each sequence is fed, prompt first, and its prompt's length.
+    token_ids: tuple[list[int], list[int]]
+    prompt_lens: tuple[int, int]
+    # [len(token_ids[i]), vocab] from the model's own eager attention, one per sequence.
+    logits: tuple[torch.Tensor, torch.Tensor]
+    # How far the model's own SDPA attention is from its eager one on these sequences (0 in
+    # float32, where the fixed bound stands alone).
+    noise_floor: float
+
+
+def self_check_reference(loaded: LoadedModel, block_size: int, num_blocks: int) -> SelfCheckReference:
+    """The check's sequences and their reference logits, from the model before anything of it is
+    replaced; raises UnsupportedModel when the cache is too small or the forward cannot run."""
     model_type = loaded.model_type
     window = getattr(loaded.model.config.get_text_config(), "sliding_window", None)
-    len_a, len_b = sequence_lengths(
-        kv_cache.block_size, kv_cache.num_blocks, loaded.max_model_len, window
-    )
-    # Each sample appends the next fed token, and the first sequence samples once more.
-    total_a, total_b = len_a + DECODE_STEPS + 1, len_b + DECODE_STEPS + 1
-    blocks_a = -(-total_a // kv_cache.block_size)
-    blocks_b = -(-total_b // kv_cache.block_size)
-    if blocks_a + blocks_b > kv_cache.num_blocks:
-        raise UnsupportedModel(
-            model_type, f"a KV cache of {kv_cache.num_blocks} blocks is too small to check it in"
-        )
+    len_a, len_b = sequence_lengths(block_size, num_blocks, loaded.max_model_len, window)
+    # Every token each sequence is fed: each sample appends the next one, and the first
+    # sequence samples once more than the second.
+    total_a, total_b = len_a + DECODE_STEPS + 1, len_b + DECODE_STEPS
+    if -(-total_a // block_size) + -(-total_b // block_size) > num_blocks:
+        raise UnsupportedModel(model_type, f"a KV cache of {num_blocks} blocks is too small to check it in")
     tokens = check_tokens(loaded.vocab_size, total_a + total_b)
-    a = _sequence("a", tokens[:total_a], len_a, list(range(blocks_a)))
-    b = _sequence("b", tokens[total_a:], len_b, list(range(blocks_a, blocks_a + blocks_b)))
+    sequences = (tokens[:total_a], tokens[total_a:])
+    try:
+        # Over exactly the tokens the paged path is fed: a length-dependent rope type (longrope,
+        # dynamic) picks its frequencies from a forward's last position.
+        eager = (_reference_logits(loaded, sequences[0], "eager"), _reference_logits(loaded, sequences[1], "eager"))
+    except UnsupportedModel:
+        raise
+    except Exception as error:
+        raise UnsupportedModel(model_type, f"the model's own forward raised {error!r}") from error
+    floor = 0.0 if loaded.dtype == torch.float32 else _noise_floor(loaded, sequences, (len_a, len_b), eager)
+    return SelfCheckReference(sequences, (len_a, len_b), eager, floor)
+
+
+def run_self_check(
+    loaded: LoadedModel, kv_cache: PagedKVCache, backend: str, reference: SelfCheckReference
+) -> float:
+    """Returns the worst relative logit error; raises UnsupportedModel when the model fails."""
+    model_type = loaded.model_type
+    block_size = kv_cache.block_size
+    (tokens_a, tokens_b), (len_a, len_b) = reference.token_ids, reference.prompt_lens
+    blocks_a = -(-len(tokens_a) // block_size)
+    blocks_b = -(-len(tokens_b) // block_size)
+    a = _sequence("a", tokens_a, len_a, list(range(blocks_a)))
+    b = _sequence("b", tokens_b, len_b, list(range(blocks_a, blocks_a + blocks_b)))
     half = len_b // 2
     steps = [[(a, len_a), (b, half)], [(a, 1), (b, len_b - half)]]
     steps += [[(a, 1), (b, 1)] for _ in range(DECODE_STEPS - 1)]
     try:
         for step in steps:
             _paged_step(loaded, kv_cache, backend, step)
-        references = [_reference_logits(loaded, seq.state.token_ids, "eager") for seq in (a, b)]
-        worst = max(_worst_error(seq, reference) for seq, reference in zip((a, b), references))
+        worst = max(_worst_error(seq, logits) for seq, logits in zip((a, b), reference.logits, strict=True))
     except UnsupportedModel:
         raise
     except Exception as error:
         raise UnsupportedModel(model_type, f"the paged forward raised {error!r}") from error
-    floor = 0.0 if loaded.dtype == torch.float32 else _noise_floor(loaded, (a, b), references)
+    floor = reference.noise_floor
     tolerance = max(RELATIVE_TOLERANCE[loaded.dtype], NOISE_FLOOR_FACTOR * floor)
     if worst > tolerance:
         raise UnsupportedModel(
@@ -165,18 +199,22 @@ def _worst_error(seq: _Sequence, reference: torch.Tensor) -> float:
 
 
 def _noise_floor(
-    loaded: LoadedModel, sequences: tuple[_Sequence, ...], references: list[torch.Tensor]
+    loaded: LoadedModel,
+    sequences: tuple[list[int], list[int]],
+    prompt_lens: tuple[int, int],
+    eager: tuple[torch.Tensor, torch.Tensor],
 ) -> float:
-    """How far the model's SDPA attention is from its eager attention at the checked positions;
-    0 for a model without SDPA attention (the fixed bound then stands alone)."""
+    """How far the model's SDPA attention is from its eager attention from each sequence's last
+    prompt token on (where the paged path's logits are compared); 0 for a model without SDPA
+    attention (the fixed bound then stands alone)."""
     try:
-        other = [_reference_logits(loaded, seq.state.token_ids, "sdpa") for seq in sequences]
+        sdpa = [_reference_logits(loaded, token_ids, "sdpa") for token_ids in sequences]
     except (UnsupportedModel, ValueError) as error:
         logger.info("event=self_check_floor available=false reason=%r", str(error))
         return 0.0
     return max(
-        _relative_error(sdpa[seq.positions], eager[seq.positions])
-        for seq, sdpa, eager in zip(sequences, other, references, strict=True)
+        _relative_error(other[start - 1 :], own[start - 1 :])
+        for other, own, start in zip(sdpa, eager, prompt_lens, strict=True)
     )
 
 

@@ -26,7 +26,7 @@ from executor_service.model_runner import ModelRunner
 from executor_service.packed_linear import pack_linears, packing_available
 from executor_service.paged_attention import select_backend
 from executor_service.panel_linear import PanelKernel, load_panel_kernel
-from executor_service.self_check import run_self_check
+from executor_service.self_check import run_self_check, self_check_reference
 from executor_service.settings import ExecutorSettings
 from executor_service.tp_group import agree_on_min
 from executor_service.tp_steps import rank0_tokens
@@ -93,16 +93,6 @@ def build_executor(settings: ExecutorSettings, device: str | None = None) -> Rea
         settings.trust_remote_code,
         settings.tensor_parallel_size,
     )
-    # Packing replaces the linear layers, which under TP hold sharded weights and collectives.
-    if settings.packed_linear and not parallel and packing_available(loaded.device, loaded.dtype):
-        panels = _panel_kernel(settings.amx) if settings.panel_linear else None
-        fuse_layers(loaded.model, _layer_kernels(), panels)
-        head = screenable_head(loaded.model) if settings.greedy_screen else None
-        pack_linears(loaded.model, panels)
-        if head is not None:
-            install_greedy_screen(loaded.model, head.weight)
-        loaded.lean = lean_llama(loaded.model)
-        logger.info("event=forward impl=%s", "lean" if loaded.lean is not None else "transformers")
     backend = select_backend(loaded.device, loaded.dtype, settings.attention_backend)
     shape = KVCacheShape(
         num_layers=loaded.num_layers,
@@ -115,8 +105,21 @@ def build_executor(settings: ExecutorSettings, device: str | None = None) -> Rea
     num_blocks = decide_num_blocks(loaded, shape, settings, backend)
     if parallel:
         num_blocks = agree_on_min(num_blocks)
+    # Taken before fusing and packing, so that the self-check holds everything this executor
+    # replaces of the model, the head included, to transformers' own modules and torch's GEMM.
+    reference = self_check_reference(loaded, settings.block_size, num_blocks)
+    # Packing replaces the linear layers, which under TP hold sharded weights and collectives.
+    if settings.packed_linear and not parallel and packing_available(loaded.device, loaded.dtype):
+        panels = _panel_kernel(settings.amx) if settings.panel_linear else None
+        fuse_layers(loaded.model, _layer_kernels(), panels)
+        head = screenable_head(loaded.model) if settings.greedy_screen else None
+        pack_linears(loaded.model, panels)
+        if head is not None:
+            install_greedy_screen(loaded.model, head.weight)
+        loaded.lean = lean_llama(loaded.model)
+        logger.info("event=forward impl=%s", "lean" if loaded.lean is not None else "transformers")
     kv_cache = PagedKVCache(shape, num_blocks, loaded.device)
-    run_self_check(loaded, kv_cache, backend)
+    run_self_check(loaded, kv_cache, backend, reference)
     # A request longer than the whole cache could never be scheduled, so the cache bounds it too.
     limits_len = [loaded.max_model_len, num_blocks * settings.block_size]
     limits = Limits(

@@ -17,7 +17,7 @@ from executor_service.decode_kernel import load_decode_kernel
 from executor_service.kv_cache import KVCacheShape, PagedKVCache
 from executor_service.model_loader import load_model
 from executor_service.paged_attention import BackendUnavailable, select_backend
-from executor_service.self_check import run_self_check
+from executor_service.self_check import run_self_check, self_check_reference
 from tests.helpers.c_kernels import load_or_skip
 from tests.helpers.model_factory import build_model
 
@@ -118,7 +118,8 @@ def test_both_cpu_backends_reproduce_the_models_own_forward(
     shape = KVCacheShape(
         loaded.num_layers, loaded.num_kv_heads, loaded.key_dim, loaded.value_dim, BLOCK, loaded.dtype
     )
-    worst = run_self_check(loaded, PagedKVCache(shape, 32, CPU), backend)
+    reference = self_check_reference(loaded, BLOCK, 32)
+    worst = run_self_check(loaded, PagedKVCache(shape, 32, CPU), backend, reference)
     assert worst < 1e-4
 
 
