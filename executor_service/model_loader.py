@@ -279,4 +279,20 @@ def _max_model_len(model_type: str, text_config: object, cap: int | None) -> int
         raise UnsupportedModel(
             model_type, "its config names no maximum sequence length; pass --max-model-len"
         )
+    if own is not None:
+        own = int(own * _dynamic_rope_factor(text_config))
     return min(length for length in (own, cap) if length is not None)
+
+
+def _dynamic_rope_factor(text_config: object) -> float:
+    """How far dynamic NTK scaling stretches the model's positions past max_position_embeddings
+    (its `factor`, as vLLM reads it; the smallest where layer types differ), or 1. Such a model
+    exists to be run past its trained length: its rotary frequencies only change there
+    (sequence_rope.py decides them per sequence)."""
+    parameters = getattr(text_config, "rope_parameters", None)
+    if not isinstance(parameters, dict):
+        return 1.0
+    # One dict of parameters, or one per layer type (full_attention, sliding_attention, ...).
+    kinds = [parameters] if "rope_type" in parameters else [v for v in parameters.values() if isinstance(v, dict)]
+    factors = [float(kind.get("factor", 1.0)) for kind in kinds if kind.get("rope_type") == "dynamic"]
+    return max(1.0, min(factors)) if factors and len(factors) == len(kinds) else 1.0
