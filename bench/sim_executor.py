@@ -26,8 +26,8 @@ from pathlib import Path
 
 from executor_service.access import ExecutorAccess
 from executor_service.server import ServeOptions, serve, step_thread
-from protos.executor_access import read_token_file
 from protos import rpc_codes
+from protos.executor_access import read_token_file
 from protos.limits import UNHELD_DECODE_TOKEN
 from protos.splitserve.executor.v1 import executor_pb2
 

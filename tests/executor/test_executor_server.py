@@ -16,8 +16,8 @@ from protos.splitserve.executor.v1 import executor_pb2 as pb
 from protos.splitserve.executor.v1 import executor_pb2_grpc as pb_grpc
 from tests.helpers.executor_driver import PlanStream
 from tests.helpers.executor_process import ExecutorProcess, start_executor
-from tests.helpers.model_factory import EOS_TOKEN_ID, VOCAB_SIZE, build_model
 from tests.helpers.executor_token import token_channel, with_token
+from tests.helpers.model_factory import EOS_TOKEN_ID, VOCAB_SIZE, build_model
 
 SERVICE = "splitserve.executor.v1.Executor"
 NUM_BLOCKS = 32
