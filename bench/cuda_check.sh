@@ -6,12 +6,15 @@
 #      1536, vocab 49,152; random weights: the real ones, 98 MB as Q4_1, do not fit what travels
 #      to that machine, and speed does not depend on the weights' values), bfloat16, the fixed
 #      workload, 3 runs: splitserve with and without decode graphs, transformers static
-#      `generate` and transformers continuous batching.
+#      `generate` and transformers continuous batching;
+#   3. which CUDA configurations give a request the same bits whatever its batch (issue 35):
+#      bench.same_bits in bfloat16 and float32, attention auto (flash_attn where installed) and
+#      sdpa, decode graphs on and off.
 #
 # Here, once: bash bench/cuda_wheels.sh. Then, through the device tool, carrying .whl:
 #   bash bench/cuda_check.sh
 # Files come back in $OUT (at most 8, none deeper than two folders): env.txt, pytest.log,
-# peers.md (the tables), peers.log, results.json, results.png.
+# peers.md (the tables), peers.log, results.json, results.png, same_bits_{bfloat16,float32}.json.
 # A dry run of the plumbing on a CPU machine (no .whl/ there, the project's venv first on PATH):
 #   CHECK_DEVICE=cpu CHECK_ARGS="--runs 1 --requests 4 --new-tokens 8 --model-layers 2" bash bench/cuda_check.sh
 set -uo pipefail
@@ -46,3 +49,8 @@ timeout 360 python3 -m bench.compare --device "${CHECK_DEVICE:-cuda}" --dtype bf
     >"$OUT/peers.md" 2>"$OUT/peers.log"
 echo "bench.compare exit $?"
 cat "$OUT/peers.md"
+for dtype in bfloat16 float32; do
+    timeout 120 python3 -m bench.same_bits --device "${CHECK_DEVICE:-cuda}" --dtype "$dtype" --backends auto,sdpa \
+        --graphs on,off --json "$OUT/same_bits_$dtype.json" 2>>"$OUT/peers.log"
+    echo "bench.same_bits $dtype exit $?"
+done
