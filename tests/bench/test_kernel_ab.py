@@ -45,3 +45,10 @@ def test_steps_alternate_between_the_revisions_library_and_this_trees(monkeypatc
     assert panels._linear is tree_linear
     kinds = {line.split("|")[1].strip() for line in table.splitlines() if line.startswith(("| prefill", "| decode"))}
     assert kinds == {"prefill", "decode"}
+
+
+def test_a_revision_is_built_with_its_own_flags() -> None:
+    source = 'import os\nCOMPILE_FLAGS = ("-O3", "-ffast-math")\nLINK_FLAGS = ("-shared",)\n'
+    assert kernel_ab.compile_flags(source) == ("-O3", "-ffast-math")
+    with pytest.raises(ValueError, match="no COMPILE_FLAGS"):
+        kernel_ab.compile_flags("FLAGS = ()\n")
