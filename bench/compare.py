@@ -7,7 +7,7 @@ time (they share the CPUs), every figure the median of --runs runs.
         [--out-dir bench-peers] [--json PATH] [--png PATH]
         [--vllm-python .venv-vllm/bin/python] [--vllm-eager] [--require-vllm]
         [--vllm-preload tcmalloc,iomp|none]
-        [--smollm2-dir DIR] [size knobs: --requests, --new-tokens, --min-prompt, ...]
+        [--smollm2-dir DIR] [--base-rev REV] [size knobs: --requests, --new-tokens, ...]
 
 Systems: splitserve through its real services and concurrent streaming clients (and, when
 --systems names it, splitserve-exact: its executor on torch's GEMM and SDPA, the operations
@@ -20,6 +20,9 @@ batching. Each run of each system starts it fresh and stops it after; runs go ro
 in turn (run 1 of every system, then run 2, ...), so a slow spell of the machine does not land
 on one system alone. The shared-prefix workload also runs splitserve and vLLM without prefix
 caching (splitserve: a distinct cache salt per request, as the scheduler has no switch for it).
+--base-rev REV adds splitserve as the git revision REV has it (system splitserve@REV: executor
+and scheduler run from a worktree of it), taking turns with the others: a change measured
+against the code before it in one run.
 
 Prints one markdown table per (model, workload) to stdout: output and total (prompt + output)
 tokens/s, TTFT and inter-token latency p50/p99, peak RSS of the system's processes, prompt tokens
@@ -33,9 +36,11 @@ from __future__ import annotations
 import argparse
 import logging
 import signal
+import subprocess
 import sys
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import fields
 from pathlib import Path
 
@@ -58,6 +63,7 @@ from bench.compare_report import (
     write_json,
 )
 from bench.compare_systems import (
+    BASE_PREFIX,
     DEFAULT_SYSTEMS,
     SYSTEMS,
     RunSettings,
@@ -121,6 +127,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--smollm2-dir", type=Path, help=f"prepared {MODEL_NAME} (default OUT_DIR/models/...)")
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per peer process, start included")
+    parser.add_argument(
+        "--base-rev",
+        help="also run splitserve as this git revision has it (system splitserve@REV), in turn with the others",
+    )
     for f in fields(WorkloadSizes):
         what = "seeds the prompts and the random model" if f.name == "seed" else "workload size"
         parser.add_argument(f"--{f.name.replace('_', '-')}", type=int, default=f.default, help=f"{what} ({f.default})")
@@ -185,7 +195,8 @@ def compare_workload(
     requests_file = work_dir / f"{slug}.requests.json"
     write_requests(requests_file, workload.requests)
     settings = RunSettings(
-        args.threads, args.vllm_python, args.vllm_eager, args.timeout, work_dir, args.device, args.dtype, preload
+        args.threads, args.vllm_python, args.vllm_eager, args.timeout, work_dir, args.device, args.dtype, preload,
+        base=(args.base_rev, args.base_tree) if args.base_rev else None,
     )
     variants = variants_for(systems, workload)
     logger.info(
@@ -252,6 +263,22 @@ def longest_any(sizes: WorkloadSizes) -> int:
     )
 
 
+@contextmanager
+def base_checkout(revision: str | None) -> Iterator[Path | None]:
+    """A detached checkout of revision (a git worktree, removed on exit), or None."""
+    if revision is None:
+        yield None
+        return
+    with tempfile.TemporaryDirectory(prefix="bench-compare-base-") as parent:
+        tree = Path(parent) / "tree"
+        subprocess.run(["git", "worktree", "add", "--detach", str(tree), revision], cwd=REPO_ROOT, check=True,
+                       capture_output=True)
+        try:
+            yield tree
+        finally:
+            subprocess.run(["git", "worktree", "remove", "--force", str(tree)], cwd=REPO_ROOT, capture_output=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=logging.INFO, stream=sys.stderr, format="%(asctime)s level=%(levelname)s logger=%(name)s %(message)s"
@@ -264,7 +291,10 @@ def main(argv: list[str] | None = None) -> int:
     args.json = args.json or args.out_dir / "results.json"
     args.png = args.png or args.out_dir / "results.png"
     reports: list[WorkloadReport] = []
-    with tempfile.TemporaryDirectory(prefix="bench-compare-") as build_dir:
+    with tempfile.TemporaryDirectory(prefix="bench-compare-") as build_dir, base_checkout(args.base_rev) as tree:
+        args.base_tree = tree
+        if args.base_rev:
+            systems = [*systems, BASE_PREFIX + args.base_rev]
         for spec in args.models:
             model = model_for(spec, args, Path(build_dir))
             for workload_name in args.workloads:

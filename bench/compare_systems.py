@@ -7,6 +7,8 @@ prefix cache, its own memory high-water marks) and stopped after:
   operations transformers itself runs; no packed weights, no decode kernel);
 - splitserve-eager: the same with no decode step replayed from a CUDA graph (on CUDA, what the
   graphs buy; on the CPU the same as splitserve);
+- splitserve@REV (--base-rev REV): splitserve as the git revision REV has it, both services run
+  from a checkout of it, to measure a change against the code before it in the same run;
 - vllm: bench.vllm_peer under the vLLM virtualenv's python, with the libraries its CPU guide
   preloads;
 - transformers, transformers-cb: bench.peer_transformers in a process of its own.
@@ -31,7 +33,7 @@ from bench.process_memory import PeakRss
 from bench.throughput_splitserve import drive, running_services, splitserve_label
 from bench.throughput_workload import BenchConfig
 from bench.vllm_preload import preload_env
-from tests.helpers.service_process import cli_flags
+from tests.helpers.service_process import REPO_ROOT, cli_flags
 
 # Executor flags of each splitserve system.
 SPLITSERVE_PATHS: dict[str, dict[str, object]] = {
@@ -44,6 +46,8 @@ SYSTEMS = ("splitserve", "splitserve-exact", "splitserve-eager", "vllm", "transf
 DEFAULT_SYSTEMS = ("splitserve", "vllm", "transformers", "transformers-cb")
 # Systems whose prefix caching the shared-prefix workload also measures switched off.
 PREFIX_CACHE_SWITCHABLE = ("splitserve", "vllm")
+# The system name of splitserve as --base-rev REV has it: "splitserve@REV".
+BASE_PREFIX = "splitserve@"
 GiB = 1 << 30
 # vLLM's CPU attention backend picks this block size when none is given (platforms/cpu.py);
 # its KV memory is sized in these blocks.
@@ -76,6 +80,8 @@ class RunSettings:
     vllm_preload: tuple[Path, ...] = ()
     block_size: int = 16
     max_num_batched_tokens: int = 2048
+    # --base-rev: the revision's name and its checkout, run as the system BASE_PREFIX + name.
+    base: tuple[str, Path] | None = None
 
 
 def variants_for(systems: list[str], workload: Workload) -> list[Variant]:
@@ -97,9 +103,11 @@ def measure(
     variant: Variant, model: BenchModel, workload: Workload, requests_file: Path, settings: RunSettings, tag: str
 ) -> Measurement:
     """tag names this run's files in settings.work_dir."""
-    if variant.system in SPLITSERVE_PATHS:
-        flags = {**SPLITSERVE_PATHS[variant.system], "device": settings.device, "dtype": settings.dtype}
-        return measure_splitserve(model, workload, settings, variant.prefix_caching, flags)
+    if variant.system in SPLITSERVE_PATHS or variant.system.startswith(BASE_PREFIX):
+        paths = SPLITSERVE_PATHS.get(variant.system, {})
+        flags = {**paths, "device": settings.device, "dtype": settings.dtype}
+        tree = settings.base[1] if settings.base and variant.system == BASE_PREFIX + settings.base[0] else REPO_ROOT
+        return measure_splitserve(model, workload, settings, variant.prefix_caching, flags, tree)
     out = settings.work_dir / f"{tag}.result.json"
     log = settings.work_dir / f"{tag}.log"
     common = ["--model", str(model.path), "--prompts", str(requests_file), "--out", str(out)]
@@ -128,6 +136,7 @@ def measure_splitserve(
     settings: RunSettings,
     prefix_caching: bool,
     executor_flags: dict[str, object],
+    tree: Path = REPO_ROOT,
 ) -> Measurement:
     lengths = [len(p) for p in workload.prompts]
     config = BenchConfig(
@@ -142,7 +151,9 @@ def measure_splitserve(
     label = splitserve_label(config) + ("" if prefix_caching else ", a cache salt per request")
     if executor_flags:
         label += ", executor " + " ".join(cli_flags(executor_flags))
-    services_started = running_services(model.path, config, executor_flags)
+    if tree != REPO_ROOT:
+        label += f", from {tree}"
+    services_started = running_services(model.path, config, executor_flags, tree=tree)
     with services_started as services, PeakRss(services.pids) as rss:
         result = asyncio.run(drive(services.address, workload.prompts, workload.new_tokens, label, prefix_caching))
     run = run_result_of(result, workload.prompt_tokens - result.cached_prompt_tokens)

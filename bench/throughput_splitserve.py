@@ -17,6 +17,7 @@ from clients import AsyncClient, Client
 from protos.splitserve.v1.generation_pb2 import EXECUTOR_STATE_UP
 from tests.helpers.executor_process import ExecutorProcess
 from tests.helpers.scheduler_process import SchedulerProcess
+from tests.helpers.service_process import REPO_ROOT
 
 logger = logging.getLogger(__name__)
 START_TIMEOUT_S = 300.0
@@ -49,9 +50,11 @@ def running_services(
     config: BenchConfig,
     executor_flags: dict[str, object] | None = None,
     scheduler_flags: dict[str, object] | None = None,
+    tree: Path = REPO_ROOT,
 ) -> Iterator[Services]:
     """Yields the scheduler's address and the pids; both processes get SIGTERM, then SIGKILL, on
-    any exit. executor_flags, scheduler_flags: more options, as the process helpers take them."""
+    any exit. executor_flags, scheduler_flags: more options, as the process helpers take them;
+    tree: the source tree both run (another revision's checkout, to compare with it)."""
     with ExitStack() as stack:
         threads = max(1, config.threads // config.executors)
         executors = [
@@ -60,6 +63,7 @@ def running_services(
                 threads=threads,
                 num_kv_blocks=config.num_kv_blocks,
                 block_size=config.block_size,
+                tree=tree,
                 **{"dtype": "float32", **(executor_flags or {})},
             )
             for _ in range(config.executors)
@@ -74,6 +78,7 @@ def running_services(
             addresses,
             max_num_seqs=config.requests,
             max_num_batched_tokens=config.max_num_batched_tokens,
+            tree=tree,
             **(scheduler_flags or {}),
         )
         stack.callback(scheduler.close)

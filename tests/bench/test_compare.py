@@ -99,6 +99,22 @@ def test_splitserve_and_transformers_peers_in_one_run(tmp_path: Path) -> None:
     assert "splitserve" in report["settings"]["systems_run"]
 
 
+@pytest.mark.slow
+def test_a_base_revision_runs_beside_this_tree_from_its_own_checkout(tmp_path: Path) -> None:
+    stdout, report = run_compare(
+        tmp_path, "--systems", "splitserve", "--base-rev", "HEAD", "--workloads", "fixed",
+        "--models", "random-llama", *NARROW_HEADS, *TINY_LLAMA, *TINY_WORKLOADS,
+    )  # fmt: skip
+    (fixed,) = report["results"]
+    rows = rows_by_label(fixed)
+    assert set(rows) == {"splitserve", "splitserve@HEAD"}
+    assert all(row["error"] is None and row["median"]["output_tok_s"] > 0 for row in rows.values())
+    # Served from a worktree that is gone again once the run is over.
+    assert "from /" in rows["splitserve@HEAD"]["system"]
+    worktrees = subprocess.run(["git", "worktree", "list"], cwd=REPO_ROOT, capture_output=True, text=True).stdout
+    assert "bench-compare-base-" not in worktrees
+
+
 @pytest.mark.vllm
 @pytest.mark.skipif(not VLLM_PYTHON.is_file(), reason="no .venv-vllm (make bench-setup-vllm)")
 def test_vllm_peer_agrees_with_transformers(tmp_path: Path) -> None:

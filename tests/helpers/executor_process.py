@@ -21,7 +21,7 @@ from pathlib import Path
 import grpc
 
 from tests.helpers.executor_token import token_file, with_token
-from tests.helpers.service_process import ServiceProcess, cli_flags
+from tests.helpers.service_process import REPO_ROOT, ServiceProcess, cli_flags
 
 READY_PATTERN = re.compile(r"event=executor_ready address=(\S+):(\d+)")
 # One torch thread: test machines are small and shared, and OpenMP threads that wait for a busy
@@ -42,12 +42,16 @@ def executor_command(model_dir: Path | str, **flags: object) -> list[str]:
 
 class ExecutorProcess(ServiceProcess):
     """An executor started in the background; wait_ready() blocks until it serves. env: changes
-    to the environment it inherits (None removes a variable)."""
+    to the environment it inherits (None removes a variable); tree: the source tree it runs."""
 
     def __init__(
-        self, model_dir: Path | str, env: Mapping[str, str | None] | None = None, **flags: object
+        self,
+        model_dir: Path | str,
+        env: Mapping[str, str | None] | None = None,
+        tree: Path = REPO_ROOT,
+        **flags: object,
     ) -> None:
-        super().__init__(executor_command(model_dir, **flags), READY_PATTERN, "executor", env)
+        super().__init__(executor_command(model_dir, **flags), READY_PATTERN, "executor", env, tree)
 
 
 @contextmanager

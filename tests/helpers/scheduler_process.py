@@ -17,9 +17,10 @@ import re
 import sys
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from pathlib import Path
 
 from tests.helpers.executor_token import token_file
-from tests.helpers.service_process import ServiceProcess, cli_flags
+from tests.helpers.service_process import REPO_ROOT, ServiceProcess, cli_flags
 
 READY_PATTERN = re.compile(r"event=scheduler_ready address=(\S+):(\d+)")
 LISTENING_PATTERN = re.compile(r"event=scheduler_listening address=(\S+):(\d+)")
@@ -42,11 +43,13 @@ def scheduler_command(executors: str | Sequence[str], **flags: object) -> list[s
 
 
 class SchedulerProcess(ServiceProcess):
+    """tree: the source tree it runs (this repository by default)."""
+
     def __init__(
-        self, executors: str | Sequence[str], wait_for: str = "ready", **flags: object
+        self, executors: str | Sequence[str], wait_for: str = "ready", tree: Path = REPO_ROOT, **flags: object
     ) -> None:
         pattern = READY_PATTERN if wait_for == "ready" else LISTENING_PATTERN
-        super().__init__(scheduler_command(executors, **flags), pattern, "scheduler")
+        super().__init__(scheduler_command(executors, **flags), pattern, "scheduler", tree=tree)
 
 
 @contextmanager

@@ -62,7 +62,8 @@ def child_environment(changes: Mapping[str, str | None]) -> dict[str, str]:
 
 class ServiceProcess:
     """Starts command in the background; wait_ready() returns HOST:PORT from the ready line.
-    env: changes to the environment it inherits (None removes a variable)."""
+    env: changes to the environment it inherits (None removes a variable); tree: the source tree
+    it runs in (python -m imports the packages found there), this repository by default."""
 
     def __init__(
         self,
@@ -70,6 +71,7 @@ class ServiceProcess:
         ready_pattern: re.Pattern[str],
         name: str,
         env: Mapping[str, str | None] | None = None,
+        tree: Path = REPO_ROOT,
     ) -> None:
         self.name = name
         self._ready_pattern = ready_pattern
@@ -78,7 +80,7 @@ class ServiceProcess:
         self.address: str | None = None
         self.process = subprocess.Popen(
             command,
-            cwd=REPO_ROOT,
+            cwd=tree,
             stdout=self._log,
             stderr=subprocess.STDOUT,
             env=child_environment(env or {}),
