@@ -90,15 +90,29 @@ def packing_available(device: torch.device, dtype: torch.dtype) -> bool:
     )
 
 
+def linear_from(weight: torch.Tensor, bias: torch.Tensor | None = None) -> nn.Linear:
+    """The nn.Linear computing x weight^T + bias, for PackedLinear to pack; weight is [out, in]."""
+    out_features, in_features = weight.shape
+    linear = nn.Linear(in_features, out_features, bias=bias is not None, device="meta", dtype=weight.dtype)
+    linear.weight = nn.Parameter(weight.detach().contiguous(), requires_grad=False)
+    if bias is not None:
+        linear.bias = bias if isinstance(bias, nn.Parameter) else nn.Parameter(bias.detach(), requires_grad=False)
+    return linear
+
+
 def as_linear(conv: Conv1D) -> nn.Linear:
     """GPT-2's Conv1D (x W + b, W stored [in, out]) as the nn.Linear it is. Packed like the
     others, it leaves MKL's plain GEMM, which gives a row other bits when a step has 1-3 rows
     than when it has 4 or more: the row's logits would depend on its batch."""
-    linear = nn.Linear(conv.nx, conv.nf, bias=conv.bias is not None, device="meta", dtype=conv.weight.dtype)
-    linear.weight = nn.Parameter(conv.weight.detach().t().contiguous(), requires_grad=False)
-    if conv.bias is not None:
-        linear.bias = conv.bias
-    return linear
+    return linear_from(conv.weight.t(), conv.bias)
+
+
+def replace_with_meta(module: nn.Module, name: str) -> None:
+    """Swaps a weight the packed copies replace for a meta tensor of its shape and dtype, as a
+    plain attribute (PackedLinear says why), so its memory is freed and reads of it fail."""
+    tensor = getattr(module, name)
+    delattr(module, name)
+    setattr(module, name, torch.empty(tensor.shape, dtype=tensor.dtype, device="meta"))
 
 
 def pack_linears(model: nn.Module, panels: PanelKernel | None = None) -> int:

@@ -23,7 +23,9 @@ from executor_service.layer_kernels import LayerKernels, load_layer_kernels
 from executor_service.lean_forward import lean_llama
 from executor_service.model_loader import dtype_name, load_model
 from executor_service.model_runner import ModelRunner
+from executor_service.packed_experts import pack_experts
 from executor_service.packed_linear import pack_linears, packing_available
+from executor_service.packed_routers import pack_routers
 from executor_service.paged_attention import select_backend
 from executor_service.panel_linear import PanelKernel, load_panel_kernel
 from executor_service.self_check import run_self_check, self_check_reference
@@ -113,6 +115,8 @@ def build_executor(settings: ExecutorSettings, device: str | None = None) -> Rea
         panels = _panel_kernel(settings.amx) if settings.panel_linear else None
         fuse_layers(loaded.model, _layer_kernels(), panels)
         head = screenable_head(loaded.model) if settings.greedy_screen else None
+        pack_routers(loaded.model, panels)
+        pack_experts(loaded.model, panels)
         pack_linears(loaded.model, panels)
         if head is not None:
             install_greedy_screen(loaded.model, head.weight)

@@ -251,10 +251,11 @@ def _logprobs_of(driver: Driver, requests: list[PlannedRequest]) -> dict[str, li
 # Architectures whose logits still depend on the batch (issue 35), and why. Strict: once one is
 # fixed, its entry must go.
 _BATCH_DEPENDENT = {
-    # Each expert multiplies the tokens routed to it, a count that depends on the whole step.
-    "gpt_oss": "mixture-of-experts GEMMs run on each step's per-expert token groups",
-    "deepseek_v3": "mixture-of-experts GEMMs run on each step's per-expert token groups",
-    "qwen3_moe": "mixture-of-experts GEMMs run on each step's per-expert token groups",
+    # Its value heads of 12 are no multiple of 16, so a step's prefill chunks of 2 or more tokens
+    # attend through torch (attention_metadata.PREFILL_KERNEL_VALUE_DIM_MULTIPLE), not the C
+    # prefill kernel whose rows have the decode kernel's bits. With value heads of 16 the test
+    # passes: its experts and router are invariant (packed_experts.py, packed_routers.py).
+    "deepseek_v3": "prefill attention of value heads that are no multiple of 16 runs torch's fallback",
 }
 
 
