@@ -106,11 +106,6 @@ class PagedDecode:
     whole_step: bool = False
 
 
-# The prefill kernel's value product works in whole vectors of up to 16 floats (AVX-512) on
-# every machine; caches of other value widths keep their prefills on SDPA.
-PREFILL_KERNEL_VALUE_DIM_MULTIPLE = 16
-
-
 @dataclass(slots=True, frozen=True)
 class PagedPrefill:
     """All sequences with several new tokens, for the prefill kernel that reads K/V from their
@@ -286,8 +281,7 @@ def build_step_attention(
         )
     else:
         prefill_spans = [s for s in spans if s.num_new > 1]
-        prefill_kernel = kv_cache.shape.value_dim % PREFILL_KERNEL_VALUE_DIM_MULTIPLE == 0
-        if backend == "cpu_paged" and prefill_kernel and prefill_spans:
+        if backend == "cpu_paged" and prefill_spans:
             paged_prefill = _paged_prefill(prefill_spans, kv_cache)
             prefill_spans = []
         for span in prefill_spans:

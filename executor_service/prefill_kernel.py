@@ -14,10 +14,7 @@ import functools
 
 import torch
 
-from executor_service.attention_metadata import (
-    PREFILL_KERNEL_VALUE_DIM_MULTIPLE,
-    PagedPrefill,
-)
+from executor_service.attention_metadata import PagedPrefill
 from executor_service.cpu_kernels import attention_function, load_kernel_library
 
 
@@ -54,7 +51,7 @@ class PrefillKernel:
             raise ValueError("the prefill kernel takes float32 queries, cache and output")
         if not (key_cache.is_contiguous() and value_cache.is_contiguous() and out.is_contiguous()):
             raise ValueError("the prefill kernel takes a contiguous cache and output")
-        if key_cache.shape[2] != key_dim or heads % kv_heads or value_dim % PREFILL_KERNEL_VALUE_DIM_MULTIPLE:
+        if key_cache.shape[2] != key_dim or heads % kv_heads:
             raise ValueError(
                 f"queries {tuple(queries.shape)} do not fit a cache of {kv_heads} KV heads of "
                 f"width {key_cache.shape[2]} and values of width {value_dim}"

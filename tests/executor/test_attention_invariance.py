@@ -99,6 +99,7 @@ class Probe:
         (8, 2, 48, 32, 21, None, False),
         (4, 1, 16, 16, None, 30.0, True),
         (6, 3, 64, 80, 70, 50.0, True),
+        (4, 2, 24, 12, None, None, False),
     ],
 )
 @pytest.mark.parametrize("threads", [1, 8])

@@ -248,26 +248,13 @@ def _logprobs_of(driver: Driver, requests: list[PlannedRequest]) -> dict[str, li
     return found
 
 
-# Architectures whose logits still depend on the batch (issue 35), and why. Strict: once one is
-# fixed, its entry must go.
-_BATCH_DEPENDENT = {
-    # Its value heads of 12 are no multiple of 16, so a step's prefill chunks of 2 or more tokens
-    # attend through torch (attention_metadata.PREFILL_KERNEL_VALUE_DIM_MULTIPLE), not the C
-    # prefill kernel whose rows have the decode kernel's bits. With value heads of 16 the test
-    # passes: its experts and router are invariant (packed_experts.py, packed_routers.py).
-    "deepseek_v3": "prefill attention of value heads that are no multiple of 16 runs torch's fallback",
-}
-
-
 def test_a_sequence_has_the_same_logprobs_alone_batched_chunked_and_recomputed(
-    arch: str, driver: Driver, request: pytest.FixtureRequest
+    arch: str, driver: Driver
 ) -> None:
     """The probe's greedy tokens and top-5 logprobs, bit for bit: alone; in the same steps as 7
     other requests; prefilled in chunks of 1, 7 and 32 tokens; and its decoded positions
     recomputed by a prefill (as after failover or preemption). The executor's logits are then a
     function of a sequence's own tokens only (DESIGN.md, "same bits whatever the batch")."""
-    if arch in _BATCH_DEPENDENT:
-        request.applymarker(pytest.mark.xfail(reason=_BATCH_DEPENDENT[arch], strict=True))
     rng = random.Random(6)
     prompt = [rng.randrange(3, 1024) for _ in range(40)]
     sampling = pb.SamplerConfig(want_logprobs=True, num_logprobs=5)

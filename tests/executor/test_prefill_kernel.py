@@ -42,6 +42,7 @@ def _spans(shapes: list[tuple[int, int]], num_blocks: int, generator: torch.Gene
         (4, 1, 16, 16, None, 30.0, True, 1.0),
         (6, 3, 64, 80, 5, 50.0, True, 1.0),
         (8, 4, 64, 64, None, None, False, 40.0),
+        (4, 2, 24, 12, None, None, False, 1.0),
     ],
 )
 # 1 thread runs every task in turn; 8 threads outnumber the tasks of the short sequences.
@@ -101,12 +102,13 @@ def test_the_kernel_attends_as_the_written_out_attention_does(
         torch.testing.assert_close(got[rows], expected.float(), rtol=1e-5, atol=tolerance)
 
 
-def test_caches_the_kernel_cannot_take_keep_their_prefills_on_sdpa() -> None:
+def test_values_of_any_width_prefill_in_the_kernel() -> None:
+    # DeepSeek-V3's values are narrower than its keys, and 12 wide in the test model: a width
+    # the kernel once left to SDPA, whose prefill does not give the decode kernel's bits.
     generator = torch.Generator().manual_seed(0)
-    # Values 40 wide: the kernel's value product works in whole vectors of 16.
-    cache = PagedKVCache(KVCacheShape(1, 2, 64, 40, BLOCK, torch.float32), 16, CPU)
+    cache = PagedKVCache(KVCacheShape(1, 2, 64, 12, BLOCK, torch.float32), 16, CPU)
     step = build_step_attention(_spans([(30, 0), (1, 5)], 16, generator), cache, "cpu_paged", CPU)
-    assert step.paged_prefill is None and len(step.prefills) == 1 and step.paged_decode is not None
+    assert step.paged_prefill is not None and not step.prefills and step.paged_decode is not None
 
 
 def test_a_sequence_past_its_blocks_is_refused_before_the_kernel_reads() -> None:
