@@ -1,12 +1,18 @@
-"""How a client reaches the server: channel credentials and per-call metadata from the plain
-arguments both clients take (an API key, a CA certificate), so each client opens its channel
-the same way."""
+"""How a client reaches the server: the channel, its stubs, and each call's deadline and
+metadata, from the plain arguments both clients take (an API key, a CA certificate), so the
+blocking and the asyncio client open and use their channels the same way."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from types import ModuleType
+from typing import Any
 
 import grpc
+from grpc_health.v1 import health_pb2_grpc
+
+from clients.calls import UnaryCall
+from protos.splitserve.v1 import generation_pb2_grpc as pb_grpc
 
 Metadata = Sequence[tuple[str, str]]
 
@@ -50,3 +56,40 @@ class CallMetadata:
         if trace_context:
             pairs = (*(pairs or ()), *trace_context.items())
         return pairs
+
+
+class Channel:
+    """A client's channel and stubs; transport is grpc (the blocking client) or grpc.aio."""
+
+    def __init__(
+        self,
+        transport: ModuleType,
+        address: str,
+        timeout: float | None,
+        api_key: str | None,
+        root_certificates: bytes | None,
+        tls: bool,
+        credentials: grpc.ChannelCredentials | None,
+        metadata: Metadata | None,
+    ) -> None:
+        self._timeout = timeout
+        self._metadata = CallMetadata(metadata, api_key)
+        credentials = channel_credentials(credentials, root_certificates, tls)
+        if credentials is None:
+            self.channel = transport.insecure_channel(address)
+        else:
+            self.channel = transport.secure_channel(address, credentials)
+        self.generation = pb_grpc.GenerationStub(self.channel)
+        self._health = health_pb2_grpc.HealthStub(self.channel)
+
+    def stream_options(self, api_key: str | None, trace_context: Mapping[str, str] | None) -> dict[str, Any]:
+        """Deadline and metadata of a Generate stream."""
+        return {"timeout": self._timeout, "metadata": self._metadata(api_key, trace_context)}
+
+    def unary(self, call: UnaryCall[Any]) -> tuple[Callable[..., Any], dict[str, Any]]:
+        """The stub method that sends `call`, and its deadline and metadata (none for health,
+        which needs no API key)."""
+        timeout = self._timeout if call.timeout is None else call.timeout
+        if call.health:
+            return getattr(self._health, call.method), {"timeout": timeout}
+        return getattr(self.generation, call.method), {"timeout": timeout, "metadata": self._metadata(call.api_key)}

@@ -2,39 +2,27 @@
 
 from __future__ import annotations
 
-import logging
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator
 from types import TracebackType
-from typing import Protocol, TypeVar, Unpack
+from typing import Protocol, TypeVar
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from clients.connection import CallMetadata, Metadata, channel_credentials
+from clients import calls
+from clients.calls import (
+    CancellingStream,
+    GenerateCall,
+    UnaryCall,
+    blocking,
+    collected,
+    streaming,
+)
+from clients.connection import Channel, Metadata
 from clients.errors import SplitserveError
-from clients.request_builder import (
-    ChatMessage,
-    GenerateOptions,
-    TemplateValue,
-    build_detokenize_request,
-    build_generate_request,
-    build_tokenize_request,
-)
-from clients.results import (
-    GenerationDelta,
-    GenerationResult,
-    ResultAssembler,
-    TokenizeResult,
-    delta_from_response,
-    tokenize_result,
-)
+from clients.results import GenerationDelta, delta_from_response
 from protos.splitserve.v1 import generation_pb2 as pb
-from protos.splitserve.v1 import generation_pb2_grpc as pb_grpc
 
-logger = logging.getLogger(__name__)
-
-Req = TypeVar("Req")
-Resp = TypeVar("Resp")
+Out = TypeVar("Out")
 
 
 class StreamingCall(Protocol):
@@ -45,11 +33,11 @@ class StreamingCall(Protocol):
     def cancel(self) -> bool: ...
 
 
-class DeltaStream(Iterator[GenerationDelta]):
+class DeltaStream(CancellingStream, Iterator[GenerationDelta]):
     """The deltas of one Generate call; the last one has finish_reason set."""
 
     def __init__(self, call: StreamingCall) -> None:
-        self._call = call
+        super().__init__(call)
 
     def __iter__(self) -> DeltaStream:
         return self
@@ -59,18 +47,6 @@ class DeltaStream(Iterator[GenerationDelta]):
             return delta_from_response(next(self._call))
         except grpc.RpcError as error:
             raise SplitserveError.from_rpc_error(error) from None
-
-    def __del__(self) -> None:
-        # grpc frees (and so cancels) an abandoned call only when its reference cycles are
-        # collected; a loop left early must abort the request on the server at once.
-        self.cancel()
-
-    def cancel(self) -> bool:
-        """Cancels the call (the server aborts the request); False if it had already ended."""
-        cancelled = self._call.cancel()
-        if cancelled:
-            logger.debug("cancelled a Generate call")
-        return cancelled
 
     def __enter__(self) -> DeltaStream:
         return self
@@ -110,15 +86,7 @@ class Client:
         credentials: grpc.ChannelCredentials | None = None,
         metadata: Metadata | None = None,
     ) -> None:
-        self._timeout = timeout
-        self._metadata = CallMetadata(metadata, api_key)
-        credentials = channel_credentials(credentials, root_certificates, tls)
-        if credentials is None:
-            self._channel = grpc.insecure_channel(address)
-        else:
-            self._channel = grpc.secure_channel(address, credentials)
-        self._stub = pb_grpc.GenerationStub(self._channel)
-        self._health = health_pb2_grpc.HealthStub(self._channel)
+        self._channel = Channel(grpc, address, timeout, api_key, root_certificates, tls, credentials, metadata)
 
     def __enter__(self) -> Client:
         return self
@@ -132,98 +100,24 @@ class Client:
         self.close()
 
     def close(self) -> None:
-        self._channel.close()
+        self._channel.channel.close()
 
-    def generate(
-        self,
-        prompt: str | None = None,
-        *,
-        prompt_token_ids: Sequence[int] | None = None,
-        messages: Sequence[ChatMessage] | None = None,
-        api_key: str | None = None,
-        trace_context: Mapping[str, str] | None = None,
-        **options: Unpack[GenerateOptions],
-    ) -> GenerationResult:
-        """Runs one request to the end and returns its whole output."""
-        assembler = ResultAssembler(want_logprobs=options.get("logprobs") is not None)
-        for delta in self.stream(
-            prompt,
-            prompt_token_ids=prompt_token_ids,
-            messages=messages,
-            api_key=api_key,
-            trace_context=trace_context,
-            **options,
-        ):
-            assembler.add(delta)
-        return assembler.result()
+    stream = streaming(calls.generate, "DeltaStream")
+    generate = collected(calls.generate)
+    abort = blocking(calls.abort)
+    tokenize = blocking(calls.tokenize)
+    detokenize = blocking(calls.detokenize)
+    model_info = blocking(calls.model_info)
+    server_status = blocking(calls.server_status)
+    serving = blocking(calls.serving)
 
-    def stream(
-        self,
-        prompt: str | None = None,
-        *,
-        prompt_token_ids: Sequence[int] | None = None,
-        messages: Sequence[ChatMessage] | None = None,
-        api_key: str | None = None,
-        trace_context: Mapping[str, str] | None = None,
-        **options: Unpack[GenerateOptions],
-    ) -> DeltaStream:
-        """Starts one request; iterate the result for its output as it is generated.
+    def _open(self, call: GenerateCall) -> DeltaStream:
+        options = self._channel.stream_options(call.api_key, call.trace_context)
+        return DeltaStream(self._channel.generation.Generate(call.request, **options))
 
-        Bad arguments raise ValueError here. Leaving the loop early cancels the call, so the
-        server aborts the request and frees its memory: at once under `with`, else when the
-        stream is dropped.
-        """
-        request = build_generate_request(
-            prompt, prompt_token_ids=prompt_token_ids, messages=messages, **options
-        )
-        metadata = self._metadata(api_key, trace_context)
-        call = self._stub.Generate(request, timeout=self._timeout, metadata=metadata)
-        return DeltaStream(call)
-
-    def abort(self, request_id: str, *, api_key: str | None = None) -> bool:
-        """Aborts a request by id; False when none with that id was in flight."""
-        return self._unary(self._stub.Abort, pb.AbortRequest(request_id=request_id), api_key).found
-
-    def tokenize(
-        self,
-        text: str | None = None,
-        messages: Sequence[ChatMessage] | None = None,
-        *,
-        add_generation_prompt: bool = True,
-        chat_template_kwargs: Mapping[str, TemplateValue] | None = None,
-        api_key: str | None = None,
-    ) -> TokenizeResult:
-        """The token ids Generate would use for text or a chat (rendered with the template, given
-        chat_template_kwargs as extra variables)."""
-        request = build_tokenize_request(text, messages, add_generation_prompt, chat_template_kwargs)
-        return tokenize_result(self._unary(self._stub.Tokenize, request, api_key))
-
-    def detokenize(
-        self, token_ids: Sequence[int], *, skip_special_tokens: bool = False, api_key: str | None = None
-    ) -> str:
-        """The text of token ids (special tokens included unless skip_special_tokens)."""
-        request = build_detokenize_request(token_ids, skip_special_tokens)
-        return self._unary(self._stub.Detokenize, request, api_key).text
-
-    def model_info(self, *, api_key: str | None = None) -> pb.ModelInfo:
-        return self._unary(self._stub.GetModelInfo, pb.GetModelInfoRequest(), api_key)
-
-    def server_status(self, *, api_key: str | None = None) -> pb.ServerStatus:
-        return self._unary(self._stub.GetServerStatus, pb.GetServerStatusRequest(), api_key)
-
-    def serving(self, *, timeout: float | None = None) -> bool:
-        """Whether the server reports SERVING on grpc.health.v1 (which needs no API key);
-        timeout replaces the client's for this probe."""
+    def _run(self, call: UnaryCall[Out]) -> Out:
+        method, options = self._channel.unary(call)
         try:
-            response = self._health.Check(
-                health_pb2.HealthCheckRequest(), timeout=self._timeout if timeout is None else timeout
-            )
-        except grpc.RpcError as error:
-            raise SplitserveError.from_rpc_error(error) from None
-        return response.status == health_pb2.HealthCheckResponse.SERVING
-
-    def _unary(self, method: Callable[..., Resp], request: Req, api_key: str | None = None) -> Resp:
-        try:
-            return method(request, timeout=self._timeout, metadata=self._metadata(api_key))
+            return call.finish(method(call.request, **options))
         except grpc.RpcError as error:
             raise SplitserveError.from_rpc_error(error) from None

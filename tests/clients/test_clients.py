@@ -4,6 +4,7 @@ exists only to exercise the client (streaming, result assembly, errors, cancella
 from __future__ import annotations
 
 import asyncio
+import inspect
 import json
 import threading
 import time
@@ -334,6 +335,38 @@ def test_async_client(fake: tuple[str, FakeGeneration]) -> None:
             assert await asyncio.to_thread(servicer.cancelled.wait, 5)
 
     asyncio.run(scenario())
+
+
+def test_both_clients_offer_the_same_calls_with_the_same_signatures() -> None:
+    """The asyncio client is the blocking one awaited: every public method on both, the same
+    parameters, defaults and annotations, a coroutine where the blocking one returns its result
+    (stream() excepted: both return their stream at once)."""
+
+    def public(cls: type) -> dict[str, object]:
+        return {name: member for name, member in vars(cls).items() if not name.startswith("_") and callable(member)}
+
+    blocking, awaited = public(Client), public(AsyncClient)
+    assert set(blocking) == set(awaited)
+    for name, method in blocking.items():
+        other = awaited[name]
+        assert inspect.signature(method).parameters == inspect.signature(other).parameters, name
+        if name != "stream":
+            assert inspect.iscoroutinefunction(other) and not inspect.iscoroutinefunction(method), name
+    assert inspect.signature(Client.__init__) == inspect.signature(AsyncClient.__init__)
+
+
+def test_trace_context_reaches_the_server_from_both_clients(fake: tuple[str, FakeGeneration]) -> None:
+    address, servicer = fake
+    context = {"traceparent": "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"}
+    with Client(address, timeout=10) as client:
+        client.generate("Hi", max_tokens=3, trace_context=context)
+
+    async def scenario() -> None:
+        async with AsyncClient(address, timeout=10) as client:
+            await client.generate("Hi", max_tokens=3, trace_context=context)
+
+    asyncio.run(scenario())
+    assert [sent.get("traceparent") for sent in servicer.metadata[-2:]] == [context["traceparent"]] * 2
 
 
 def test_cli_generate_streams_text(
