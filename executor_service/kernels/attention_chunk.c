@@ -67,39 +67,100 @@ void chunk_softmax(float *w, int64_t lo, int64_t hi, float softcap, float *peak,
     *peak = top;
 }
 
-/* acc[col..col + NV*LANES) of one row (chunk_values). */
+/* acc[r][col..col + NV*LANES) of ROWS consecutive rows (chunk_values; acc and weights rows VD
+ * and CHUNK apart). Each value vector is read once for all the rows; each row's sums are the
+ * same fused products in the same key order as when it is computed alone, so blocking rows
+ * changes no bit (tests/executor/test_attention_invariance.py). */
 static inline __attribute__((always_inline)) void values_of(
     const float *value_cache, const int64_t *slots, int64_t vrow, int64_t offset,
-    const float *weights, float rescale, float *acc, int64_t c0, int64_t j0, int64_t j1,
-    int64_t col, const int NV) {
-    vec sum[4];
-    for (int i = 0; i < NV; i++) sum[i] = load(acc + col + i * LANES) * rescale;
+    const float *weights, const float *rescale, float *acc, int64_t VD, int64_t c0, int64_t j0, int64_t j1,
+    int64_t col, const int NV, const int ROWS) {
+    vec sum[2][4];
+    for (int r = 0; r < ROWS; r++)
+        for (int i = 0; i < NV; i++) sum[r][i] = load(acc + r * VD + col + i * LANES) * rescale[r];
     for (int64_t j = j0; j < j1; j++) {
         const float *v = value_cache + slots[j - c0] * vrow + offset + col;
-        const vec w = broadcast(weights[j - c0]);
-        for (int i = 0; i < NV; i++) sum[i] = fma_lanes(w, load(v + i * LANES), sum[i]);
+        vec values[4];
+        for (int i = 0; i < NV; i++) values[i] = load(v + i * LANES);
+        for (int r = 0; r < ROWS; r++) {
+            const vec w = broadcast(weights[r * CHUNK + j - c0]);
+            for (int i = 0; i < NV; i++) sum[r][i] = fma_lanes(w, values[i], sum[r][i]);
+        }
     }
-    for (int i = 0; i < NV; i++) store(acc + col + i * LANES, sum[i]);
+    for (int r = 0; r < ROWS; r++)
+        for (int i = 0; i < NV; i++) store(acc + r * VD + col + i * LANES, sum[r][i]);
+}
+
+/* Every column of ROWS consecutive rows: whole panels, whole vectors, then the odd columns one
+ * at a time, each in key order. */
+static inline __attribute__((always_inline)) void rows_values(
+    const float *value_cache, const int64_t *slots, int64_t vrow, int64_t offset,
+    const float *weights, const float *rescale, float *acc, int64_t VD, int64_t c0, int64_t j0, int64_t j1,
+    const int ROWS) {
+    int64_t col = 0;
+    for (; col + PANEL <= VD; col += PANEL)
+        values_of(value_cache, slots, vrow, offset, weights, rescale, acc, VD, c0, j0, j1, col, 4, ROWS);
+    for (; col + LANES <= VD; col += LANES)
+        values_of(value_cache, slots, vrow, offset, weights, rescale, acc, VD, c0, j0, j1, col, 1, ROWS);
+    for (int r = 0; r < ROWS; r++)
+        for (int64_t d = col; d < VD; d++) {
+            float sum = acc[r * VD + d] * rescale[r];
+            for (int64_t j = j0; j < j1; j++)
+                sum += weights[r * CHUNK + j - c0] * value_cache[slots[j - c0] * vrow + offset + d];
+            acc[r * VD + d] = sum;
+        }
 }
 
 void chunk_values(const float *value_cache, const int64_t *slots, int64_t kv_heads, int64_t kh,
                   int64_t value_dim, int64_t nrows, const float *weights, const float *rescale,
                   float *acc, int64_t c0, int64_t j0, int64_t j1) {
     const int64_t VD = value_dim, vrow = kv_heads * VD, offset = kh * VD;
+    int64_t r = 0;
+    for (; r + 2 <= nrows; r += 2)
+        rows_values(value_cache, slots, vrow, offset, weights + r * CHUNK, rescale + r, acc + r * VD, VD, c0, j0,
+                    j1, 2);
+    if (r < nrows)
+        rows_values(value_cache, slots, vrow, offset, weights + r * CHUNK, rescale + r, acc + r * VD, VD, c0, j0,
+                    j1, 1);
+}
+
+static inline __attribute__((always_inline)) void values_by_position(
+    const float *value_cache, const int64_t *slots, int64_t vrow, int64_t offset, int64_t nrows,
+    int64_t rows_per_head, const float *weights, const float *rescale, float *acc, int64_t c0, int64_t j0,
+    int64_t j1, const int64_t VD) {
     for (int64_t r = 0; r < nrows; r++) {
-        const float *w = weights + r * CHUNK;
         float *out = acc + r * VD;
-        int64_t col = 0;
-        for (; col + PANEL <= VD; col += PANEL)
-            values_of(value_cache, slots, vrow, offset, w, rescale[r], out, c0, j0, j1, col, 4);
-        for (; col + LANES <= VD; col += LANES)
-            values_of(value_cache, slots, vrow, offset, w, rescale[r], out, c0, j0, j1, col, 1);
-        for (; col < VD; col++) {
-            float sum = out[col] * rescale[r];
-            for (int64_t j = j0; j < j1; j++) sum += w[j - c0] * value_cache[slots[j - c0] * vrow + offset + col];
-            out[col] = sum;
+        int64_t d = 0;
+        for (; d + LANES <= VD; d += LANES) store(out + d, load(out + d) * rescale[r]);
+        for (; d < VD; d++) out[d] = out[d] * rescale[r];
+    }
+    for (int64_t j = j0; j < j1; j++) {
+        const float *row = value_cache + slots[j - c0] * vrow + offset;
+        for (int64_t r = 0; r < nrows; r++) {
+            const float *v = row + r / rows_per_head * VD;
+            const float w = weights[r * CHUNK + j - c0];
+            const vec wide = broadcast(w);
+            float *out = acc + r * VD;
+            int64_t d = 0;
+            for (; d + LANES <= VD; d += LANES) store(out + d, fma_lanes(wide, load(v + d), load(out + d)));
+            for (; d < VD; d++) out[d] = out[d] + w * v[d];
         }
     }
+}
+
+void chunk_values_by_position(const float *value_cache, const int64_t *slots, int64_t kv_heads, int64_t kh0,
+                              int64_t value_dim, int64_t nrows, int64_t rows_per_head, const float *weights,
+                              const float *rescale, float *acc, int64_t c0, int64_t j0, int64_t j1) {
+    const int64_t vrow = kv_heads * value_dim, offset = kh0 * value_dim;
+    if (value_dim == 64)
+        values_by_position(value_cache, slots, vrow, offset, nrows, rows_per_head, weights, rescale, acc, c0, j0, j1,
+                           64);
+    else if (value_dim == 128)
+        values_by_position(value_cache, slots, vrow, offset, nrows, rows_per_head, weights, rescale, acc, c0, j0, j1,
+                           128);
+    else
+        values_by_position(value_cache, slots, vrow, offset, nrows, rows_per_head, weights, rescale, acc, c0, j0, j1,
+                           value_dim);
 }
 
 void finish_row(const float *acc, float total, float *dst, int64_t value_dim) {

@@ -3,7 +3,10 @@
  * a position first computed by a decode step and computed again by a prefill (after a failover,
  * a preemption or a migration) attends exactly as before. Both kernels only move data (find
  * slots, lay out rows) and call these functions, which are defined once (attention_chunk.c) and never
- * inlined into either, for every floating-point operation.
+ * inlined into either, for every floating-point operation. The value sums come in two loop
+ * orders (chunk_values, chunk_values_by_position) that give each row the same operations in the
+ * same order; every product is fused explicitly and the kernels are built with
+ * -ffp-contract=off, so the order of the loops cannot change a bit.
  *
  * A row's attention walks its keys in chunks of CHUNK positions that start at multiples of CHUNK
  * (absolute positions, so a row's chunks do not depend on how its sequence was split into steps):
@@ -38,6 +41,14 @@ void chunk_softmax(float *w, int64_t lo, int64_t hi, float softcap, float *peak,
 void chunk_values(const float *value_cache, const int64_t *slots, int64_t kv_heads, int64_t kh,
                   int64_t value_dim, int64_t nrows, const float *weights, const float *rescale,
                   float *acc, int64_t c0, int64_t j0, int64_t j1);
+/* chunk_values for rows of several KV heads (row r reads head kh0 + r / rows_per_head), walking
+ * positions outermost so that each position's value rows are read once, front to back, as the
+ * decode kernel streams them; acc stays in memory between positions. Each row gets exactly
+ * chunk_values' operations in the same order (its rescale, then one fused product per key in
+ * key order, its odd columns multiplied and added apart), so the bits are the same. */
+void chunk_values_by_position(const float *value_cache, const int64_t *slots, int64_t kv_heads, int64_t kh0,
+                              int64_t value_dim, int64_t nrows, int64_t rows_per_head, const float *weights,
+                              const float *rescale, float *acc, int64_t c0, int64_t j0, int64_t j1);
 /* dst[0..VD) = acc / total (0 where the total is 0). */
 void finish_row(const float *acc, float total, float *dst, int64_t value_dim);
 #endif

@@ -3,9 +3,13 @@
  * One query token per sequence attends over that sequence's cached tokens, found through its
  * block table. A task is one sequence under one KV head (the query heads sharing it are its
  * rows): it walks the sequence's keys in chunks of CHUNK positions and does exactly what the
- * prefill kernel does for a row at that position (attention_chunk.h): the same functions on the same numbers, so a position
- * decoded here and recomputed later by a prefill (failover, preemption, migration) gets the same
- * bits. Compiled and loaded by executor_service/decode_kernel.py.
+ * prefill kernel does for a row at that position (attention_chunk.h): the same arithmetic on the
+ * same numbers, so a position decoded here and recomputed later by a prefill (failover,
+ * preemption, migration) gets the same bits. Its value sums walk positions outermost
+ * (chunk_values_by_position: each position's rows of every KV head read once, front to back),
+ * where the prefill kernel's walk a head's rows in registers (chunk_values); each row gets the
+ * same operations in the same order either way. Compiled and loaded by
+ * executor_service/decode_kernel.py.
  *
  * Layouts (all contiguous):
  *   q            [batch, heads, key_dim]
@@ -124,12 +128,8 @@ static inline __attribute__((always_inline)) int task(const Args *a, int64_t b, 
             const int64_t ahead = context - c0 - CHUNK;
             prefetch_slots(a->value_cache, vrow, slots + (c + 1) * CHUNK, ahead < CHUNK ? ahead : CHUNK, kh0, kh1, VD);
         }
-        for (int64_t kh = kh0; kh < kh1; kh++) {
-            const int64_t r0 = (kh - kh0) * group;
-            chunk_values(a->value_cache, slots + c * CHUNK, a->kv_heads, kh, VD, group,
-                         weights + (c * nh + r0) * CHUNK, rescale + c * nh + r0, acc + r0 * VD, c0,
-                         c0 + lo, c0 + count);
-        }
+        chunk_values_by_position(a->value_cache, slots + c * CHUNK, a->kv_heads, kh0, VD, nh, group,
+                                 weights + c * nh * CHUNK, rescale + c * nh, acc, c0, c0 + lo, c0 + count);
     }
     for (int64_t r = 0; r < nh; r++)
         finish_row(acc + r * VD, total[r], a->out + (b * a->heads + kh0 * group + r) * VD, VD);
