@@ -12,7 +12,7 @@ steps as 7 others of random lengths; prefilled 7 tokens a step; and with its dec
 recomputed by one prefill (as after a failover). It prints, per way, whether the probe's tokens
 and logprobs equal the lone run's bit for bit, and the largest logprob difference. The CUDA
 check (bench/cuda_check.sh) runs it; on CPU the default configuration should report every way
-equal (tests/bench/test_same_bits.py).
+equal (tests/bench/test_bench_same_bits.py).
 """
 
 from __future__ import annotations
