@@ -141,7 +141,8 @@ def run_self_check(
     if worst > tolerance:
         raise UnsupportedModel(
             model_type,
-            f"paged attention does not reproduce the model's own forward: relative logit "
+            f"the executor's forward (fused layers, packed GEMMs, paged attention) does not reproduce "
+            f"the model's own forward: relative logit "
             f"error {worst:.3g} exceeds {tolerance:.3g}",
         )
     logger.info(
