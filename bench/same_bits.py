@@ -6,10 +6,11 @@ it is (docs/cpu-executor.md, "Numerics").
     python -m bench.same_bits --device cuda --dtype bfloat16 [--backends flash_attn,sdpa]
         [--graphs on,off] [--json OUT]
 
-Per configuration (attention backend x CUDA decode graphs), an in-process executor runs a probe
-request (greedy, top-5 logprobs) on a random SmolLM2-shaped Llama four ways: alone; in the same
-steps as 7 others of random lengths; prefilled 7 tokens a step; and with its decoded positions
-recomputed by one prefill (as after a failover). It prints, per way, whether the probe's tokens
+Per configuration (attention backend x CUDA decode graphs), an executor process, driven as the
+parity tests drive one (tests/helpers/executor_driver.py), runs a probe request (greedy, top-5
+logprobs) on a random SmolLM2-shaped Llama four ways: alone; in the same steps as 7 others of
+random lengths; prefilled 7 tokens a step; and with its first half's tokens recomputed by one
+prefill (as after a failover). It prints, per way, whether the probe's tokens
 and logprobs equal the lone run's bit for bit, and the largest logprob difference. The CUDA
 check (bench/cuda_check.sh) runs it; on CPU the default configuration should report every way
 equal (tests/bench/test_bench_same_bits.py).
@@ -18,43 +19,34 @@ equal (tests/bench/test_bench_same_bits.py).
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import random
 import tempfile
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from executor_service import startup
-from executor_service.settings import ExecutorSettings
 from protos.splitserve.executor.v1 import executor_pb2 as pb
+from tests.helpers.executor_driver import (
+    BlockAllocator,
+    Driver,
+    PlannedRequest,
+    PlanStream,
+)
+from tests.helpers.executor_process import start_executor
+from tests.helpers.executor_token import token_channel
 from tests.helpers.model_factory import build_model
 
 BLOCK_SIZE = 16
 NUM_BLOCKS = 256
+MAX_MODEL_LEN = 512
 PROBE_PROMPT = 40
 PROBE_NEW = 16
 NEIGHBOURS = 7
 CHUNK = 7
 # SmolLM2's vocabulary size: the head is the widest GEMM of a step.
 VOCAB = 49_152
-# (token id, logprob, top-5 ids, top-5 logprobs) per generated token.
-Trace = list[tuple[int, float, tuple[int, ...], tuple[float, ...]]]
-
-
-@dataclass(slots=True)
-class _Request:
-    request_id: str
-    tokens: list[int]
-    prompt_len: int
-    new_tokens: int
-    chunk: int | None = None
-    computed: int = 0
-    trace: Trace = field(default_factory=list)
-
-    @property
-    def done(self) -> bool:
-        return len(self.tokens) - self.prompt_len >= self.new_tokens
+# (token id, logprob, top-5 ids, top-5 logprobs) per generated token (Driver.run_logprobs).
+Trace = list[tuple[int, float, list[int], list[float]]]
 
 
 @dataclass(slots=True)
@@ -65,48 +57,6 @@ class WayResult:
     max_logprob_diff: float
 
 
-class _Executor:
-    """An in-process executor fed plans by a toy scheduler: every unfinished request every step."""
-
-    def __init__(self, settings: ExecutorSettings) -> None:
-        self.runner = startup.build_executor(settings).runner
-        self.step_ids = itertools.count(1)
-        self.finished: list[str] = []
-
-    def serve(self, requests: list[_Request]) -> None:
-        """Runs the requests (prompts in chunks where asked) until each has its tokens."""
-        free = list(range(NUM_BLOCKS))
-        blocks = {r.request_id: [free.pop() for _ in range(-(-(r.prompt_len + r.new_tokens) // BLOCK_SIZE))] for r in requests}
-        by_id = {r.request_id: r for r in requests}
-        sampling = pb.SamplerConfig(want_logprobs=True, num_logprobs=5)
-        live = list(requests)
-        while live:
-            # Finished requests are dropped, so their blocks can be used again by the next call.
-            plan = pb.StepPlan(step_id=next(self.step_ids), dropped_request_ids=self.finished)
-            self.finished = []
-            for request in live:
-                left = len(request.tokens) - request.computed
-                count = min(left, request.chunk) if request.chunk else left
-                if request.computed == 0:
-                    plan.new_requests.append(pb.NewRequest(
-                        request_id=request.request_id, token_ids=request.tokens, block_ids=blocks[request.request_id],
-                        num_scheduled_tokens=count, sampling=sampling, num_prompt_tokens=request.prompt_len,
-                    ))
-                else:
-                    plan.continuing_requests.append(
-                        pb.ContinuingRequest(request_id=request.request_id, num_scheduled_tokens=count)
-                    )
-                request.computed += count
-            for output in self.runner.execute(plan).outputs:
-                request = by_id[output.request_id]
-                request.tokens.extend(output.token_ids)
-                request.trace.extend(
-                    (e.token_id, e.logprob, tuple(e.top_token_ids), tuple(e.top_logprobs)) for e in output.logprobs
-                )
-            self.finished = [r.request_id for r in live if r.done]
-            live = [r for r in live if not r.done]
-
-
 def _compare(alone: Trace, other: Trace) -> WayResult:
     diff = max(
         (abs(a - b) for x, y in zip(alone, other, strict=True) for a, b in zip((x[1], *x[3]), (y[1], *y[3]))),
@@ -115,36 +65,45 @@ def _compare(alone: Trace, other: Trace) -> WayResult:
     return WayResult(same_bits=alone == other, max_logprob_diff=diff)
 
 
-def measure(executor: _Executor, vocab: int, seed: int = 0) -> dict[str, WayResult]:
-    """The probe's four ways, each compared with the lone run."""
+def measure(driver: Driver, vocab: int, seed: int = 0) -> dict[str, WayResult]:
+    """The probe's ways, each compared with the lone run."""
     rng = random.Random(seed)
     prompt = [rng.randrange(3, vocab) for _ in range(PROBE_PROMPT)]
+    sampling = pb.SamplerConfig(want_logprobs=True, num_logprobs=5)
 
-    def probe(name: str, chunk: int | None = None) -> _Request:
-        return _Request(name, list(prompt), PROBE_PROMPT, PROBE_NEW, chunk)
+    def probe(name: str, tokens: list[int], new: int, chunk: int | None = None) -> PlannedRequest:
+        return PlannedRequest(name, tokens, new, sampling=sampling, chunk_size=chunk)
 
-    alone = probe("alone")
-    executor.serve([alone])
-    batched = probe("batched")
+    alone = driver.run_logprobs([probe("alone", prompt, PROBE_NEW)])["alone"]
     others = [
-        _Request(f"other{i}", [rng.randrange(3, vocab) for _ in range(length)], length, rng.randrange(4, 2 * PROBE_NEW))
-        for i, length in enumerate(rng.randrange(1, 3 * PROBE_PROMPT) for _ in range(NEIGHBOURS))
+        PlannedRequest(f"other{i}", [rng.randrange(3, vocab) for _ in range(rng.randrange(1, 3 * PROBE_PROMPT))],
+                       rng.randrange(4, 2 * PROBE_NEW))
+        for i in range(NEIGHBOURS)
     ]
-    executor.serve([batched, *others])
-    chunked = probe("chunked", CHUNK)
-    executor.serve([chunked])
-    # The first half decoded, then everything so far prefilled again under a new id, as after a
-    # failover: the second half must continue exactly as alone.
+    batched = driver.run_logprobs([probe("batched", prompt, PROBE_NEW), *others])["batched"]
+    chunked = driver.run_logprobs([probe("chunked", prompt, PROBE_NEW, CHUNK)])["chunked"]
+    # The first half's tokens prefilled again under a new id, as after a failover: the second
+    # half must continue exactly as alone.
     half = PROBE_NEW // 2
-    first = _Request("first-half", list(prompt), PROBE_PROMPT, half)
-    executor.serve([first])
-    again = _Request("recomputed", list(first.tokens), PROBE_PROMPT, PROBE_NEW)
-    executor.serve([again])
+    generated = [token for token, *_ in alone[:half]]
+    recomputed = driver.run_logprobs([probe("recomputed", prompt + generated, PROBE_NEW - half)])["recomputed"]
     return {
-        "batched": _compare(alone.trace, batched.trace),
-        "chunked": _compare(alone.trace, chunked.trace),
-        "recomputed": _compare(alone.trace, first.trace + again.trace),
+        "batched": _compare(alone, batched),
+        "chunked": _compare(alone, chunked),
+        "recomputed": _compare(alone, alone[:half] + recomputed),
     }
+
+
+def measure_configuration(model_dir: Path, vocab: int, **executor_flags: object) -> dict[str, WayResult]:
+    """measure() against an executor process started with executor_flags (device, dtype,
+    attention_backend, cuda_graph_max_batch, ...)."""
+    flags = {"block_size": BLOCK_SIZE, "num_kv_blocks": NUM_BLOCKS, "max_model_len": MAX_MODEL_LEN, **executor_flags}
+    with start_executor(model_dir, **flags) as (address, _), token_channel(address) as channel:
+        stream = PlanStream(channel)
+        try:
+            return measure(Driver(stream, BLOCK_SIZE, BlockAllocator(NUM_BLOCKS)), vocab)
+        finally:
+            stream.close()
 
 
 def main() -> None:
@@ -161,17 +120,15 @@ def main() -> None:
         model_dir = build_model(
             "llama", Path(tmp) / "llama", seed=3, hidden_size=576, intermediate_size=1536,
             num_hidden_layers=args.layers, num_attention_heads=9, num_key_value_heads=3, vocab_size=VOCAB,
-            max_position_embeddings=512,
+            max_position_embeddings=MAX_MODEL_LEN,
         )
         for backend in args.backends.split(","):
             for graphs in args.graphs.split(","):
-                settings = ExecutorSettings(
-                    model_dir=model_dir, device=args.device, dtype=args.dtype, block_size=BLOCK_SIZE,
-                    num_kv_blocks=NUM_BLOCKS, max_model_len=512, attention_backend=backend,
+                name = f"{args.device} {args.dtype} {backend} graphs={graphs}"
+                ways = measure_configuration(
+                    model_dir, VOCAB, device=args.device, dtype=args.dtype, attention_backend=backend,
                     cuda_graph_max_batch=8 if graphs == "on" else 0,
                 )
-                name = f"{args.device} {args.dtype} {backend} graphs={graphs}"
-                ways = measure(_Executor(settings), VOCAB)
                 results[name] = {way: asdict(result) for way, result in ways.items()}
                 cells = "  ".join(
                     f"{way}: {'same' if r.same_bits else 'differs'} ({r.max_logprob_diff:.3g})" for way, r in ways.items()

@@ -8,9 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from bench.same_bits import NUM_BLOCKS, _Executor, measure
+from bench.same_bits import measure_configuration
 from executor_service.decode_kernel import load_decode_kernel
-from executor_service.settings import ExecutorSettings
 from tests.helpers.c_kernels import load_or_skip
 from tests.helpers.model_factory import VOCAB_SIZE, build_model
 
@@ -21,11 +20,8 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _ways(model_dir: Path, backend: str) -> dict[str, bool]:
-    settings = ExecutorSettings(
-        model_dir=model_dir, device="cpu", block_size=16, num_kv_blocks=NUM_BLOCKS, max_model_len=256,
-        attention_backend=backend,
-    )
-    return {way: result.same_bits for way, result in measure(_Executor(settings), VOCAB_SIZE).items()}
+    results = measure_configuration(model_dir, VOCAB_SIZE, max_model_len=256, attention_backend=backend)
+    return {way: result.same_bits for way, result in results.items()}
 
 
 def test_the_default_cpu_path_gives_the_same_bits_every_way(model_dir: Path) -> None:

@@ -234,20 +234,6 @@ def test_through_the_scheduler(executor_address: str, reference: Reference) -> N
         assert output == reference(prompt), f"prompt of {len(prompt)} tokens"
 
 
-def _logprobs_of(driver: Driver, requests: list[PlannedRequest]) -> dict[str, list[tuple[int, float, list[int], list[float]]]]:
-    """Runs the requests in lockstep and returns each one's sampled logprobs, step by step."""
-    found: dict[str, list[tuple[int, float, list[int], list[float]]]] = {r.request_id: [] for r in requests}
-    while any(not r.done for r in requests):
-        result = driver.stream.step(driver.plan(requests))
-        for output in result.outputs:
-            for entry in output.logprobs:
-                found[output.request_id].append(
-                    (entry.token_id, entry.logprob, list(entry.top_token_ids), list(entry.top_logprobs))
-                )
-        driver.apply(result, requests)
-    return found
-
-
 def test_a_sequence_has_the_same_logprobs_alone_batched_chunked_and_recomputed(
     arch: str, driver: Driver
 ) -> None:
@@ -262,17 +248,16 @@ def test_a_sequence_has_the_same_logprobs_alone_batched_chunked_and_recomputed(
     def probe(name: str, tokens: list[int], new: int, chunk: int | None = None) -> PlannedRequest:
         return PlannedRequest(name, tokens, new, sampling=sampling, chunk_size=chunk)
 
-    alone = _logprobs_of(driver, [probe("alone", prompt, 6)])["alone"]
+    alone = driver.run_logprobs([probe("alone", prompt, 6)])["alone"]
     assert len(alone) == 6
     others = [PlannedRequest(f"other{i}", [rng.randrange(3, 1024) for _ in range(rng.randrange(1, 90))], 8)
               for i in range(7)]
-    ways = {"beside 7 others": _logprobs_of(driver, [probe("batched", prompt, 6), *others])["batched"]}
+    ways = {"beside 7 others": driver.run_logprobs([probe("batched", prompt, 6), *others])["batched"]}
     for chunk in (1, 7, 32):
-        ways[f"prefilled {chunk} tokens a step"] = _logprobs_of(driver, [probe(f"chunk{chunk}", prompt, 6, chunk)])[f"chunk{chunk}"]
+        ways[f"prefilled {chunk} tokens a step"] = driver.run_logprobs([probe(f"chunk{chunk}", prompt, 6, chunk)])[f"chunk{chunk}"]
     generated = [token for token, *_ in alone]
-    ways["decoded positions recomputed"] = alone[:3] + _logprobs_of(
-        driver, [probe("recomputed", prompt + generated[:3], 3)]
-    )["recomputed"]
+    recomputed = driver.run_logprobs([probe("recomputed", prompt + generated[:3], 3)])["recomputed"]
+    ways["decoded positions recomputed"] = alone[:3] + recomputed
     differ = {
         way: next(i for i, (a, b) in enumerate(zip(alone, got, strict=True)) if a != b)
         for way, got in ways.items()

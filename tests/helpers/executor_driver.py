@@ -163,6 +163,20 @@ class Driver:
         while any(not r.done for r in requests):
             self.apply(self.stream.step(self.plan(requests)), requests)
 
+    def run_logprobs(self, requests: list[PlannedRequest]) -> dict[str, list[tuple[int, float, list[int], list[float]]]]:
+        """run(), returning each request's sampled logprobs step by step: (token, its logprob, top
+        ids, top logprobs)."""
+        found: dict[str, list[tuple[int, float, list[int], list[float]]]] = {r.request_id: [] for r in requests}
+        while any(not r.done for r in requests):
+            result = self.stream.step(self.plan(requests))
+            for output in result.outputs:
+                for entry in output.logprobs:
+                    found[output.request_id].append(
+                        (entry.token_id, entry.logprob, list(entry.top_token_ids), list(entry.top_logprobs))
+                    )
+            self.apply(result, requests)
+        return found
+
     def preempt(self, req: PlannedRequest) -> None:
         """Drop and recompute: the next plan drops it and resends it as a new request carrying
         prompt + output, computed from scratch in fresh blocks."""
