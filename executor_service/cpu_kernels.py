@@ -46,6 +46,7 @@ SOURCES = tuple(
         "paged_decode.c",
         "paged_prefill.c",
         "layer_elementwise.c",
+        "activations.c",
         "row_argmax.c",
         "greedy_screen.c",
         "panel_linear.c",

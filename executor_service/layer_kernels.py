@@ -1,5 +1,6 @@
 """The C elementwise passes of the fused Llama layers (kernels/layer_elementwise.c): RMSNorm,
-RoPE in place, and SiLU-times-up, each one pass instead of torch's two to six operations.
+RoPE in place, and SiLU-times-up, each one pass instead of torch's two to six operations; and
+the activations of layers that are not fused (kernels/activations.c, kernel_activations.py).
 
 SmolLM2-135M (bench.step_profile, two runs each, interleaved, AMD EPYC, 2 threads): 2,048-token
 prefill steps 2,421/2,407 -> 2,348/2,275 ms, decode steps 81.7/78.5 -> 79.9/74.9 ms.
@@ -27,6 +28,7 @@ class LayerKernels:
         self._rms_norm = declare(library.rms_norm, [pointer] * 3 + [size] * 2 + [real, threads], None)
         self._silu_mul = declare(library.silu_mul, [pointer] * 2 + [size] * 2 + [threads], None)
         self._rope = declare(library.rope, [pointer] * 3 + [size] * 4 + [threads], None)
+        self._activation = declare(library.activation, [ctypes.c_int] + [pointer] * 2 + [size, threads], ctypes.c_int)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """weight * x / sqrt(mean(x^2) + eps) over the last dimension."""
@@ -60,6 +62,14 @@ class LayerKernels:
         if cos.shape != (rows, dim) or sin.shape != (rows, dim):
             raise ValueError(f"cos {tuple(cos.shape)} and sin {tuple(sin.shape)} are not {(rows, dim)}")
         self._rope(x.data_ptr(), cos.data_ptr(), sin.data_ptr(), rows, heads, dim, x.stride(0), torch.get_num_threads())
+
+    def activation(self, kind: int, x: torch.Tensor) -> torch.Tensor:
+        """The activation numbered `kind` in kernels/activations.c, element by element."""
+        x = float32_cpu(x, KERNEL).contiguous()
+        out = torch.empty_like(x)
+        if self._activation(kind, x.data_ptr(), out.data_ptr(), x.numel(), torch.get_num_threads()):
+            raise ValueError(f"the kernels know no activation {kind}")
+        return out
 
 
 @functools.cache

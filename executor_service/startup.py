@@ -17,6 +17,7 @@ from executor_service.decode_graphs import (
 )
 from executor_service.fused_layers import fuse_layers
 from executor_service.greedy_head import install_greedy_screen, screenable_head
+from executor_service.kernel_activations import install_kernel_activations
 from executor_service.kv_budget import decide_num_blocks
 from executor_service.kv_cache import KVCacheShape, PagedKVCache
 from executor_service.layer_kernels import LayerKernels, load_layer_kernels
@@ -113,7 +114,10 @@ def build_executor(settings: ExecutorSettings, device: str | None = None) -> Rea
     # Packing replaces the linear layers, which under TP hold sharded weights and collectives.
     if settings.packed_linear and not parallel and packing_available(loaded.device, loaded.dtype):
         panels = _panel_kernel(settings.amx) if settings.panel_linear else None
-        fuse_layers(loaded.model, _layer_kernels(), panels)
+        kernels = _layer_kernels()
+        fuse_layers(loaded.model, kernels, panels)
+        if kernels is not None:
+            install_kernel_activations(loaded.model, kernels)
         head = screenable_head(loaded.model) if settings.greedy_screen else None
         pack_routers(loaded.model, panels)
         pack_experts(loaded.model, panels)
