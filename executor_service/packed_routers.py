@@ -48,6 +48,14 @@ def _top_k_of_softmax(router: nn.Module, logits: torch.Tensor) -> tuple[torch.Te
     return top.to(logits.dtype), indices
 
 
+def _renormalized_top_k_of_softmax(router: nn.Module, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """MixtralTopKRouter's: the top-k of a softmax over all experts, always renormalized."""
+    probabilities = F.softmax(logits.float(), dim=-1)
+    top, indices = torch.topk(probabilities, router.top_k, dim=-1)
+    top /= top.sum(dim=-1, keepdim=True)
+    return top, indices
+
+
 def _sigmoid(logits: torch.Tensor) -> torch.Tensor:
     """sigmoid(x) as the first of softmax([x, 0]). torch's sigmoid gives an element other bits in
     the scalar tail of its vectorized loop than in the loop, and which elements fall in the tail
@@ -74,10 +82,25 @@ def _grouped_sigmoid_top_k(router: nn.Module, logits: torch.Tensor) -> tuple[tor
     return weights * router.routed_scaling_factor, indices
 
 
+
+def _router(model_type: str, name: str) -> str:
+    return f"transformers.models.{model_type}.modeling_{model_type}.{name}"
+
+
+# Each class's forward was read and found to be the routing named (transformers 5.24).
 _ROUTINGS: dict[str, Routing] = {
-    "transformers.models.gpt_oss.modeling_gpt_oss.GptOssTopKRouter": _softmax_of_top_k,
-    "transformers.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeTopKRouter": _top_k_of_softmax,
-    "transformers.models.deepseek_v3.modeling_deepseek_v3.DeepseekV3TopkRouter": _grouped_sigmoid_top_k,
+    _router("gpt_oss", "GptOssTopKRouter"): _softmax_of_top_k,
+    **{
+        _router(model_type, name): _top_k_of_softmax
+        for model_type, name in (
+            ("qwen3_moe", "Qwen3MoeTopKRouter"),
+            ("qwen2_moe", "Qwen2MoeTopKRouter"),
+            ("olmoe", "OlmoeTopKRouter"),
+            ("flex_olmo", "FlexOlmoTopKRouter"),
+        )
+    },
+    _router("mixtral", "MixtralTopKRouter"): _renormalized_top_k_of_softmax,
+    _router("deepseek_v3", "DeepseekV3TopkRouter"): _grouped_sigmoid_top_k,
 }
 
 

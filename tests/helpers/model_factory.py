@@ -169,8 +169,26 @@ _REFUSED_CONFIGS: dict[str, Callable[..., PreTrainedConfig]] = {
 REFUSED_ARCHITECTURES = tuple(_REFUSED_CONFIGS)
 
 
+# Served, and checked by tests of their own rather than the parity suite: mixtures of experts
+# whose routers the executor packs (tests/executor/test_packed_experts.py).
+_OTHER_CONFIGS: dict[str, Callable[..., PreTrainedConfig]] = {
+    # Top-k of a softmax, always renormalized.
+    "mixtral": _decoder("mixtral", head_dim=16, num_local_experts=4, num_experts_per_tok=2),
+    # Top-k of a softmax, renormalized as configured; a shared expert behind a sigmoid gate.
+    "qwen2_moe": _decoder(
+        "qwen2_moe",
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=48,
+        norm_topk_prob=True,
+    ),
+    "olmoe": _decoder("olmoe", num_experts=4, num_experts_per_tok=2),
+}
+
+
 def build_config(arch: str = "llama", **overrides: Any) -> PreTrainedConfig:
-    builders = {**_CONFIGS, **_REFUSED_CONFIGS}
+    builders = {**_CONFIGS, **_REFUSED_CONFIGS, **_OTHER_CONFIGS}
     if arch not in builders:
         raise ValueError(f"unknown arch {arch!r}; choose one of {tuple(builders)}")
     return builders[arch](**overrides)
