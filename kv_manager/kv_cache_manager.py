@@ -3,8 +3,9 @@
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from kv_manager import prefix_hash
 from kv_manager.block_pool import BlockPool, KVBlock
-from kv_manager.prefix_hash import BlockHash, chain_hashes, extend_chain
+from kv_manager.prefix_hash import BlockHash, extend_chain
 
 
 @dataclass(slots=True)
@@ -53,10 +54,8 @@ class KVCacheManager:
         self._hit_tokens = 0
 
     def prefix_hashes(self, token_ids: Sequence[int], extra_key: bytes = b"") -> list[BlockHash]:
-        """Hashes of the leading full blocks a prefix hit may cover: every full block but one
-        that would hold the last token, which must be computed to produce the next's logits."""
-        max_blocks = (len(token_ids) - 1) // self.block_size
-        return chain_hashes(token_ids[: max_blocks * self.block_size], self.block_size, extra_key)
+        """Hashes of the leading full blocks a prefix hit may cover (prefix_hash.cacheable_blocks)."""
+        return prefix_hash.prefix_hashes(token_ids, self.block_size, extra_key)
 
     def find_cached_prefix(
         self,

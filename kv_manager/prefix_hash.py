@@ -26,6 +26,24 @@ def hash_block_tokens(
     return digest.digest()
 
 
+def cacheable_blocks(num_tokens: int, block_size: int) -> int:
+    """How many leading full blocks of a sequence of num_tokens a prefix hit may cover: every
+    full block but one that would hold the last token, whose logits must be computed to sample
+    the next."""
+    return (num_tokens - 1) // block_size
+
+
+def prefix_hashes(
+    token_ids: Sequence[int], block_size: int, extra_key: bytes = b"", known: Sequence[BlockHash] = ()
+) -> list[BlockHash]:
+    """The hashes of token_ids' cacheable blocks (cacheable_blocks), reusing the already computed
+    leading ones in known."""
+    count = cacheable_blocks(len(token_ids), block_size)
+    if len(known) >= count:
+        return list(known[:count])
+    return chain_hashes(token_ids[: count * block_size], block_size, extra_key, known)
+
+
 def chain_hashes(
     token_ids: Sequence[int],
     block_size: int,

@@ -6,8 +6,7 @@ import time
 from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field
 
-from kv_manager import BlockHash, KVCacheManager, PrefixHit
-from kv_manager.prefix_hash import chain_hashes
+from kv_manager import BlockHash, KVCacheManager, PrefixHit, prefix_hash
 from scheduler_service.core.config import SchedulerConfig, SchedulingKnobs
 from scheduler_service.core.decode_set import BulkStep, DecodeSet
 from scheduler_service.core.errors import ErrorKind, RequestError, RequestRejected
@@ -220,15 +219,10 @@ class Scheduler:
         block_size = self.config.block_size
         if request.prefix_hashes_block_size != block_size:
             request.prefix_hashes, request.prefix_hashes_block_size = [], block_size
-        max_blocks = (request.num_tokens - 1) // block_size
-        if len(request.prefix_hashes) < max_blocks:
-            request.prefix_hashes = chain_hashes(
-                request.token_ids[: max_blocks * block_size],
-                block_size,
-                request.cache_salt,
-                request.prefix_hashes,
-            )
-        return request.prefix_hashes[:max_blocks]
+        hashes = prefix_hash.prefix_hashes(request.token_ids, block_size, request.cache_salt, request.prefix_hashes)
+        if len(hashes) > len(request.prefix_hashes):
+            request.prefix_hashes = hashes
+        return hashes
 
     @property
     def load(self) -> int:

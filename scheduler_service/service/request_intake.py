@@ -18,7 +18,7 @@ import uuid
 from google.protobuf.message import Message
 from jinja2 import TemplateError
 
-from kv_manager.prefix_hash import chain_hashes
+from kv_manager.prefix_hash import prefix_hashes
 from protos.splitserve.executor.v1 import executor_pb2
 from protos.splitserve.v1 import generation_pb2 as pb
 from scheduler_service.core.errors import ErrorKind, RequestRejected
@@ -288,8 +288,6 @@ def build_request(
     )
     # Hashed here, off the event loop for a big prompt; the planner extends these as the
     # request grows (Scheduler.prefix_hashes).
-    block_size = info.block_size
-    full_blocks = (len(token_ids) - 1) // block_size
-    request.prefix_hashes = chain_hashes(token_ids[: full_blocks * block_size], block_size, request.cache_salt)
-    request.prefix_hashes_block_size = block_size
+    request.prefix_hashes = prefix_hashes(token_ids, info.block_size, request.cache_salt)
+    request.prefix_hashes_block_size = info.block_size
     return request
