@@ -10,6 +10,10 @@ from kv_manager import BlockHash, KVCacheManager, PrefixHit, prefix_hash
 from scheduler_service.core.config import SchedulerConfig, SchedulingKnobs
 from scheduler_service.core.decode_set import BulkStep, DecodeSet
 from scheduler_service.core.errors import ErrorKind, RequestError, RequestRejected
+from scheduler_service.core.length_limits import (
+    check_room_in_cache,
+    check_room_under_model_length,
+)
 from scheduler_service.core.policy import StepMode, pick_victim
 from scheduler_service.core.prefix_tracker import PrefixTracker
 from scheduler_service.core.request import FinishReason, Request, RequestStatus
@@ -124,18 +128,12 @@ class Scheduler:
             raise RequestRejected(ErrorKind.DUPLICATE, f"request id {request.request_id!r} is already in flight")
         if not request.prompt_token_ids:
             raise RequestRejected(ErrorKind.INVALID, "the prompt is empty")
-        if request.num_prompt_tokens >= self.config.max_model_len:
-            raise RequestRejected(
-                ErrorKind.INVALID,
-                f"prompt of {request.num_prompt_tokens} tokens leaves no room to generate under "
-                f"the maximum model length of {self.config.max_model_len}",
-            )
-        if request.num_prompt_tokens >= self.config.max_seq_len:
-            raise RequestRejected(
-                ErrorKind.TOO_LARGE,
-                f"prompt of {request.num_prompt_tokens} tokens leaves no room to generate in a KV "
-                f"cache of {self.config.num_kv_blocks} blocks x {self.config.block_size} tokens",
-            )
+        check_room_under_model_length(request.num_prompt_tokens, self.config.max_model_len)
+        check_room_in_cache(
+            request.num_prompt_tokens,
+            self.config.max_seq_len,
+            f"a KV cache of {self.config.num_kv_blocks} blocks x {self.config.block_size} tokens",
+        )
         if request.arrival_index < 0:
             request.arrival_index = next(self._arrivals)
         request.arrival_time = request.arrival_time or self.clock()

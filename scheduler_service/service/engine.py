@@ -21,6 +21,10 @@ from protos.splitserve.executor.v1 import executor_pb2
 from protos.splitserve.v1 import generation_pb2 as pb
 from scheduler_service.core.config import SchedulingKnobs
 from scheduler_service.core.errors import ErrorKind, RequestError, RequestRejected
+from scheduler_service.core.length_limits import (
+    check_room_in_cache,
+    check_room_under_model_length,
+)
 from scheduler_service.core.request import FinishReason, Request
 from scheduler_service.core.router import DEFAULT_TOKENS_PER_REQUEST, route
 from scheduler_service.core.step_plan import (
@@ -29,6 +33,7 @@ from scheduler_service.core.step_plan import (
     StepPlan,
     StepUpdates,
 )
+from scheduler_service.service.draining import refuse_when_draining
 from scheduler_service.service.executor_link import ExecutorLink
 from scheduler_service.service.executor_status import executor_status
 from scheduler_service.service.lane import ExecutorLane, LaneOptions, LaneState
@@ -50,7 +55,6 @@ MAX_EXECUTOR_LOSSES = 3
 # it fails with UNAVAILABLE naming why: long enough for a killed executor to be restarted and
 # reload a small model, short enough that a client of a drained fleet is not left hanging.
 DEFAULT_NO_EXECUTOR_TIMEOUT_S = 30.0
-DRAINING_MESSAGE = "this scheduler is shutting down and takes no new requests; retry on another"
 
 
 @dataclass(slots=True, frozen=True)
@@ -260,32 +264,25 @@ class Engine:
         """Queues a request; its tokens go to the sink open_sink makes for it (by default its
         client's stream in this process). RequestRejected says why it cannot run."""
         info = self.info
-        if self.draining:
-            raise RequestRejected(ErrorKind.UNAVAILABLE, DRAINING_MESSAGE)
+        refuse_when_draining(self.draining)
         if info is None and not self.queue_before_first_executor:
             raise EngineUnavailable(f"no executor has been reached yet: {self.why_no_executor()}")
         if self._find(request.request_id) is not None:
             raise RequestRejected(
                 ErrorKind.DUPLICATE, f"request id {request.request_id!r} is already in flight"
             )
-        if info is not None and request.num_prompt_tokens >= info.max_model_len:
-            raise RequestRejected(
-                ErrorKind.INVALID,
-                f"prompt of {request.num_prompt_tokens} tokens leaves no room to generate under "
-                f"the maximum model length of {info.max_model_len}",
-            )
+        if info is not None:
+            check_room_under_model_length(request.num_prompt_tokens, info.max_model_len)
         waiting = self.num_waiting
         if waiting >= self.options.max_waiting:
             raise RequestRejected(
                 ErrorKind.OVERLOADED, f"{waiting} requests are already waiting; retry later"
             )
         serving = self._serving_lanes()
-        if serving and route(request, [lane.scheduler for lane in serving]) is None:
+        if serving:
             largest = max(lane.scheduler.config.max_seq_len for lane in serving)
-            raise RequestRejected(
-                ErrorKind.TOO_LARGE,
-                f"prompt of {request.num_prompt_tokens} tokens leaves no room to generate in the "
-                f"largest KV cache of any executor ({largest} tokens)",
+            check_room_in_cache(
+                request.num_prompt_tokens, largest, f"the largest KV cache of any executor ({largest} tokens)"
             )
         request.arrival_index = next(self._arrivals)
         request.arrival_time = request.arrival_time or time.monotonic()

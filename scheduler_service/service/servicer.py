@@ -11,7 +11,7 @@ from protos.splitserve.v1 import generation_pb2_grpc
 from scheduler_service.core.errors import ErrorKind, RequestError, RequestRejected
 from scheduler_service.core.sampling_params import SamplingDefaults
 from scheduler_service.service.backend import Backend
-from scheduler_service.service.engine import DRAINING_MESSAGE
+from scheduler_service.service.draining import refuse_when_draining
 from scheduler_service.service.output_stream import OutputStream
 from scheduler_service.service.request_intake import Intake
 from scheduler_service.service.status_codes import STATUS_CODES
@@ -67,8 +67,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
 
     async def _submit(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> OutputStream:
         """The new request's output stream; RequestRejected saying why it cannot run."""
-        if self.engine.draining:
-            raise RequestRejected(ErrorKind.UNAVAILABLE, DRAINING_MESSAGE)
+        refuse_when_draining(self.engine.draining)
         info = self._info()
         scheduled = await self.intake.generate_request(request, info)
         carrier = {}

@@ -17,7 +17,8 @@ from protos.splitserve.v1 import generation_pb2 as pb
 from scheduler_service.core.errors import ErrorKind, RequestError, RequestRejected
 from scheduler_service.core.request import FinishReason, Request
 from scheduler_service.core.stop_checker import check_stop
-from scheduler_service.service.engine import DRAINING_MESSAGE, MAX_EXECUTOR_LOSSES
+from scheduler_service.service.draining import refuse_when_draining
+from scheduler_service.service.engine import MAX_EXECUTOR_LOSSES
 from scheduler_service.service.output_stream import OutputStream
 from scheduler_service.service.status_codes import KINDS_BY_CODE
 from scheduler_service.service.stream_backlog import BacklogLimits
@@ -113,8 +114,7 @@ class PlannerClient:
         return "no planner is up: " + "; ".join(f"{link.address} ({link.reason})" for link in self.links)
 
     def open_stream(self, request: Request, trace_carrier: Mapping[str, str] | None = None) -> OutputStream:
-        if self._stopping:
-            raise RequestRejected(ErrorKind.UNAVAILABLE, DRAINING_MESSAGE)
+        refuse_when_draining(self._stopping)
         info = self.info
         if info is None:
             raise RequestRejected(ErrorKind.UNAVAILABLE, f"no executor has been reached yet: {self.why_no_executor()}")
