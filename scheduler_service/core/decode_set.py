@@ -11,6 +11,8 @@ A request joins once its prefill is done, when nothing about it needs per-reques
 logprobs, no stop token ids, no min_tokens, not retried after a failed step). It leaves when it
 finishes, is preempted or its executor goes; while it is here its computed-token count lives in
 these arrays (as is the time of its last token), and leave() writes them back to the Request.
+Its stops are stop_checker's rules for such requests, in vector form: the length limit it is
+given (stop_checker.length_limit) and the EOS ids.
 """
 
 import math

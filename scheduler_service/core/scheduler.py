@@ -26,7 +26,12 @@ from scheduler_service.core.step_plan import (
     StepPlan,
     StepUpdates,
 )
-from scheduler_service.core.stop_checker import check_stop, may_sample_more
+from scheduler_service.core.stop_checker import (
+    check_stop,
+    length_limit,
+    may_sample_more,
+    stop_reason_of_bulk_decode,
+)
 
 
 @dataclass(slots=True, frozen=True)
@@ -558,7 +563,7 @@ class Scheduler:
             self._in_flight[plan.step_id] = in_flight
         for request in joining:
             cover = len(self.kv.block_ids(request.request_id)) * self.config.block_size
-            self.decodes.join(request, request.handle, cover, self._length_limit(request))
+            self.decodes.join(request, request.handle, cover, length_limit(request, self.config.max_seq_len))
         if plan.has_work:
             self.num_steps += 1
         return plan
@@ -574,12 +579,6 @@ class Scheduler:
             or sampling.stop_token_ids
             or sampling.min_tokens
         )
-
-    def _length_limit(self, request: Request) -> int:
-        """Tokens at which the request stops for length."""
-        max_tokens = request.sampling.max_tokens
-        limit = self.config.max_seq_len
-        return limit if max_tokens is None else min(limit, request.num_prompt_tokens + max_tokens)
 
     # ---- results -----------------------------------------------------------------------------
 
@@ -649,8 +648,7 @@ class Scheduler:
         for request, computed in applied.filled_blocks:
             self.kv.cache_computed(request.request_id, request.token_ids, computed)
         for request, token in applied.stopped:
-            eos = not request.sampling.ignore_eos and token in self.eos_token_ids
-            self.finish(request, FinishReason.STOP if eos else FinishReason.LENGTH)
+            self.finish(request, stop_reason_of_bulk_decode(request, token, self.eos_token_ids))
             result.updates.append(RequestUpdate(request, [token], [], True))
         result.decoded_requests, result.decoded_token_ids = applied.requests, applied.token_ids
         result.decoded_keys = applied.keys

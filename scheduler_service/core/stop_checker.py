@@ -1,8 +1,22 @@
-"""Whether a request is done after its latest token (stop strings are the detokenizer's job)."""
+"""Whether a request is done after its latest token (stop strings are the detokenizer's job).
+
+The rules for one request at a time live here; DecodeSet.apply applies the same two (length_limit
+and the EOS ids) to steady decodes in bulk, which have no stop token ids and no min_tokens."""
 
 from collections.abc import Container
 
 from scheduler_service.core.request import FinishReason, Request
+
+
+def length_limit(request: Request, max_model_len: int) -> int:
+    """Tokens (prompt and output) at which the request stops for length."""
+    max_tokens = request.sampling.max_tokens
+    return max_model_len if max_tokens is None else min(max_model_len, request.num_prompt_tokens + max_tokens)
+
+
+def stop_reason_of_bulk_decode(request: Request, token: int, eos_token_ids: Container[int]) -> FinishReason:
+    """Why a steady decode that DecodeSet found stopped on `token`: its EOS, else its length."""
+    return FinishReason.STOP if not request.sampling.ignore_eos and token in eos_token_ids else FinishReason.LENGTH
 
 
 def check_stop(
@@ -16,9 +30,7 @@ def check_stop(
             return FinishReason.STOP, None
         if last in sampling.stop_token_ids:
             return FinishReason.STOP, str(last)
-    if sampling.max_tokens is not None and request.num_output_tokens >= sampling.max_tokens:
-        return FinishReason.LENGTH, None
-    if request.num_tokens >= max_model_len:
+    if request.num_tokens >= length_limit(request, max_model_len):
         return FinishReason.LENGTH, None
     return None
 
@@ -26,8 +38,4 @@ def check_stop(
 def may_sample_more(request: Request, max_model_len: int) -> bool:
     """False once the tokens already sampled (or in flight) reach a length limit, so no step is
     spent on a token that would be thrown away."""
-    expected = request.num_tokens + request.num_pending_outputs
-    if expected >= max_model_len:
-        return False
-    max_tokens = request.sampling.max_tokens
-    return max_tokens is None or expected - request.num_prompt_tokens < max_tokens
+    return request.num_tokens + request.num_pending_outputs < length_limit(request, max_model_len)
