@@ -82,22 +82,33 @@ class OutputStream:
         self, token_ids: list[int], logprobs: Sequence[executor_pb2.TokenLogprob]
     ) -> tuple[pb.GenerateResponse, str | None]:
         """The message for newly sampled tokens and the stop string they completed, if any."""
-        message = pb.GenerateResponse(request_id=self.request.request_id, token_ids=token_ids)
-        for record in logprobs:
-            # The client API's TokenLogprob extends the executor's wire format
-            # (tests/protos/test_protos.py holds them to it), so the record passes through as
-            # bytes, and gains each token's text bytes where there is a tokenizer.
-            entry = message.logprobs.add()
-            entry.MergeFromString(record.SerializeToString())
-            if self._text is not None:
-                token_bytes = self._text.token_bytes
-                entry.token_bytes = token_bytes(entry.token_id)
-                entry.top_token_bytes.extend([token_bytes(token) for token in entry.top_token_ids])
+        message = pb.GenerateResponse(
+            request_id=self.request.request_id,
+            token_ids=token_ids,
+            logprobs=[self._client_logprob(record) for record in logprobs],
+        )
         if self._detokenizer is None:
             return message, None
         step = self._detokenizer.push(token_ids)
         message.text = step.text_delta
         return message, step.stop_string
+
+    def _client_logprob(self, record: executor_pb2.TokenLogprob) -> pb.TokenLogprob:
+        """The executor's record as the client API's, which extends it (tests/protos/test_protos.py
+        holds them to that) with each token's text bytes where there is a tokenizer."""
+        if self._text is None:
+            token_bytes, top_token_bytes = b"", []
+        else:
+            token_bytes = self._text.token_bytes(record.token_id)
+            top_token_bytes = [self._text.token_bytes(token) for token in record.top_token_ids]
+        return pb.TokenLogprob(
+            token_id=record.token_id,
+            logprob=record.logprob,
+            top_token_ids=record.top_token_ids,
+            top_logprobs=record.top_logprobs,
+            token_bytes=token_bytes,
+            top_token_bytes=top_token_bytes,
+        )
 
     def send(self, message: pb.GenerateResponse) -> None:
         """Queues a token message; the stream owns it from here on."""

@@ -8,6 +8,7 @@ at once."""
 import asyncio
 import tracemalloc
 
+from protos.splitserve.executor.v1 import executor_pb2
 from protos.splitserve.v1 import generation_pb2 as pb
 from scheduler_service.core.errors import ErrorKind, RequestError
 from scheduler_service.core.request import FinishReason, Request
@@ -242,3 +243,20 @@ def test_a_reader_that_keeps_up_is_never_ended_even_with_a_stream_interval_at_th
         return received
 
     assert asyncio.run(scenario()) == list(range(200))
+
+
+def test_every_field_of_the_executors_logprob_record_reaches_the_client() -> None:
+    """Records are copied field by field, not round-tripped through bytes: a field added to the
+    executor's record must be copied too."""
+    record = executor_pb2.TokenLogprob()
+    for field in record.DESCRIPTOR.fields:
+        value = {"token_id": 5, "top_token_ids": 7}.get(field.name, -0.25)
+        if field.is_repeated:
+            getattr(record, field.name).extend([value, value])
+        else:
+            setattr(record, field.name, value)
+    stream = OutputStream(Request(request_id="r", prompt_token_ids=[1], sampling=SamplingParams()), None)
+    message, _ = stream.add_tokens([5], [record])
+    (copied,) = message.logprobs
+    for field in record.DESCRIPTOR.fields:
+        assert getattr(copied, field.name) == getattr(record, field.name), field.name
