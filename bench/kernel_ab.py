@@ -40,16 +40,22 @@ from transformers import AutoConfig
 from bench.step_profile import step_kind, workload
 from bench.throughput import build_bench_model
 from bench.throughput_workload import BenchConfig
-from executor_service.argmax_kernel import load_row_argmax
-from executor_service.cpu_kernels import KERNEL_DIR, KernelUnavailable, compile_library
 from executor_service.decode_kernel import load_decode_kernel
-from executor_service.layer_kernels import load_layer_kernels
-from executor_service.panel_linear import load_panel_kernel
+from executor_service.kernels.argmax_kernel import load_row_argmax
+from executor_service.kernels.cpu_kernels import (
+    KERNEL_DIR,
+    KernelUnavailable,
+    compile_library,
+)
+from executor_service.kernels.layer_kernels import load_layer_kernels
+from executor_service.kernels.panel_linear import load_panel_kernel
 from executor_service.prefill_kernel import load_prefill_kernel
 from scheduler_service.service.plan_codec import output_from_proto, plan_to_proto
 
 REPOSITORY = KERNEL_DIR.parents[1]
-CPU_KERNELS = KERNEL_DIR.with_name("cpu_kernels.py")
+# Where a revision keeps cpu_kernels.py: beside its C files, or, before the executor's code
+# moved into rooms, beside their folder.
+CPU_KERNELS = (KERNEL_DIR / "cpu_kernels.py", KERNEL_DIR.with_name("cpu_kernels.py"))
 SIDES = ("base", "tree")
 
 
@@ -61,7 +67,7 @@ def build_revision(revision: str, directory: Path) -> ctypes.CDLL:
     sources.mkdir()
     for name in names:
         (sources / name).write_text(git("show", f"{revision}:{folder}/{name}"))
-    flags = compile_flags(git("show", f"{revision}:{CPU_KERNELS.relative_to(REPOSITORY).as_posix()}"))
+    flags = compile_flags(revision_file(revision, CPU_KERNELS))
     return ctypes.CDLL(str(compile_library(sorted(sources.glob("*.c")), directory, flags=flags)))
 
 
@@ -72,6 +78,16 @@ def compile_flags(cpu_kernels_source: str) -> tuple[str, ...]:
         if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "COMPILE_FLAGS" for t in node.targets):
             return tuple(ast.literal_eval(node.value))
     raise ValueError("the revision's cpu_kernels.py has no COMPILE_FLAGS")
+
+
+def revision_file(revision: str, candidates: tuple[Path, ...]) -> str:
+    """The text of the first of candidates that revision has."""
+    names = [path.relative_to(REPOSITORY).as_posix() for path in candidates]
+    listed = set(git("ls-tree", "-r", "--name-only", revision, "--", *names).split())
+    for name in names:
+        if name in listed:
+            return git("show", f"{revision}:{name}")
+    raise FileNotFoundError(f"{revision} has none of {', '.join(names)}")
 
 
 def git(*args: str) -> str:

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from executor_service.attention_metadata import StepAttention
-from executor_service.cpu_kernels import (
+from executor_service.kernels.cpu_kernels import (
     KernelUnavailable,
     declare,
     load_kernel_library,

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from executor_service.cpu_kernels import (
+from executor_service.kernels.cpu_kernels import (
     KernelUnavailable,
     declare,
     load_kernel_library,

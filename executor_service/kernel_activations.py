@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from executor_service.fused_layers import qualified_name
-from executor_service.layer_kernels import LayerKernels
+from executor_service.kernels.layer_kernels import LayerKernels
 
 logger = logging.getLogger(__name__)
 

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
-from executor_service.panel_linear import PanelKernel
+from executor_service.kernels.panel_linear import PanelKernel
 
 logger = logging.getLogger(__name__)
 

@@ -30,8 +30,8 @@ from executor_service.attention_metadata import (
     PagedDecode,
     StepAttention,
 )
-from executor_service.cpu_kernels import KernelUnavailable, load_kernel_library
 from executor_service.decode_kernel import load_decode_kernel
+from executor_service.kernels.cpu_kernels import KernelUnavailable, load_kernel_library
 from executor_service.kv_cache import PagedKVCache
 from executor_service.prefill_kernel import load_prefill_kernel
 

@@ -7,7 +7,7 @@
  * softmax, through attention_chunk.c's functions, as the decode kernel does for one row: a
  * row's result depends on its position and its sequence's K/V only, not on its tile, its
  * step's other sequences, or how its prompt was cut into chunks.
- * Built with the decode kernel into one library by executor_service/cpu_kernels.py.
+ * Built with the decode kernel into one library by executor_service/kernels/cpu_kernels.py.
  *
  * Layouts:
  *   q            [tokens, heads, key_dim], token rows q_stride floats apart (heads contiguous)

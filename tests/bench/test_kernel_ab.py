@@ -11,7 +11,7 @@ import pytest
 
 from bench import kernel_ab
 from bench.throughput_workload import BenchConfig
-from executor_service.panel_linear import load_panel_kernel
+from executor_service.kernels.panel_linear import load_panel_kernel
 from tests.helpers.c_kernels import load_or_skip
 
 

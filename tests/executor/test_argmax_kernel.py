@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from executor_service import startup
-from executor_service.argmax_kernel import RowArgmax, load_row_argmax
+from executor_service.kernels.argmax_kernel import RowArgmax, load_row_argmax
 from executor_service.sampler import SamplingRow, sample
 from executor_service.sampler_settings import SamplerSettings
 from executor_service.settings import ExecutorSettings

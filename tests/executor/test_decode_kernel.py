@@ -12,8 +12,8 @@ import torch
 
 from executor_service import decode_kernel, paged_attention
 from executor_service.attention_math import explicit_attention
-from executor_service.cpu_kernels import KernelUnavailable, build_kernel
 from executor_service.decode_kernel import load_decode_kernel
+from executor_service.kernels.cpu_kernels import KernelUnavailable, build_kernel
 from executor_service.kv_cache import KVCacheShape, PagedKVCache
 from executor_service.model_loader import load_model
 from executor_service.paged_attention import BackendUnavailable, select_backend

@@ -17,7 +17,7 @@ from executor_service.fused_layers import (
     FusedRMSNorm,
     fuse_layers,
 )
-from executor_service.layer_kernels import LayerKernels, load_layer_kernels
+from executor_service.kernels.layer_kernels import LayerKernels, load_layer_kernels
 from executor_service.packed_linear import pack_linears, packing_available
 from tests.helpers.c_kernels import load_or_skip
 from tests.helpers.model_factory import build_model

@@ -16,9 +16,9 @@ import pytest
 import torch
 from transformers.activations import ACT2FN
 
-from executor_service.cpu_kernels import KernelUnavailable
 from executor_service.kernel_activations import Activation, activation_of
-from executor_service.layer_kernels import LayerKernels, load_layer_kernels
+from executor_service.kernels.cpu_kernels import KernelUnavailable
+from executor_service.kernels.layer_kernels import LayerKernels, load_layer_kernels
 from protos.splitserve.executor.v1 import executor_pb2 as pb
 from tests.helpers.executor_driver import (
     BlockAllocator,

@@ -17,14 +17,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from executor_service.cpu_kernels import (
+from executor_service.kernels.cpu_kernels import (
     REQUIRED_SYMBOLS,
     KernelUnavailable,
     build_kernel,
     kernel_library_name,
     open_library,
 )
-from executor_service.kernel_cache import (
+from executor_service.kernels.kernel_cache import (
     CacheFolder,
     candidate_folders,
     folder_refusal,

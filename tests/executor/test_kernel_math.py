@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from executor_service.cpu_kernels import (
+from executor_service.kernels.cpu_kernels import (
     COMPILE_FLAGS,
     KERNEL_DIR,
     KernelUnavailable,

@@ -14,8 +14,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from executor_service.layer_kernels import load_layer_kernels
-from executor_service.panel_linear import PanelKernel
+from executor_service.kernels.layer_kernels import load_layer_kernels
+from executor_service.kernels.panel_linear import PanelKernel
 from tests.executor.test_panel_amx import BOUND_CASES
 from tests.helpers.c_kernels import amx_off, load_or_skip, panels_with_amx
 

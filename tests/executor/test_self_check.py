@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from executor_service.cpu_kernels import KernelUnavailable
 from executor_service.fused_layers import fuse_layers
+from executor_service.kernels.cpu_kernels import KernelUnavailable
+from executor_service.kernels.layer_kernels import load_layer_kernels
 from executor_service.kv_cache import KVCacheShape, PagedKVCache
-from executor_service.layer_kernels import load_layer_kernels
 from executor_service.lean_forward import lean_llama
 from executor_service.model_loader import LoadedModel, load_model
 from executor_service.model_support import UnsupportedModel

@@ -12,8 +12,8 @@ from typing import TypeVar
 
 import pytest
 
-from executor_service.cpu_kernels import KernelUnavailable, cpu_flags
-from executor_service.panel_linear import PanelKernel, load_panel_kernel
+from executor_service.kernels.cpu_kernels import KernelUnavailable, cpu_flags
+from executor_service.kernels.panel_linear import PanelKernel, load_panel_kernel
 
 T = TypeVar("T")
 

@@ -13,7 +13,11 @@ import functools
 
 import torch
 
-from executor_service.cpu_kernels import declare, float32_cpu, load_kernel_library
+from executor_service.kernels.cpu_kernels import (
+    declare,
+    float32_cpu,
+    load_kernel_library,
+)
 
 # How errors name this wrapper.
 KERNEL = "the layer kernels"

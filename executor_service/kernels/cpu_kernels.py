@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from executor_service.kernel_cache import (
+from executor_service.kernels.kernel_cache import (
     library_refusal,
     log_refusal,
     private_cache_folder,
@@ -38,7 +38,8 @@ from executor_service.kernel_cache import (
 
 logger = logging.getLogger(__name__)
 
-KERNEL_DIR = Path(__file__).with_name("kernels")
+# The C sources lie beside this module, in the kernels package.
+KERNEL_DIR = Path(__file__).parent
 SOURCES = tuple(
     KERNEL_DIR / name
     for name in (

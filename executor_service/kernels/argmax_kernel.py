@@ -12,7 +12,7 @@ import functools
 
 import torch
 
-from executor_service.cpu_kernels import declare, load_kernel_library
+from executor_service.kernels.cpu_kernels import declare, load_kernel_library
 
 
 class RowArgmax:

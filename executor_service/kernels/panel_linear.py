@@ -55,7 +55,7 @@ import functools
 
 import torch
 
-from executor_service.cpu_kernels import (
+from executor_service.kernels.cpu_kernels import (
     KernelUnavailable,
     declare,
     float32_cpu,
