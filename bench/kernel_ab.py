@@ -40,7 +40,8 @@ from transformers import AutoConfig
 from bench.step_profile import step_kind, workload
 from bench.throughput import build_bench_model
 from bench.throughput_workload import BenchConfig
-from executor_service.decode_kernel import load_decode_kernel
+from executor_service.attention.decode_kernel import load_decode_kernel
+from executor_service.attention.prefill_kernel import load_prefill_kernel
 from executor_service.kernels.argmax_kernel import load_row_argmax
 from executor_service.kernels.cpu_kernels import (
     KERNEL_DIR,
@@ -49,7 +50,6 @@ from executor_service.kernels.cpu_kernels import (
 )
 from executor_service.kernels.layer_kernels import load_layer_kernels
 from executor_service.kernels.panel_linear import load_panel_kernel
-from executor_service.prefill_kernel import load_prefill_kernel
 from scheduler_service.service.plan_codec import output_from_proto, plan_to_proto
 
 REPOSITORY = KERNEL_DIR.parents[1]

@@ -26,14 +26,14 @@ from typing import Protocol
 
 import torch
 
-from executor_service.attention_metadata import (
+from executor_service.attention.attention_metadata import (
     DecodeAttention,
     StepAttention,
     decode_gather_index,
     padded_blocks,
 )
+from executor_service.attention.kv_cache import PagedKVCache
 from executor_service.forward import accepts_logits_to_keep, compute_logits
-from executor_service.kv_cache import PagedKVCache
 from executor_service.model_loader import LoadedModel
 from executor_service.plan_inputs import ScheduledWork, StepInputs
 

@@ -21,18 +21,18 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from executor_service.attention_metadata import StepAttention
+from executor_service.attention.attention_metadata import StepAttention
+from executor_service.attention.paged_attention import ATTENTION_NAME
 from executor_service.kernels.cpu_kernels import (
     KernelUnavailable,
     declare,
     load_kernel_library,
     pointer_or_none,
 )
-from executor_service.paged_attention import ATTENTION_NAME
 
 if TYPE_CHECKING:
+    from executor_service.attention.kv_cache import PagedKVCache
     from executor_service.fused_layers import FusedAttention, FusedMLP, FusedRMSNorm
-    from executor_service.kv_cache import PagedKVCache
     from executor_service.packed_linear import PackedLinear
 
 

@@ -7,9 +7,9 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from executor_service.attention.kv_cache import KVCacheShape, PagedKVCache
 from executor_service.decode_graphs import decode_graphs_on
 from executor_service.forward import accepts_logits_to_keep, compute_logits
-from executor_service.kv_cache import KVCacheShape, PagedKVCache
 from executor_service.model_loader import LoadedModel
 from executor_service.plan_inputs import ScheduledWork, build_step_inputs
 from executor_service.request_state import RequestState

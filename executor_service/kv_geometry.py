@@ -11,8 +11,12 @@ from __future__ import annotations
 import torch
 from transformers import PreTrainedModel
 
+from executor_service.attention.paged_attention import (
+    LayerGeometry,
+    ProbedLayer,
+    probing,
+)
 from executor_service.model_support import UnsupportedModel
-from executor_service.paged_attention import LayerGeometry, ProbedLayer, probing
 
 PROBE_TOKENS = 4
 

@@ -22,7 +22,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from executor_service.attention_metadata import StepAttention
+from executor_service.attention.attention_metadata import StepAttention
+from executor_service.attention.paged_attention import STEP_KWARG
 from executor_service.decode_program import decode_program
 from executor_service.fused_layers import (
     FusedAttention,
@@ -30,7 +31,6 @@ from executor_service.fused_layers import (
     FusedRMSNorm,
     qualified_name,
 )
-from executor_service.paged_attention import STEP_KWARG
 
 _CAUSAL_LM = "transformers.models.llama.modeling_llama.LlamaForCausalLM"
 _MODEL = "transformers.models.llama.modeling_llama.LlamaModel"

@@ -19,9 +19,12 @@ from transformers import __version__ as transformers_version
 from transformers.distributed import DistributedConfig
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
+from executor_service.attention.paged_attention import (
+    ATTENTION_NAME,
+    register_paged_attention,
+)
 from executor_service.kv_geometry import probe_kv_geometry
 from executor_service.model_support import UnsupportedModel, check_config
-from executor_service.paged_attention import ATTENTION_NAME, register_paged_attention
 from executor_service.sequence_rope import install_sequence_rope
 from protos.local_folder import FolderError, require_folder
 

@@ -6,12 +6,12 @@ from dataclasses import dataclass
 
 import torch
 
-from executor_service.attention_metadata import (
+from executor_service.attention.attention_metadata import (
     SequenceSpan,
     StepAttention,
     build_step_attention,
 )
-from executor_service.kv_cache import PagedKVCache
+from executor_service.attention.kv_cache import PagedKVCache
 from executor_service.request_state import RequestState
 from executor_service.sequence_rope import token_lengths
 

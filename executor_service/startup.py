@@ -8,6 +8,8 @@ from dataclasses import dataclass
 
 import torch
 
+from executor_service.attention.kv_cache import KVCacheShape, PagedKVCache
+from executor_service.attention.paged_attention import select_backend
 from executor_service.decode_graphs import (
     CudaGraphRecorder,
     DecodeGraphs,
@@ -21,14 +23,12 @@ from executor_service.kernels.cpu_kernels import KernelUnavailable
 from executor_service.kernels.layer_kernels import LayerKernels, load_layer_kernels
 from executor_service.kernels.panel_linear import PanelKernel, load_panel_kernel
 from executor_service.kv_budget import decide_num_blocks
-from executor_service.kv_cache import KVCacheShape, PagedKVCache
 from executor_service.lean_forward import lean_llama
 from executor_service.model_loader import dtype_name, load_model
 from executor_service.model_runner import ModelRunner
 from executor_service.packed_experts import pack_experts
 from executor_service.packed_linear import pack_linears, packing_available
 from executor_service.packed_routers import pack_routers
-from executor_service.paged_attention import select_backend
 from executor_service.self_check import run_self_check, self_check_reference
 from executor_service.settings import ExecutorSettings
 from executor_service.tp_group import agree_on_min

@@ -9,7 +9,7 @@
  * (chunk_values_by_position: each position's rows of every KV head read once, front to back),
  * where the prefill kernel's walk a head's rows in registers (chunk_values); each row gets the
  * same operations in the same order either way. Compiled and loaded by
- * executor_service/decode_kernel.py.
+ * executor_service/attention/decode_kernel.py.
  *
  * Layouts (all contiguous):
  *   q            [batch, heads, key_dim]

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from bench.same_bits import measure_configuration
-from executor_service.decode_kernel import load_decode_kernel
+from executor_service.attention.decode_kernel import load_decode_kernel
 from tests.helpers.c_kernels import load_or_skip
 from tests.helpers.model_factory import VOCAB_SIZE, build_model
 

@@ -9,10 +9,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from executor_service.attention_metadata import SequenceSpan, build_step_attention
-from executor_service.decode_kernel import DecodeKernel, load_decode_kernel
-from executor_service.kv_cache import KVCacheShape, PagedKVCache
-from executor_service.prefill_kernel import PrefillKernel, load_prefill_kernel
+from executor_service.attention.attention_metadata import (
+    SequenceSpan,
+    build_step_attention,
+)
+from executor_service.attention.decode_kernel import DecodeKernel, load_decode_kernel
+from executor_service.attention.kv_cache import KVCacheShape, PagedKVCache
+from executor_service.attention.prefill_kernel import PrefillKernel, load_prefill_kernel
 from tests.helpers.c_kernels import load_or_skip
 
 CPU = torch.device("cpu")

@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from executor_service import decode_graphs, paged_attention
+from executor_service import decode_graphs
+from executor_service.attention import paged_attention
 from executor_service.decode_graphs import (
     DecodeGraphs,
     EagerRecorder,

@@ -4,7 +4,7 @@ group, each at least GROUP_MIN_SHARE of its group's longest."""
 from hypothesis import given
 from hypothesis import strategies as st
 
-from executor_service.attention_metadata import (
+from executor_service.attention.attention_metadata import (
     GROUP_MIN_SHARE,
     SequenceSpan,
     group_by_context,

@@ -10,13 +10,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from executor_service import decode_kernel, paged_attention
-from executor_service.attention_math import explicit_attention
-from executor_service.decode_kernel import load_decode_kernel
+from executor_service.attention import decode_kernel, paged_attention
+from executor_service.attention.attention_math import explicit_attention
+from executor_service.attention.decode_kernel import load_decode_kernel
+from executor_service.attention.kv_cache import KVCacheShape, PagedKVCache
+from executor_service.attention.paged_attention import (
+    BackendUnavailable,
+    select_backend,
+)
 from executor_service.kernels.cpu_kernels import KernelUnavailable, build_kernel
-from executor_service.kv_cache import KVCacheShape, PagedKVCache
 from executor_service.model_loader import load_model
-from executor_service.paged_attention import BackendUnavailable, select_backend
 from executor_service.self_check import run_self_check, self_check_reference
 from tests.helpers.c_kernels import load_or_skip
 from tests.helpers.model_factory import build_model

@@ -9,14 +9,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from executor_service import paged_attention
+from executor_service.attention import paged_attention
+from executor_service.attention.kv_cache import KVCacheShape
+from executor_service.attention.paged_attention import select_backend
 from executor_service.kv_budget import (
     CudaMemory,
     cuda_kv_blocks,
     gather_bytes_per_block,
 )
-from executor_service.kv_cache import KVCacheShape
-from executor_service.paged_attention import select_backend
 from executor_service.settings import ExecutorSettings
 from executor_service.startup import build_executor
 from protos.splitserve.executor.v1 import executor_pb2 as pb

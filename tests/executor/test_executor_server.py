@@ -11,7 +11,7 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from executor_service.paged_attention import select_backend
+from executor_service.attention.paged_attention import select_backend
 from protos.splitserve.executor.v1 import executor_pb2 as pb
 from protos.splitserve.executor.v1 import executor_pb2_grpc as pb_grpc
 from tests.helpers.executor_driver import PlanStream

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from executor_service.attention.paged_attention import select_backend
 from executor_service.kernels.cpu_kernels import (
     REQUIRED_SYMBOLS,
     KernelUnavailable,
@@ -30,7 +31,6 @@ from executor_service.kernels.kernel_cache import (
     folder_refusal,
     library_refusal,
 )
-from executor_service.paged_attention import select_backend
 from protos.splitserve.executor.v1 import executor_pb2 as pb
 from protos.splitserve.executor.v1 import executor_pb2_grpc as pb_grpc
 from tests.helpers.c_kernels import load_or_skip

@@ -7,10 +7,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from executor_service.attention_math import explicit_attention
-from executor_service.attention_metadata import SequenceSpan, build_step_attention
-from executor_service.kv_cache import KVCacheShape, PagedKVCache
-from executor_service.prefill_kernel import PrefillKernel, load_prefill_kernel
+from executor_service.attention.attention_math import explicit_attention
+from executor_service.attention.attention_metadata import (
+    SequenceSpan,
+    build_step_attention,
+)
+from executor_service.attention.kv_cache import KVCacheShape, PagedKVCache
+from executor_service.attention.prefill_kernel import PrefillKernel, load_prefill_kernel
 
 CPU = torch.device("cpu")
 BLOCK = 16

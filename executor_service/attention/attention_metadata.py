@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from executor_service.kv_cache import PagedKVCache
+from executor_service.attention.kv_cache import PagedKVCache
 
 
 @dataclass(slots=True, frozen=True)

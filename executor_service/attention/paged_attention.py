@@ -24,16 +24,16 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 
-from executor_service.attention_math import explicit_attention
-from executor_service.attention_metadata import (
+from executor_service.attention.attention_math import explicit_attention
+from executor_service.attention.attention_metadata import (
     DecodeAttention,
     PagedDecode,
     StepAttention,
 )
-from executor_service.decode_kernel import load_decode_kernel
+from executor_service.attention.decode_kernel import load_decode_kernel
+from executor_service.attention.kv_cache import PagedKVCache
+from executor_service.attention.prefill_kernel import load_prefill_kernel
 from executor_service.kernels.cpu_kernels import KernelUnavailable, load_kernel_library
-from executor_service.kv_cache import PagedKVCache
-from executor_service.prefill_kernel import load_prefill_kernel
 
 logger = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ import functools
 
 import torch
 
-from executor_service.attention_metadata import PagedPrefill
+from executor_service.attention.attention_metadata import PagedPrefill
 from executor_service.kernels.cpu_kernels import attention_function, load_kernel_library
 
 
