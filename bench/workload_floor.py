@@ -28,9 +28,9 @@ import torch
 
 from bench.compare_models import FP32_BYTES, RANDOM_LLAMA, RandomLlamaDims
 from bench.compare_workloads import WorkloadSizes, build_workload
+from executor_service.cpu_forward.packed_linear import PackedLinear
 from executor_service.kernels.cpu_kernels import KernelUnavailable
 from executor_service.kernels.panel_linear import load_panel_kernel
-from executor_service.packed_linear import PackedLinear
 
 
 @dataclass(slots=True, frozen=True)

@@ -8,7 +8,7 @@ from contextlib import nullcontext
 import torch
 
 from executor_service.attention.paged_attention import STEP_KWARG, active_step
-from executor_service.greedy_head import ScreenedHead
+from executor_service.cpu_forward.greedy_head import ScreenedHead
 from executor_service.model_loader import LoadedModel
 from executor_service.plan_inputs import StepInputs
 from executor_service.sequence_rope import sequence_lengths

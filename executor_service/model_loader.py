@@ -29,7 +29,7 @@ from executor_service.sequence_rope import install_sequence_rope
 from protos.local_folder import FolderError, require_folder
 
 if TYPE_CHECKING:
-    from executor_service.lean_forward import LeanLlama
+    from executor_service.cpu_forward.lean_forward import LeanLlama
 
 logger = logging.getLogger(__name__)
 

@@ -1,7 +1,8 @@
 /* The activations of layers that are not fused (every architecture but Llama's), one pass over
  * a contiguous tensor. An element's bits depend on its value alone (activation_math.h), so the
  * pass may split the tensor between threads anywhere. Called by
- * executor_service/kernel_activations.py through executor_service/kernels/layer_kernels.py. */
+ * executor_service/cpu_forward/kernel_activations.py through
+ * executor_service/kernels/layer_kernels.py. */
 #include <stdint.h>
 
 #include "activation_math.h"

@@ -7,7 +7,7 @@
  * down_proj added into the stream. The arithmetic is theirs, so the hidden states are the loop's
  * to the bit; what goes is the interpreter between them: ~270 calls per step, each with its
  * argument checks, views and allocations (SmolLM2: ~5 ms of a ~79 ms decode step on two cores).
- * Loaded by executor_service/decode_program.py. */
+ * Loaded by executor_service/cpu_forward/decode_program.py. */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>

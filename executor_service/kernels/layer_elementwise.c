@@ -3,8 +3,8 @@
  * In torch, RMSNorm is six elementwise operations, RoPE five (two products, a negation, a
  * concatenation and a sum) and SiLU-times-up two, each a dispatch and a pass over memory, most
  * with a fresh allocation. Here each is one loop, split over rows between threads when the
- * tensor is large enough to pay for waking them. Called by executor_service/fused_layers.py
- * through executor_service/kernels/layer_kernels.py.
+ * tensor is large enough to pay for waking them. Called by
+ * executor_service/cpu_forward/fused_layers.py through executor_service/kernels/layer_kernels.py.
  */
 #include <math.h>
 #include <stdint.h>

@@ -8,8 +8,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from bench.compare_models import RANDOM_LLAMA
 from bench.workload_floor import Dims, four_bit_linear, model_dims, workload_floor
+from executor_service.cpu_forward.packed_linear import PackedLinear
 from executor_service.kernels.panel_linear import load_panel_kernel
-from executor_service.packed_linear import PackedLinear
 from tests.helpers.c_kernels import load_or_skip
 
 

@@ -11,14 +11,14 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from executor_service.fused_layers import (
+from executor_service.cpu_forward.fused_layers import (
     FusedAttention,
     FusedMLP,
     FusedRMSNorm,
     fuse_layers,
 )
+from executor_service.cpu_forward.packed_linear import pack_linears, packing_available
 from executor_service.kernels.layer_kernels import LayerKernels, load_layer_kernels
-from executor_service.packed_linear import pack_linears, packing_available
 from tests.helpers.c_kernels import load_or_skip
 from tests.helpers.model_factory import build_model
 

@@ -14,7 +14,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from executor_service import startup
-from executor_service.greedy_head import (
+from executor_service.cpu_forward.greedy_head import (
     MIN_DIM,
     OUTLIER_CHECK_EVERY,
     PAUSE_CALLS,
@@ -26,8 +26,8 @@ from executor_service.greedy_head import (
     quantize_vocab,
     screenable_head,
 )
+from executor_service.cpu_forward.packed_linear import PackedLinear
 from executor_service.kernels.cpu_kernels import load_kernel_library
-from executor_service.packed_linear import PackedLinear
 from executor_service.sampler_settings import SamplerSettings
 from executor_service.settings import ExecutorSettings
 from protos.splitserve.executor.v1 import executor_pb2 as pb

@@ -1,8 +1,8 @@
-"""Activations of layers that are not fused (executor_service/kernel_activations.py): each
-element's bits depend on its value alone, and a sequence's logprobs on an architecture with such
-layers are the same alone and batched when the intermediate width is not a multiple of the
-vector width and several threads share the step, where torch's activations gave the last rows
-of a step other bits than a row alone."""
+"""Activations of layers that are not fused (executor_service/cpu_forward/kernel_activations.py):
+each element's bits depend on its value alone, and a sequence's logprobs on an architecture with
+such layers are the same alone and batched when the intermediate width is not a multiple of the
+vector width and several threads share the step, where torch's activations gave the last rows of
+a step other bits than a row alone."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import pytest
 import torch
 from transformers.activations import ACT2FN
 
-from executor_service.kernel_activations import Activation, activation_of
+from executor_service.cpu_forward.kernel_activations import Activation, activation_of
 from executor_service.kernels.cpu_kernels import KernelUnavailable
 from executor_service.kernels.layer_kernels import LayerKernels, load_layer_kernels
 from protos.splitserve.executor.v1 import executor_pb2 as pb

@@ -10,12 +10,12 @@ import torch
 from torch import nn
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
-from executor_service.kernel_activations import install_kernel_activations
+from executor_service.cpu_forward.kernel_activations import install_kernel_activations
+from executor_service.cpu_forward.packed_experts import EXPERTS_NAME, pack_experts
+from executor_service.cpu_forward.packed_linear import pack_linears, packing_available
+from executor_service.cpu_forward.packed_routers import PackedRouter, pack_routers
 from executor_service.kernels.layer_kernels import load_layer_kernels
 from executor_service.kernels.panel_linear import PanelKernel, load_panel_kernel
-from executor_service.packed_experts import EXPERTS_NAME, pack_experts
-from executor_service.packed_linear import pack_linears, packing_available
-from executor_service.packed_routers import PackedRouter, pack_routers
 from tests.helpers.c_kernels import load_or_skip
 from tests.helpers.model_factory import build_model
 

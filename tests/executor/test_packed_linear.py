@@ -10,8 +10,12 @@ import torch
 from torch import nn
 from transformers import AutoModelForCausalLM
 
+from executor_service.cpu_forward.packed_linear import (
+    PackedLinear,
+    pack_linears,
+    packing_available,
+)
 from executor_service.kernels.panel_linear import PanelKernel, load_panel_kernel
-from executor_service.packed_linear import PackedLinear, pack_linears, packing_available
 from tests.helpers.c_kernels import load_or_skip
 from tests.helpers.model_factory import build_model
 

@@ -17,8 +17,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
+from executor_service.cpu_forward.packed_linear import PackedLinear
 from executor_service.kernels.panel_linear import PanelKernel
-from executor_service.packed_linear import PackedLinear
 from tests.helpers.c_kernels import panels_without_amx
 
 BLOCK = 32

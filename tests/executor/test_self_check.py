@@ -11,13 +11,13 @@ import torch
 
 from executor_service.attention.kv_cache import KVCacheShape, PagedKVCache
 from executor_service.attention.paged_attention import select_backend
-from executor_service.fused_layers import fuse_layers
+from executor_service.cpu_forward.fused_layers import fuse_layers
+from executor_service.cpu_forward.lean_forward import lean_llama
+from executor_service.cpu_forward.packed_linear import pack_linears, packing_available
 from executor_service.kernels.cpu_kernels import KernelUnavailable
 from executor_service.kernels.layer_kernels import load_layer_kernels
-from executor_service.lean_forward import lean_llama
 from executor_service.model_loader import LoadedModel, load_model
 from executor_service.model_support import UnsupportedModel
-from executor_service.packed_linear import pack_linears, packing_available
 from executor_service.self_check import run_self_check, self_check_reference
 from tests.helpers.model_factory import build_model
 

@@ -32,8 +32,12 @@ from executor_service.kernels.cpu_kernels import (
 
 if TYPE_CHECKING:
     from executor_service.attention.kv_cache import PagedKVCache
-    from executor_service.fused_layers import FusedAttention, FusedMLP, FusedRMSNorm
-    from executor_service.packed_linear import PackedLinear
+    from executor_service.cpu_forward.fused_layers import (
+        FusedAttention,
+        FusedMLP,
+        FusedRMSNorm,
+    )
+    from executor_service.cpu_forward.packed_linear import PackedLinear
 
 
 class _LayerWeights(ctypes.Structure):

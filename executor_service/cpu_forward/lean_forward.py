@@ -24,8 +24,8 @@ from torch import nn
 
 from executor_service.attention.attention_metadata import StepAttention
 from executor_service.attention.paged_attention import STEP_KWARG
-from executor_service.decode_program import decode_program
-from executor_service.fused_layers import (
+from executor_service.cpu_forward.decode_program import decode_program
+from executor_service.cpu_forward.fused_layers import (
     FusedAttention,
     FusedMLP,
     FusedRMSNorm,

@@ -24,7 +24,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from executor_service.fused_layers import qualified_name
+from executor_service.cpu_forward.fused_layers import qualified_name
 from executor_service.kernels.layer_kernels import LayerKernels
 
 logger = logging.getLogger(__name__)

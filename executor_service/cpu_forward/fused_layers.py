@@ -26,9 +26,9 @@ from torch import nn
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.llama.modeling_llama import eager_attention_forward
 
+from executor_service.cpu_forward.packed_linear import PackedLinear
 from executor_service.kernels.layer_kernels import LayerKernels
 from executor_service.kernels.panel_linear import PanelKernel
-from executor_service.packed_linear import PackedLinear
 
 logger = logging.getLogger(__name__)
 

@@ -22,13 +22,13 @@ from torch import nn
 from transformers import PreTrainedModel
 from transformers.integrations.moe import ExpertsInterface
 
-from executor_service.kernels.panel_linear import PanelKernel
-from executor_service.packed_linear import (
+from executor_service.cpu_forward.packed_linear import (
     PACKABLE_DTYPES,
     PackedLinear,
     linear_from,
     replace_with_meta,
 )
+from executor_service.kernels.panel_linear import PanelKernel
 
 logger = logging.getLogger(__name__)
 

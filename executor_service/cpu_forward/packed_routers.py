@@ -18,14 +18,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from executor_service.fused_layers import qualified_name
-from executor_service.kernels.panel_linear import PanelKernel
-from executor_service.packed_linear import (
+from executor_service.cpu_forward.fused_layers import qualified_name
+from executor_service.cpu_forward.packed_linear import (
     PACKABLE_DTYPES,
     PackedLinear,
     linear_from,
     replace_with_meta,
 )
+from executor_service.kernels.panel_linear import PanelKernel
 
 logger = logging.getLogger(__name__)
 
