@@ -67,7 +67,7 @@ def survey_one(model_type: str, folder: Path) -> dict[str, Any]:
     from transformers import AutoModelForCausalLM
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-    from executor_service.model_support import UnsupportedModel
+    from executor_service.model.model_support import UnsupportedModel
     from executor_service.settings import ExecutorSettings
     from executor_service.startup import build_executor
 

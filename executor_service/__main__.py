@@ -16,8 +16,8 @@ import torch
 
 from executor_service.access import ExecutorAccess
 from executor_service.attention.paged_attention import BACKENDS, BackendUnavailable
-from executor_service.model_loader import check_model_folder
-from executor_service.model_support import UnsupportedModel
+from executor_service.model.model_loader import check_model_folder
+from executor_service.model.model_support import UnsupportedModel
 from executor_service.server import ServeOptions, serve, step_thread
 from executor_service.settings import (
     DEFAULT_BLOCK_SIZE,

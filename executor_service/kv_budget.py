@@ -10,7 +10,7 @@ import torch
 from executor_service.attention.kv_cache import KVCacheShape, PagedKVCache
 from executor_service.decode_graphs import decode_graphs_on
 from executor_service.forward import accepts_logits_to_keep, compute_logits
-from executor_service.model_loader import LoadedModel
+from executor_service.model.model_loader import LoadedModel
 from executor_service.plan_inputs import ScheduledWork, build_step_inputs
 from executor_service.request_state import RequestState
 from executor_service.sampler import SamplingRow, sample

@@ -15,7 +15,7 @@ import torch
 from executor_service.attention.kv_cache import PagedKVCache
 from executor_service.decode_graphs import DecodeGraphs
 from executor_service.forward import accepts_logits_to_keep, compute_logits
-from executor_service.model_loader import LoadedModel
+from executor_service.model.model_loader import LoadedModel
 from executor_service.plan_inputs import ScheduledWork, build_step_inputs
 from executor_service.request_state import RequestState, make_generator
 from executor_service.sampler import Argmax, SampleResult, SamplingRow, sample

@@ -12,8 +12,8 @@ from executor_service.attention.attention_metadata import (
     build_step_attention,
 )
 from executor_service.attention.kv_cache import PagedKVCache
+from executor_service.model.sequence_rope import token_lengths
 from executor_service.request_state import RequestState
-from executor_service.sequence_rope import token_lengths
 
 
 @dataclass(slots=True, frozen=True)

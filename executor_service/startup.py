@@ -30,7 +30,7 @@ from executor_service.kernels.cpu_kernels import KernelUnavailable
 from executor_service.kernels.layer_kernels import LayerKernels, load_layer_kernels
 from executor_service.kernels.panel_linear import PanelKernel, load_panel_kernel
 from executor_service.kv_budget import decide_num_blocks
-from executor_service.model_loader import dtype_name, load_model
+from executor_service.model.model_loader import dtype_name, load_model
 from executor_service.model_runner import ModelRunner
 from executor_service.self_check import run_self_check, self_check_reference
 from executor_service.settings import ExecutorSettings

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as torch_mp
 
-from executor_service.model_loader import resolve_device
+from executor_service.model.model_loader import resolve_device
 
 logger = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from executor_service.model_support import UnsupportedModel
+from executor_service.model.model_support import UnsupportedModel
 from executor_service.server import ServeOptions, serve, step_thread
 from executor_service.settings import ExecutorSettings
 from executor_service.startup import build_executor

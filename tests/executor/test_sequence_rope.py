@@ -1,7 +1,7 @@
 """Every rope type transformers ships gives each request the rotation transformers' generate gives
 it alone: a short request batched beside a long one, prompts chunked or whole, keeps the greedy
 tokens of its own generate. For the length-dependent types (longrope, dynamic) the executor picks
-the frequencies per sequence (executor_service/sequence_rope.py); a flattened step would
+the frequencies per sequence (executor_service/model/sequence_rope.py); a flattened step would
 otherwise make them depend on the longest sequence in it."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from executor_service import startup
-from executor_service.sequence_rope import token_lengths
+from executor_service.model.sequence_rope import token_lengths
 from executor_service.settings import ExecutorSettings
 from protos.splitserve.executor.v1 import executor_pb2 as pb
 from tests.helpers.model_factory import build_model

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from executor_service.model_loader import check_tensor_parallel
-from executor_service.model_support import UnsupportedModel
+from executor_service.model.model_loader import check_tensor_parallel
+from executor_service.model.model_support import UnsupportedModel
 from tests.helpers.model_factory import build_config
 
 

@@ -16,7 +16,7 @@ from executor_service.attention.paged_attention import (
     ProbedLayer,
     probing,
 )
-from executor_service.model_support import UnsupportedModel
+from executor_service.model.model_support import UnsupportedModel
 
 PROBE_TOKENS = 4
 

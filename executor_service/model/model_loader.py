@@ -23,9 +23,9 @@ from executor_service.attention.paged_attention import (
     ATTENTION_NAME,
     register_paged_attention,
 )
-from executor_service.kv_geometry import probe_kv_geometry
-from executor_service.model_support import UnsupportedModel, check_config
-from executor_service.sequence_rope import install_sequence_rope
+from executor_service.model.kv_geometry import probe_kv_geometry
+from executor_service.model.model_support import UnsupportedModel, check_config
+from executor_service.model.sequence_rope import install_sequence_rope
 from protos.local_folder import FolderError, require_folder
 
 if TYPE_CHECKING:
