@@ -13,8 +13,8 @@ from executor_service.forward import accepts_logits_to_keep, compute_logits
 from executor_service.model.model_loader import LoadedModel
 from executor_service.plan_inputs import ScheduledWork, build_step_inputs
 from executor_service.request_state import RequestState
-from executor_service.sampler import SamplingRow, sample
-from executor_service.sampler_settings import SamplerSettings
+from executor_service.sampling.sampler import SamplingRow, sample
+from executor_service.sampling.sampler_settings import SamplerSettings
 from executor_service.settings import DEFAULT_CPU_KV_BYTES, ExecutorSettings
 
 logger = logging.getLogger(__name__)

@@ -18,8 +18,8 @@ from executor_service.forward import accepts_logits_to_keep, compute_logits
 from executor_service.model.model_loader import LoadedModel
 from executor_service.plan_inputs import ScheduledWork, build_step_inputs
 from executor_service.request_state import RequestState, make_generator
-from executor_service.sampler import Argmax, SampleResult, SamplingRow, sample
-from executor_service.sampler_settings import SamplerSettings
+from executor_service.sampling.sampler import Argmax, SampleResult, SamplingRow, sample
+from executor_service.sampling.sampler_settings import SamplerSettings
 from executor_service.validation import (
     Limits,
     check_continuing,

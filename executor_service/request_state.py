@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from executor_service.sampler_settings import SamplerSettings
+from executor_service.sampling.sampler_settings import SamplerSettings
 
 
 @dataclass(slots=True)

@@ -24,7 +24,7 @@ from executor_service.model.model_loader import LoadedModel
 from executor_service.model.model_support import UnsupportedModel
 from executor_service.plan_inputs import ScheduledWork, build_step_inputs
 from executor_service.request_state import RequestState
-from executor_service.sampler_settings import SamplerSettings
+from executor_service.sampling.sampler_settings import SamplerSettings
 
 logger = logging.getLogger(__name__)
 

@@ -9,7 +9,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from executor_service.request_state import RequestState
-from executor_service.sampler_settings import sampling_problem
+from executor_service.sampling.sampler_settings import sampling_problem
 from protos.splitserve.executor.v1 import executor_pb2
 
 

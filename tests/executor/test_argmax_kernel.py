@@ -14,8 +14,8 @@ from hypothesis import strategies as st
 
 from executor_service import startup
 from executor_service.kernels.argmax_kernel import RowArgmax, load_row_argmax
-from executor_service.sampler import SamplingRow, sample
-from executor_service.sampler_settings import SamplerSettings
+from executor_service.sampling.sampler import SamplingRow, sample
+from executor_service.sampling.sampler_settings import SamplerSettings
 from executor_service.settings import ExecutorSettings
 from protos.splitserve.executor.v1 import executor_pb2 as pb
 from tests.helpers.c_kernels import load_or_skip

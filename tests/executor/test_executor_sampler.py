@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from executor_service.sampler import SamplingRow, apply_penalties, sample
-from executor_service.sampler_settings import SamplerSettings
+from executor_service.sampling.sampler import SamplingRow, apply_penalties, sample
+from executor_service.sampling.sampler_settings import SamplerSettings
 
 torch.set_num_threads(1)
 

@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from executor_service.sampler_settings import sampling_problem
+from executor_service.sampling.sampler_settings import sampling_problem
 from protos.sampling_ranges import SAMPLING_RANGES
 from protos.splitserve.executor.v1 import executor_pb2 as pb
 from scheduler_service.core.sampling_params import SamplingParams
