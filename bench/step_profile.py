@@ -37,11 +37,11 @@ from transformers import AttentionInterface, AutoConfig
 
 from bench.throughput import build_bench_model
 from bench.throughput_workload import BenchConfig, make_prompts
-from executor_service import model_runner
 from executor_service.attention.paged_attention import (
     ATTENTION_NAME,
     paged_attention_forward,
 )
+from executor_service.runner import model_runner
 from executor_service.settings import ExecutorSettings
 from executor_service.startup import build_executor
 from scheduler_service.core.config import SchedulerConfig

@@ -8,11 +8,11 @@ from dataclasses import dataclass, replace
 import torch
 
 from executor_service.attention.kv_cache import KVCacheShape, PagedKVCache
-from executor_service.decode_graphs import decode_graphs_on
-from executor_service.forward import accepts_logits_to_keep, compute_logits
 from executor_service.model.model_loader import LoadedModel
-from executor_service.plan_inputs import ScheduledWork, build_step_inputs
-from executor_service.request_state import RequestState
+from executor_service.runner.decode_graphs import decode_graphs_on
+from executor_service.runner.forward import accepts_logits_to_keep, compute_logits
+from executor_service.runner.plan_inputs import ScheduledWork, build_step_inputs
+from executor_service.runner.request_state import RequestState
 from executor_service.sampling.sampler import SamplingRow, sample
 from executor_service.sampling.sampler_settings import SamplerSettings
 from executor_service.settings import DEFAULT_CPU_KV_BYTES, ExecutorSettings

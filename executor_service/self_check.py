@@ -19,11 +19,11 @@ import torch
 
 from executor_service.attention.kv_cache import PagedKVCache
 from executor_service.attention.paged_attention import ATTENTION_NAME
-from executor_service.forward import accepts_logits_to_keep, compute_logits
 from executor_service.model.model_loader import LoadedModel
 from executor_service.model.model_support import UnsupportedModel
-from executor_service.plan_inputs import ScheduledWork, build_step_inputs
-from executor_service.request_state import RequestState
+from executor_service.runner.forward import accepts_logits_to_keep, compute_logits
+from executor_service.runner.plan_inputs import ScheduledWork, build_step_inputs
+from executor_service.runner.request_state import RequestState
 from executor_service.sampling.sampler_settings import SamplerSettings
 
 logger = logging.getLogger(__name__)

@@ -31,7 +31,7 @@ logger = logging.getLogger(__name__)
 
 
 class StepRunner(Protocol):
-    """Runs plans, one at a time, on the worker thread (executor_service.model_runner, or a
+    """Runs plans, one at a time, on the worker thread (executor_service.runner.model_runner, or a
     benchmark's simulated runner)."""
 
     def execute(self, plan: executor_pb2.StepPlan) -> executor_pb2.StepResult: ...

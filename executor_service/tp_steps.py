@@ -19,7 +19,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from executor_service.model_runner import ModelRunner
+from executor_service.runner.model_runner import ModelRunner
 from executor_service.tp_group import RANK_LOST_EXIT, collective_device
 from protos.splitserve.executor.v1 import executor_pb2
 

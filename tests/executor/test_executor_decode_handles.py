@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from executor_service.model_runner import ModelRunner
+from executor_service.runner.model_runner import ModelRunner
 from executor_service.settings import ExecutorSettings
 from executor_service.startup import build_executor
 from protos.limits import UNHELD_DECODE_TOKEN

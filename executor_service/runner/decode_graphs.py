@@ -33,9 +33,9 @@ from executor_service.attention.attention_metadata import (
     padded_blocks,
 )
 from executor_service.attention.kv_cache import PagedKVCache
-from executor_service.forward import accepts_logits_to_keep, compute_logits
 from executor_service.model.model_loader import LoadedModel
-from executor_service.plan_inputs import ScheduledWork, StepInputs
+from executor_service.runner.forward import accepts_logits_to_keep, compute_logits
+from executor_service.runner.plan_inputs import ScheduledWork, StepInputs
 
 logger = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ from executor_service.attention.attention_metadata import (
 )
 from executor_service.attention.kv_cache import PagedKVCache
 from executor_service.model.sequence_rope import token_lengths
-from executor_service.request_state import RequestState
+from executor_service.runner.request_state import RequestState
 
 
 @dataclass(slots=True, frozen=True)

@@ -11,7 +11,7 @@ from executor_service.attention.paged_attention import STEP_KWARG, active_step
 from executor_service.cpu_forward.greedy_head import ScreenedHead
 from executor_service.model.model_loader import LoadedModel
 from executor_service.model.sequence_rope import sequence_lengths
-from executor_service.plan_inputs import StepInputs
+from executor_service.runner.plan_inputs import StepInputs
 
 
 def accepts_logits_to_keep(loaded: LoadedModel) -> bool:

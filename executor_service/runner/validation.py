@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from executor_service.request_state import RequestState
+from executor_service.runner.request_state import RequestState
 from executor_service.sampling.sampler_settings import sampling_problem
 from protos.splitserve.executor.v1 import executor_pb2
 

@@ -13,20 +13,20 @@ from dataclasses import dataclass
 import torch
 
 from executor_service.attention.kv_cache import PagedKVCache
-from executor_service.decode_graphs import DecodeGraphs
-from executor_service.forward import accepts_logits_to_keep, compute_logits
 from executor_service.model.model_loader import LoadedModel
-from executor_service.plan_inputs import ScheduledWork, build_step_inputs
-from executor_service.request_state import RequestState, make_generator
-from executor_service.sampling.sampler import Argmax, SampleResult, SamplingRow, sample
-from executor_service.sampling.sampler_settings import SamplerSettings
-from executor_service.validation import (
+from executor_service.runner.decode_graphs import DecodeGraphs
+from executor_service.runner.forward import accepts_logits_to_keep, compute_logits
+from executor_service.runner.plan_inputs import ScheduledWork, build_step_inputs
+from executor_service.runner.request_state import RequestState, make_generator
+from executor_service.runner.validation import (
     Limits,
     check_continuing,
     check_decode,
     check_decode_block,
     check_new,
 )
+from executor_service.sampling.sampler import Argmax, SampleResult, SamplingRow, sample
+from executor_service.sampling.sampler_settings import SamplerSettings
 from protos import rpc_codes
 from protos.limits import UNHELD_DECODE_TOKEN
 from protos.splitserve.executor.v1 import executor_pb2
