@@ -18,6 +18,7 @@ from executor_service.access import ExecutorAccess
 from executor_service.attention.paged_attention import BACKENDS, BackendUnavailable
 from executor_service.model.model_loader import check_model_folder
 from executor_service.model.model_support import UnsupportedModel
+from executor_service.parallel.tp_group import launched_by_torchrun
 from executor_service.server import ServeOptions, serve, step_thread
 from executor_service.settings import (
     DEFAULT_BLOCK_SIZE,
@@ -30,7 +31,6 @@ from executor_service.settings import (
     parse_size,
 )
 from executor_service.startup import build_executor
-from executor_service.tp_group import launched_by_torchrun
 from executor_service.tp_serve import serve_tensor_parallel
 from protos.cli_help import DefaultsHelpFormatter
 from protos.default_ports import DEFAULT_EXECUTOR_PORT

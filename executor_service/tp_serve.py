@@ -15,10 +15,7 @@ from dataclasses import dataclass
 import torch.distributed as dist
 
 from executor_service.model.model_support import UnsupportedModel
-from executor_service.server import ServeOptions, serve, step_thread
-from executor_service.settings import ExecutorSettings
-from executor_service.startup import build_executor
-from executor_service.tp_group import (
+from executor_service.parallel.tp_group import (
     RankPlace,
     exit_with_parent,
     free_local_port,
@@ -29,7 +26,10 @@ from executor_service.tp_group import (
     stop_followers,
     watch_followers,
 )
-from executor_service.tp_steps import PlanBroadcaster, follow_plans
+from executor_service.parallel.tp_steps import PlanBroadcaster, follow_plans
+from executor_service.server import ServeOptions, serve, step_thread
+from executor_service.settings import ExecutorSettings
+from executor_service.startup import build_executor
 from protos.log_format import configure_logging
 from protos.splitserve.executor.v1 import executor_pb2
 

@@ -19,8 +19,8 @@ import os
 import torch
 import torch.distributed as dist
 
+from executor_service.parallel.tp_group import RANK_LOST_EXIT, collective_device
 from executor_service.runner.model_runner import ModelRunner
-from executor_service.tp_group import RANK_LOST_EXIT, collective_device
 from protos.splitserve.executor.v1 import executor_pb2
 
 logger = logging.getLogger(__name__)
