@@ -68,7 +68,7 @@ def survey_one(model_type: str, folder: Path) -> dict[str, Any]:
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     from executor_service.model.model_support import UnsupportedModel
-    from executor_service.settings import ExecutorSettings
+    from executor_service.serving.settings import ExecutorSettings
     from executor_service.startup import build_executor
 
     torch.set_num_threads(1)

@@ -24,8 +24,8 @@ import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from executor_service.access import ExecutorAccess
-from executor_service.server import ServeOptions, serve, step_thread
+from executor_service.serving.access import ExecutorAccess
+from executor_service.serving.server import ServeOptions, serve, step_thread
 from protos import rpc_codes
 from protos.executor_access import read_token_file
 from protos.limits import UNHELD_DECODE_TOKEN

@@ -42,7 +42,7 @@ from executor_service.attention.paged_attention import (
     paged_attention_forward,
 )
 from executor_service.runner import model_runner
-from executor_service.settings import ExecutorSettings
+from executor_service.serving.settings import ExecutorSettings
 from executor_service.startup import build_executor
 from scheduler_service.core.config import SchedulerConfig
 from scheduler_service.core.request import Request

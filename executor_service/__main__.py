@@ -14,13 +14,13 @@ from pathlib import Path
 
 import torch
 
-from executor_service.access import ExecutorAccess
 from executor_service.attention.paged_attention import BACKENDS, BackendUnavailable
 from executor_service.model.model_loader import check_model_folder
 from executor_service.model.model_support import UnsupportedModel
 from executor_service.parallel.tp_group import launched_by_torchrun
-from executor_service.server import ServeOptions, serve, step_thread
-from executor_service.settings import (
+from executor_service.serving.access import ExecutorAccess
+from executor_service.serving.server import ServeOptions, serve, step_thread
+from executor_service.serving.settings import (
     DEFAULT_BLOCK_SIZE,
     DEFAULT_CUDA_GRAPH_MAX_BATCH,
     DEFAULT_DRAIN_TIMEOUT_S,

@@ -15,7 +15,7 @@ from executor_service.runner.plan_inputs import ScheduledWork, build_step_inputs
 from executor_service.runner.request_state import RequestState
 from executor_service.sampling.sampler import SamplingRow, sample
 from executor_service.sampling.sampler_settings import SamplerSettings
-from executor_service.settings import DEFAULT_CPU_KV_BYTES, ExecutorSettings
+from executor_service.serving.settings import DEFAULT_CPU_KV_BYTES, ExecutorSettings
 
 logger = logging.getLogger(__name__)
 

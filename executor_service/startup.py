@@ -36,7 +36,7 @@ from executor_service.runner.decode_graphs import (
 from executor_service.runner.model_runner import ModelRunner
 from executor_service.runner.validation import Limits
 from executor_service.self_check import run_self_check, self_check_reference
-from executor_service.settings import ExecutorSettings
+from executor_service.serving.settings import ExecutorSettings
 from protos.splitserve.executor.v1 import executor_pb2
 
 logger = logging.getLogger(__name__)

@@ -26,8 +26,8 @@ DESCRIBE_TIMEOUT_S = 5.0
 SCHEDULER_ID_METADATA = "x-splitserve-scheduler-id"
 # A ping after 10 s without incoming data, answered within 10 s or the connection is closed and
 # the stream fails. Ten seconds stays under the idle timeouts of common load balancers and proxies
-# (60 s and more), and above the executor's accepted ping interval (executor_service/server.py),
-# so it is never answered with GOAWAY "too_many_pings".
+# (60 s and more), and above the executor's accepted ping interval
+# (executor_service/serving/server.py), so it is never answered with GOAWAY "too_many_pings".
 # The answer's deadline is ping_timeout_ms: grpcio (1.85) times every ping, keepalive or flow
 # control's, by it (default 60 s), and with keepalive_timeout_ms alone a SIGSTOPped executor
 # outlived the 30 s step deadline. Now it is found in 10-20 s: a flow-control ping is often in

@@ -1,6 +1,6 @@
 """Prometheus metrics of the scheduler, named like vLLM's (splitserve: instead of vllm:), so its
 dashboards map over by the prefix; one scheduler serves one model, so there is no model_name
-label. The executors export their own step timings (executor_service/metrics.py)."""
+label. The executors export their own step timings (executor_service/serving/metrics.py)."""
 
 from collections.abc import Sequence
 

@@ -30,7 +30,7 @@ from cryptography import x509
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from executor_service.__main__ import parse_args as parse_executor_args
-from executor_service.server import SHUTDOWN_GRACE_S as EXECUTOR_STOP_S
+from executor_service.serving.server import SHUTDOWN_GRACE_S as EXECUTOR_STOP_S
 from scheduler_service.__main__ import parse_args as parse_scheduler_args
 from scheduler_service.security_options import security_options
 from scheduler_service.service.discovery import DNS_PREFIX, split_target

@@ -16,7 +16,7 @@ from executor_service import startup
 from executor_service.kernels.argmax_kernel import RowArgmax, load_row_argmax
 from executor_service.sampling.sampler import SamplingRow, sample
 from executor_service.sampling.sampler_settings import SamplerSettings
-from executor_service.settings import ExecutorSettings
+from executor_service.serving.settings import ExecutorSettings
 from protos.splitserve.executor.v1 import executor_pb2 as pb
 from tests.helpers.c_kernels import load_or_skip
 from tests.helpers.model_factory import build_model

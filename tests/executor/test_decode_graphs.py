@@ -16,7 +16,6 @@ import pytest
 import torch
 
 from executor_service.attention import paged_attention
-from executor_service.metrics import ExecutorMetrics
 from executor_service.runner import decode_graphs
 from executor_service.runner.decode_graphs import (
     DecodeGraphs,
@@ -28,7 +27,8 @@ from executor_service.runner.decode_graphs import (
 )
 from executor_service.runner.model_runner import ModelRunner
 from executor_service.runner.plan_inputs import ScheduledWork
-from executor_service.settings import ExecutorSettings
+from executor_service.serving.metrics import ExecutorMetrics
+from executor_service.serving.settings import ExecutorSettings
 from executor_service.startup import build_executor
 from protos.splitserve.executor.v1 import executor_pb2 as pb
 from tests.helpers.executor_driver import BlockAllocator

@@ -17,7 +17,7 @@ from executor_service.kv_budget import (
     cuda_kv_blocks,
     gather_bytes_per_block,
 )
-from executor_service.settings import ExecutorSettings
+from executor_service.serving.settings import ExecutorSettings
 from executor_service.startup import build_executor
 from protos.splitserve.executor.v1 import executor_pb2 as pb
 from tests.helpers.model_factory import build_model

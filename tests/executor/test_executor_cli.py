@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from executor_service.__main__ import parse_args
-from executor_service.settings import parse_size
+from executor_service.serving.settings import parse_size
 from protos.default_ports import DEFAULT_EXECUTOR_PORT
 
 # An executor refuses to start without an access rule; these tests are about the other flags.

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from executor_service.runner.model_runner import ModelRunner
-from executor_service.settings import ExecutorSettings
+from executor_service.serving.settings import ExecutorSettings
 from executor_service.startup import build_executor
 from protos.limits import UNHELD_DECODE_TOKEN
 from protos.splitserve.executor.v1 import executor_pb2 as pb

@@ -158,7 +158,7 @@ def test_a_served_executor_runs_one_team_of_openmp_threads(
 ) -> None:
     # libgomp keeps a team per thread that starts parallel regions; a second team makes more
     # OpenMP threads than --threads asks for, and libgomp then all but stops busy-waiting
-    # between regions, which slowed every decode step (executor_service.server.step_thread).
+    # between regions, which slowed every decode step (executor_service.serving.server.step_thread).
     prompt = pb.NewRequest(
         request_id="team", token_ids=list(range(5, 37)), block_ids=[0, 1, 2, 3], num_scheduled_tokens=32
     )

@@ -6,7 +6,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from executor_service.access import ExecutorAccess
+from executor_service.serving.access import ExecutorAccess
 from protos.transport_security import ServerTls
 
 # On CPU there is nothing to profile: the KV budget is a configured size, and 1 GiB holds ~23k

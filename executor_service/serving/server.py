@@ -19,9 +19,9 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
 
-from executor_service.access import ExecutorAccess
-from executor_service.metrics import ExecutorMetrics
-from executor_service.settings import DEFAULT_DRAIN_TIMEOUT_S
+from executor_service.serving.access import ExecutorAccess
+from executor_service.serving.metrics import ExecutorMetrics
+from executor_service.serving.settings import DEFAULT_DRAIN_TIMEOUT_S
 from protos.health_port import start_health_port
 from protos.limits import MAX_MESSAGE_BYTES
 from protos.splitserve.executor.v1 import executor_pb2, executor_pb2_grpc
@@ -118,8 +118,8 @@ class _Stream:
 
 
 class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
-    """Only callers the access policy admits get anything (executor_service/access.py). Request
-    state lives in the runner and belongs to one scheduler at a time. The active stream's
+    """Only callers the access policy admits get anything (executor_service/serving/access.py).
+    Request state lives in the runner and belongs to one scheduler at a time. The active stream's
     scheduler holds the executor: a stream from another scheduler is refused with
     FAILED_PRECONDITION until the holder's stream ends or it sends no plan for lease_timeout_s,
     while a new stream from the holder itself supersedes its old one (a reconnect). Every new
