@@ -69,7 +69,7 @@ def survey_one(model_type: str, folder: Path) -> dict[str, Any]:
 
     from executor_service.model.model_support import UnsupportedModel
     from executor_service.serving.settings import ExecutorSettings
-    from executor_service.startup import build_executor
+    from executor_service.startup.startup import build_executor
 
     torch.set_num_threads(1)
     try:

@@ -43,7 +43,7 @@ from executor_service.attention.paged_attention import (
 )
 from executor_service.runner import model_runner
 from executor_service.serving.settings import ExecutorSettings
-from executor_service.startup import build_executor
+from executor_service.startup.startup import build_executor
 from scheduler_service.core.config import SchedulerConfig
 from scheduler_service.core.request import Request
 from scheduler_service.core.sampling_params import SamplingParams

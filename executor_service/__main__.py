@@ -30,8 +30,8 @@ from executor_service.serving.settings import (
     ExecutorSettings,
     parse_size,
 )
-from executor_service.startup import build_executor
-from executor_service.tp_serve import serve_tensor_parallel
+from executor_service.startup.startup import build_executor
+from executor_service.startup.tp_serve import serve_tensor_parallel
 from protos.cli_help import DefaultsHelpFormatter
 from protos.default_ports import DEFAULT_EXECUTOR_PORT
 from protos.executor_access import DEFAULT_SCHEDULER_NAME, read_token_file

@@ -21,7 +21,11 @@ import torch
 
 from clients import AsyncClient, Client
 from clients.errors import SplitserveError
-from executor_service.self_check import DECODE_STEPS, check_tokens, sequence_lengths
+from executor_service.startup.self_check import (
+    DECODE_STEPS,
+    check_tokens,
+    sequence_lengths,
+)
 from protos.splitserve.v1.generation_pb2 import EXECUTOR_STATE_UP
 from tests.helpers.executor_process import start_executor
 from tests.helpers.greedy_reference import Reference

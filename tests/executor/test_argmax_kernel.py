@@ -12,11 +12,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from executor_service import startup
 from executor_service.kernels.argmax_kernel import RowArgmax, load_row_argmax
 from executor_service.sampling.sampler import SamplingRow, sample
 from executor_service.sampling.sampler_settings import SamplerSettings
 from executor_service.serving.settings import ExecutorSettings
+from executor_service.startup import startup
 from protos.splitserve.executor.v1 import executor_pb2 as pb
 from tests.helpers.c_kernels import load_or_skip
 from tests.helpers.model_factory import build_model

@@ -29,7 +29,7 @@ from executor_service.runner.model_runner import ModelRunner
 from executor_service.runner.plan_inputs import ScheduledWork
 from executor_service.serving.metrics import ExecutorMetrics
 from executor_service.serving.settings import ExecutorSettings
-from executor_service.startup import build_executor
+from executor_service.startup.startup import build_executor
 from protos.splitserve.executor.v1 import executor_pb2 as pb
 from tests.helpers.executor_driver import BlockAllocator
 from tests.helpers.model_factory import build_model

@@ -20,7 +20,7 @@ from executor_service.attention.paged_attention import (
 )
 from executor_service.kernels.cpu_kernels import KernelUnavailable, build_kernel
 from executor_service.model.model_loader import load_model
-from executor_service.self_check import run_self_check, self_check_reference
+from executor_service.startup.self_check import run_self_check, self_check_reference
 from tests.helpers.c_kernels import load_or_skip
 from tests.helpers.model_factory import build_model
 

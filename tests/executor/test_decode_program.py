@@ -13,13 +13,13 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from executor_service import startup
 from executor_service.cpu_forward.decode_program import decode_program
 from executor_service.cpu_forward.packed_linear import PackedLinear
 from executor_service.kernels.panel_linear import load_panel_kernel
 from executor_service.runner import model_runner
 from executor_service.runner.forward import compute_logits
 from executor_service.serving.settings import ExecutorSettings
+from executor_service.startup import startup
 from protos.splitserve.executor.v1 import executor_pb2 as pb
 from tests.helpers.c_kernels import load_or_skip, skip_without_amx
 from tests.helpers.model_factory import build_model

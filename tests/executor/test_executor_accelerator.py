@@ -12,13 +12,13 @@ import torch
 from executor_service.attention import paged_attention
 from executor_service.attention.kv_cache import KVCacheShape
 from executor_service.attention.paged_attention import select_backend
-from executor_service.kv_budget import (
+from executor_service.serving.settings import ExecutorSettings
+from executor_service.startup.kv_budget import (
     CudaMemory,
     cuda_kv_blocks,
     gather_bytes_per_block,
 )
-from executor_service.serving.settings import ExecutorSettings
-from executor_service.startup import build_executor
+from executor_service.startup.startup import build_executor
 from protos.splitserve.executor.v1 import executor_pb2 as pb
 from tests.helpers.model_factory import build_model
 

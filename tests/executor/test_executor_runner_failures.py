@@ -14,7 +14,7 @@ import torch
 from executor_service.runner import model_runner
 from executor_service.runner.model_runner import ModelRunner
 from executor_service.serving.settings import ExecutorSettings
-from executor_service.startup import build_executor
+from executor_service.startup.startup import build_executor
 from protos.splitserve.executor.v1 import executor_pb2 as pb
 from tests.helpers.model_factory import build_model
 

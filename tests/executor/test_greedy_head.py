@@ -13,7 +13,6 @@ import torch
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from executor_service import startup
 from executor_service.cpu_forward.greedy_head import (
     MIN_DIM,
     OUTLIER_CHECK_EVERY,
@@ -30,6 +29,7 @@ from executor_service.cpu_forward.packed_linear import PackedLinear
 from executor_service.kernels.cpu_kernels import load_kernel_library
 from executor_service.sampling.sampler_settings import SamplerSettings
 from executor_service.serving.settings import ExecutorSettings
+from executor_service.startup import startup
 from protos.splitserve.executor.v1 import executor_pb2 as pb
 from tests.helpers.c_kernels import load_or_skip
 from tests.helpers.model_factory import build_config, build_model

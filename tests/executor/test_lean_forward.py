@@ -10,13 +10,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from executor_service import startup
 from executor_service.cpu_forward.fused_layers import FusedMLP
 from executor_service.cpu_forward.lean_forward import LeanLlama, lean_llama
 from executor_service.cpu_forward.packed_linear import packing_available
 from executor_service.runner import model_runner
 from executor_service.runner.forward import compute_logits
 from executor_service.serving.settings import ExecutorSettings
+from executor_service.startup import startup
 from protos.splitserve.executor.v1 import executor_pb2 as pb
 from tests.helpers.model_factory import build_model
 

@@ -18,7 +18,7 @@ from executor_service.__main__ import parse_args
 from executor_service.kernels.layer_kernels import load_layer_kernels
 from executor_service.kernels.panel_linear import PanelKernel
 from executor_service.serving.settings import ExecutorSettings
-from executor_service.startup import build_executor
+from executor_service.startup.startup import build_executor
 from tests.executor.test_panel_blocks import (
     BLOCK,
     GATED_WIDTH,

@@ -21,7 +21,7 @@ from executor_service.cpu_forward.packed_linear import PackedLinear
 from executor_service.kernels.layer_kernels import load_layer_kernels
 from executor_service.kernels.panel_linear import PanelKernel
 from executor_service.serving.settings import ExecutorSettings
-from executor_service.startup import build_executor
+from executor_service.startup.startup import build_executor
 from tests.helpers.c_kernels import load_or_skip, panels_without_amx
 from tests.helpers.model_factory import build_model
 

@@ -18,7 +18,7 @@ from executor_service.kernels.cpu_kernels import KernelUnavailable
 from executor_service.kernels.layer_kernels import load_layer_kernels
 from executor_service.model.model_loader import LoadedModel, load_model
 from executor_service.model.model_support import UnsupportedModel
-from executor_service.self_check import run_self_check, self_check_reference
+from executor_service.startup.self_check import run_self_check, self_check_reference
 from tests.helpers.model_factory import build_model
 
 BLOCK = 16

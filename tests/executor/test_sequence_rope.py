@@ -13,9 +13,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from executor_service import startup
 from executor_service.model.sequence_rope import token_lengths
 from executor_service.serving.settings import ExecutorSettings
+from executor_service.startup import startup
 from protos.splitserve.executor.v1 import executor_pb2 as pb
 from tests.helpers.model_factory import build_model
 

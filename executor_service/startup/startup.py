@@ -24,7 +24,6 @@ from executor_service.kernels.argmax_kernel import RowArgmax, load_row_argmax
 from executor_service.kernels.cpu_kernels import KernelUnavailable
 from executor_service.kernels.layer_kernels import LayerKernels, load_layer_kernels
 from executor_service.kernels.panel_linear import PanelKernel, load_panel_kernel
-from executor_service.kv_budget import decide_num_blocks
 from executor_service.model.model_loader import dtype_name, load_model
 from executor_service.parallel.tp_group import agree_on_min
 from executor_service.parallel.tp_steps import rank0_tokens
@@ -35,8 +34,9 @@ from executor_service.runner.decode_graphs import (
 )
 from executor_service.runner.model_runner import ModelRunner
 from executor_service.runner.validation import Limits
-from executor_service.self_check import run_self_check, self_check_reference
 from executor_service.serving.settings import ExecutorSettings
+from executor_service.startup.kv_budget import decide_num_blocks
+from executor_service.startup.self_check import run_self_check, self_check_reference
 from protos.splitserve.executor.v1 import executor_pb2
 
 logger = logging.getLogger(__name__)
