@@ -7,9 +7,10 @@ ModelRunner in this process (no gRPC), with each phase of every step timed.
         [--no-decode-program]
 
 --model profiles a real model folder (e.g. the prepared SmolLM2) instead of the random Llama.
-A fused Llama's pure decode steps run their layers as one C call (executor_service/
-decode_program.py), inside which attention is not timed apart: its share lands in "forward
-rest". --no-decode-program runs them through the Python layer loop, where it is.
+A fused Llama's pure decode steps run their layers as one C call
+(executor_service/cpu_forward/decode_program.py), inside which attention is not timed apart: its
+share lands in "forward rest". --no-decode-program runs them through the Python layer loop,
+where it is.
 
 Steps are split into those with prefill work and pure decodes. For each kind: steps, mean ms,
 and the share of the step spent building inputs, in attention (our paged attention function,

@@ -1,6 +1,7 @@
-"""The C kernels (kernels/*.c and the headers they include): built once per machine into one
-shared library, loaded with ctypes. decode_kernel.py, prefill_kernel.py, layer_kernels.py,
-argmax_kernel.py, greedy_head.py, panel_linear.py and decode_program.py wrap its functions.
+"""The C kernels (the *.c files beside this module and the headers they include): built once per
+machine into one shared library, loaded with ctypes. layer_kernels.py, argmax_kernel.py and
+panel_linear.py here, attention/decode_kernel.py and attention/prefill_kernel.py, and
+cpu_forward/greedy_head.py and cpu_forward/decode_program.py wrap its functions.
 
 Plain C files need only the system's C compiler (no torch headers, no ninja) and build in about
 a second.
