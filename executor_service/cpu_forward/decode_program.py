@@ -22,7 +22,6 @@ from typing import TYPE_CHECKING
 import torch
 
 from executor_service.attention.attention_metadata import StepAttention
-from executor_service.attention.paged_attention import ATTENTION_NAME
 from executor_service.kernels.cpu_kernels import (
     KernelUnavailable,
     declare,
@@ -78,7 +77,6 @@ class DecodeProgram:
         pointer, size = ctypes.c_void_p, ctypes.c_int64
         self._run = declare(library.decode_layers, [pointer, size, pointer, pointer, pointer, pointer], ctypes.c_int)
         _, attention, post_norm, mlp = layers[0]
-        self.config = attention.config
         self._shape = dict(
             hidden=attention.o_proj.out_features,
             heads=attention.num_heads,
@@ -99,16 +97,14 @@ class DecodeProgram:
         self._caches: tuple[PagedKVCache, ctypes.Array, ctypes.Array] | None = None
 
     def covers(self, step: StepAttention) -> bool:
-        """Whether this step is one the program runs: decodes only, in token order, through our
-        attention on the decode kernel (the paged_decode the cpu_paged backend plans; the self-check's
-        eager reference is not ours)."""
+        """Whether this step is one the program runs: decodes only, in token order, on the decode
+        kernel. Only the cpu_paged backend plans a paged_decode, and only for steps through our
+        attention (the self-check's references run the model's own forward, never this one), so
+        the step itself says so: no private transformers attribute is read, which a rename
+        upstream would turn into a silent fallback (tests/executor/test_decode_program.py counts
+        the steps the program took)."""
         paged = step.paged_decode
-        return (
-            paged is not None
-            and paged.whole_step
-            and self.config._attn_implementation == ATTENTION_NAME
-            and step.kv_cache.shape.dtype == torch.float32
-        )
+        return paged is not None and paged.whole_step and step.kv_cache.shape.dtype == torch.float32
 
     def run(
         self, hidden: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor], step: StepAttention
