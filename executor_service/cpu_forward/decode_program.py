@@ -5,9 +5,8 @@ kernels: per layer two RMSNorms, four GEMMs, RoPE, two K/V writes and attention,
 through a module's forward, its argument checks, views and a fresh output tensor. Here the
 layer stack is one call that runs the same kernels on the same operands in the same order, so
 the hidden states are the Python loop's bit for bit (tests/executor/test_decode_program.py);
-the operands every step shares (weights, norms, shapes) are laid out once, at start.
-
-SmolLM2-135M, 32 sequences of ~340 tokens, two cores: ~5 ms of a ~79 ms decode step.
+the operands every step shares (weights, norms, shapes) are laid out once, at start
+(docs/cpu-executor.md, "Measured", has what it saves).
 
 It applies where every layer is a fused Llama layer on the C kernels (panel GEMMs with the MLP
 gated in the GEMM, C RMSNorm and RoPE), attention is ours on the cpu_paged backend, and the step

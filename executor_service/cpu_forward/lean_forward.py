@@ -3,9 +3,8 @@
 transformers' LlamaForCausalLM runs every call through decorators (deprecate_kwarg,
 merge_with_config_defaults, capture_outputs, can_return_tuple), builds a causal mask that paged
 attention never reads, hands keyword arguments down three calls deep in every decoder layer (whose
-forward is decorated too) and wraps its outputs in dataclasses. Random Llama's decode steps (8
-layers, 32 rows, two cores) took ~1.3 ms less through this loop, steps alternated in one process:
-28.7 against 30.0 ms.
+forward is decorated too) and wraps its outputs in dataclasses: a few percent of a small
+model's decode step (docs/cpu-executor.md, "Measured").
 
 Where fuse_layers replaced every attention, MLP and RMSNorm of a LlamaForCausalLM, LeanLlama
 computes what LlamaModel.forward and LlamaDecoderLayer.forward do, in their order: the embedding,

@@ -3,9 +3,8 @@
 
 A decode step multiplies a few dozen rows by every weight matrix; for those skinny shapes the
 default path (MKL sgemm on the plain [out, in] weight) reaches under half of what a packed
-weight allows (random Llama lm_head, 32 x 512 x 32000 on two cores: 14.4 ms plain, 5.5 ms
-oneDNN-packed); the panel kernel runs ahead of oneDNN at decode sizes and even with it at
-prefill sizes (panel_linear.py has the figures). vLLM's CPU backend and inductor's freezing pass
+weight allows; the panel kernel runs ahead of oneDNN at decode sizes and even with it at
+prefill sizes (docs/cpu-executor.md, "Measured", has the figures). vLLM's CPU backend and inductor's freezing pass
 take the oneDNN route.
 
 The packed copy replaces the plain weight: the module's `weight` becomes a meta tensor of the

@@ -1,9 +1,7 @@
 """The C elementwise passes of the fused Llama layers (kernels/layer_elementwise.c): RMSNorm,
 RoPE in place, and SiLU-times-up, each one pass instead of torch's two to six operations; and
 the activations of layers that are not fused (kernels/activations.c, kernel_activations.py).
-
-SmolLM2-135M (bench.step_profile, two runs each, interleaved, AMD EPYC, 2 threads): 2,048-token
-prefill steps 2,421/2,407 -> 2,348/2,275 ms, decode steps 81.7/78.5 -> 79.9/74.9 ms.
+What they save: docs/cpu-executor.md, "Measured".
 """
 
 from __future__ import annotations
