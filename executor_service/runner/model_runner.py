@@ -245,8 +245,10 @@ class ModelRunner:
         scheduled: set[str],
     ) -> str | None:
         """Adds the entry's work to `admitted`, or says what is wrong with it."""
+        sampling = None
         if isinstance(entry, executor_pb2.NewRequest):
-            problem = check_new(entry, self.limits)
+            sampling = SamplerSettings.from_proto(entry.sampling)
+            problem = check_new(entry, sampling, self.limits)
             state = None
         else:
             state = self.requests.get(entry.request_id)
@@ -256,12 +258,13 @@ class ModelRunner:
         if problem is not None:
             return problem
         if isinstance(entry, executor_pb2.NewRequest):
+            assert sampling is not None  # parsed with the entry's checks above
             if entry.request_id in self.requests:
                 logger.info("event=request_rebuilt request_id=%s", entry.request_id)
             self._forget(entry.request_id)
             if entry.handle and entry.handle in self.handles:
                 return f"handle {entry.handle} names request {self.handles[entry.handle].request_id!r}"
-            state = _new_state(entry, self.loaded.device)
+            state = _new_state(entry, sampling, self.loaded.device)
             self.requests[entry.request_id] = state
             if entry.handle:
                 self.handles[entry.handle] = state
@@ -326,8 +329,7 @@ class ModelRunner:
         return decoded
 
 
-def _new_state(entry: executor_pb2.NewRequest, device: torch.device) -> RequestState:
-    params = SamplerSettings.from_proto(entry.sampling)
+def _new_state(entry: executor_pb2.NewRequest, params: SamplerSettings, device: torch.device) -> RequestState:
     return RequestState(
         request_id=entry.request_id,
         token_ids=list(entry.token_ids),

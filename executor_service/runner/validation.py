@@ -9,7 +9,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from executor_service.runner.request_state import RequestState
-from executor_service.sampling.sampler_settings import sampling_problem
+from executor_service.sampling.sampler_settings import SamplerSettings, sampling_problem
 from protos.splitserve.executor.v1 import executor_pb2
 
 
@@ -22,14 +22,15 @@ class Limits:
     max_logprobs: int
 
 
-def check_new(entry: executor_pb2.NewRequest, limits: Limits) -> str | None:
+def check_new(entry: executor_pb2.NewRequest, sampling: SamplerSettings, limits: Limits) -> str | None:
+    """What is wrong with a new request, its sampling settings parsed from it already."""
     num_tokens = len(entry.token_ids)
     end = entry.num_computed_tokens + entry.num_scheduled_tokens
     problem = (
         _id_problem(entry.request_id)
         or _tokens_problem(entry.token_ids, limits)
         or _blocks_problem(entry.block_ids, limits)
-        or sampling_problem(entry.sampling, limits.max_logprobs, limits.vocab_size)
+        or sampling_problem(sampling, limits.max_logprobs, limits.vocab_size)
     )
     if problem:
         return problem

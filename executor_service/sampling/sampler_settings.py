@@ -70,20 +70,18 @@ class SamplerSettings:
         )
 
 
-def sampling_problem(
-    config: executor_pb2.SamplerConfig, max_logprobs: int, vocab_size: int
-) -> str | None:
-    """What is wrong with a SamplerConfig, or None when it is usable."""
-    bad_stop_ids = [t for t in config.min_tokens_stop_ids if t >= vocab_size]
+def sampling_problem(settings: SamplerSettings, max_logprobs: int, vocab_size: int) -> str | None:
+    """What is wrong with a request's sampling settings (parsed from its SamplerConfig once, by
+    SamplerSettings.from_proto), or None when they are usable."""
+    bad_stop_ids = [t for t in settings.min_tokens_stop_ids if t >= vocab_size]
     if bad_stop_ids:
         return (
             f"sampling.min_tokens_stop_ids holds {bad_stop_ids[0]}, outside the vocab "
             f"[0, {vocab_size})"
         )
-    if config.num_logprobs > max_logprobs:
-        return f"sampling.num_logprobs must be <= {max_logprobs}, got {config.num_logprobs}"
+    if settings.num_logprobs > max_logprobs:
+        return f"sampling.num_logprobs must be <= {max_logprobs}, got {settings.num_logprobs}"
     # Checked as the sampler will use them: the proto's zero defaults mean "off".
-    settings = SamplerSettings.from_proto(config)
     problems = range_problems(
         {name: getattr(settings, name) for name in SAMPLING_RANGES}, prefix="sampling."
     )

@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from executor_service.sampling.sampler_settings import sampling_problem
+from executor_service.sampling.sampler_settings import SamplerSettings, sampling_problem
 from protos.sampling_ranges import SAMPLING_RANGES
 from protos.splitserve.executor.v1 import executor_pb2 as pb
 from scheduler_service.core.sampling_params import SamplingParams
@@ -27,7 +27,7 @@ def test_scheduler_and_executor_agree_on_every_range(name: str) -> None:
     for value in _around_bounds(name):
         scheduler_refuses = bool(SamplingParams(**{name: value}).problems(vocab_size=10, max_logprobs=5))
         config = pb.SamplerConfig(**{"temperature": 1.0, name: value})
-        executor_refuses = sampling_problem(config, max_logprobs=5, vocab_size=10) is not None
+        executor_refuses = sampling_problem(SamplerSettings.from_proto(config), max_logprobs=5, vocab_size=10) is not None
         # The proto's zero means "off" (top_p 1, no repetition penalty), which the executor
         # accepts; the scheduler's own record has no such zero.
         if value == 0 and name in ("top_p", "repetition_penalty"):
