@@ -20,8 +20,8 @@ from google.protobuf.message import Message
 from clients.errors import SplitserveError
 from clients.request_builder import GenerateOptions
 from clients.sync_client import Client
-from protos.cli_help import DefaultsHelpFormatter
-from protos.default_ports import DEFAULT_SCHEDULER_ADDRESS
+from service_support.cli_help import DefaultsHelpFormatter
+from service_support.default_ports import DEFAULT_SCHEDULER_ADDRESS
 
 logger = logging.getLogger("clients.cli")
 API_KEY_ENV = "SPLITSERVE_API_KEY"

@@ -32,10 +32,10 @@ from executor_service.serving.settings import (
 )
 from executor_service.startup.startup import build_executor
 from executor_service.startup.tp_serve import serve_tensor_parallel
-from protos.cli_help import DefaultsHelpFormatter
-from protos.default_ports import DEFAULT_EXECUTOR_PORT
 from protos.executor_access import DEFAULT_SCHEDULER_NAME, read_token_file
-from protos.flag_types import (
+from service_support.cli_help import DefaultsHelpFormatter
+from service_support.default_ports import DEFAULT_EXECUTOR_PORT
+from service_support.flag_types import (
     fraction,
     non_negative_float,
     non_negative_int,
@@ -43,12 +43,12 @@ from protos.flag_types import (
     positive_float,
     positive_int,
 )
-from protos.health_port import add_health_port_flag
-from protos.local_folder import FolderError
-from protos.log_format import add_log_format_flag, configure_logging
-from protos.parent_death import end_with_parent
-from protos.port_check import PortUnavailable, check_listen_ports
-from protos.transport_security import server_tls
+from service_support.health_port import add_health_port_flag
+from service_support.local_folder import FolderError
+from service_support.log_format import add_log_format_flag, configure_logging
+from service_support.parent_death import end_with_parent
+from service_support.port_check import PortUnavailable, check_listen_ports
+from service_support.transport_security import server_tls
 
 logger = logging.getLogger("executor_service")
 

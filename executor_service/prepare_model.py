@@ -22,7 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from protos.cli_help import DefaultsHelpFormatter
+from service_support.cli_help import DefaultsHelpFormatter
 
 logger = logging.getLogger(__name__)
 

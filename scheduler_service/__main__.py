@@ -9,20 +9,6 @@ import logging
 import sys
 from pathlib import Path
 
-from protos.cli_help import DefaultsHelpFormatter
-from protos.default_ports import DEFAULT_EXECUTOR_ADDRESS, DEFAULT_SCHEDULER_PORT
-from protos.flag_types import (
-    MAX_PORT,
-    non_negative_float,
-    non_negative_int,
-    port_number,
-    positive_float,
-    positive_int,
-)
-from protos.local_folder import FolderError
-from protos.log_format import add_log_format_flag, configure_logging
-from protos.parent_death import end_with_parent
-from protos.port_check import check_listen_ports
 from scheduler_service.core.policy import Policy, StepMode
 from scheduler_service.core.router import DEFAULT_TOKENS_PER_REQUEST
 from scheduler_service.core.sampling_params import SamplingDefaults
@@ -59,6 +45,23 @@ from scheduler_service.tier.all_in_one import run_all_in_one
 from scheduler_service.tier.frontend_server import FrontendOptions, serve_frontend
 from scheduler_service.tier.planner_server import PlannerOptions, serve_planner
 from scheduler_service.tier.role_flags import add_role_flags, role_options
+from service_support.cli_help import DefaultsHelpFormatter
+from service_support.default_ports import (
+    DEFAULT_EXECUTOR_ADDRESS,
+    DEFAULT_SCHEDULER_PORT,
+)
+from service_support.flag_types import (
+    MAX_PORT,
+    non_negative_float,
+    non_negative_int,
+    port_number,
+    positive_float,
+    positive_int,
+)
+from service_support.local_folder import FolderError
+from service_support.log_format import add_log_format_flag, configure_logging
+from service_support.parent_death import end_with_parent
+from service_support.port_check import check_listen_ports
 
 logger = logging.getLogger("scheduler_service")
 

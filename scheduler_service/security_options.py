@@ -10,15 +10,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from protos.executor_access import read_token_file
-from protos.health_port import add_health_port_flag
-from protos.transport_security import (
+from scheduler_service.service.api_keys import load_api_keys
+from service_support.health_port import add_health_port_flag
+from service_support.transport_security import (
     ClientTls,
     ServerTls,
     TlsConfigError,
     client_tls,
     server_tls,
 )
-from scheduler_service.service.api_keys import load_api_keys
 
 
 @dataclass(slots=True, frozen=True)

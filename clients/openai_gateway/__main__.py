@@ -16,12 +16,15 @@ import uvicorn
 
 from clients.openai_gateway.app import GatewaySettings, create_app
 from clients.openai_gateway.body_limit import DEFAULT_MAX_BODY_BYTES
-from protos.cli_help import DefaultsHelpFormatter
-from protos.default_ports import DEFAULT_GATEWAY_PORT, DEFAULT_SCHEDULER_ADDRESS
-from protos.flag_types import non_negative_float, port_number, positive_int
-from protos.log_format import add_log_format_flag, configure_logging
-from protos.parent_death import end_with_parent
-from protos.port_check import PortUnavailable, check_listen_ports
+from service_support.cli_help import DefaultsHelpFormatter
+from service_support.default_ports import (
+    DEFAULT_GATEWAY_PORT,
+    DEFAULT_SCHEDULER_ADDRESS,
+)
+from service_support.flag_types import non_negative_float, port_number, positive_int
+from service_support.log_format import add_log_format_flag, configure_logging
+from service_support.parent_death import end_with_parent
+from service_support.port_check import PortUnavailable, check_listen_ports
 
 logger = logging.getLogger("clients.openai_gateway")
 

@@ -26,7 +26,7 @@ from executor_service.attention.paged_attention import (
 from executor_service.model.kv_geometry import probe_kv_geometry
 from executor_service.model.model_support import UnsupportedModel, check_config
 from executor_service.model.sequence_rope import install_sequence_rope
-from protos.local_folder import FolderError, require_folder
+from service_support.local_folder import FolderError, require_folder
 
 if TYPE_CHECKING:
     from executor_service.cpu_forward.lean_forward import LeanLlama

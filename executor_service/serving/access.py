@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import grpc
 
 from protos.executor_access import EXECUTOR_TOKEN_METADATA, INSECURE_ACCESS
-from protos.transport_security import peer_certificate_name
+from service_support.transport_security import peer_certificate_name
 
 
 @dataclass(slots=True, frozen=True)

@@ -22,10 +22,10 @@ from prometheus_client import start_http_server
 from executor_service.serving.access import ExecutorAccess
 from executor_service.serving.metrics import ExecutorMetrics
 from executor_service.serving.settings import DEFAULT_DRAIN_TIMEOUT_S
-from protos.health_port import start_health_port
 from protos.limits import MAX_MESSAGE_BYTES
 from protos.splitserve.executor.v1 import executor_pb2, executor_pb2_grpc
-from protos.transport_security import ServerTls, peer_certificate_name
+from service_support.health_port import start_health_port
+from service_support.transport_security import ServerTls, peer_certificate_name
 
 logger = logging.getLogger(__name__)
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from executor_service.serving.access import ExecutorAccess
-from protos.transport_security import ServerTls
+from service_support.transport_security import ServerTls
 
 # On CPU there is nothing to profile: the KV budget is a configured size, and 1 GiB holds ~23k
 # tokens of the default 135M model without crowding a laptop.
@@ -85,7 +85,7 @@ class ExecutorSettings:
     drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S
     # Prometheus metrics over HTTP on this port (off when None).
     metrics_port: int | None = None
-    # text or json (protos/log_format.py).
+    # text or json (service_support/log_format.py).
     log_format: str = "text"
     # Ranks the model is sharded over (tp_group.py); 1 runs it on one device.
     tensor_parallel_size: int = 1

@@ -30,8 +30,8 @@ from executor_service.parallel.tp_steps import PlanBroadcaster, follow_plans
 from executor_service.serving.server import ServeOptions, serve, step_thread
 from executor_service.serving.settings import ExecutorSettings
 from executor_service.startup.startup import build_executor
-from protos.log_format import configure_logging
 from protos.splitserve.executor.v1 import executor_pb2
+from service_support.log_format import configure_logging
 
 logger = logging.getLogger(__name__)
 

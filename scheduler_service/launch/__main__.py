@@ -7,10 +7,10 @@ import signal
 import sys
 from collections.abc import Sequence
 
-from protos.port_check import PortUnavailable
 from scheduler_service.launch.children import ChildFailed, Shutdown
 from scheduler_service.launch.launcher import Launcher
 from scheduler_service.launch.options import parse_args
+from service_support.port_check import PortUnavailable
 
 # One logger for the whole launcher: its lines read logger=scheduler_service.launch whichever
 # module wrote them (run with -m, this module's own __name__ is "__main__").

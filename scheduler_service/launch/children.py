@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
-from protos.parent_death import child_environment
+from service_support.parent_death import child_environment
 
 # One logger for the whole launcher: its lines read logger=scheduler_service.launch whichever
 # module wrote them.
@@ -77,7 +77,7 @@ class Children:
             command,
             stdout=stdout,
             stderr=subprocess.STDOUT if log_path is not None else None,
-            # A service in its own session ends with the launcher (protos/parent_death.py): a
+            # A service in its own session ends with the launcher (service_support/parent_death.py): a
             # killed launcher would otherwise leave servers holding the default ports.
             env=child_environment(env) if new_session else env,
             start_new_session=new_session,

@@ -8,7 +8,7 @@ tools, in the ecosystem's habit (`vllm serve`, `text-generation-launcher`).
     splitserve gateway ...    python -m clients.openai_gateway
     splitserve generate|tokenize|status ...   python -m clients
     splitserve prepare-model  python -m executor_service.prepare_model
-    splitserve executor-token FILE   python -m protos.make_token
+    splitserve executor-token FILE   python -m service_support.make_token
 
 Each subcommand takes exactly the flags of the module it names (`splitserve X --help` lists
 them with their defaults). A subcommand's module is imported only when it runs, so an executor
@@ -53,7 +53,7 @@ SUBCOMMANDS: dict[str, Subcommand] = {
     "tokenize": Subcommand("clients.cli", "print the token ids of a text", ("tokenize",)),
     "status": Subcommand("clients.cli", "print the model and the server's state", ("status",)),
     "executor-token": Subcommand(
-        "protos.make_token", "write a new executor token into a file (kept if one is there)"
+        "service_support.make_token", "write a new executor token into a file (kept if one is there)"
     ),
     "prepare-model": Subcommand(
         "executor_service.prepare_model", "prepare the default model (SmolLM2-135M-Instruct) once"

@@ -17,7 +17,6 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from protos.executor_access import write_token_file
-from protos.port_check import check_listen_ports
 from scheduler_service.launch.banner import print_banner, print_question
 from scheduler_service.launch.children import POLL_S, Child, ChildFailed, Children
 from scheduler_service.launch.commands import (
@@ -29,6 +28,7 @@ from scheduler_service.launch.commands import (
     scheduler_command,
 )
 from scheduler_service.launch.options import LaunchOptions
+from service_support.port_check import check_listen_ports
 
 # One logger for the whole launcher: its lines read logger=scheduler_service.launch whichever
 # module wrote them.

@@ -9,14 +9,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from protos.cli_help import DefaultsHelpFormatter
-from protos.default_ports import (
+from scheduler_service.launch.ports import free_port
+from service_support.cli_help import DefaultsHelpFormatter
+from service_support.default_ports import (
     DEFAULT_EXECUTOR_PORT,
     DEFAULT_GATEWAY_PORT,
     DEFAULT_SCHEDULER_PORT,
 )
-from protos.flag_types import port_number, positive_int
-from scheduler_service.launch.ports import free_port
+from service_support.flag_types import port_number, positive_int
 
 DEFAULT_QUESTION = "What is the capital of France?"
 DEFAULT_METRICS_PORT = 9400

@@ -18,7 +18,6 @@ import logging
 import sys
 from pathlib import Path
 
-from protos.cli_help import DefaultsHelpFormatter
 from scheduler_service.core.config import SchedulingKnobs
 from scheduler_service.core.policy import Policy, StepMode
 from scheduler_service.replay.fleet import replay_fleet
@@ -27,6 +26,7 @@ from scheduler_service.replay.simulate import Replayed, config_of, replay_timeli
 from scheduler_service.replay.step_cost import StepCost, fit_step_cost
 from scheduler_service.replay.summary import Summary, summarize
 from scheduler_service.replay.trace_reader import Timeline, read_trace
+from service_support.cli_help import DefaultsHelpFormatter
 
 logger = logging.getLogger("scheduler_service.replay")
 

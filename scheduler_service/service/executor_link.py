@@ -17,7 +17,7 @@ from protos.executor_access import EXECUTOR_TOKEN_METADATA
 from protos.limits import MAX_MESSAGE_BYTES
 from protos.splitserve.executor.v1 import executor_pb2 as pb
 from protos.splitserve.executor.v1 import executor_pb2_grpc
-from protos.transport_security import ClientTls
+from service_support.transport_security import ClientTls
 
 logger = logging.getLogger(__name__)
 

@@ -11,7 +11,6 @@ from collections.abc import Callable
 
 from prometheus_client import start_http_server
 
-from protos.health_port import start_health_port
 from scheduler_service.service.admin_servicer import AdminServicer
 from scheduler_service.service.client_port import (
     HealthReporter,
@@ -30,6 +29,7 @@ from scheduler_service.service.server_settings import (
     ServerSettings,
 )
 from scheduler_service.service.step_trace import StepTrace
+from service_support.health_port import start_health_port
 
 logger = logging.getLogger(__name__)
 

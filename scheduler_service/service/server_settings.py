@@ -4,13 +4,13 @@ front-end): each role reads the fields it uses."""
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from protos.transport_security import ClientTls, ServerTls
 from scheduler_service.core.sampling_params import SamplingDefaults
 from scheduler_service.service.discovery import DEFAULT_RESOLVE_INTERVAL_S
 from scheduler_service.service.engine import EngineOptions
 from scheduler_service.service.intake_limits import IntakeLimits
 from scheduler_service.service.tracing import NO_TRACING, Tracing
 from scheduler_service.text.tokenizer import TextProcessor
+from service_support.transport_security import ClientTls, ServerTls
 
 # Under Kubernetes' default 30 s termination grace, with room to stop after the drain.
 DEFAULT_DRAIN_TIMEOUT_S = 25.0

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from protos.local_folder import FolderError, require_folder
+from service_support.local_folder import FolderError, require_folder
 
 TOKENIZER_FOLDER_HOLDS = (
     "tokenizer.json (or vocab.json and merges.txt, or a SentencePiece tokenizer.model), as "

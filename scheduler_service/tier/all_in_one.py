@@ -20,7 +20,6 @@ from dataclasses import replace
 from pathlib import Path
 
 from protos.executor_access import write_token_file
-from protos.parent_death import child_environment
 from scheduler_service.service.server_settings import ServerSettings
 from scheduler_service.tier.planner_server import (
     PlannerHooks,
@@ -28,6 +27,7 @@ from scheduler_service.tier.planner_server import (
     serve_planner,
 )
 from scheduler_service.tier.planner_servicer import PlannerServicer
+from service_support.parent_death import child_environment
 
 logger = logging.getLogger("scheduler_service")
 

@@ -12,7 +12,6 @@ import time
 import uuid
 from dataclasses import dataclass
 
-from protos.health_port import start_health_port
 from scheduler_service.service.client_port import (
     HealthReporter,
     bind_client_port,
@@ -24,6 +23,7 @@ from scheduler_service.service.server import DRAIN_POLL_S, SHUTDOWN_GRACE_S
 from scheduler_service.service.server_settings import ServerSettings
 from scheduler_service.tier.admin_forwarder import AdminForwarder
 from scheduler_service.tier.planner_client import PlannerClient
+from service_support.health_port import start_health_port
 
 logger = logging.getLogger("scheduler_service.frontend")
 

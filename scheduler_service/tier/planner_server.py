@@ -19,7 +19,6 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
 
-from protos.health_port import start_health_port
 from protos.limits import MAX_MESSAGE_BYTES
 from protos.splitserve.planner.v1 import planner_pb2, planner_pb2_grpc
 from protos.splitserve.v1 import admin_pb2, admin_pb2_grpc
@@ -33,6 +32,7 @@ from scheduler_service.service.server_settings import ServerSettings
 from scheduler_service.service.step_trace import StepTrace
 from scheduler_service.tier.planner_access import PlannerTokenInterceptor
 from scheduler_service.tier.planner_servicer import PlannerServicer
+from service_support.health_port import start_health_port
 
 logger = logging.getLogger("scheduler_service.planner")
 

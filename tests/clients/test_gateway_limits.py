@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from protos.log_format import message_fields
+from service_support.log_format import message_fields
 from tests.helpers.gateway_process import GatewayProcess
 from tests.helpers.service_process import free_port
 

@@ -172,7 +172,7 @@ def test_fixed_port_in_use_is_refused_before_anything_starts(tmp_path: Path) -> 
 
 def test_a_launcher_killed_with_sigkill_takes_its_services_with_it(prepared_model: Path, tmp_path: Path) -> None:
     """The services run in sessions of their own, so no signal reaches them from a terminal;
-    each asks to end with the launcher (protos/parent_death.py)."""
+    each asks to end with the launcher (service_support/parent_death.py)."""
     stderr_path = tmp_path / "launcher.err"
     with stderr_path.open("w") as stderr_file:
         process = subprocess.Popen(

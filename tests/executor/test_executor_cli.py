@@ -8,7 +8,7 @@ import pytest
 
 from executor_service.__main__ import parse_args
 from executor_service.serving.settings import parse_size
-from protos.default_ports import DEFAULT_EXECUTOR_PORT
+from service_support.default_ports import DEFAULT_EXECUTOR_PORT
 
 # An executor refuses to start without an access rule; these tests are about the other flags.
 MODEL = ["--model", "/m", "--insecure-executor"]

@@ -14,7 +14,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from protos.log_format import message_fields
+from service_support.log_format import message_fields
 from tests.helpers.executor_token import token_file
 from tests.helpers.service_process import REPO_ROOT
 

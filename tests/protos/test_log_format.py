@@ -7,7 +7,7 @@ import json
 import logging
 import sys
 
-from protos.log_format import JsonFormatter, message_fields
+from service_support.log_format import JsonFormatter, message_fields
 
 
 def test_fields_come_back_typed() -> None:

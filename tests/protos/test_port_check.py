@@ -6,7 +6,7 @@ import socket
 
 import pytest
 
-from protos.port_check import PortUnavailable, check_listen_ports, port_taken
+from service_support.port_check import PortUnavailable, check_listen_ports, port_taken
 
 
 def test_free_ports_zero_and_off_pass() -> None:

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from executor_service.__main__ import parse_args
-from protos.transport_security import TlsConfigError, client_tls, server_tls
+from service_support.transport_security import TlsConfigError, client_tls, server_tls
 
 PEM = b"-----BEGIN CERTIFICATE-----\nMIIB\n-----END CERTIFICATE-----\n"
 

@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import pytest
 
-from protos.default_ports import DEFAULT_EXECUTOR_ADDRESS, DEFAULT_SCHEDULER_PORT
 from scheduler_service.__main__ import parse_args
+from service_support.default_ports import (
+    DEFAULT_EXECUTOR_ADDRESS,
+    DEFAULT_SCHEDULER_PORT,
+)
 
 
 def test_without_flags_it_listens_on_50051_and_drives_the_local_executor() -> None:

@@ -11,13 +11,13 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from protos.cli_help import DefaultsHelpFormatter
 from protos.executor_access import TokenFileError, read_token_file, write_token_file
+from service_support.cli_help import DefaultsHelpFormatter
 
-logger = logging.getLogger("protos.make_token")
+logger = logging.getLogger("service_support.make_token")
 
 
-def main(argv: Sequence[str] | None = None, prog: str = "python -m protos.make_token") -> int:
+def main(argv: Sequence[str] | None = None, prog: str = "python -m service_support.make_token") -> int:
     parser = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=DefaultsHelpFormatter)
     parser.add_argument("file", type=Path, metavar="FILE", help="where the token goes")
     args = parser.parse_args(argv)

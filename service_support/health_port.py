@@ -9,7 +9,7 @@ import argparse
 import grpc
 from grpc_health.v1 import health, health_pb2_grpc
 
-from protos.flag_types import port_number
+from service_support.flag_types import port_number
 
 
 def add_health_port_flag(parser: argparse._ActionsContainer) -> None:
