@@ -33,6 +33,7 @@ RUN pip install --index-url "${TORCH_INDEX}" "${TORCH}"
 WORKDIR /app
 COPY pyproject.toml README.md constraints.txt ./
 COPY protos ./protos
+COPY service_support ./service_support
 COPY kv_manager ./kv_manager
 COPY scheduler_service ./scheduler_service
 COPY executor_service ./executor_service

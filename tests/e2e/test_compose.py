@@ -240,7 +240,7 @@ def test_dockerfile_builds_what_compose_runs() -> None:
     users = re.findall(r"^USER (\S+)$", dockerfile, re.MULTILINE)
     assert users and users[-1] not in {"root", "0"}
     ignored = (REPO_ROOT / ".dockerignore").read_text().split()
-    for needed in ("deploy", "protos", "executor_service", "scheduler_service", "clients", "constraints.txt"):
+    for needed in ("deploy", "protos", "service_support", "executor_service", "scheduler_service", "clients", "constraints.txt"):
         assert needed not in ignored
 
 
