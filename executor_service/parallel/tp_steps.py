@@ -15,6 +15,7 @@ from __future__ import annotations
 import enum
 import logging
 import os
+import time
 
 import torch
 import torch.distributed as dist
@@ -24,6 +25,9 @@ from executor_service.runner.model_runner import ModelRunner
 from protos.splitserve.executor.v1 import executor_pb2
 
 logger = logging.getLogger(__name__)
+# How long a failed step waits for a rank watcher to report a lost rank before ending the
+# executor itself: the watchers wake on the lost process's sentinel, well within this.
+RANK_LOSS_GRACE_S = 2.0
 
 
 class _Command(enum.IntEnum):
@@ -83,6 +87,11 @@ def rank0_tokens(token_ids: list[int]) -> list[int]:
 
 def _unless_failed(result: executor_pb2.StepResult, rank: int) -> executor_pb2.StepResult:
     if result.HasField("failure"):
+        # A failed step is most often a lost rank, whose collective broke: its watcher
+        # (tp_group.watch_followers on rank 0, exit_with_parent on the others) names the rank
+        # and ends this process, so it gets the first word. Under load the step used to win the
+        # race and the log said only that a step failed.
+        time.sleep(RANK_LOSS_GRACE_S)
         logger.error(
             "event=tp_step_failed rank=%d step_id=%d error=%r action=executor_exits",
             rank, result.step_id, result.failure.message,
