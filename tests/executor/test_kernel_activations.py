@@ -17,9 +17,9 @@ import torch
 from transformers.activations import ACT2FN
 
 from executor_service.cpu_forward.kernel_activations import Activation, activation_of
-from executor_service.kernels.cpu_kernels import KernelUnavailable
 from executor_service.kernels.layer_kernels import LayerKernels, load_layer_kernels
 from protos.splitserve.executor.v1 import executor_pb2 as pb
+from tests.helpers.c_kernels import load_or_skip
 from tests.helpers.executor_driver import (
     BlockAllocator,
     Driver,
@@ -53,10 +53,7 @@ ODD_WIDTH = 100
 
 @pytest.fixture(scope="module")
 def kernels() -> LayerKernels:
-    try:
-        return load_layer_kernels()
-    except KernelUnavailable as unavailable:
-        pytest.skip(f"no C kernels here: {unavailable}")
+    return load_or_skip(load_layer_kernels)
 
 
 def _inputs() -> torch.Tensor:
@@ -108,7 +105,11 @@ NEW_TOKENS = 24
 
 
 @pytest.fixture(scope="module", params=list(ODD_MODELS))
-def driver(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Driver]:
+def driver(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, kernels: LayerKernels
+) -> Iterator[Driver]:
+    """An executor on a model whose MLP is `ODD_WIDTH` wide; without the C kernels (no compiler)
+    the executor would keep torch's activations, so the test needs them like the executor does."""
     arch: str = request.param
     model_dir: Path = build_model(arch, tmp_path_factory.mktemp(arch), **ODD_MODELS[arch])
     executor = ExecutorProcess(model_dir, num_kv_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, threads=3)
