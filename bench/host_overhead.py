@@ -64,18 +64,19 @@ def timed_logits(spent: list[float]) -> Iterator[None]:
         model_runner.compute_logits = original
 
 
-def _executor(model_dir: Path, rows: int, context: int, steps: int) -> ReadyExecutor:
-    blocks_per_row = -(-(context + steps + 1) // BLOCK_SIZE)
+def _executor(model_dir: Path, rows: int, length: int, blocks_per_row: int) -> ReadyExecutor:
+    """length: the most tokens a row reaches."""
     settings = ExecutorSettings(
         model_dir=model_dir, device="cpu", dtype="float32", block_size=BLOCK_SIZE,
-        num_kv_blocks=rows * blocks_per_row, max_model_len=context + steps + 1, threads=1,
+        num_kv_blocks=rows * blocks_per_row, max_model_len=length, threads=1,
     )
     return build_executor(settings)
 
 
-def _prefill(executor: ReadyExecutor, rows: int, context: int, steps: int, generator: torch.Generator) -> list[int]:
+def _prefill(
+    executor: ReadyExecutor, rows: int, context: int, blocks_per_row: int, generator: torch.Generator
+) -> list[int]:
     """Every row's prompt computed, its blocks given for the whole run; returns the handles."""
-    blocks_per_row = -(-(context + steps + 1) // BLOCK_SIZE)
     vocab = executor.info.vocab_size
     per_step = max(1, PREFILL_TOKENS_PER_STEP // context)
     step_id = 0
@@ -103,9 +104,10 @@ def measure(rows: int, context: int, steps: int, warmup: int, seed: int) -> floa
     generator = torch.Generator().manual_seed(seed)
     with tempfile.TemporaryDirectory(prefix="host-overhead-") as tmp:
         length = context + steps + warmup + 1
+        blocks_per_row = -(-length // BLOCK_SIZE)
         model_dir = build_model("llama", Path(tmp) / "llama", seed=seed, max_position_embeddings=length)
-        executor = _executor(model_dir, rows, context, steps + warmup)
-        handles = _prefill(executor, rows, context, steps + warmup, generator)
+        executor = _executor(model_dir, rows, length, blocks_per_row)
+        handles = _prefill(executor, rows, context, blocks_per_row, generator)
         host_s: list[float] = []
         for index in range(warmup + steps):
             logits_s: list[float] = []
