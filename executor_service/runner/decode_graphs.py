@@ -24,6 +24,7 @@ import time
 from collections.abc import Callable
 from typing import Protocol
 
+import numpy as np
 import torch
 
 from executor_service.attention.attention_metadata import (
@@ -235,7 +236,7 @@ class DecodeGraphs:
             blocks = state.block_ids[: -(-(position + 1) // block_size)]
             if len(blocks) * block_size <= position:
                 return False
-            tokens.append(state.token_ids[position])
+            tokens.append(state.tokens(position, position + 1)[0])
             positions.append(position)
             slots.append(blocks[position // block_size] * block_size + position % block_size)
             lens.append(position + 1)
@@ -299,6 +300,8 @@ class DecodeGraphs:
                 attention=attention,
                 logits_indices=self._row_index[:batch],
                 sampled=[],
+                sampled_rows=np.zeros(0, dtype=np.int64),
+                argmax_only=[],
             )
             self._logits[:batch].copy_(compute_logits(self._loaded, inputs, self._use_logits_to_keep))
 

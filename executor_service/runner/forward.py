@@ -49,6 +49,4 @@ def _argmax_only_rows(loaded: LoadedModel, inputs: StepInputs) -> ScreenedHead |
     head = loaded.model.get_output_embeddings()
     if not isinstance(head, ScreenedHead):
         return nullcontext()
-    return head.argmax_only_rows(
-        [state.sampling.argmax_only(state.num_output_tokens) for state in inputs.sampled]
-    )
+    return head.argmax_only_rows(inputs.argmax_only)

@@ -10,14 +10,20 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from executor_service.attention.kv_cache import PagedKVCache
 from executor_service.model.model_loader import LoadedModel
 from executor_service.runner.decode_graphs import DecodeGraphs
 from executor_service.runner.forward import accepts_logits_to_keep, compute_logits
-from executor_service.runner.plan_inputs import ScheduledWork, build_step_inputs
-from executor_service.runner.request_state import RequestState, make_generator
+from executor_service.runner.plan_inputs import (
+    ScheduledWork,
+    build_decode_inputs,
+    build_step_inputs,
+)
+from executor_service.runner.request_rows import RequestRows, RequestState
+from executor_service.runner.steady_decodes import SteadyDecodes
 from executor_service.runner.validation import (
     Limits,
     check_continuing,
@@ -25,7 +31,8 @@ from executor_service.runner.validation import (
     check_decode_block,
     check_new,
 )
-from executor_service.sampling.sampler import Argmax, SampleResult, SamplingRow, sample
+from executor_service.sampling.position_seed import make_generator
+from executor_service.sampling.sampler import Argmax, SampleResult, sample_batch
 from executor_service.sampling.sampler_settings import SamplerSettings
 from protos import rpc_codes
 from protos.limits import UNHELD_DECODE_TOKEN
@@ -45,6 +52,13 @@ class _Admitted:
     decodes: list[RequestState | None]
     # How many of `work` come from entries; the rest are steady decodes.
     num_entries: int = 0
+    # Instead of `work`, for a plan of steady decodes only that all passed their checks: their
+    # requests and rows in plan order, for inputs gathered from the rows' arrays.
+    steady: tuple[list[RequestState], np.ndarray] | None = None
+
+    def states(self) -> list[RequestState]:
+        """The requests that run, in plan order."""
+        return self.steady[0] if self.steady is not None else [item.state for item in self.work]
 
 
 class ModelRunner:
@@ -72,7 +86,12 @@ class ModelRunner:
         self.backend = backend
         self.requests: dict[str, RequestState] = {}
         self.handles: dict[int, RequestState] = {}
+        self.rows = RequestRows(limits.vocab_size, loaded.device)
         self._use_logits_to_keep = accepts_logits_to_keep(loaded)
+        # Steady decodes take their inputs from the rows' arrays where the backend's attention
+        # metadata is built that way; elsewhere they go through build_step_inputs.
+        self._gathers_decodes = backend == "cpu_paged" and graphs is None and not loaded.sequence_rope
+        self._steady = SteadyDecodes(handles=[], states=[], rows=np.zeros(0, dtype=np.int64))
         # Unseeded draws share this generator; seeded requests own theirs.
         self._generator = torch.Generator(device=loaded.device)
         self._generator.seed()
@@ -84,11 +103,11 @@ class ModelRunner:
             self._forget(request_id)
         admitted = self._admit(plan)
         result = executor_pb2.StepResult(step_id=plan.step_id, rejected=admitted.rejected)
-        if admitted.work:
+        if admitted.work or admitted.steady is not None:
             try:
                 self._run(admitted, result)
             except Exception as error:
-                self._fail_step(plan.step_id, admitted.work, error, result)
+                self._fail_step(plan.step_id, admitted.states(), error, result)
         elif admitted.decodes:
             result.decode_token_ids.extend([UNHELD_DECODE_TOKEN] * len(admitted.decodes))
         if plan.want_held_requests:
@@ -105,8 +124,8 @@ class ModelRunner:
             "event=step step_id=%d requests=%d tokens=%d sampled=%d rejected=%d "
             "forward_s=%.4f step_s=%.4f",
             plan.step_id,
-            len(admitted.work),
-            sum(w.num_tokens for w in admitted.work),
+            len(admitted.states()),
+            sum(w.num_tokens for w in admitted.work) + len(admitted.states()) - len(admitted.work),
             len(result.outputs),
             len(result.rejected),
             result.forward_time_s,
@@ -120,6 +139,7 @@ class ModelRunner:
         logger.info("event=requests_dropped count=%d wipe_kv=%s", len(self.requests), wipe_kv)
         self.requests.clear()
         self.handles.clear()
+        self.rows.clear()
         if wipe_kv:
             self.kv_cache.wipe()
 
@@ -132,26 +152,40 @@ class ModelRunner:
 
     def _forget(self, request_id: str) -> None:
         state = self.requests.pop(request_id, None)
-        if state is not None and self.handles.get(state.handle) is state:
+        if state is None:
+            return
+        if self.handles.get(state.handle) is state:
             del self.handles[state.handle]
+        self.rows.release(state)
 
     def _run(self, admitted: _Admitted, result: executor_pb2.StepResult) -> None:
         """The shared part of a step: one forward and one sampling pass for all its work."""
         forward_started = time.perf_counter()
         work = admitted.work
         logits = self.graphs.logits(work) if self.graphs is not None else None
-        if logits is not None:
+        if admitted.steady is not None:
+            sampled_states, sampled_rows = admitted.steady
+            inputs = build_decode_inputs(self.rows, sampled_rows, sampled_states, self.kv_cache)
+            logits = compute_logits(self.loaded, inputs, self._use_logits_to_keep)
+        elif logits is not None:
             # A graphed step is all decodes, every one sampled, in work order.
             sampled_states = [item.state for item in work]
+            sampled_rows = np.array([state.row for state in sampled_states], dtype=np.int64)
         else:
             inputs = build_step_inputs(work, self.kv_cache, self.backend, self.loaded.device, self.loaded.sequence_rope)
             logits = compute_logits(self.loaded, inputs, self._use_logits_to_keep)
-            sampled_states = inputs.sampled
-        sampled = sample(logits, [_sampling_row(s) for s in sampled_states], self._generator, self._argmax)
+            sampled_states, sampled_rows = inputs.sampled, inputs.sampled_rows
+        batch = self.rows.sampling(sampled_rows)
+        sampled = sample_batch(logits, batch, self._generator, self._argmax)
         if self._agree_on_tokens is not None and sampled.token_ids:
             sampled.token_ids = self._agree_on_tokens(sampled.token_ids)
         result.forward_time_s = time.perf_counter() - forward_started
+        if admitted.steady is not None:
+            self.rows.append_tokens(sampled_rows, sampled.token_ids, computed=1)
+            result.decode_token_ids.extend(sampled.token_ids)
+            return
         tokens = self._advance(admitted, sampled_states, sampled, result)
+        self.rows.append_tokens(sampled_rows, sampled.token_ids)
         if admitted.decodes:
             result.decode_token_ids.extend(
                 [UNHELD_DECODE_TOKEN if s is None else tokens[s.request_id] for s in admitted.decodes]
@@ -160,7 +194,7 @@ class ModelRunner:
     def _fail_step(
         self,
         step_id: int,
-        work: list[ScheduledWork],
+        states: list[RequestState],
         error: Exception,
         result: executor_pb2.StepResult,
     ) -> None:
@@ -168,9 +202,9 @@ class ModelRunner:
         may have been advanced or half-written, so their state goes and the scheduler decides
         whether to recompute them; every other request keeps its state."""
         logger.exception(
-            "event=step_failed step_id=%d requests=%d error=%r", step_id, len(work), error
+            "event=step_failed step_id=%d requests=%d error=%r", step_id, len(states), error
         )
-        failed = [item.state.request_id for item in work]
+        failed = [state.request_id for state in states]
         for request_id in failed:
             self._forget(request_id)
         del result.outputs[:]
@@ -219,9 +253,15 @@ class ModelRunner:
                 continue
             problem = check_decode_block(block_id, state, self.limits)
             if problem is None:
-                state.block_ids.append(block_id)
+                self.rows.add_blocks(state, (block_id,))
             else:
                 refused[handle] = problem
+        if self._gathers_decodes and not admitted.work and not refused:
+            steady = self._steady.admit(plan.decode_handles, self.handles, self.rows, self.limits)
+            if steady is not None:
+                admitted.steady = steady
+                admitted.decodes = list(steady[0])
+                return
         for handle in plan.decode_handles:
             state = self.handles.get(handle)
             if state is None:
@@ -264,13 +304,13 @@ class ModelRunner:
             self._forget(entry.request_id)
             if entry.handle and entry.handle in self.handles:
                 return f"handle {entry.handle} names request {self.handles[entry.handle].request_id!r}"
-            state = _new_state(entry, sampling, self.loaded.device)
+            state = _new_state(self.rows, entry, sampling, self.loaded.device)
             self.requests[entry.request_id] = state
             if entry.handle:
                 self.handles[entry.handle] = state
         else:
             assert state is not None  # check_continuing refuses an unknown id
-            state.block_ids.extend(entry.new_block_ids)
+            self.rows.add_blocks(state, entry.new_block_ids)
         scheduled.add(entry.request_id)
         admitted.work.append(ScheduledWork(state, entry.num_scheduled_tokens))
         return None
@@ -297,7 +337,8 @@ class ModelRunner:
         result: executor_pb2.StepResult,
     ) -> dict[str, int]:
         """Advances each request past its work. Entries' tokens go into result.outputs; steady
-        decodes' tokens are returned by request id, for decode_token_ids."""
+        decodes' tokens are returned by request id, for decode_token_ids. The sampled tokens
+        themselves are appended by the caller."""
         by_id = {
             state.request_id: (token, logprobs)
             for state, token, logprobs in zip(
@@ -307,17 +348,14 @@ class ModelRunner:
         decoded: dict[str, int] = {}
         for index, item in enumerate(admitted.work):
             state = item.state
-            state.num_computed_tokens += item.num_tokens
+            self.rows.advance(state, item.num_tokens)
             if index >= admitted.num_entries:
-                token = by_id[state.request_id][0]
-                state.token_ids.append(token)
-                decoded[state.request_id] = token
+                decoded[state.request_id] = by_id[state.request_id][0]
                 continue
             output = result.outputs.add(request_id=state.request_id)
             if state.request_id not in by_id:
                 continue
             token, logprobs = by_id[state.request_id]
-            state.token_ids.append(token)
             output.token_ids.append(token)
             if logprobs is not None:
                 output.logprobs.add(
@@ -329,24 +367,17 @@ class ModelRunner:
         return decoded
 
 
-def _new_state(entry: executor_pb2.NewRequest, params: SamplerSettings, device: torch.device) -> RequestState:
-    return RequestState(
+def _new_state(
+    rows: RequestRows, entry: executor_pb2.NewRequest, params: SamplerSettings, device: torch.device
+) -> RequestState:
+    return rows.admit(
         request_id=entry.request_id,
-        token_ids=list(entry.token_ids),
+        token_ids=entry.token_ids,
         # Older schedulers leave it 0: then every token counts as prompt.
         num_prompt_tokens=entry.num_prompt_tokens or len(entry.token_ids),
-        block_ids=list(entry.block_ids),
+        block_ids=entry.block_ids,
         num_computed_tokens=entry.num_computed_tokens,
         sampling=params,
         generator=make_generator(params.seed, device),
         handle=entry.handle,
-    )
-
-
-def _sampling_row(state: RequestState) -> SamplingRow:
-    return SamplingRow(
-        params=state.sampling,
-        generator=state.seeded_generator(),
-        prompt_token_ids=state.prompt_token_ids,
-        output_token_ids=state.output_token_ids,
     )

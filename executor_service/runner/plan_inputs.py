@@ -4,16 +4,24 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from executor_service.attention.attention_metadata import (
+    PagedDecode,
     SequenceSpan,
     StepAttention,
     build_step_attention,
 )
 from executor_service.attention.kv_cache import PagedKVCache
 from executor_service.model.sequence_rope import token_lengths
-from executor_service.runner.request_state import RequestState
+from executor_service.runner.request_rows import (
+    COMPUTED,
+    LAST_TOKEN,
+    NUM_BLOCKS,
+    RequestRows,
+    RequestState,
+)
 
 
 @dataclass(slots=True, frozen=True)
@@ -24,7 +32,7 @@ class ScheduledWork:
     @property
     def samples(self) -> bool:
         """A token is sampled when this step's computation reaches the end of the known tokens."""
-        return self.state.num_computed_tokens + self.num_tokens == len(self.state.token_ids)
+        return self.state.num_computed_tokens + self.num_tokens == self.state.num_tokens
 
 
 @dataclass(slots=True)
@@ -35,6 +43,9 @@ class StepInputs:
     # Flattened-batch index of the last token of each sampling request, in work order.
     logits_indices: torch.Tensor
     sampled: list[RequestState]
+    # The sampled requests' rows (RequestRows), and per row whether only its argmax is read.
+    sampled_rows: np.ndarray
+    argmax_only: list[bool]
     # Each token's sequence length as transformers' generate sees it (sequence_rope.py); only
     # for models whose rotary frequencies depend on it.
     rope_lengths: torch.Tensor | None = None
@@ -64,18 +75,60 @@ def build_step_inputs(
                 block_ids=tuple(item.state.block_ids),
             )
         )
-        token_ids.extend(item.state.token_ids[start:end])
+        token_ids.extend(item.state.tokens(start, end))
         positions.extend(range(start, end))
         if rope_lengths:
             lengths.extend(token_lengths(item.state.num_prompt_tokens, start, end))
         if item.samples:
             logits_indices.append(len(token_ids) - 1)
             sampled.append(item.state)
+    sampled_rows = np.array([state.row for state in sampled], dtype=np.int64)
     return StepInputs(
         input_ids=torch.tensor([token_ids], dtype=torch.long, device=device),
         position_ids=torch.tensor([positions], dtype=torch.long, device=device),
         attention=build_step_attention(spans, kv_cache, backend, device),
         logits_indices=torch.tensor(logits_indices, dtype=torch.long, device=device),
         sampled=sampled,
+        sampled_rows=sampled_rows,
+        argmax_only=sampled[0].rows.argmax_only(sampled_rows) if sampled else [],
         rope_lengths=torch.tensor(lengths, dtype=torch.long, device=device) if rope_lengths else None,
+    )
+
+
+def build_decode_inputs(
+    rows: RequestRows, step_rows: np.ndarray, states: list[RequestState], kv_cache: PagedKVCache
+) -> StepInputs:
+    """A step of steady decodes for the cpu_paged backend, gathered from the rows' arrays: one
+    token per request, its last, each sampled. The same inputs build_step_inputs makes of these
+    requests, at a cost that does not grow with their contexts.
+
+    The caller has checked each row (validation.steady_decode_rows); the block table's width is
+    the widest table among them, as build_step_attention's."""
+    block_size = kv_cache.block_size
+    ints = rows.ints[step_rows]
+    positions = ints[:, COMPUTED].copy()
+    table = rows.blocks[step_rows, : int(ints[:, NUM_BLOCKS].max())]
+    count = len(step_rows)
+    slots = table[np.arange(count), positions // block_size] * block_size + positions % block_size
+    return StepInputs(
+        input_ids=torch.from_numpy(ints[:, LAST_TOKEN].copy())[None, :],
+        position_ids=torch.from_numpy(positions)[None, :],
+        attention=StepAttention(
+            kv_cache=kv_cache,
+            backend="cpu_paged",
+            slot_mapping=torch.from_numpy(slots),
+            prefills=[],
+            decodes=[],
+            varlen=None,
+            paged_decode=PagedDecode(
+                token_index=torch.arange(count),
+                block_table=torch.from_numpy(table),
+                context_lens=torch.from_numpy(positions + 1),
+                whole_step=True,
+            ),
+        ),
+        logits_indices=torch.arange(count),
+        sampled=states,
+        sampled_rows=step_rows,
+        argmax_only=rows.argmax_only(step_rows),
     )

@@ -8,7 +8,15 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from executor_service.runner.request_state import RequestState
+import numpy as np
+
+from executor_service.runner.request_rows import (
+    COMPUTED,
+    NUM_BLOCKS,
+    NUM_TOKENS,
+    RequestRows,
+    RequestState,
+)
 from executor_service.sampling.sampler_settings import SamplerSettings, sampling_problem
 from protos.splitserve.executor.v1 import executor_pb2
 
@@ -65,7 +73,7 @@ def check_continuing(
     block_ids = [*state.block_ids, *entry.new_block_ids]
     if len(set(block_ids)) != len(block_ids):
         return "new_block_ids repeats a block of the request"
-    num_tokens = len(state.token_ids)
+    num_tokens = state.num_tokens
     if entry.num_scheduled_tokens == 0:
         return "num_scheduled_tokens must be > 0"
     end = state.num_computed_tokens + entry.num_scheduled_tokens
@@ -87,12 +95,20 @@ def check_decode_block(block_id: int, state: RequestState, limits: Limits) -> st
 def check_decode(state: RequestState, limits: Limits) -> str | None:
     """A steady decode: one token, the last one known, computed and the next sampled."""
     end = state.num_computed_tokens + 1
-    if end != len(state.token_ids):
+    if end != state.num_tokens:
         return (
             f"a steady decode needs every token but the last computed; {state.num_computed_tokens} "
-            f"of {len(state.token_ids)} are"
+            f"of {state.num_tokens} are"
         )
     return _capacity_problem(end, len(state.block_ids), limits)
+
+
+def steady_decodes_fit(rows: RequestRows, step_rows: np.ndarray, limits: Limits) -> bool:
+    """check_decode over many distinct rows at once: True when it passes every one. Where this
+    says False, the caller checks row by row for the messages."""
+    ints = rows.ints[step_rows]
+    end = ints[:, COMPUTED] + 1
+    return bool((end == ints[:, NUM_TOKENS]).all()) and bool((end <= ints[:, NUM_BLOCKS] * limits.block_size).all())
 
 
 def _id_problem(request_id: str) -> str | None:

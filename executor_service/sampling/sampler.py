@@ -11,17 +11,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
-from executor_service.sampling.sampler_settings import SamplerSettings
-
-
-@dataclass(slots=True)
-class SamplingRow:
-    params: SamplerSettings
-    generator: torch.Generator | None
-    prompt_token_ids: list[int]
-    output_token_ids: list[int]
+from executor_service.sampling.sampling_batch import (
+    Penalties,
+    SamplingBatch,
+    SamplingRow,
+)
 
 
 @dataclass(slots=True)
@@ -48,41 +45,60 @@ def sample(
     default_generator: torch.Generator | None = None,
     argmax: Argmax | None = None,
 ) -> SampleResult:
-    """argmax: what greedy rows take (argmax_kernel.RowArgmax on CPU), torch's by default."""
+    """sample_batch for rows described by their token lists."""
     if logits.shape[0] != len(rows):
         raise ValueError(f"{logits.shape[0]} logit rows for {len(rows)} sampling rows")
-    if not rows:
+    batch = SamplingBatch.from_rows(rows, logits.shape[-1], logits.device)
+    return sample_batch(logits, batch, default_generator, argmax)
+
+
+def sample_batch(
+    logits: torch.Tensor,
+    batch: SamplingBatch,
+    default_generator: torch.Generator | None = None,
+    argmax: Argmax | None = None,
+) -> SampleResult:
+    """argmax: what greedy rows take (argmax_kernel.RowArgmax on CPU), torch's by default."""
+    if logits.shape[0] != len(batch):
+        raise ValueError(f"{logits.shape[0]} logit rows for {len(batch)} sampling rows")
+    if not len(batch):
         return SampleResult(token_ids=[], logprobs=[])
     logits = logits.float()
-    raw_logprobs = (
-        torch.log_softmax(logits, dim=-1) if any(r.params.want_logprobs for r in rows) else None
-    )
-    logits = mask_min_tokens_stop_ids(logits, rows)
-    if any(r.params.has_penalties for r in rows):
-        logits = apply_penalties(logits, rows)
+    raw_logprobs = torch.log_softmax(logits, dim=-1) if batch.want_logprobs.any() else None
+    logits = mask_min_tokens_stop_ids(logits, batch.stop_masks)
+    if batch.penalties is not None:
+        logits = apply_penalties(logits, batch.penalties)
     tokens = argmax(logits) if argmax is not None else logits.argmax(dim=-1)
-    random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
-    if random_rows:
-        index = torch.tensor(random_rows, device=logits.device)
-        probs = sampling_probs(logits[index], [rows[i].params for i in random_rows])
-        generators = [rows[i].generator for i in random_rows]
+    random_rows = np.flatnonzero(~batch.greedy)
+    if len(random_rows):
+        device = logits.device
+        index = torch.from_numpy(random_rows).to(device)
+        probs = sampling_probs(
+            logits[index],
+            torch.from_numpy(batch.temperature[random_rows]).to(device),
+            torch.from_numpy(batch.top_k[random_rows]).to(device),
+            torch.from_numpy(batch.top_p[random_rows]).to(device),
+            torch.from_numpy(batch.min_p[random_rows]).to(device),
+        )
+        generators = [batch.generators[i] for i in random_rows.tolist()]
         tokens[index] = _exponential_race(probs, generators, default_generator)
     token_list = tokens.tolist()
-    return SampleResult(token_ids=token_list, logprobs=_logprobs(raw_logprobs, rows, tokens))
+    return SampleResult(token_ids=token_list, logprobs=_logprobs(raw_logprobs, batch, tokens))
 
 
-def sampling_probs(logits: torch.Tensor, params: list[SamplerSettings]) -> torch.Tensor:
+def sampling_probs(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    min_p: torch.Tensor,
+) -> torch.Tensor:
     """The distribution a non-greedy row draws from: temperature, then min-p, top-k, top-p."""
-    device = logits.device
-    temperature = torch.tensor([p.temperature for p in params], device=device)
     logits = logits / temperature[:, None]
-    min_p = torch.tensor([p.min_p for p in params], device=device)
     if bool((min_p > 0).any()):
         probs = logits.softmax(dim=-1)
         floor = min_p[:, None] * probs.max(dim=-1, keepdim=True).values
         logits = logits.masked_fill(probs < floor, float("-inf"))
-    top_k = torch.tensor([p.top_k for p in params], device=device)
-    top_p = torch.tensor([p.top_p for p in params], device=device)
     vocab = logits.shape[-1]
     if bool(((top_k > 0) & (top_k < vocab)).any()) or bool((top_p < 1).any()):
         logits = _top_k_top_p(logits, top_k, top_p)
@@ -104,48 +120,36 @@ def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor)
     return torch.empty_like(logits).scatter_(1, order, ascending)
 
 
-def mask_min_tokens_stop_ids(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+def mask_min_tokens_stop_ids(
+    logits: torch.Tensor, stop_masks: list[tuple[int, tuple[int, ...]]]
+) -> torch.Tensor:
     """-inf on the stop ids of every row that has fewer output tokens than its min_tokens, so
     neither greedy nor a draw can end the request early."""
-    row_index: list[int] = []
-    token_index: list[int] = []
-    for i, r in enumerate(rows):
-        if r.params.masks_stop_ids(len(r.output_token_ids)):
-            row_index.extend([i] * len(r.params.min_tokens_stop_ids))
-            token_index.extend(r.params.min_tokens_stop_ids)
-    if not row_index:
+    if not stop_masks:
         return logits
+    row_index = [row for row, stop_ids in stop_masks for _ in stop_ids]
+    token_index = [token for _, stop_ids in stop_masks for token in stop_ids]
     device = logits.device
     index = (torch.tensor(row_index, device=device), torch.tensor(token_index, device=device))
     # Out of place: the caller's logits stay as the model produced them.
     return logits.index_put(index, torch.tensor(float("-inf"), device=device))
 
 
-def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+def apply_penalties(logits: torch.Tensor, penalties: Penalties) -> torch.Tensor:
     """vLLM semantics: repetition over prompt and output tokens, presence and frequency over
-    output tokens only."""
-    device = logits.device
-    vocab = logits.shape[-1]
-    output_counts = _token_counts([r.output_token_ids for r in rows], vocab, device)
-    prompt_seen = _token_counts([r.prompt_token_ids for r in rows], vocab, device) > 0
-    repetition = torch.tensor([r.params.repetition_penalty for r in rows], device=device)[:, None]
+    output tokens only. Out of place; only the penalised rows change."""
+    rows = logits[penalties.index]
+    output_counts, prompt_seen = penalties.counts.gather(penalties.counts_rows)
     seen = prompt_seen | (output_counts > 0)
-    penalised = torch.where(logits > 0, logits / repetition, logits * repetition)
-    logits = torch.where(seen, penalised, logits)
-    frequency = torch.tensor([r.params.frequency_penalty for r in rows], device=device)[:, None]
-    presence = torch.tensor([r.params.presence_penalty for r in rows], device=device)[:, None]
-    return logits - frequency * output_counts - presence * (output_counts > 0).float()
-
-
-def _token_counts(token_lists: list[list[int]], vocab: int, device: torch.device) -> torch.Tensor:
-    width = max((len(t) for t in token_lists), default=0)
-    # Padding points at an extra column that is cut off afterwards.
-    padded = torch.full((len(token_lists), width), vocab, dtype=torch.long)
-    for i, tokens in enumerate(token_lists):
-        padded[i, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
-    counts = torch.zeros(len(token_lists), vocab + 1, device=device)
-    counts.scatter_add_(1, padded.to(device), torch.ones(padded.shape, device=device))
-    return counts[:, :vocab]
+    repetition = penalties.repetition[:, None]
+    penalised = torch.where(rows > 0, rows / repetition, rows * repetition)
+    rows = torch.where(seen, penalised, rows)
+    rows = (
+        rows
+        - penalties.frequency[:, None] * output_counts
+        - penalties.presence[:, None] * (output_counts > 0).float()
+    )
+    return logits.index_put((penalties.index,), rows)
 
 
 def _exponential_race(
@@ -166,19 +170,18 @@ def _exponential_race(
 
 
 def _logprobs(
-    raw_logprobs: torch.Tensor | None, rows: list[SamplingRow], tokens: torch.Tensor
+    raw_logprobs: torch.Tensor | None, batch: SamplingBatch, tokens: torch.Tensor
 ) -> list[TopLogprobs | None]:
     if raw_logprobs is None:
-        return [None] * len(rows)
+        return [None] * len(batch)
     chosen = raw_logprobs.gather(1, tokens[:, None]).squeeze(1).tolist()
-    width = max(r.params.num_logprobs for r in rows)
+    width = int(batch.num_logprobs.max())
     top_values, top_ids = raw_logprobs.topk(width, dim=-1) if width else (None, None)
     result: list[TopLogprobs | None] = []
-    for i, row in enumerate(rows):
-        if not row.params.want_logprobs:
+    for i, (wanted, n) in enumerate(zip(batch.want_logprobs.tolist(), batch.num_logprobs.tolist())):
+        if not wanted:
             result.append(None)
             continue
-        n = row.params.num_logprobs
         result.append(
             TopLogprobs(
                 token_logprob=chosen[i],

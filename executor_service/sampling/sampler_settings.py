@@ -35,15 +35,6 @@ class SamplerSettings:
     def masks_stop_ids(self, num_output_tokens: int) -> bool:
         return bool(self.min_tokens_stop_ids) and num_output_tokens < self.min_tokens
 
-    def argmax_only(self, num_output_tokens: int) -> bool:
-        """Whether the next token is the logits' argmax and nothing else is read from them."""
-        return (
-            self.greedy
-            and not self.has_penalties
-            and not self.want_logprobs
-            and not self.masks_stop_ids(num_output_tokens)
-        )
-
     @property
     def has_penalties(self) -> bool:
         return (

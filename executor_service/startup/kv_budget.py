@@ -12,8 +12,8 @@ from executor_service.model.model_loader import LoadedModel
 from executor_service.runner.decode_graphs import decode_graphs_on
 from executor_service.runner.forward import accepts_logits_to_keep, compute_logits
 from executor_service.runner.plan_inputs import ScheduledWork, build_step_inputs
-from executor_service.runner.request_state import RequestState
-from executor_service.sampling.sampler import SamplingRow, sample
+from executor_service.runner.request_rows import RequestRows
+from executor_service.sampling.sampler import sample_batch
 from executor_service.sampling.sampler_settings import SamplerSettings
 from executor_service.serving.settings import DEFAULT_CPU_KV_BYTES, ExecutorSettings
 
@@ -141,12 +141,13 @@ def _profile_peak(
     cache = PagedKVCache(
         shape, max(prefill_blocks, PROFILE_DECODE_SEQS * blocks_per_seq), loaded.device
     )
+    rows = RequestRows(loaded.vocab_size, loaded.device)
     prefill = [
-        _profile_work("prefill", num_tokens, range(prefill_blocks), num_tokens, sampling)
+        _profile_work(rows, "prefill", num_tokens, range(prefill_blocks), num_tokens, sampling)
     ]
     decode = [
         _profile_work(
-            f"decode{i}", context, range(i * blocks_per_seq, (i + 1) * blocks_per_seq), 1, sampling
+            rows, f"decode{i}", context, range(i * blocks_per_seq, (i + 1) * blocks_per_seq), 1, sampling
         )
         for i in range(PROFILE_DECODE_SEQS)
     ]
@@ -156,20 +157,20 @@ def _profile_peak(
 
 
 def _profile_work(
+    rows: RequestRows,
     request_id: str,
     num_tokens: int,
     block_ids: range,
     num_scheduled: int,
     sampling: SamplerSettings,
 ) -> ScheduledWork:
-    state = RequestState(
+    state = rows.admit(
         request_id=request_id,
         token_ids=[0] * num_tokens,
         num_prompt_tokens=num_tokens,
-        block_ids=list(block_ids),
+        block_ids=block_ids,
         num_computed_tokens=num_tokens - num_scheduled,
         sampling=sampling,
-        generator=None,
     )
     return ScheduledWork(state, num_scheduled)
 
@@ -183,10 +184,7 @@ def _step_peak(
     torch.cuda.reset_peak_memory_stats(device)
     inputs = build_step_inputs(work, cache, backend, device, loaded.sequence_rope)
     logits = compute_logits(loaded, inputs, accepts_logits_to_keep(loaded))
-    rows = [
-        SamplingRow(s.sampling, None, s.prompt_token_ids, s.output_token_ids)
-        for s in inputs.sampled
-    ]
-    sample(logits, rows, torch.Generator(device=device))
+    request_rows = work[0].state.rows
+    sample_batch(logits, request_rows.sampling(inputs.sampled_rows), torch.Generator(device=device))
     torch.cuda.synchronize(device)
     return torch.cuda.max_memory_allocated(device) - start

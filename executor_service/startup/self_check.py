@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from executor_service.attention.kv_cache import PagedKVCache
@@ -23,7 +24,7 @@ from executor_service.model.model_loader import LoadedModel
 from executor_service.model.model_support import UnsupportedModel
 from executor_service.runner.forward import accepts_logits_to_keep, compute_logits
 from executor_service.runner.plan_inputs import ScheduledWork, build_step_inputs
-from executor_service.runner.request_state import RequestState
+from executor_service.runner.request_rows import RequestRows, RequestState
 from executor_service.sampling.sampler_settings import SamplerSettings
 
 logger = logging.getLogger(__name__)
@@ -123,8 +124,9 @@ def run_self_check(
     (tokens_a, tokens_b), (len_a, len_b) = reference.token_ids, reference.prompt_lens
     blocks_a = -(-len(tokens_a) // block_size)
     blocks_b = -(-len(tokens_b) // block_size)
-    a = _sequence("a", tokens_a, len_a, list(range(blocks_a)))
-    b = _sequence("b", tokens_b, len_b, list(range(blocks_a, blocks_a + blocks_b)))
+    rows = RequestRows(loaded.vocab_size, loaded.device)
+    a = _sequence(rows, "a", tokens_a, len_a, list(range(blocks_a)))
+    b = _sequence(rows, "b", tokens_b, len_b, list(range(blocks_a, blocks_a + blocks_b)))
     half = len_b // 2
     steps = [[(a, len_a), (b, half)], [(a, 1), (b, len_b - half)]]
     steps += [[(a, 1), (b, 1)] for _ in range(DECODE_STEPS - 1)]
@@ -155,8 +157,10 @@ def run_self_check(
     return worst
 
 
-def _sequence(name: str, token_ids: list[int], prompt_len: int, block_ids: list[int]) -> _Sequence:
-    state = RequestState(
+def _sequence(
+    rows: RequestRows, name: str, token_ids: list[int], prompt_len: int, block_ids: list[int]
+) -> _Sequence:
+    state = rows.admit(
         request_id=f"self-check-{name}",
         token_ids=token_ids[:prompt_len],
         num_prompt_tokens=prompt_len,
@@ -164,7 +168,6 @@ def _sequence(name: str, token_ids: list[int], prompt_len: int, block_ids: list[
         num_computed_tokens=0,
         # Reads every logit, so a ScreenedHead (greedy_head.py) computes them all.
         sampling=SamplerSettings(want_logprobs=True),
-        generator=None,
     )
     return _Sequence(name, token_ids, prompt_len, state, [], [])
 
@@ -181,12 +184,13 @@ def _paged_step(
     sampled = {id(state): row for state, row in zip(inputs.sampled, logits, strict=True)}
     for seq, count in step:
         state = seq.state
-        state.num_computed_tokens += count
+        state.rows.advance(state, count)
         if id(state) in sampled:
-            seq.positions.append(len(state.token_ids) - 1)
+            seq.positions.append(state.num_tokens - 1)
             seq.logits.append(sampled[id(state)].float())
             # Teacher forcing: the next input is the check's own token, not a sample.
-            state.token_ids.append(seq.token_ids[len(state.token_ids)])
+            next_token = seq.token_ids[state.num_tokens]
+            state.rows.append_tokens(np.array([state.row]), [next_token])
 
 
 def _relative_error(got: torch.Tensor, expected: torch.Tensor) -> float:

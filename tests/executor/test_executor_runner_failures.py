@@ -36,10 +36,10 @@ def _new(request_id: str, block: int) -> pb.NewRequest:
 
 
 def _raise_for(request_id: str, real: Callable[..., object]) -> Callable[..., object]:
-    def new_state(entry: pb.NewRequest, sampling: object, device: torch.device) -> object:
+    def new_state(rows: object, entry: pb.NewRequest, sampling: object, device: torch.device) -> object:
         if entry.request_id == request_id:
             raise RuntimeError("broken entry")
-        return real(entry, sampling, device)
+        return real(rows, entry, sampling, device)
 
     return new_state
 

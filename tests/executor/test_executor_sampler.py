@@ -9,6 +9,7 @@ import torch
 
 from executor_service.sampling.sampler import SamplingRow, apply_penalties, sample
 from executor_service.sampling.sampler_settings import SamplerSettings
+from executor_service.sampling.sampling_batch import SamplingBatch
 
 torch.set_num_threads(1)
 
@@ -102,9 +103,10 @@ def test_penalties_follow_vllm_semantics() -> None:
     params = SamplerSettings(
         temperature=0.0, repetition_penalty=2.0, presence_penalty=0.5, frequency_penalty=0.25
     )
-    penalised = apply_penalties(
-        logits, [SamplingRow(params, None, prompt_token_ids=[0, 1], output_token_ids=[3, 3, 2])]
-    )
+    rows = [SamplingRow(params, None, prompt_token_ids=[0, 1], output_token_ids=[3, 3, 2])]
+    penalties = SamplingBatch.from_rows(rows, logits.shape[-1], logits.device).penalties
+    assert penalties is not None
+    penalised = apply_penalties(logits, penalties)
     # Token 0 (prompt, positive): /2. Token 1 (prompt, negative): *2. Token 2 (output once):
     # /2 - 0.5 - 0.25. Token 3 (output twice): /2 - 0.5 - 0.5. Token 4 unseen: unchanged.
     want = torch.tensor([[1.0, -2.0, 0.25 - 0.75, 1.5 - 1.0, 1.0]])

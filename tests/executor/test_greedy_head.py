@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import assume, given, settings
@@ -27,6 +28,7 @@ from executor_service.cpu_forward.greedy_head import (
 )
 from executor_service.cpu_forward.packed_linear import PackedLinear
 from executor_service.kernels.cpu_kernels import load_kernel_library
+from executor_service.runner.request_rows import RequestRows
 from executor_service.sampling.sampler_settings import SamplerSettings
 from executor_service.serving.settings import ExecutorSettings
 from executor_service.startup import startup
@@ -252,13 +254,19 @@ def test_only_plain_float32_heads_are_screened() -> None:
     assert screenable_head(llama.to(torch.bfloat16)) is None
 
 
+def _argmax_only(settings: SamplerSettings, num_outputs: int) -> bool:
+    rows = RequestRows(vocab_size=8, device=torch.device("cpu"))
+    state = rows.admit("r", [3] + [4] * num_outputs, 1, [0], 0, settings)
+    return rows.argmax_only(np.array([state.row]))[0]
+
+
 def test_argmax_only_is_greedy_without_penalties_logprobs_or_masked_stops() -> None:
-    assert SamplerSettings().argmax_only(0)
-    assert not SamplerSettings(temperature=0.7).argmax_only(0)
-    assert not SamplerSettings(repetition_penalty=1.1).argmax_only(0)
-    assert not SamplerSettings(want_logprobs=True).argmax_only(0)
+    assert _argmax_only(SamplerSettings(), 0)
+    assert not _argmax_only(SamplerSettings(temperature=0.7), 0)
+    assert not _argmax_only(SamplerSettings(repetition_penalty=1.1), 0)
+    assert not _argmax_only(SamplerSettings(want_logprobs=True), 0)
     masked = SamplerSettings(min_tokens=2, min_tokens_stop_ids=(2,))
-    assert not masked.argmax_only(1) and masked.argmax_only(2)
+    assert not _argmax_only(masked, 1) and _argmax_only(masked, 2)
 
 
 Outputs = dict[str, tuple[list[int], list[float]]]

@@ -1,0 +1,115 @@
+"""One step's sampling inputs, one entry per row that produces a token: flags and parameters as
+arrays, so the sampler's per-step work is array operations rather than a loop over requests.
+
+The runner gathers a batch from its persistent rows (runner/request_rows.py); callers without
+those rows (the memory profile, tests) build one from SamplingRows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from executor_service.sampling.penalty_counts import PenaltyCounts
+from executor_service.sampling.sampler_settings import SamplerSettings
+
+
+@dataclass(slots=True)
+class SamplingRow:
+    """A row described by its token lists, for callers that keep no penalty counts."""
+
+    params: SamplerSettings
+    generator: torch.Generator | None
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+
+
+@dataclass(slots=True)
+class Penalties:
+    """The rows of a step with repetition, presence or frequency penalties."""
+
+    # Their rows in the step (int64); per such row its parameters [p] and its row in `counts`,
+    # which the sampler gathers with the rest of its arithmetic over the vocab.
+    index: torch.Tensor
+    repetition: torch.Tensor
+    presence: torch.Tensor
+    frequency: torch.Tensor
+    counts: PenaltyCounts
+    counts_rows: torch.Tensor
+
+
+@dataclass(slots=True)
+class SamplingBatch:
+    greedy: np.ndarray
+    temperature: np.ndarray
+    top_k: np.ndarray
+    top_p: np.ndarray
+    min_p: np.ndarray
+    want_logprobs: np.ndarray
+    num_logprobs: np.ndarray
+    # A seeded row's own generator, set for the position it samples; None draws from the
+    # step's shared generator.
+    generators: list[torch.Generator | None]
+    # (row, stop ids) for rows whose min_tokens still forbid stopping.
+    stop_masks: list[tuple[int, tuple[int, ...]]]
+    penalties: Penalties | None
+
+    def __len__(self) -> int:
+        return len(self.greedy)
+
+    @classmethod
+    def from_rows(cls, rows: Sequence[SamplingRow], vocab_size: int, device: torch.device) -> SamplingBatch:
+        params = [row.params for row in rows]
+        penalised = [i for i, p in enumerate(params) if p.has_penalties]
+        penalised_params = [params[i] for i in penalised]
+        counts = PenaltyCounts(vocab_size, device)
+        counts_rows = [counts.add(rows[i].prompt_token_ids, rows[i].output_token_ids) for i in penalised]
+        return cls(
+            greedy=np.array([p.greedy for p in params], dtype=bool),
+            temperature=np.array([p.temperature for p in params], dtype=np.float32),
+            top_k=np.array([p.top_k for p in params], dtype=np.int64),
+            top_p=np.array([p.top_p for p in params], dtype=np.float32),
+            min_p=np.array([p.min_p for p in params], dtype=np.float32),
+            want_logprobs=np.array([p.want_logprobs for p in params], dtype=bool),
+            num_logprobs=np.array([p.num_logprobs for p in params], dtype=np.int64),
+            generators=[row.generator for row in rows],
+            stop_masks=[
+                (i, row.params.min_tokens_stop_ids)
+                for i, row in enumerate(rows)
+                if row.params.masks_stop_ids(len(row.output_token_ids))
+            ],
+            penalties=penalties_of(
+                np.array(penalised, dtype=np.int64),
+                np.array([p.repetition_penalty for p in penalised_params], dtype=np.float32),
+                np.array([p.presence_penalty for p in penalised_params], dtype=np.float32),
+                np.array([p.frequency_penalty for p in penalised_params], dtype=np.float32),
+                counts,
+                np.array(counts_rows, dtype=np.int64),
+            )
+            if penalised
+            else None,
+        )
+
+
+def penalties_of(
+    index: np.ndarray,
+    repetition: np.ndarray,
+    presence: np.ndarray,
+    frequency: np.ndarray,
+    counts: PenaltyCounts,
+    counts_rows: np.ndarray,
+) -> Penalties:
+    """index: the penalised rows' places in the step; the rest: their parameters and their rows
+    in counts."""
+    device = counts.device
+    return Penalties(
+        index=torch.from_numpy(index).to(device),
+        repetition=torch.from_numpy(repetition).to(device),
+        presence=torch.from_numpy(presence).to(device),
+        frequency=torch.from_numpy(frequency).to(device),
+        counts=counts,
+        counts_rows=torch.from_numpy(counts_rows).to(device),
+    )
