@@ -9,9 +9,14 @@ A real executor is built in this process (executor_service.startup, the default 
 small random Llama; R requests are prefilled to C tokens each, a quarter of them sampled at
 temperature 0.8 with repetition, presence and frequency penalties, the rest greedy; then every
 step decodes all of them, planned as the planner plans steady decodes (packed handles). A step's
-host work is ModelRunner.execute's time less compute_logits' (the model's forward and head),
-both timed in the step. Reported: the median over steps, the median of those over runs
-(`host_us_per_step`), and per row.
+host work is ModelRunner.execute's time less compute_logits' (the model's forward and head) and
+less sample_batch's (the sampler's arithmetic over [rows, vocab] logits: penalties, top-k/top-p,
+the draw, the argmax), each timed in the step. On a GPU that arithmetic is device kernels whose
+host cost is their launch; on this CPU it is compute like the head's, so it is reported on its
+own (`sampling_us_per_step`, constant in the context) beside the host work proper
+(`host_us_per_step`: plan decoding, state updates, inputs, gathering the sampling batch, penalty
+count updates, result encoding) and their sum (`host_and_sampling_us_per_step`). Each is the
+median over steps, then the median over runs.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -46,22 +52,23 @@ GREEDY = pb.SamplerConfig()
 
 
 @contextmanager
-def timed_logits(spent: list[float]) -> Iterator[None]:
-    """Inside the block, each compute_logits call the runner makes adds its seconds to spent."""
-    original: Callable[..., torch.Tensor] = model_runner.compute_logits
+def timed(name: str, spent: list[float]) -> Iterator[None]:
+    """Inside the block, each call the runner makes to its function `name` adds its seconds to
+    spent."""
+    original: Callable[..., Any] = getattr(model_runner, name)
 
-    def timed(*args: Any, **kwargs: Any) -> torch.Tensor:
+    def clocked(*args: Any, **kwargs: Any) -> Any:
         started = time.perf_counter()
         try:
             return original(*args, **kwargs)
         finally:
             spent.append(time.perf_counter() - started)
 
-    model_runner.compute_logits = timed
+    setattr(model_runner, name, clocked)
     try:
         yield
     finally:
-        model_runner.compute_logits = original
+        setattr(model_runner, name, original)
 
 
 def _executor(model_dir: Path, rows: int, length: int, blocks_per_row: int) -> ReadyExecutor:
@@ -99,8 +106,17 @@ def _prefill(
     return [row + 1 for row in range(rows)]
 
 
-def measure(rows: int, context: int, steps: int, warmup: int, seed: int) -> float:
-    """Median host microseconds per decode step over `steps` steps, after `warmup`."""
+@dataclass(slots=True)
+class StepCosts:
+    """Microseconds per decode step, each the median over the measured steps."""
+
+    host_us: float
+    sampling_us: float
+    host_and_sampling_us: float
+
+
+def measure(rows: int, context: int, steps: int, warmup: int, seed: int) -> StepCosts:
+    """Host and sampling microseconds per decode step over `steps` steps, after `warmup`."""
     generator = torch.Generator().manual_seed(seed)
     with tempfile.TemporaryDirectory(prefix="host-overhead-") as tmp:
         length = context + steps + warmup + 1
@@ -109,18 +125,22 @@ def measure(rows: int, context: int, steps: int, warmup: int, seed: int) -> floa
         executor = _executor(model_dir, rows, length, blocks_per_row)
         handles = _prefill(executor, rows, context, blocks_per_row, generator)
         host_s: list[float] = []
+        sampling_s: list[float] = []
         for index in range(warmup + steps):
             logits_s: list[float] = []
+            sample_s: list[float] = []
             plan = pb.StepPlan(step_id=1_000_000 + index, decode_handles=handles)
-            with timed_logits(logits_s):
+            with timed("compute_logits", logits_s), timed("sample_batch", sample_s):
                 started = time.perf_counter()
                 result = executor.runner.execute(plan)
                 elapsed = time.perf_counter() - started
             if len(result.decode_token_ids) != rows:
                 raise RuntimeError(f"a decode step sampled {len(result.decode_token_ids)} of {rows} rows")
             if index >= warmup:
-                host_s.append(elapsed - sum(logits_s))
-    return statistics.median(host_s) * 1e6
+                host_s.append(elapsed - sum(logits_s) - sum(sample_s))
+                sampling_s.append(sum(sample_s))
+    both = [host + sampling for host, sampling in zip(host_s, sampling_s)]
+    return StepCosts(*(statistics.median(values) * 1e6 for values in (host_s, sampling_s, both)))
 
 
 def main() -> None:
@@ -134,23 +154,30 @@ def main() -> None:
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     logger.setLevel(logging.INFO)
-    per_run = []
+    per_run: list[StepCosts] = []
     for run in range(args.runs):
         per_run.append(measure(args.rows, args.context, args.steps, args.warmup, seed=run))
-        logger.info("event=host_overhead_run run=%d host_us_per_step=%.0f", run, per_run[-1])
-    host_us = statistics.median(per_run)
+        logger.info(
+            "event=host_overhead_run run=%d host_us_per_step=%.0f sampling_us_per_step=%.0f",
+            run, per_run[-1].host_us, per_run[-1].sampling_us,
+        )
+    host_us = statistics.median(costs.host_us for costs in per_run)
+    sampling_us = statistics.median(costs.sampling_us for costs in per_run)
     figures = {
         "rows": args.rows,
         "context": args.context,
         "steps": args.steps,
-        "runs": per_run,
+        "runs": [asdict(costs) for costs in per_run],
         "host_us_per_step": host_us,
         "host_us_per_row": host_us / args.rows,
+        "sampling_us_per_step": sampling_us,
+        "host_and_sampling_us_per_step": statistics.median(costs.host_and_sampling_us for costs in per_run),
     }
     print(
         f"{args.rows} rows at a context of {args.context}: {host_us:.0f} us of host work per decode step "
-        f"({host_us / args.rows:.2f} us per row), median of {args.runs} runs of {args.steps} steps: "
-        + ", ".join(f"{value:.0f}" for value in per_run)
+        f"({host_us / args.rows:.2f} us per row) and {sampling_us:.0f} us of sampling arithmetic, "
+        f"median of {args.runs} runs of {args.steps} steps; host per run: "
+        + ", ".join(f"{costs.host_us:.0f}" for costs in per_run)
     )
     if args.json is not None:
         args.json.write_text(json.dumps(figures, indent=2))
