@@ -1,19 +1,18 @@
 """The lm_head for greedy rows through an int8 screen: the same token, about half the time.
 
-A greedy row needs only its argmax, and the head is a decode step's largest matmul (random
-Llama: 32 rows x 512 x 32,000, ~5.8 ms of a ~33 ms step on two cores, packed fp32). Here the
+A greedy row needs only its argmax, and the head is a decode step's largest matmul. Here the
 hidden rows and the weight rows are rounded to int8, each with a scale of its own, and oneDNN's
-int8 linear, with the weight levels packed once, gives their integer products (~2.4 ms: VNNI
-does four times the multiply-adds of fp32 per instruction). From the rounding residuals the C
-pass (kernels/greedy_screen.c) bounds how far each true logit can be from its screen value,
-keeps every token the bound cannot rule out (a few dozen of 32,000 on the models measured), and
+int8 linear, with the weight levels packed once, gives their integer products (VNNI does four
+times the multiply-adds of fp32 per instruction). From the rounding residuals the C pass
+(kernels/greedy_screen.c) bounds how far each true logit can be from its screen value, keeps
+every token the bound cannot rule out (a few dozen of 32,000 on the models measured), and
 computes those logits from the fp32 weights in double precision; every other logit is -inf. The
 argmax of the row is then the argmax of the exact logits: no token a float32 matmul could make
-the largest is dropped. ~3.2 ms in all.
+the largest is dropped. docs/cpu-executor.md ("Measured") has the times.
 
-A channel far above the rest of its row (SmolLM2's final hidden states carry one at ~50x the
+A channel far above the rest of its row (SmolLM2's final hidden states carry one far above the
 others on random text) would set the row's int8 scale and leave the bound loose for every other
-channel: 62 % of SmolLM2's rows kept over an eighth of the vocabulary. Channels seen above
+channel, and most rows would keep over an eighth of the vocabulary. Channels seen above
 OUTLIER_RATIO times their row's median magnitude (looked for on one call in
 OUTLIER_CHECK_EVERY) join the screen's outlier set (up to MAX_OUTLIERS, kept for the screen's
 life): they are zeroed before rounding and their part of every logit is added back from the

@@ -1,51 +1,30 @@
 """float32 linear layers through the C panel kernel (kernels/panel_linear.c), the weights packed
 once into panels of 16 output columns.
 
-Against oneDNN's packed sgemm, two cores of an AMD EPYC (AVX-512), the layers' weights read from
-memory as in a step (more layers than the caches hold), best of 6 alternated passes:
-
-| rows | SmolLM2's 30 layers | random Llama's 8 layers |
-|---:|---|---|
-| 8 | 20.9 -> 14.5 ms (81 -> 117 GFLOP/s) | |
-| 32 | 42.8 -> 36.8 ms (159 -> 185 GFLOP/s) | 9.2 -> 8.3 ms (165 -> 183 GFLOP/s) |
-| 2,048 (8 layers) | 206 -> 203 GFLOP/s | 212 -> 207 GFLOP/s |
-
 Two epilogues save a pass over the output, each giving the bits of the separate operations:
 linear(..., residual) adds into the residual stream in place (the lean forward's o_proj and
 down_proj), and linear_silu_mul gives SiLU(gate) * up of a joined gate-and-up weight without
-writing the [rows, 2 x width] product (random Llama's MLP, prefill steps of ~1,740 tokens:
-silu_mul's own pass was 22 ms of ~600).
+writing the [rows, 2 x width] product.
 
-With up to 8 row tiles (64 rows), each tile prefetches a share of the next panel group's
-weights. On a later EPYC (Zen 5, two cores), a decode step's linears in the lean forward's order,
-40 steps alternated in one process, median: random Llama's 8 layers at 32 rows 5.42 -> 4.73 ms,
-SmolLM2's 30 at 32 rows 28.6 -> 26.0 ms and at 8 rows 18.1 -> 15.4 ms. Prefill's row blocks
-reuse each group from L2 and do not prefetch: with it, SmolLM2's 2,048-row linears were ~2 %
-slower.
-
-K is taken in blocks of ~128 so that a block of a panel group's weights stays in L1 across the
-row tiles that use it (kernels/panel_linear.c says how the bits stay those of one chain). On a
-Sapphire Rapids-class Xeon (two cores, AMX, 2 MiB L2 per core), SmolLM2's 30 layers (fused QKV,
-o_proj, gate-and-up with its SiLU epilogue, down_proj) against oneDNN, median of 9 alternated
-passes: 8 rows 22.8 against 30.5 ms, 32 rows 37.1 against 51.0 ms (183 against 133 GFLOP/s;
-48.3 ms before the K blocks), 2,048 rows (4 layers) 217 against 193 ms (267 against 300
-GFLOP/s): at prefill sizes oneDNN leads by ~10-15 % there.
+With up to 8 row tiles (64 rows), each tile prefetches a share of the next panel group's weights,
+since a decode step streams every weight from memory; prefill's row blocks reuse each group from
+L2 and do not prefetch. K is taken in blocks of ~128 so that a block of a panel group's weights
+stays in L1 across the row tiles that use it (kernels/panel_linear.c says how the bits stay those
+of one chain).
 
 A weight whose every 32 consecutive inputs of an output take values d q + m (q in 0..15, d and m
 per block: dequantized from GGUF's Q4_1, as the default SmolLM2 copy is) is also kept as those
 4-bit blocks, ~0.75 bytes a weight, verified value by value when packed (pack_blocks). Calls of up
 to 64 rows read them and rebuild the floats in L1: the same bits from under a fifth of the memory
-traffic, where a decode step's GEMMs stream every weight from memory (kernels/panel_linear.c).
-On CPUs with AMX (use_amx, on by default) every call multiplies on its bf16 tiles instead
+traffic. On CPUs with AMX (use_amx, on by default) every call multiplies on its bf16 tiles instead
 (kernels/panel_amx.c), x split exactly into three bf16 pieces. With blocks, the levels are exact
 in bf16, so every product is exact and only float32 additions round; float32 weights (K a whole
 number of 32s) are split into three pieces too, and the six largest of the nine products kept.
 Not the float path's bits, but at least as close to the exact product; a row's bits still do not
-depend on the rows beside it or the thread count. SmolLM2's layer shapes on two Sapphire
-Rapids-class cores: ~1.2-1.7x the float path at 32 rows, ~1.4-1.9x at 512; random Llama's float32
-layers ~1.5x at 512-2,048 rows (prefill), even at 32, but ~1.5x slower at 1-8 rows.
+depend on the rows beside it or the thread count.
 
-It needs AVX-512F; elsewhere PackedLinear keeps oneDNN.
+It needs AVX-512F; elsewhere PackedLinear keeps oneDNN. docs/cpu-executor.md ("Measured") has
+what each of these choices measured against oneDNN.
 """
 
 from __future__ import annotations
