@@ -23,7 +23,7 @@ from executor_service.runner.plan_inputs import (
     build_step_inputs,
 )
 from executor_service.runner.request_rows import RequestRows, RequestState
-from executor_service.runner.steady_decodes import SteadyDecodes
+from executor_service.runner.steady_decodes import SteadyDecodes, SteadyStep
 from executor_service.runner.validation import (
     Limits,
     check_continuing,
@@ -54,11 +54,11 @@ class _Admitted:
     num_entries: int = 0
     # Instead of `work`, for a plan of steady decodes only that all passed their checks: their
     # requests and rows in plan order, for inputs gathered from the rows' arrays.
-    steady: tuple[list[RequestState], np.ndarray] | None = None
+    steady: SteadyStep | None = None
 
     def states(self) -> list[RequestState]:
         """The requests that run, in plan order."""
-        return self.steady[0] if self.steady is not None else [item.state for item in self.work]
+        return self.steady.states if self.steady is not None else [item.state for item in self.work]
 
 
 class ModelRunner:
@@ -91,7 +91,7 @@ class ModelRunner:
         # Steady decodes take their inputs from the rows' arrays where the backend's attention
         # metadata is built that way; elsewhere they go through build_step_inputs.
         self._gathers_decodes = backend == "cpu_paged" and graphs is None and not loaded.sequence_rope
-        self._steady = SteadyDecodes(handles=[], states=[], rows=np.zeros(0, dtype=np.int64))
+        self._steady = SteadyDecodes()
         # Unseeded draws share this generator; seeded requests own theirs.
         self._generator = torch.Generator(device=loaded.device)
         self._generator.seed()
@@ -164,8 +164,8 @@ class ModelRunner:
         work = admitted.work
         logits = self.graphs.logits(work) if self.graphs is not None else None
         if admitted.steady is not None:
-            sampled_states, sampled_rows = admitted.steady
-            inputs = build_decode_inputs(self.rows, sampled_rows, sampled_states, self.kv_cache)
+            sampled_states, sampled_rows = admitted.steady.states, admitted.steady.rows
+            inputs = build_decode_inputs(self.rows, admitted.steady, self.kv_cache)
             logits = compute_logits(self.loaded, inputs, self._use_logits_to_keep)
         elif logits is not None:
             # A graphed step is all decodes, every one sampled, in work order.
@@ -181,7 +181,7 @@ class ModelRunner:
             sampled.token_ids = self._agree_on_tokens(sampled.token_ids)
         result.forward_time_s = time.perf_counter() - forward_started
         if admitted.steady is not None:
-            self.rows.append_tokens(sampled_rows, sampled.token_ids, computed=1)
+            self.rows.decoded(sampled_rows, admitted.steady.ints, sampled.token_ids)
             result.decode_token_ids.extend(sampled.token_ids)
             return
         tokens = self._advance(admitted, sampled_states, sampled, result)
@@ -260,7 +260,7 @@ class ModelRunner:
             steady = self._steady.admit(plan.decode_handles, self.handles, self.rows, self.limits)
             if steady is not None:
                 admitted.steady = steady
-                admitted.decodes = list(steady[0])
+                admitted.decodes = list(steady.states)
                 return
         for handle in plan.decode_handles:
             state = self.handles.get(handle)

@@ -22,6 +22,7 @@ from executor_service.runner.request_rows import (
     RequestRows,
     RequestState,
 )
+from executor_service.runner.steady_decodes import SteadyStep
 
 
 @dataclass(slots=True, frozen=True)
@@ -95,21 +96,18 @@ def build_step_inputs(
     )
 
 
-def build_decode_inputs(
-    rows: RequestRows, step_rows: np.ndarray, states: list[RequestState], kv_cache: PagedKVCache
-) -> StepInputs:
-    """A step of steady decodes for the cpu_paged backend, gathered from the rows' arrays: one
+def build_decode_inputs(rows: RequestRows, step: SteadyStep, kv_cache: PagedKVCache) -> StepInputs:
+    """A step of steady decodes for the cpu_paged backend, gathered from the rows' tables: one
     token per request, its last, each sampled. The same inputs build_step_inputs makes of these
     requests, at a cost that does not grow with their contexts.
 
-    The caller has checked each row (validation.steady_decode_rows); the block table's width is
-    the widest table among them, as build_step_attention's."""
+    SteadyDecodes has checked each row; the block table's width is the widest table among them,
+    as build_step_attention's."""
     block_size = kv_cache.block_size
-    ints = rows.ints[step_rows]
+    ints = step.ints
     positions = ints[:, COMPUTED].copy()
-    table = rows.blocks[step_rows, : int(ints[:, NUM_BLOCKS].max())]
-    count = len(step_rows)
-    slots = table[np.arange(count), positions // block_size] * block_size + positions % block_size
+    table = rows.blocks[step.rows, : int(ints[:, NUM_BLOCKS].max())]
+    slots = table[step.order, positions // block_size] * block_size + positions % block_size
     return StepInputs(
         input_ids=torch.from_numpy(ints[:, LAST_TOKEN].copy())[None, :],
         position_ids=torch.from_numpy(positions)[None, :],
@@ -121,14 +119,14 @@ def build_decode_inputs(
             decodes=[],
             varlen=None,
             paged_decode=PagedDecode(
-                token_index=torch.arange(count),
+                token_index=step.torch_order,
                 block_table=torch.from_numpy(table),
                 context_lens=torch.from_numpy(positions + 1),
                 whole_step=True,
             ),
         ),
-        logits_indices=torch.arange(count),
-        sampled=states,
-        sampled_rows=step_rows,
-        argmax_only=rows.argmax_only(step_rows),
+        logits_indices=step.torch_order,
+        sampled=step.states,
+        sampled_rows=step.rows,
+        argmax_only=rows.argmax_only(step.rows),
     )

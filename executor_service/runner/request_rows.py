@@ -172,9 +172,9 @@ class RequestRows:
         """num_tokens more of the request's tokens are computed."""
         self.ints[state.row, COMPUTED] += num_tokens
 
-    def append_tokens(self, rows: np.ndarray, token_ids: Sequence[int], computed: int = 0) -> None:
-        """Each row's request has one more token (output: it counts for penalties), and
-        `computed` more of its tokens are computed; rows are distinct."""
+    def append_tokens(self, rows: np.ndarray, token_ids: Sequence[int]) -> None:
+        """Each row's request has one more token (output: it counts for penalties); rows are
+        distinct."""
         tokens = np.array(token_ids, dtype=np.int64)
         ints = self.ints[rows]
         ends = ints[:, NUM_TOKENS]
@@ -182,7 +182,6 @@ class RequestRows:
             self.tokens = _widened(self.tokens, int(ends.max()) + 1)
         self.tokens[rows, ends] = tokens
         ints[:, NUM_TOKENS] += 1
-        ints[:, COMPUTED] += computed
         ints[:, LAST_TOKEN] = tokens
         self.ints[rows] = ints
         penalised = self.flags[rows, PENALISED]
@@ -191,6 +190,23 @@ class RequestRows:
                 torch.from_numpy(ints[penalised, PENALTY_ROW]).to(self.device),
                 torch.from_numpy(tokens[penalised]).to(self.device),
             )
+
+    def decoded(self, rows: np.ndarray, ints: np.ndarray, token_ids: Sequence[int]) -> None:
+        """A steady step ran: each row's last token is computed and its next one sampled.
+        ints: the rows' ints as gathered for the step (nothing else wrote them since); the
+        rows' sampling was gathered by sampling() for this step."""
+        tokens = np.array(token_ids, dtype=np.int64)
+        ends = ints[:, NUM_TOKENS]
+        if ends.max() >= self.tokens.shape[1]:
+            self.tokens = _widened(self.tokens, int(ends.max()) + 1)
+        self.tokens[rows, ends] = tokens
+        ints[:, COMPUTED] = ends
+        ints[:, NUM_TOKENS] = ends + 1
+        ints[:, LAST_TOKEN] = tokens
+        self.ints[rows] = ints
+        penalties = self._static_sampling(rows).batch.penalties
+        if penalties is not None:
+            self.penalty_counts.record(penalties.counts_rows, torch.from_numpy(tokens).to(self.device)[penalties.index])
 
     def sampling(self, rows: np.ndarray) -> SamplingBatch:
         """The sampling batch of these rows, in their order, for each row's next token."""
@@ -225,7 +241,9 @@ class RequestRows:
         """What of these rows' sampling stays the same from step to step, kept for the last set
         of rows (a steady decode names the same rows step after step)."""
         static = self._static
-        if static is not None and static.version == self.version and np.array_equal(static.rows, rows):
+        if static is not None and static.version == self.version and (
+            static.rows is rows or np.array_equal(static.rows, rows)
+        ):
             return static
         ints, floats, flags = self.ints[rows], self.floats[rows], self.flags[rows]
         greedy = flags[:, GREEDY]
@@ -243,7 +261,7 @@ class RequestRows:
             )
         unmasked = greedy & ~flags[:, PENALISED] & ~flags[:, WANT_LOGPROBS]
         self._static = _StaticSampling(
-            rows=rows.copy(),
+            rows=rows,
             version=self.version,
             batch=SamplingBatch(
                 greedy=greedy,

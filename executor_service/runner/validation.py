@@ -8,13 +8,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-import numpy as np
-
 from executor_service.runner.request_rows import (
-    COMPUTED,
-    NUM_BLOCKS,
-    NUM_TOKENS,
-    RequestRows,
     RequestState,
 )
 from executor_service.sampling.sampler_settings import SamplerSettings, sampling_problem
@@ -101,14 +95,6 @@ def check_decode(state: RequestState, limits: Limits) -> str | None:
             f"of {state.num_tokens} are"
         )
     return _capacity_problem(end, len(state.block_ids), limits)
-
-
-def steady_decodes_fit(rows: RequestRows, step_rows: np.ndarray, limits: Limits) -> bool:
-    """check_decode over many distinct rows at once: True when it passes every one. Where this
-    says False, the caller checks row by row for the messages."""
-    ints = rows.ints[step_rows]
-    end = ints[:, COMPUTED] + 1
-    return bool((end == ints[:, NUM_TOKENS]).all()) and bool((end <= ints[:, NUM_BLOCKS] * limits.block_size).all())
 
 
 def _id_problem(request_id: str) -> str | None:

@@ -23,6 +23,7 @@ class PenaltyCounts:
         self._output = torch.zeros(0, vocab_size, device=device)
         self._prompt_seen = torch.zeros(0, vocab_size, dtype=torch.bool, device=device)
         self._free: list[int] = []
+        self._one = torch.ones((), device=device)
 
     def add(self, prompt_token_ids: Sequence[int], output_token_ids: Sequence[int]) -> int:
         """A row for a request with these tokens so far."""
@@ -43,9 +44,7 @@ class PenaltyCounts:
 
     def record(self, rows: torch.Tensor, token_ids: torch.Tensor) -> None:
         """One more output of token_ids[i] in rows[i] (int64 tensors on the counts' device)."""
-        self._output.index_put_(
-            (rows, token_ids), torch.ones(rows.shape, device=self.device), accumulate=True
-        )
+        self._output.index_put_((rows, token_ids), self._one, accumulate=True)
 
     def gather(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The output counts and prompt-seen marks of these rows, copied."""

@@ -1,13 +1,12 @@
 """The persistent batch (runner/request_rows.py): steady decodes whose inputs and sampling batch
 are gathered from the rows' arrays sample exactly what the same requests sample as continuing
 entries built from their token and block lists, penalty counts kept step by step equal a
-recount, and the vectorised steady-decode check agrees with the per-request one."""
+recount, and the steady-decode check over all rows at once agrees with the per-request one."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -16,7 +15,8 @@ from hypothesis import strategies as st
 from executor_service.runner import model_runner
 from executor_service.runner.model_runner import ModelRunner
 from executor_service.runner.request_rows import RequestRows
-from executor_service.runner.validation import Limits, check_decode, steady_decodes_fit
+from executor_service.runner.steady_decodes import SteadyDecodes
+from executor_service.runner.validation import Limits, check_decode
 from executor_service.sampling.sampler_settings import SamplerSettings
 from executor_service.serving.settings import ExecutorSettings
 from executor_service.startup.startup import build_executor
@@ -152,9 +152,13 @@ def test_the_vectorised_steady_decode_check_agrees_with_the_per_request_one(
         rows.admit(f"r{i}", [3] * known, known, list(range(8 * i, 8 * i + blocks)), max(0, known - 1 - behind), SamplerSettings())
         for i, (known, behind, blocks) in enumerate(requests)
     ]
-    step_rows = np.array([s.row for s in states], dtype=np.int64)
+    held = {i + 1: state for i, state in enumerate(states)}
     each_passes = all(check_decode(state, LIMITS) is None for state in states)
-    assert steady_decodes_fit(rows, step_rows, LIMITS) == each_passes
+    steady = SteadyDecodes().admit(list(held), held, rows, LIMITS)
+    assert (steady is not None) == each_passes
+    if steady is not None:
+        assert steady.states == states
+        assert steady.rows.tolist() == [state.row for state in states]
 
 
 def test_a_handle_named_twice_in_a_plan_of_steady_decodes_is_refused_once(model_dir: Path) -> None:
