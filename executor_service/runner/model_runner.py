@@ -60,6 +60,10 @@ class _Admitted:
         """The requests that run, in plan order."""
         return self.steady.states if self.steady is not None else [item.state for item in self.work]
 
+    def num_tokens(self) -> int:
+        """Tokens computed in the step."""
+        return len(self.steady.states) if self.steady is not None else sum(w.num_tokens for w in self.work)
+
 
 class ModelRunner:
     """agree_on_tokens: under tensor parallelism, gives every rank rank 0's sampled tokens, so
@@ -120,17 +124,18 @@ class ModelRunner:
                 for state in self.requests.values()
             )
         result.step_time_s = time.perf_counter() - started
-        logger.debug(
-            "event=step step_id=%d requests=%d tokens=%d sampled=%d rejected=%d "
-            "forward_s=%.4f step_s=%.4f",
-            plan.step_id,
-            len(admitted.states()),
-            sum(w.num_tokens for w in admitted.work) + len(admitted.states()) - len(admitted.work),
-            len(result.outputs),
-            len(result.rejected),
-            result.forward_time_s,
-            result.step_time_s,
-        )
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug(
+                "event=step step_id=%d requests=%d tokens=%d sampled=%d rejected=%d "
+                "forward_s=%.4f step_s=%.4f",
+                plan.step_id,
+                len(admitted.states()),
+                admitted.num_tokens(),
+                len(result.outputs) + len(result.decode_token_ids),
+                len(result.rejected),
+                result.forward_time_s,
+                result.step_time_s,
+            )
         return result
 
     def drop_all_requests(self, wipe_kv: bool = False) -> None:

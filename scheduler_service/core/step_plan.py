@@ -103,8 +103,9 @@ class StepOutput:
     # The plan this answers.
     step_id: int
     # Tokens sampled this step, by request (one each for requests whose computation reached
-    # their last known token; none for a prefill chunk that did not).
-    sampled: dict[str, list[int]] = field(default_factory=dict)
+    # their last known token; none for a prefill chunk that did not). Read only: an executor's
+    # answer passes its repeated field through as it came.
+    sampled: dict[str, Sequence[int]] = field(default_factory=dict)
     # The executor's per-token logprob records, opaque to the planner: they pass through to the
     # client as they came (see service/output_stream.py).
     logprobs: dict[str, Sequence[object]] = field(default_factory=dict)

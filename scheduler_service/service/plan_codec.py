@@ -77,7 +77,7 @@ def output_from_proto(result: pb.StepResult) -> StepOutput:
         decode_token_ids=result.decode_token_ids,
     )
     for item in result.outputs:
-        output.sampled[item.request_id] = list(item.token_ids)
+        output.sampled[item.request_id] = item.token_ids
         if item.logprobs:
             output.logprobs[item.request_id] = item.logprobs
     for rejected in result.rejected:
