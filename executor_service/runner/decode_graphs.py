@@ -37,6 +37,8 @@ from executor_service.attention.kv_cache import PagedKVCache
 from executor_service.model.model_loader import LoadedModel
 from executor_service.runner.forward import accepts_logits_to_keep, compute_logits
 from executor_service.runner.plan_inputs import ScheduledWork, StepInputs
+from executor_service.runner.request_rows import COMPUTED, LAST_TOKEN, RequestRows
+from executor_service.runner.steady_decodes import SteadyStep
 
 logger = logging.getLogger(__name__)
 
@@ -209,12 +211,36 @@ class DecodeGraphs:
         return len(self._replays)
 
     @torch.inference_mode()
+    def steady_logits(self, rows: RequestRows, step: SteadyStep) -> torch.Tensor | None:
+        """logits() for an admitted step of steady decodes, its inputs gathered from the rows'
+        tables instead of from each request (SteadyDecodes has checked every row's room)."""
+        if not self.enabled:
+            return None
+        block_size = self._kv_cache.block_size
+        positions = step.ints[:, COMPUTED]
+        needed = positions // block_size + 1
+        batch = _smallest_at_least(len(step.rows), self.batch_sizes)
+        width = _smallest_at_least(int(needed.max()), self.widths)
+        if batch is None or width is None or batch * width > self._kv_cache.num_blocks:
+            return None
+        held = rows.blocks[step.rows, : min(width, rows.blocks.shape[1])]
+        table = np.zeros((len(step.rows), width), dtype=np.int64)
+        # Blocks past a row's context are padding, block 0 as padded_blocks gives it.
+        table[:, : held.shape[1]] = np.where(np.arange(held.shape[1])[None, :] < needed[:, None], held, 0)
+        self._stage((batch, width), step.ints[:, LAST_TOKEN], positions, table)
+        return self._replay((batch, width), len(step.rows))
+
+    @torch.inference_mode()
     def logits(self, work: list[ScheduledWork]) -> torch.Tensor | None:
         """[len(work), vocab] float32 logits of the step, valid until the next call; None when
         the step is not graphed (the caller runs the eager path)."""
         bucket = self.bucket(work)
         if bucket is None or not self._fill(work, bucket):
             return None
+        return self._replay(bucket, len(work))
+
+    def _replay(self, bucket: tuple[int, int], rows: int) -> torch.Tensor | None:
+        """The staged step's logits through its bucket's graph (captured now if it has none)."""
         replay = self._replays.get(bucket)
         if replay is None:
             replay = self._capture(bucket)
@@ -222,14 +248,13 @@ class DecodeGraphs:
                 return None
         replay()
         self.graphed_steps += 1
-        return self._logits[: len(work)]
+        return self._logits[:rows]
 
     def _fill(self, work: list[ScheduledWork], bucket: tuple[int, int]) -> bool:
         """Copies the step into the staging buffer, padding rows up to the bucket; False when a
         request holds fewer blocks than its context needs (the eager path reports that)."""
-        batch, width = bucket
         block_size = self._kv_cache.block_size
-        tokens, positions, slots, lens, table = [], [], [], [], []
+        tokens, positions, table = [], [], []
         for item in work:
             state = item.state
             position = state.num_computed_tokens
@@ -238,18 +263,29 @@ class DecodeGraphs:
                 return False
             tokens.append(state.tokens(position, position + 1)[0])
             positions.append(position)
-            slots.append(blocks[position // block_size] * block_size + position % block_size)
-            lens.append(position + 1)
-            table += padded_blocks(blocks, width)
-        padding = batch - len(work)
-        tokens += [0] * padding
-        positions += [0] * padding
-        slots += [self._kv_cache.scratch_slot] * padding
-        lens += [1] * padding
-        table += [0] * (width * padding)
-        step = torch.tensor(tokens + positions + slots + lens + table)
-        self._staging[: step.numel()].copy_(step)
+            table.append(padded_blocks(blocks, bucket[1]))
+        tables = np.array(table, dtype=np.int64).reshape(len(work), bucket[1])
+        self._stage(bucket, np.array(tokens, dtype=np.int64), np.array(positions, dtype=np.int64), tables)
         return True
+
+    def _stage(self, bucket: tuple[int, int], tokens: np.ndarray, positions: np.ndarray, table: np.ndarray) -> None:
+        """Copies a step's rows (each row's block table padded to the bucket's width with block
+        0) into the staging buffer, padding rows up to the bucket: they write the scratch slot
+        and attend over one position."""
+        batch, width = bucket
+        block_size = self._kv_cache.block_size
+        padding = batch - len(tokens)
+        slots = table[np.arange(len(tokens)), positions // block_size] * block_size + positions % block_size
+        staged = np.concatenate(
+            [
+                tokens, np.zeros(padding, dtype=np.int64),
+                positions, np.zeros(padding, dtype=np.int64),
+                slots, np.full(padding, self._kv_cache.scratch_slot, dtype=np.int64),
+                positions + 1, np.ones(padding, dtype=np.int64),
+                table.ravel(), np.zeros(width * padding, dtype=np.int64),
+            ]
+        )
+        self._staging[: staged.size].copy_(torch.from_numpy(staged))
 
     def _capture(self, bucket: tuple[int, int]) -> Replay | None:
         started = time.perf_counter()

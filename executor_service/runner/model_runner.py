@@ -92,9 +92,6 @@ class ModelRunner:
         self.handles: dict[int, RequestState] = {}
         self.rows = RequestRows(limits.vocab_size, loaded.device)
         self._use_logits_to_keep = accepts_logits_to_keep(loaded)
-        # Steady decodes take their inputs from the rows' arrays where the backend's attention
-        # metadata is built that way; elsewhere they go through build_step_inputs.
-        self._gathers_decodes = backend == "cpu_paged" and graphs is None and not loaded.sequence_rope
         self._steady = SteadyDecodes()
         # Unseeded draws share this generator; seeded requests own theirs.
         self._generator = torch.Generator(device=loaded.device)
@@ -155,6 +152,11 @@ class ModelRunner:
     def num_kv_blocks_in_use(self) -> int:
         return len({block for state in self.requests.values() for block in state.block_ids})
 
+    def _gathers_decodes(self) -> bool:
+        """Whether steady decodes take their inputs from the rows' tables: where a decode graph
+        or the cpu_paged backend's attention metadata is built that way."""
+        return not self.loaded.sequence_rope and (self.graphs is not None or self.backend == "cpu_paged")
+
     def _forget(self, request_id: str) -> None:
         state = self.requests.pop(request_id, None)
         if state is None:
@@ -166,20 +168,17 @@ class ModelRunner:
     def _run(self, admitted: _Admitted, result: executor_pb2.StepResult) -> None:
         """The shared part of a step: one forward and one sampling pass for all its work."""
         forward_started = time.perf_counter()
-        work = admitted.work
-        logits = self.graphs.logits(work) if self.graphs is not None else None
-        if admitted.steady is not None:
-            sampled_states, sampled_rows = admitted.steady.states, admitted.steady.rows
-            inputs = build_decode_inputs(self.rows, admitted.steady, self.kv_cache)
-            logits = compute_logits(self.loaded, inputs, self._use_logits_to_keep)
-        elif logits is not None:
-            # A graphed step is all decodes, every one sampled, in work order.
-            sampled_states = [item.state for item in work]
-            sampled_rows = np.array([state.row for state in sampled_states], dtype=np.int64)
+        steady = admitted.steady
+        logits = self._steady_logits(steady) if steady is not None else None
+        if steady is not None and logits is not None:
+            sampled_states, sampled_rows = steady.states, steady.rows
         else:
-            inputs = build_step_inputs(work, self.kv_cache, self.backend, self.loaded.device, self.loaded.sequence_rope)
-            logits = compute_logits(self.loaded, inputs, self._use_logits_to_keep)
-            sampled_states, sampled_rows = inputs.sampled, inputs.sampled_rows
+            if steady is not None:
+                # Outside every graph's bucket, on a backend whose inputs only build_step_inputs
+                # makes: the decodes run as work.
+                admitted.work = [ScheduledWork(state, 1) for state in steady.states]
+                admitted.steady = None
+            logits, sampled_states, sampled_rows = self._work_logits(admitted.work)
         batch = self.rows.sampling(sampled_rows)
         sampled = sample_batch(logits, batch, self._generator, self._argmax)
         if self._agree_on_tokens is not None and sampled.token_ids:
@@ -195,6 +194,28 @@ class ModelRunner:
             result.decode_token_ids.extend(
                 [UNHELD_DECODE_TOKEN if s is None else tokens[s.request_id] for s in admitted.decodes]
             )
+
+    def _steady_logits(self, steady: SteadyStep) -> torch.Tensor | None:
+        """A steady step's logits from inputs gathered from the rows' tables, or None where
+        neither a decode graph nor the cpu_paged backend takes them."""
+        if self.graphs is not None:
+            logits = self.graphs.steady_logits(self.rows, steady)
+            if logits is not None:
+                return logits
+        if self.backend != "cpu_paged":
+            return None
+        inputs = build_decode_inputs(self.rows, steady, self.kv_cache)
+        return compute_logits(self.loaded, inputs, self._use_logits_to_keep)
+
+    def _work_logits(self, work: list[ScheduledWork]) -> tuple[torch.Tensor, list[RequestState], np.ndarray]:
+        """The logits of a step's work, with the requests they sample and their rows."""
+        logits = self.graphs.logits(work) if self.graphs is not None else None
+        if logits is not None:
+            # A graphed step is all decodes, every one sampled, in work order.
+            states = [item.state for item in work]
+            return logits, states, np.array([state.row for state in states], dtype=np.int64)
+        inputs = build_step_inputs(work, self.kv_cache, self.backend, self.loaded.device, self.loaded.sequence_rope)
+        return compute_logits(self.loaded, inputs, self._use_logits_to_keep), inputs.sampled, inputs.sampled_rows
 
     def _fail_step(
         self,
@@ -261,7 +282,7 @@ class ModelRunner:
                 self.rows.add_blocks(state, (block_id,))
             else:
                 refused[handle] = problem
-        if self._gathers_decodes and not admitted.work and not refused:
+        if self._gathers_decodes() and not admitted.work and not refused:
             steady = self._steady.admit(plan.decode_handles, self.handles, self.rows, self.limits)
             if steady is not None:
                 admitted.steady = steady

@@ -150,11 +150,14 @@ class RequestRows:
         if self.flags[row, PENALISED]:
             self.penalty_counts.release(int(self.ints[row, PENALTY_ROW]))
         self.states[row] = None
+        # Table entries past a row's blocks stay block 0, the padding every reader expects.
+        self.blocks[row, : self.ints[row, NUM_BLOCKS]] = 0
         self._free.append(row)
         self.version += 1
 
     def clear(self) -> None:
         self.penalty_counts.clear()
+        self.blocks[:] = 0
         self.states = [None] * len(self.states)
         self._free = list(range(len(self.states) - 1, -1, -1))
         self.version += 1
