@@ -12,6 +12,13 @@ from pathlib import Path
 from scheduler_service.core.policy import Policy, StepMode
 from scheduler_service.core.router import DEFAULT_TOKENS_PER_REQUEST
 from scheduler_service.core.sampling_params import SamplingDefaults
+from scheduler_service.frontend.intake_limits import IntakeLimits
+from scheduler_service.frontend.stream_backlog import (
+    DEFAULT_MAX_BACKLOG_BYTES,
+    DEFAULT_MAX_BACKLOG_TOKENS,
+    BacklogLimits,
+)
+from scheduler_service.frontend.tracing import NO_TRACING, OtelTracing, Tracing
 from scheduler_service.security_options import add_security_flags, security_options
 from scheduler_service.service.discovery import (
     DEFAULT_RESOLVE_INTERVAL_S,
@@ -22,7 +29,6 @@ from scheduler_service.service.engine import (
     DEFAULT_NO_EXECUTOR_TIMEOUT_S,
     EngineOptions,
 )
-from scheduler_service.service.intake_limits import IntakeLimits
 from scheduler_service.service.lane import (
     DEFAULT_STEP_TIMEOUT_FACTOR,
     DEFAULT_STEP_TIMEOUT_FLOOR_S,
@@ -33,12 +39,6 @@ from scheduler_service.service.server import (
     ServerSettings,
     serve,
 )
-from scheduler_service.service.stream_backlog import (
-    DEFAULT_MAX_BACKLOG_BYTES,
-    DEFAULT_MAX_BACKLOG_TOKENS,
-    BacklogLimits,
-)
-from scheduler_service.service.tracing import NO_TRACING, OtelTracing, Tracing
 from scheduler_service.text.generation_config import load_sampling_defaults
 from scheduler_service.text.tokenizer import TextProcessor
 from scheduler_service.tier.all_in_one import run_all_in_one
@@ -232,7 +232,7 @@ def parse_args(argv: list[str] | None, prog: str = "python -m scheduler_service"
 
 
 def _add_cap_flags(parser: argparse.ArgumentParser) -> None:
-    """Per-request caps (service/intake_limits.py); the receive limit follows from them."""
+    """Per-request caps (frontend/intake_limits.py); the receive limit follows from them."""
     caps = IntakeLimits()
     group = parser.add_argument_group("request caps (a request over one gets INVALID_ARGUMENT)")
     group.add_argument("--max-prompt-bytes", type=positive_int, default=caps.max_prompt_bytes, help="UTF-8 bytes of a text prompt or of a chat's contents together")

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from protos.executor_access import read_token_file
-from scheduler_service.service.api_keys import load_api_keys
+from scheduler_service.frontend.api_keys import load_api_keys
 from service_support.health_port import add_health_port_flag
 from service_support.transport_security import (
     ClientTls,

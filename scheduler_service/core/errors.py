@@ -1,7 +1,7 @@
 """What went wrong with a request, as a kind: the one error vocabulary of the scheduler.
 
 The core and the service layer say what went wrong in these terms; only the servicer maps kinds
-to gRPC status codes (service/servicer.py, one table).
+to gRPC status codes (frontend/servicer.py, one table).
 """
 
 import enum

@@ -107,7 +107,7 @@ class StepOutput:
     # answer passes its repeated field through as it came.
     sampled: dict[str, Sequence[int]] = field(default_factory=dict)
     # The executor's per-token logprob records, opaque to the planner: they pass through to the
-    # client as they came (see service/output_stream.py).
+    # client as they came (see frontend/output_stream.py).
     logprobs: dict[str, Sequence[object]] = field(default_factory=dict)
     # One token per StepPlan.decode_handles entry, in that order.
     decode_token_ids: Sequence[int] = ()

@@ -11,9 +11,9 @@ from protos.splitserve.v1 import generation_pb2 as pb
 from scheduler_service.core.config import SchedulingKnobs
 from scheduler_service.core.errors import RequestRejected
 from scheduler_service.core.policy import Policy, StepMode
+from scheduler_service.frontend.status_codes import STATUS_CODES
 from scheduler_service.service.engine import Engine
 from scheduler_service.service.executor_status import executor_status
-from scheduler_service.service.status_codes import STATUS_CODES
 
 logger = logging.getLogger(__name__)
 

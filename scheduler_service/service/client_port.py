@@ -16,12 +16,12 @@ from protos.splitserve.v1 import (
     generation_pb2,
     generation_pb2_grpc,
 )
-from scheduler_service.service.api_keys import ApiKeyInterceptor
-from scheduler_service.service.backend import Backend
-from scheduler_service.service.message_parsing import MessageParsingInterceptor
-from scheduler_service.service.request_intake import PARSED_BY_INTAKE, Intake
+from scheduler_service.frontend.api_keys import ApiKeyInterceptor
+from scheduler_service.frontend.backend import Backend
+from scheduler_service.frontend.message_parsing import MessageParsingInterceptor
+from scheduler_service.frontend.request_intake import PARSED_BY_INTAKE, Intake
+from scheduler_service.frontend.servicer import GenerationServicer
 from scheduler_service.service.server_settings import ServerSettings
-from scheduler_service.service.servicer import GenerationServicer
 
 logger = logging.getLogger(__name__)
 

@@ -33,17 +33,17 @@ from scheduler_service.core.step_plan import (
     StepPlan,
     StepUpdates,
 )
-from scheduler_service.service.draining import refuse_when_draining
+from scheduler_service.frontend.draining import refuse_when_draining
+from scheduler_service.frontend.output_stream import OutputStream
+from scheduler_service.frontend.stream_backlog import BacklogLimits
+from scheduler_service.frontend.tracing import NO_TRACING, Tracing
 from scheduler_service.service.executor_link import ExecutorLink
 from scheduler_service.service.executor_status import executor_status
 from scheduler_service.service.lane import ExecutorLane, LaneOptions, LaneState
 from scheduler_service.service.lane_audit import ExecutorAudit
 from scheduler_service.service.metrics import SchedulerMetrics
-from scheduler_service.service.output_stream import OutputStream
 from scheduler_service.service.request_sink import RequestSink
 from scheduler_service.service.step_trace import StepTrace
-from scheduler_service.service.stream_backlog import BacklogLimits
-from scheduler_service.service.tracing import NO_TRACING, Tracing
 from scheduler_service.text.tokenizer import TextProcessor
 
 logger = logging.getLogger(__name__)
@@ -64,7 +64,7 @@ class EngineOptions:
     max_waiting: int = 10_000
     # Routing: cached prompt tokens worth one more queued request (core/router.py).
     route_tokens_per_request: int = DEFAULT_TOKENS_PER_REQUEST
-    # Tokens a stream gathers before sending them (service/output_stream.py).
+    # Tokens a stream gathers before sending them (frontend/output_stream.py).
     stream_interval: int = 1
     # How far a stream's reader may fall behind before its request is ended (stream_backlog.py).
     stream_backlog: BacklogLimits = BacklogLimits()

@@ -14,7 +14,7 @@ class RequestSink(Protocol):
     # Set once the request's end (close) or error (fail) went in; nothing follows.
     closed: bool
     error: RequestError | None
-    # The request's span while tracing is on (service/tracing.py).
+    # The request's span while tracing is on (frontend/tracing.py).
     trace_span: Any
 
     def add_tokens(

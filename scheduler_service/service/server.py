@@ -11,6 +11,7 @@ from collections.abc import Callable
 
 from prometheus_client import start_http_server
 
+from scheduler_service.frontend.request_intake import Intake
 from scheduler_service.service.admin_servicer import AdminServicer
 from scheduler_service.service.client_port import (
     HealthReporter,
@@ -23,7 +24,6 @@ from scheduler_service.service.executor_link import ExecutorLink
 from scheduler_service.service.gc_tuning import tune_gc
 from scheduler_service.service.heap_tuning import fix_mmap_threshold
 from scheduler_service.service.metrics import SchedulerMetrics
-from scheduler_service.service.request_intake import Intake
 from scheduler_service.service.server_settings import (
     DEFAULT_DRAIN_TIMEOUT_S,
     ServerSettings,

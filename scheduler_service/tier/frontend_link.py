@@ -11,8 +11,8 @@ from protos.splitserve.executor.v1 import executor_pb2
 from protos.splitserve.planner.v1 import planner_pb2
 from scheduler_service.core.errors import RequestError
 from scheduler_service.core.request import Request
-from scheduler_service.service.output_stream import FINISH_REASONS
-from scheduler_service.service.status_codes import STATUS_CODES
+from scheduler_service.frontend.output_stream import FINISH_REASONS
+from scheduler_service.frontend.status_codes import STATUS_CODES
 
 logger = logging.getLogger(__name__)
 

@@ -12,13 +12,13 @@ import time
 import uuid
 from dataclasses import dataclass
 
+from scheduler_service.frontend.request_intake import Intake
 from scheduler_service.service.client_port import (
     HealthReporter,
     bind_client_port,
     client_server,
 )
 from scheduler_service.service.heap_tuning import fix_mmap_threshold
-from scheduler_service.service.request_intake import Intake
 from scheduler_service.service.server import DRAIN_POLL_S, SHUTDOWN_GRACE_S
 from scheduler_service.service.server_settings import ServerSettings
 from scheduler_service.tier.admin_forwarder import AdminForwarder

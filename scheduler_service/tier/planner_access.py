@@ -10,7 +10,7 @@ from collections.abc import Awaitable, Callable
 import grpc
 from grpc_health.v1 import health
 
-from scheduler_service.service.api_keys import refusing_handler
+from scheduler_service.frontend.api_keys import refusing_handler
 
 logger = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""A front-end's backend (service/backend.py): its requests planned by a planner over the
+"""A front-end's backend (frontend/backend.py): its requests planned by a planner over the
 Planner API. The front-end holds each request's durable state (prompt, every token delivered,
 sampling parameters and seed, its client's stream), so when its planner is lost it submits them
 all again, with those tokens, to the next planner that is up: the new planner recomputes them as
@@ -17,11 +17,11 @@ from protos.splitserve.v1 import generation_pb2 as pb
 from scheduler_service.core.errors import ErrorKind, RequestError, RequestRejected
 from scheduler_service.core.request import FinishReason, Request
 from scheduler_service.core.stop_checker import check_stop
-from scheduler_service.service.draining import refuse_when_draining
+from scheduler_service.frontend.draining import refuse_when_draining
+from scheduler_service.frontend.output_stream import OutputStream
+from scheduler_service.frontend.status_codes import KINDS_BY_CODE
+from scheduler_service.frontend.stream_backlog import BacklogLimits
 from scheduler_service.service.engine import MAX_EXECUTOR_LOSSES
-from scheduler_service.service.output_stream import OutputStream
-from scheduler_service.service.status_codes import KINDS_BY_CODE
-from scheduler_service.service.stream_backlog import BacklogLimits
 from scheduler_service.text.tokenizer import TextProcessor
 from scheduler_service.tier.planner_link import PlannerLink
 from scheduler_service.tier.request_codec import submitted

@@ -8,7 +8,7 @@ from protos.splitserve.planner.v1 import planner_pb2
 from protos.splitserve.v1 import generation_pb2 as pb
 from scheduler_service.core.request import Request
 from scheduler_service.core.sampling_params import SamplingDefaults, SamplingParams
-from scheduler_service.service.request_intake import sampling_from_proto
+from scheduler_service.frontend.request_intake import sampling_from_proto
 
 
 def sampling_to_proto(sampling: SamplingParams) -> pb.SamplingParams:

@@ -3,7 +3,7 @@ scheduler, leave a neighbouring stream (a canary in a process of its own) going,
 all-in-one scheduler and against two front-ends and a planner.
 
 Ten 8 MB texts and ten 64 MB token-id lists, under caps raised so far that none is refused from
-its size: each is read, parsed (the lists counted, not decoded: service/request_parsing.py) and
+its size: each is read, parsed (the lists counted, not decoded: frontend/request_parsing.py) and
 refused for the model's length. Half the lists hold 16 Mi ids of four bytes, half 64 Mi of one
 byte, the costliest for a parser to decode.
 
@@ -35,7 +35,7 @@ import pytest
 import torch
 
 from protos.splitserve.v1 import generation_pb2 as pb
-from scheduler_service.service.wire_fields import varint_bytes
+from scheduler_service.frontend.wire_fields import varint_bytes
 from tests.helpers.canary import CanaryProcess, CanaryStats
 from tests.helpers.executor_process import start_executor
 from tests.helpers.model_factory import build_model

@@ -8,7 +8,7 @@ import pytest
 
 from protos.splitserve.v1 import generation_pb2 as pb
 from scheduler_service.core.errors import ErrorKind, RequestRejected
-from scheduler_service.service.request_intake import prompt_token_ids
+from scheduler_service.frontend.request_intake import prompt_token_ids
 from scheduler_service.text.template_kwargs import MAX_TEMPLATE_KWARGS, MAX_TEMPLATE_KWARGS_BYTES
 from scheduler_service.text.tokenizer import ChatContentError, TextProcessor
 from tests.helpers.tokenizer_assets import qwen3_tokenizer_dir

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from scheduler_service.service.request_intake import context_overflow
+from scheduler_service.frontend.request_intake import context_overflow
 
 
 def test_a_request_that_fits_the_context_exactly_is_taken() -> None:

@@ -12,9 +12,9 @@ import grpc
 import pytest
 
 from protos.splitserve.v1 import generation_pb2 as pb
-from scheduler_service.service.intake_limits import IntakeLimits
-from scheduler_service.service.request_intake import Intake
-from scheduler_service.service.servicer import GenerationServicer
+from scheduler_service.frontend.intake_limits import IntakeLimits
+from scheduler_service.frontend.request_intake import Intake
+from scheduler_service.frontend.servicer import GenerationServicer
 from scheduler_service.text.tokenizer import TextProcessor
 from tests.helpers.tokenizer_assets import qwen3_tokenizer_dir
 

@@ -12,8 +12,8 @@ from protos.splitserve.executor.v1 import executor_pb2
 from protos.splitserve.v1 import generation_pb2 as pb
 from scheduler_service.core.errors import ErrorKind, RequestRejected
 from scheduler_service.core.request import Request
-from scheduler_service.service.intake_limits import IntakeLimits
-from scheduler_service.service.request_intake import Intake
+from scheduler_service.frontend.intake_limits import IntakeLimits
+from scheduler_service.frontend.request_intake import Intake
 from scheduler_service.text.tokenizer import TextProcessor
 from tests.helpers.tokenizer_assets import qwen3_tokenizer_dir
 

@@ -13,8 +13,8 @@ from protos.splitserve.v1 import generation_pb2 as pb
 from scheduler_service.core.errors import ErrorKind, RequestError
 from scheduler_service.core.request import FinishReason, Request
 from scheduler_service.core.sampling_params import SamplingParams
-from scheduler_service.service.output_stream import OutputStream
-from scheduler_service.service.stream_backlog import BacklogLimits
+from scheduler_service.frontend.output_stream import OutputStream
+from scheduler_service.frontend.stream_backlog import BacklogLimits
 
 UNBOUNDED = BacklogLimits(max_tokens=10**9, max_bytes=10**12)
 

@@ -10,14 +10,14 @@ from hypothesis import strategies as st
 
 from protos.splitserve.v1 import generation_pb2 as pb
 from scheduler_service.core.errors import RequestRejected
-from scheduler_service.service import packed_varints
-from scheduler_service.service.packed_varints import count_varints
-from scheduler_service.service.request_parsing import (
+from scheduler_service.frontend import packed_varints
+from scheduler_service.frontend.packed_varints import count_varints
+from scheduler_service.frontend.request_parsing import (
     UnparsedRequest,
     parse_request,
     unparsable,
 )
-from scheduler_service.service.wire_fields import varint_bytes
+from scheduler_service.frontend.wire_fields import varint_bytes
 
 TOKEN_IDS = pb.GenerateRequest.DESCRIPTOR.fields_by_name["token_ids"].number
 

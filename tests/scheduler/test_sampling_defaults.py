@@ -11,7 +11,7 @@ import pytest
 from protos.splitserve.v1 import generation_pb2 as pb
 from scheduler_service.__main__ import sampling_defaults
 from scheduler_service.core.sampling_params import SamplingDefaults
-from scheduler_service.service.request_intake import sampling_from_proto
+from scheduler_service.frontend.request_intake import sampling_from_proto
 from scheduler_service.text.generation_config import (
     GenerationConfigError,
     load_sampling_defaults,

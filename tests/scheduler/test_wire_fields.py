@@ -6,7 +6,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from protos.splitserve.v1 import generation_pb2 as pb
-from scheduler_service.service.wire_fields import MAX_FIELDS_SCANNED, largest_field
+from scheduler_service.frontend.wire_fields import MAX_FIELDS_SCANNED, largest_field
 
 _requests = st.builds(
     pb.GenerateRequest,

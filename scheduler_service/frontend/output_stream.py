@@ -9,7 +9,7 @@ from protos.splitserve.executor.v1 import executor_pb2
 from protos.splitserve.v1 import generation_pb2 as pb
 from scheduler_service.core.errors import ErrorKind, RequestError
 from scheduler_service.core.request import FinishReason, Request
-from scheduler_service.service.stream_backlog import BacklogLimits, PendingMessage
+from scheduler_service.frontend.stream_backlog import BacklogLimits, PendingMessage
 from scheduler_service.text.detokenizer import IncrementalDetokenizer
 from scheduler_service.text.tokenizer import TextProcessor
 
@@ -61,7 +61,7 @@ class OutputStream:
         self._on_backlog_exceeded = on_backlog_exceeded or self.fail
         # Set by close() or fail(); what follows the last message is then self.error.
         self.closed = False
-        # The request's span while tracing is on (service/tracing.py), else None.
+        # The request's span while tracing is on (frontend/tracing.py), else None.
         self.trace_span: Any = None
         # Why the request failed, once it has.
         self.error: RequestError | None = None

@@ -1,6 +1,6 @@
 """Turns a client's GenerateRequest into a scheduler Request, or says exactly what is wrong.
 
-Caps are checked first, on the parsed message (service/intake_limits.py), and a text prompt
+Caps are checked first, on the parsed message (frontend/intake_limits.py), and a text prompt
 that certainly holds more tokens than the model's length is refused from its length alone
 (text/token_count_bound.py): neither costs any tokenizing. A request's tokenizing, chat
 templating and block hashing then run in the tokenizer pool (text/tokenizer_pool.py), smallest
@@ -8,9 +8,9 @@ prompt first, with a thread that large prompts never take, so neither the event 
 every other stream nor a small prompt waits on a large one. Tiny requests are built inline, where
 a thread hop would cost more than the work.
 
-A request too large to parse on the event loop comes unparsed (service/message_parsing.py): it is
+A request too large to parse on the event loop comes unparsed (frontend/message_parsing.py): it is
 parsed, checked and built in the pool, its token-id list counted before it is decoded
-(service/request_parsing.py).
+(frontend/request_parsing.py).
 """
 
 import uuid
@@ -24,12 +24,12 @@ from protos.splitserve.v1 import generation_pb2 as pb
 from scheduler_service.core.errors import ErrorKind, RequestRejected
 from scheduler_service.core.request import Request
 from scheduler_service.core.sampling_params import SamplingDefaults, SamplingParams
-from scheduler_service.service.intake_limits import (
+from scheduler_service.frontend.intake_limits import (
     IntakeLimits,
     check_generate,
     check_prompt,
 )
-from scheduler_service.service.request_parsing import UnparsedRequest, parse_request
+from scheduler_service.frontend.request_parsing import UnparsedRequest, parse_request
 from scheduler_service.text.template_kwargs import TemplateValue
 from scheduler_service.text.tokenizer import TextProcessor
 from scheduler_service.text.tokenizer_pool import TokenizerPool

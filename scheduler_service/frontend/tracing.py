@@ -20,7 +20,7 @@ from scheduler_service.core.request import Request
 from scheduler_service.core.step_plan import StepOutput
 
 if TYPE_CHECKING:
-    from scheduler_service.service.output_stream import OutputStream
+    from scheduler_service.frontend.output_stream import OutputStream
 
 SERVICE_NAME = "splitserve-scheduler"
 # The W3C Trace Context metadata keys a caller may send.

@@ -26,8 +26,8 @@ from google.protobuf.descriptor import Descriptor
 from google.protobuf.message import DecodeError, Message
 
 from scheduler_service.core.errors import ErrorKind, RequestRejected
-from scheduler_service.service.packed_varints import count_varints, piece_end
-from scheduler_service.service.wire_fields import (
+from scheduler_service.frontend.packed_varints import count_varints, piece_end
+from scheduler_service.frontend.wire_fields import (
     LENGTH_DELIMITED,
     FieldSpan,
     field_spans,

@@ -8,7 +8,7 @@ from typing import Protocol
 from protos.splitserve.executor.v1 import executor_pb2
 from protos.splitserve.v1 import generation_pb2 as pb
 from scheduler_service.core.request import Request
-from scheduler_service.service.output_stream import OutputStream
+from scheduler_service.frontend.output_stream import OutputStream
 from scheduler_service.text.tokenizer import TextProcessor
 
 

@@ -4,7 +4,7 @@ oversized request costs its sender, not the server; and how many requests are to
 
 Each cap is a flag (scheduler_service/__main__.py). The receive limit is derived from them: a
 message larger than any request the caps allow is refused from its length alone, before it is
-parsed (service/message_parsing.py), with INVALID_ARGUMENT naming its largest field. gRPC's
+parsed (frontend/message_parsing.py), with INVALID_ARGUMENT naming its largest field. gRPC's
 own limit sits above that, at --max-message-bytes, as a ceiling on what is buffered at all:
 gRPC answers RESOURCE_EXHAUSTED there with no way to say which cap was broken.
 """
@@ -66,7 +66,7 @@ def check_generate(
     message: pb.GenerateRequest, limits: IntakeLimits, max_model_len: int, undecoded_ids: int | None = None
 ) -> None:
     """RequestRejected (INVALID) naming the first cap the request breaks. undecoded_ids: the
-    prompt is a token-id list of this many ids, left undecoded (service/request_parsing.py)."""
+    prompt is a token-id list of this many ids, left undecoded (frontend/request_parsing.py)."""
     _check_request_id(message.request_id, limits)
     if _utf8_length_exceeds(message.cache_salt, limits.max_cache_salt_bytes):
         _reject(f"cache_salt is longer than {limits.max_cache_salt_bytes} bytes")

@@ -5,7 +5,7 @@ RESOURCE_EXHAUSTED without naming a field: neither tells a client what to change
 
 A message is judged by its size before it is parsed, and only small ones are parsed here, on the
 event loop: a larger request of a type the intake parses itself goes to its handler unparsed
-(service/request_parsing.py says why a thread, and counting before decoding)."""
+(frontend/request_parsing.py says why a thread, and counting before decoding)."""
 
 from __future__ import annotations
 
@@ -16,12 +16,12 @@ from typing import Any
 import grpc
 from google.protobuf.message import DecodeError, Message
 
-from scheduler_service.service.request_parsing import (
+from scheduler_service.frontend.request_parsing import (
     INLINE_PARSE_BYTES,
     UnparsedRequest,
     unparsable,
 )
-from scheduler_service.service.wire_fields import largest_field
+from scheduler_service.frontend.wire_fields import largest_field
 
 logger = logging.getLogger(__name__)
 

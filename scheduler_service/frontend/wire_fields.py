@@ -1,6 +1,6 @@
 """A protobuf message's top-level fields read from its wire bytes, without parsing it: so an
 oversized request can be named by its largest field at the cost of a few varints, and a large one
-parsed a field at a time (service/request_parsing.py)."""
+parsed a field at a time (frontend/request_parsing.py)."""
 
 from __future__ import annotations
 

@@ -10,12 +10,12 @@ from protos.splitserve.v1 import generation_pb2 as pb
 from protos.splitserve.v1 import generation_pb2_grpc
 from scheduler_service.core.errors import ErrorKind, RequestError, RequestRejected
 from scheduler_service.core.sampling_params import SamplingDefaults
-from scheduler_service.service.backend import Backend
-from scheduler_service.service.draining import refuse_when_draining
-from scheduler_service.service.output_stream import OutputStream
-from scheduler_service.service.request_intake import Intake
-from scheduler_service.service.status_codes import STATUS_CODES
-from scheduler_service.service.tracing import TRACE_CONTEXT_KEYS
+from scheduler_service.frontend.backend import Backend
+from scheduler_service.frontend.draining import refuse_when_draining
+from scheduler_service.frontend.output_stream import OutputStream
+from scheduler_service.frontend.request_intake import Intake
+from scheduler_service.frontend.status_codes import STATUS_CODES
+from scheduler_service.frontend.tracing import TRACE_CONTEXT_KEYS
 
 logger = logging.getLogger(__name__)
 
