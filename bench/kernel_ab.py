@@ -50,7 +50,7 @@ from executor_service.kernels.cpu_kernels import (
 )
 from executor_service.kernels.layer_kernels import load_layer_kernels
 from executor_service.kernels.panel_linear import load_panel_kernel
-from scheduler_service.service.plan_codec import output_from_proto, plan_to_proto
+from scheduler_service.planner.plan_codec import output_from_proto, plan_to_proto
 
 REPOSITORY = KERNEL_DIR.parents[1]
 # Where a revision keeps cpu_kernels.py: beside its C files, or, before the executor's code

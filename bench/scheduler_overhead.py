@@ -18,8 +18,8 @@ from scheduler_service.core.request import Request
 from scheduler_service.core.sampling_params import SamplingParams
 from scheduler_service.core.scheduler import Scheduler
 from scheduler_service.core.sim_executor import SimulatedExecutor
+from scheduler_service.planner.plan_codec import plan_to_proto
 from scheduler_service.service.gc_tuning import tune_gc
-from scheduler_service.service.plan_codec import plan_to_proto
 
 PROMPT_LEN = 64
 BLOCK_SIZE = 16

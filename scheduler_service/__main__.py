@@ -19,21 +19,21 @@ from scheduler_service.frontend.stream_backlog import (
     BacklogLimits,
 )
 from scheduler_service.frontend.tracing import NO_TRACING, OtelTracing, Tracing
-from scheduler_service.security_options import add_security_flags, security_options
-from scheduler_service.service.discovery import (
+from scheduler_service.planner.discovery import (
     DEFAULT_RESOLVE_INTERVAL_S,
     DNS_PREFIX,
     split_target,
 )
-from scheduler_service.service.engine import (
+from scheduler_service.planner.engine import (
     DEFAULT_NO_EXECUTOR_TIMEOUT_S,
     EngineOptions,
 )
-from scheduler_service.service.lane import (
+from scheduler_service.planner.lane import (
     DEFAULT_STEP_TIMEOUT_FACTOR,
     DEFAULT_STEP_TIMEOUT_FLOOR_S,
     LaneOptions,
 )
+from scheduler_service.security_options import add_security_flags, security_options
 from scheduler_service.service.server import (
     DEFAULT_DRAIN_TIMEOUT_S,
     ServerSettings,

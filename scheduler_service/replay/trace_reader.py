@@ -1,4 +1,4 @@
-"""Reads steps.jsonl (service/step_trace.py) into one timeline per executor incarnation: its
+"""Reads steps.jsonl (planner/step_trace.py) into one timeline per executor incarnation: its
 planner's config, the requests placed on it and how each ended, the plans it was sent with
 their timings."""
 

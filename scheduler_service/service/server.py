@@ -12,23 +12,23 @@ from collections.abc import Callable
 from prometheus_client import start_http_server
 
 from scheduler_service.frontend.request_intake import Intake
-from scheduler_service.service.admin_servicer import AdminServicer
+from scheduler_service.planner.admin_servicer import AdminServicer
+from scheduler_service.planner.discovery import discover
+from scheduler_service.planner.engine import Engine
+from scheduler_service.planner.executor_link import ExecutorLink
+from scheduler_service.planner.metrics import SchedulerMetrics
+from scheduler_service.planner.step_trace import StepTrace
 from scheduler_service.service.client_port import (
     HealthReporter,
     bind_client_port,
     client_server,
 )
-from scheduler_service.service.discovery import discover
-from scheduler_service.service.engine import Engine
-from scheduler_service.service.executor_link import ExecutorLink
 from scheduler_service.service.gc_tuning import tune_gc
 from scheduler_service.service.heap_tuning import fix_mmap_threshold
-from scheduler_service.service.metrics import SchedulerMetrics
 from scheduler_service.service.server_settings import (
     DEFAULT_DRAIN_TIMEOUT_S,
     ServerSettings,
 )
-from scheduler_service.service.step_trace import StepTrace
 from service_support.health_port import start_health_port
 
 logger = logging.getLogger(__name__)

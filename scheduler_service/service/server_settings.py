@@ -7,8 +7,8 @@ from pathlib import Path
 from scheduler_service.core.sampling_params import SamplingDefaults
 from scheduler_service.frontend.intake_limits import IntakeLimits
 from scheduler_service.frontend.tracing import NO_TRACING, Tracing
-from scheduler_service.service.discovery import DEFAULT_RESOLVE_INTERVAL_S
-from scheduler_service.service.engine import EngineOptions
+from scheduler_service.planner.discovery import DEFAULT_RESOLVE_INTERVAL_S
+from scheduler_service.planner.engine import EngineOptions
 from scheduler_service.text.tokenizer import TextProcessor
 from service_support.transport_security import ClientTls, ServerTls
 
@@ -46,5 +46,5 @@ class ServerSettings:
     drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S
     # Where spans go (frontend/tracing.py); NO_TRACING keeps tracing off and free.
     tracing: Tracing = NO_TRACING
-    # Where the step trace goes (service/step_trace.py); None keeps it off.
+    # Where the step trace goes (planner/step_trace.py); None keeps it off.
     trace_dir: Path | None = None

@@ -10,7 +10,7 @@ import grpc
 from protos.limits import MAX_MESSAGE_BYTES
 from protos.splitserve.planner.v1 import planner_pb2, planner_pb2_grpc
 from protos.splitserve.v1 import generation_pb2 as pb
-from scheduler_service.service.executor_link import KEEPALIVE_OPTIONS
+from scheduler_service.planner.executor_link import KEEPALIVE_OPTIONS
 from scheduler_service.tier.planner_access import PLANNER_TOKEN_METADATA
 
 logger = logging.getLogger(__name__)

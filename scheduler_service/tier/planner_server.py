@@ -22,14 +22,14 @@ from prometheus_client import start_http_server
 from protos.limits import MAX_MESSAGE_BYTES
 from protos.splitserve.planner.v1 import planner_pb2, planner_pb2_grpc
 from protos.splitserve.v1 import admin_pb2, admin_pb2_grpc
-from scheduler_service.service.admin_servicer import AdminServicer
-from scheduler_service.service.engine import Engine
-from scheduler_service.service.executor_link import KEEPALIVE_OPTIONS, ExecutorLink
+from scheduler_service.planner.admin_servicer import AdminServicer
+from scheduler_service.planner.engine import Engine
+from scheduler_service.planner.executor_link import KEEPALIVE_OPTIONS, ExecutorLink
+from scheduler_service.planner.metrics import SchedulerMetrics
+from scheduler_service.planner.step_trace import StepTrace
 from scheduler_service.service.heap_tuning import fix_mmap_threshold
-from scheduler_service.service.metrics import SchedulerMetrics
 from scheduler_service.service.server import SHUTDOWN_GRACE_S, connect_then_run, drain
 from scheduler_service.service.server_settings import ServerSettings
-from scheduler_service.service.step_trace import StepTrace
 from scheduler_service.tier.planner_access import PlannerTokenInterceptor
 from scheduler_service.tier.planner_servicer import PlannerServicer
 from service_support.health_port import start_health_port

@@ -12,7 +12,7 @@ import numpy as np
 from protos.splitserve.planner.v1 import planner_pb2, planner_pb2_grpc
 from protos.splitserve.v1 import generation_pb2 as pb
 from scheduler_service.core.errors import ErrorKind, RequestError, RequestRejected
-from scheduler_service.service.engine import Engine
+from scheduler_service.planner.engine import Engine
 from scheduler_service.tier.frontend_link import FrontendLink, RemoteSink
 from scheduler_service.tier.request_codec import request_of
 

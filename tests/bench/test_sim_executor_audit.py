@@ -7,7 +7,7 @@ from scheduler_service.core.config import SchedulerConfig
 from scheduler_service.core.request import Request
 from scheduler_service.core.sampling_params import SamplingParams
 from scheduler_service.core.scheduler import Scheduler
-from scheduler_service.service.plan_codec import output_from_proto, plan_to_proto
+from scheduler_service.planner.plan_codec import output_from_proto, plan_to_proto
 
 
 def test_every_step_audits_clean() -> None:

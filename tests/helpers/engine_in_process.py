@@ -8,9 +8,9 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import TypeVar
 
-from scheduler_service.service.engine import Engine, EngineOptions
-from scheduler_service.service.executor_link import ExecutorLink
-from scheduler_service.service.metrics import SchedulerMetrics
+from scheduler_service.planner.engine import Engine, EngineOptions
+from scheduler_service.planner.executor_link import ExecutorLink
+from scheduler_service.planner.metrics import SchedulerMetrics
 from tests.helpers.executor_token import token
 
 LinkT = TypeVar("LinkT", bound=ExecutorLink)

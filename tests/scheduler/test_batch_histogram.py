@@ -3,7 +3,7 @@ the exposition must be what one observe() per value gives, bucket bounds include
 
 from prometheus_client import CollectorRegistry, generate_latest
 
-from scheduler_service.service.metrics import TOKEN_LATENCY_BUCKETS, BatchHistogram
+from scheduler_service.planner.metrics import TOKEN_LATENCY_BUCKETS, BatchHistogram
 
 # Below the first bound, on bounds (le: a value equal to a bound is in that bound's bucket),
 # between bounds, past the last finite bound, and repeats.

@@ -12,7 +12,7 @@ import torch
 from protos.splitserve.executor.v1 import executor_pb2 as pb
 from scheduler_service.core.request import Request
 from scheduler_service.core.sampling_params import SamplingParams
-from scheduler_service.service.executor_link import ExecutorLink
+from scheduler_service.planner.executor_link import ExecutorLink
 from tests.helpers.engine_in_process import engine_over
 from tests.helpers.executor_process import start_executor
 from tests.helpers.model_factory import build_model

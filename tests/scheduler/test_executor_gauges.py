@@ -3,7 +3,7 @@ an executor removed and added again (the same address) is exported again."""
 
 from prometheus_client import generate_latest
 
-from scheduler_service.service.metrics import SchedulerMetrics
+from scheduler_service.planner.metrics import SchedulerMetrics
 
 
 def _series(metrics: SchedulerMetrics) -> set[str]:

@@ -7,7 +7,7 @@ import logging
 import socket
 from collections.abc import Sequence
 
-from scheduler_service.service.engine import Engine
+from scheduler_service.planner.engine import Engine
 
 logger = logging.getLogger(__name__)
 

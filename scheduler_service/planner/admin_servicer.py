@@ -12,8 +12,8 @@ from scheduler_service.core.config import SchedulingKnobs
 from scheduler_service.core.errors import RequestRejected
 from scheduler_service.core.policy import Policy, StepMode
 from scheduler_service.frontend.status_codes import STATUS_CODES
-from scheduler_service.service.engine import Engine
-from scheduler_service.service.executor_status import executor_status
+from scheduler_service.planner.engine import Engine
+from scheduler_service.planner.executor_status import executor_status
 
 logger = logging.getLogger(__name__)
 

@@ -26,17 +26,17 @@ from scheduler_service.core.config import SchedulerConfig
 from scheduler_service.core.policy import Policy, StepMode
 from scheduler_service.core.scheduler import Scheduler
 from scheduler_service.core.step_plan import StepOutput, StepPlan, StepUpdates
-from scheduler_service.service.executor_link import (
+from scheduler_service.planner.executor_link import (
     ExecutorLink,
     ExecutorLost,
     ExecutorRefused,
 )
-from scheduler_service.service.lane_audit import (
+from scheduler_service.planner.lane_audit import (
     AuditAbandoned,
     ExecutorAudit,
     PendingAudits,
 )
-from scheduler_service.service.plan_codec import output_from_proto, plan_to_proto
+from scheduler_service.planner.plan_codec import output_from_proto, plan_to_proto
 
 logger = logging.getLogger(__name__)
 

@@ -1,5 +1,6 @@
 """Where the engine sends a request's tokens: its client's stream in this process
-(output_stream.OutputStream), or the front-end that holds the client (tier/remote_sink.py)."""
+(frontend/output_stream.py: OutputStream), or the front-end that holds the client
+(tier/frontend_link.py: RemoteSink)."""
 
 from collections.abc import Sequence
 from typing import Any, Protocol

@@ -1,6 +1,6 @@
 """The engine: every executor's lane, where requests go, and what happens when an executor goes.
 
-Each lane (service/lane.py) plans and steps at its own executor's pace. The engine places each
+Each lane (planner/lane.py) plans and steps at its own executor's pace. The engine places each
 new request on a lane with the router (core/router.py: prefix affinity weighed against load),
 moves queued requests to a lane that has nothing to do, and when an executor is lost (or
 drained) moves its requests to the lanes still up, to be recomputed there from the tokens they
@@ -37,13 +37,13 @@ from scheduler_service.frontend.draining import refuse_when_draining
 from scheduler_service.frontend.output_stream import OutputStream
 from scheduler_service.frontend.stream_backlog import BacklogLimits
 from scheduler_service.frontend.tracing import NO_TRACING, Tracing
-from scheduler_service.service.executor_link import ExecutorLink
-from scheduler_service.service.executor_status import executor_status
-from scheduler_service.service.lane import ExecutorLane, LaneOptions, LaneState
-from scheduler_service.service.lane_audit import ExecutorAudit
-from scheduler_service.service.metrics import SchedulerMetrics
-from scheduler_service.service.request_sink import RequestSink
-from scheduler_service.service.step_trace import StepTrace
+from scheduler_service.planner.executor_link import ExecutorLink
+from scheduler_service.planner.executor_status import executor_status
+from scheduler_service.planner.lane import ExecutorLane, LaneOptions, LaneState
+from scheduler_service.planner.lane_audit import ExecutorAudit
+from scheduler_service.planner.metrics import SchedulerMetrics
+from scheduler_service.planner.request_sink import RequestSink
+from scheduler_service.planner.step_trace import StepTrace
 from scheduler_service.text.tokenizer import TextProcessor
 
 logger = logging.getLogger(__name__)
@@ -96,7 +96,7 @@ class Engine:
         self.options = options
         self.metrics = metrics
         self.tracing = tracing
-        # --trace-dir: every plan, result and request event, for replay (service/step_trace.py).
+        # --trace-dir: every plan, result and request event, for replay (planner/step_trace.py).
         self.step_trace = step_trace
         self.on_serving = on_serving
         self._link_factory = link_factory

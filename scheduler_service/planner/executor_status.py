@@ -1,7 +1,7 @@
 """One executor's state as the client API reports it (GetServerStatus, the Admin API)."""
 
 from protos.splitserve.v1 import generation_pb2 as pb
-from scheduler_service.service.lane import ExecutorLane, LaneState
+from scheduler_service.planner.lane import ExecutorLane, LaneState
 
 _STATES = {
     LaneState.CONNECTING: pb.EXECUTOR_STATE_UNSPECIFIED,
