@@ -3,7 +3,7 @@
 requests each, the requests coming from L load-generator processes (bench.load_generator) over
 real client streams, so delivering every token to a client is part of the cost. The scheduler
 runs as `python -m scheduler_service --frontends N`: with 1, one process does everything; with
-N >= 2, a planner process and N front-end processes behind the client port (tier/all_in_one.py).
+N >= 2, a planner process and N front-end processes behind the client port (process/all_in_one.py).
 
     python -m bench.scale [--executors 16] [--running 256] [--step-ms 20 5] [--frontends 1 2]
         [--load-processes 8] [--warmup-s 8] [--settle-timeout-s 120] [--measure-s 10] [--runs 3]

@@ -19,7 +19,7 @@ from scheduler_service.core.sampling_params import SamplingParams
 from scheduler_service.core.scheduler import Scheduler
 from scheduler_service.core.sim_executor import SimulatedExecutor
 from scheduler_service.planner.plan_codec import plan_to_proto
-from scheduler_service.service.gc_tuning import tune_gc
+from scheduler_service.process.gc_tuning import tune_gc
 
 PROMPT_LEN = 64
 BLOCK_SIZE = 16

@@ -1,6 +1,6 @@
 """CPU seconds the scheduler tier's processes have used: the process a benchmark started (the
 planner of an all-in-one scheduler, or the whole scheduler with --frontends 1) and its direct
-children (the front-ends that tier/all_in_one.py starts; it starts nothing else). Two snapshots
+children (the front-ends that process/all_in_one.py starts; it starts nothing else). Two snapshots
 give the CPU each role spent over a window. Linux only (/proc).
 """
 

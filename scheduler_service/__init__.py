@@ -1,6 +1,5 @@
-"""The scheduler service: request state, queues and policies, the step planner, the engine loop
-that drives executors, and the client-facing gRPC server.
-
-The planning modules (request, sampling_params, policy, request_queue, step_plan, stop_checker,
-scheduler, sim_executor) import no torch and no gRPC.
-"""
+"""The scheduler service, in rooms that import only the rooms before them here: core (requests,
+queues and policies, the step planner; no torch and no gRPC), text (tokenizer and detokenizer),
+frontend (the client API), planner (the engine that drives executors), tier (the Planner API
+between front-ends and planners), process (each role's process), then the replay and launch
+tools (tests/scheduler/test_scheduler_rooms.py)."""

@@ -33,18 +33,18 @@ from scheduler_service.planner.lane import (
     DEFAULT_STEP_TIMEOUT_FLOOR_S,
     LaneOptions,
 )
-from scheduler_service.security_options import add_security_flags, security_options
-from scheduler_service.service.server import (
+from scheduler_service.process.all_in_one import run_all_in_one
+from scheduler_service.process.frontend_server import FrontendOptions, serve_frontend
+from scheduler_service.process.planner_server import PlannerOptions, serve_planner
+from scheduler_service.process.role_flags import add_role_flags, role_options
+from scheduler_service.process.server import (
     DEFAULT_DRAIN_TIMEOUT_S,
     ServerSettings,
     serve,
 )
+from scheduler_service.security_options import add_security_flags, security_options
 from scheduler_service.text.generation_config import load_sampling_defaults
 from scheduler_service.text.tokenizer import TextProcessor
-from scheduler_service.tier.all_in_one import run_all_in_one
-from scheduler_service.tier.frontend_server import FrontendOptions, serve_frontend
-from scheduler_service.tier.planner_server import PlannerOptions, serve_planner
-from scheduler_service.tier.role_flags import add_role_flags, role_options
 from service_support.cli_help import DefaultsHelpFormatter
 from service_support.default_ports import (
     DEFAULT_EXECUTOR_ADDRESS,

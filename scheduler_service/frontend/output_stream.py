@@ -170,7 +170,7 @@ class OutputStream:
         """Drops what the client has not taken, once its call is over. The stream itself lives
         on in reference cycles (grpc's call state and its callbacks; the request and its
         stream) until the collector finds them, which for a long stream is a full collection
-        (gc_tuning.py): what it holds must not live on with it."""
+        (process/gc_tuning.py): what it holds must not live on with it."""
         self._pending = None
 
     def _fold(self, message: pb.GenerateResponse) -> PendingMessage:

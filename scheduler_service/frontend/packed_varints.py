@@ -7,7 +7,7 @@ import numpy as np
 
 MAX_VARINT_BYTES = 10
 # Bytes looked at at once: numpy's temporaries stay under glibc's mmap threshold (1 MiB, see
-# heap_tuning.py), so they come from memory the allocator reuses instead of fresh pages.
+# process/heap_tuning.py), so they come from memory the allocator reuses instead of fresh pages.
 PIECE_BYTES = 256 << 10
 
 

@@ -66,7 +66,8 @@ class EngineOptions:
     route_tokens_per_request: int = DEFAULT_TOKENS_PER_REQUEST
     # Tokens a stream gathers before sending them (frontend/output_stream.py).
     stream_interval: int = 1
-    # How far a stream's reader may fall behind before its request is ended (stream_backlog.py).
+    # How far a stream's reader may fall behind before its request is ended
+    # (frontend/stream_backlog.py).
     stream_backlog: BacklogLimits = BacklogLimits()
     # Seconds a request may wait with no executor able to take it (see run()).
     no_executor_timeout_s: float = DEFAULT_NO_EXECUTOR_TIMEOUT_S

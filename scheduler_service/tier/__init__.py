@@ -1,9 +1,8 @@
-"""The scheduler as a tier (protos/splitserve/planner/v1/planner.proto): front-ends that serve
-clients and a planner that owns the executors, in processes of their own.
-
-Modules: request_codec (a request on the wire between them), remote_sink and frontend_link (the
-planner's side of one front-end's stream), planner_servicer (the Planner API), planner_access
-(its token), planner_link and planner_client (a front-end's side: its planners, failover and
-resubmission), planner_server and frontend_server (the two roles' serve()), all_in_one (one
-planner and N front-end processes behind one port).
+"""The Planner API (protos/splitserve/planner/v1/planner.proto) between the scheduler tier's
+front-ends, which serve clients, and a planner, which owns the executors, at both its ends:
+request_codec (a request on the wire between them); on the planner, planner_servicer (the API),
+frontend_link (its side of one front-end's stream: the RemoteSink the engine streams into) and
+planner_access (its token); on a front-end, planner_link and planner_client (its planners,
+failover and resubmission) and admin_forwarder (Admin passed on to the planner). The processes
+that serve them are in process/.
 """

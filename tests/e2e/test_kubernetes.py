@@ -33,9 +33,9 @@ from executor_service.__main__ import parse_args as parse_executor_args
 from executor_service.serving.server import SHUTDOWN_GRACE_S as EXECUTOR_STOP_S
 from scheduler_service.__main__ import parse_args as parse_scheduler_args
 from scheduler_service.planner.discovery import DNS_PREFIX, split_target
+from scheduler_service.process.role_flags import role_options
+from scheduler_service.process.server import SHUTDOWN_GRACE_S as SCHEDULER_STOP_S
 from scheduler_service.security_options import security_options
-from scheduler_service.service.server import SHUTDOWN_GRACE_S as SCHEDULER_STOP_S
-from scheduler_service.tier.role_flags import role_options
 from tests.helpers.kustomize_render import (
     Object,
     container_argv,

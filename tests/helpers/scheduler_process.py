@@ -28,7 +28,7 @@ LISTENING_PATTERN = re.compile(r"event=scheduler_listening address=(\S+):(\d+)")
 
 # Front-ends every scheduler the tests start runs with unless a test says otherwise: unset (1,
 # all in one process) in `make test`; `make test-frontends` runs the end-to-end tests again
-# with 2, through the planner and front-end processes (tier/all_in_one.py).
+# with 2, through the planner and front-end processes (process/all_in_one.py).
 FRONTENDS_ENV = "SPLITSERVE_TEST_FRONTENDS"
 
 

@@ -1,7 +1,7 @@
 """The front-end role (`--role frontend --planner HOST:PORT ...`): the client port exactly as the
 all-in-one scheduler serves it (Generation and Admin, keys, TLS, limits, health, reflection),
 with tokenizing, chat templates, detokenizing, stop strings and streaming here, and planning
-done by a planner (planner_client.py). Several front-ends may share one port (--reuse-port)."""
+done by a planner (tier/planner_client.py). Several front-ends may share one port (--reuse-port)."""
 
 import asyncio
 import logging
@@ -13,14 +13,14 @@ import uuid
 from dataclasses import dataclass
 
 from scheduler_service.frontend.request_intake import Intake
-from scheduler_service.service.client_port import (
+from scheduler_service.process.client_port import (
     HealthReporter,
     bind_client_port,
     client_server,
 )
-from scheduler_service.service.heap_tuning import fix_mmap_threshold
-from scheduler_service.service.server import DRAIN_POLL_S, SHUTDOWN_GRACE_S
-from scheduler_service.service.server_settings import ServerSettings
+from scheduler_service.process.heap_tuning import fix_mmap_threshold
+from scheduler_service.process.server import DRAIN_POLL_S, SHUTDOWN_GRACE_S
+from scheduler_service.process.server_settings import ServerSettings
 from scheduler_service.tier.admin_forwarder import AdminForwarder
 from scheduler_service.tier.planner_client import PlannerClient
 from service_support.health_port import start_health_port

@@ -1,5 +1,6 @@
 """Runs the all-in-one scheduler service in one process: the client port (client_port.py), the
-engine and its executors, metrics; the roles of the scheduler tier are in tier/."""
+engine and its executors, metrics; the tier's roles run in planner_server.py and
+frontend_server.py."""
 
 import asyncio
 import functools
@@ -18,14 +19,14 @@ from scheduler_service.planner.engine import Engine
 from scheduler_service.planner.executor_link import ExecutorLink
 from scheduler_service.planner.metrics import SchedulerMetrics
 from scheduler_service.planner.step_trace import StepTrace
-from scheduler_service.service.client_port import (
+from scheduler_service.process.client_port import (
     HealthReporter,
     bind_client_port,
     client_server,
 )
-from scheduler_service.service.gc_tuning import tune_gc
-from scheduler_service.service.heap_tuning import fix_mmap_threshold
-from scheduler_service.service.server_settings import (
+from scheduler_service.process.gc_tuning import tune_gc
+from scheduler_service.process.heap_tuning import fix_mmap_threshold
+from scheduler_service.process.server_settings import (
     DEFAULT_DRAIN_TIMEOUT_S,
     ServerSettings,
 )

@@ -21,7 +21,7 @@ from scheduler_service.frontend.backend import Backend
 from scheduler_service.frontend.message_parsing import MessageParsingInterceptor
 from scheduler_service.frontend.request_intake import PARSED_BY_INTAKE, Intake
 from scheduler_service.frontend.servicer import GenerationServicer
-from scheduler_service.service.server_settings import ServerSettings
+from scheduler_service.process.server_settings import ServerSettings
 
 logger = logging.getLogger(__name__)
 

@@ -27,9 +27,9 @@ from scheduler_service.planner.engine import Engine
 from scheduler_service.planner.executor_link import KEEPALIVE_OPTIONS, ExecutorLink
 from scheduler_service.planner.metrics import SchedulerMetrics
 from scheduler_service.planner.step_trace import StepTrace
-from scheduler_service.service.heap_tuning import fix_mmap_threshold
-from scheduler_service.service.server import SHUTDOWN_GRACE_S, connect_then_run, drain
-from scheduler_service.service.server_settings import ServerSettings
+from scheduler_service.process.heap_tuning import fix_mmap_threshold
+from scheduler_service.process.server import SHUTDOWN_GRACE_S, connect_then_run, drain
+from scheduler_service.process.server_settings import ServerSettings
 from scheduler_service.tier.planner_access import PlannerTokenInterceptor
 from scheduler_service.tier.planner_servicer import PlannerServicer
 from service_support.health_port import start_health_port

@@ -20,12 +20,12 @@ from dataclasses import replace
 from pathlib import Path
 
 from protos.executor_access import write_token_file
-from scheduler_service.service.server_settings import ServerSettings
-from scheduler_service.tier.planner_server import (
+from scheduler_service.process.planner_server import (
     PlannerHooks,
     PlannerOptions,
     serve_planner,
 )
+from scheduler_service.process.server_settings import ServerSettings
 from scheduler_service.tier.planner_servicer import PlannerServicer
 from service_support.parent_death import child_environment
 
