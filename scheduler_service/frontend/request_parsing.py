@@ -3,11 +3,11 @@ counted before it is decoded.
 
 The interceptor (message_parsing.py) parses small requests on the loop and hands larger ones to
 the intake unparsed (UnparsedRequest). A thread alone would not free the loop: protobuf's C
-decoder keeps the GIL for as long as one parse runs, and decoding 16 Mi token ids held it for
-0.45-1.5 s on a 2-core test machine, the loop stopped all along. So a token-id list whose bytes
-could hold more ids than the request may carry is first counted from its bytes
-(packed_varints.py: 0.12 s for 64 MB whatever the ids' widths, in pieces that hold the GIL for
-well under a millisecond), and decoded only when the count is allowed. The other fields are
+decoder keeps the GIL for as long as one parse runs, which for a list of millions of token ids is
+a stop of the loop measured in seconds (README, "Large requests are parsed off the event loop").
+So a token-id list whose bytes could hold more ids than the request may carry is first counted
+from its bytes (packed_varints.py, in pieces that hold the GIL for well under a millisecond,
+whatever the ids' widths), and decoded only when the count is allowed. The other fields are
 parsed as they come, in wire order, so a list refused for its count gets the refusal a whole
 parse would have given: the first field that does not parse (protobuf itself names what is
 wrong with a piece that is not well-formed), else the first cap the request breaks.

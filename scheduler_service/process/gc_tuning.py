@@ -1,9 +1,9 @@
 """Garbage-collector settings for the scheduler process.
 
 Each step allocates small records for every running request; with thousands of requests queued,
-CPython's default thresholds run full collections every few steps, each scanning every request,
-which was measured as 40 ms p99 pauses per step at 1,024 running (bench.scheduler_overhead).
-Objects made at start-up (tokenizer, model info) never die, so they are frozen out of the scans,
+CPython's default thresholds run full collections every few steps, each scanning every request: a
+pause in every few steps that grows with the running count (README, "Tests and benchmarks", has
+the figure). Objects made at start-up (tokenizer, model info) never die, so they are frozen out of the scans,
 and young collections run less often.
 
 So an object that lives through a few young collections ends in the oldest generation, which is
