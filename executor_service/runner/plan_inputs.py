@@ -101,12 +101,16 @@ def build_decode_inputs(rows: RequestRows, step: SteadyStep, kv_cache: PagedKVCa
     token per request, its last, each sampled. The same inputs build_step_inputs makes of these
     requests, at a cost that does not grow with their contexts.
 
-    SteadyDecodes has checked each row; the block table's width is the widest table among them,
-    as build_step_attention's."""
+    SteadyDecodes has checked each row's room; the block table's width is the widest table among
+    them, as build_step_attention's."""
     block_size = kv_cache.block_size
     ints = step.ints
     positions = ints[:, COMPUTED].copy()
     table = rows.blocks[step.rows, : int(ints[:, NUM_BLOCKS].max())]
+    if table.max() >= kv_cache.num_blocks:
+        # The kernel reads raw memory: as _check_fits does for build_step_inputs, a bug must not
+        # make it read past the cache (validation refuses such block ids when they come in).
+        raise RuntimeError(f"a block table names block {table.max()} of a cache of {kv_cache.num_blocks}")
     slots = table[step.order, positions // block_size] * block_size + positions % block_size
     return StepInputs(
         input_ids=torch.from_numpy(ints[:, LAST_TOKEN].copy())[None, :],

@@ -221,7 +221,8 @@ class RequestRows:
                 generators[i] = self.states[rows[i]].seeded_generator()  # type: ignore[union-attr]
             batch = replace(batch, generators=generators)
         if static.stop_rows.size:
-            masked = static.stop_rows[_masks_stop_ids(self.ints[rows[static.stop_rows]], self.flags[rows[static.stop_rows]])]
+            stop_rows = rows[static.stop_rows]
+            masked = static.stop_rows[_masks_stop_ids(self.ints[stop_rows], self.flags[stop_rows])]
             batch = replace(
                 batch,
                 stop_masks=[

@@ -57,10 +57,10 @@ class SteadyDecodes:
     ) -> SteadyStep | None:
         """The step of these handles when every one is held, none repeats and each passes
         check_decode; None sends the caller to the row-by-row path for its answers."""
-        handles = list(handles)
         step = self._step
+        # The plan's repeated field compares with the kept list without being copied.
         if step is None or handles != self._handles or request_rows.version != self._version:
-            step = self._look_up(handles, held, request_rows)
+            step = self._look_up(list(handles), held, request_rows)
             if step is None:
                 return None
         step.ints = ints = request_rows.ints[step.rows]
