@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.package_rooms import import_cycle, upward_imports
+from tests.helpers.package_rooms import import_cycle, layout_problems, upward_imports
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = "executor_service"
@@ -30,12 +30,7 @@ MAX_TOP_LEVEL_MODULES = 10
 
 
 def test_the_top_level_holds_at_most_ten_modules_and_every_sub_package_is_a_room() -> None:
-    package = REPO_ROOT / PACKAGE
-    top = sorted(path.name for path in package.glob("*.py"))
-    assert len(top) <= MAX_TOP_LEVEL_MODULES, top
-    assert {path.parent.name for path in package.glob("*/__init__.py")} == set(ROOMS)
-    for room in ROOMS:
-        assert any((package / room).glob("[!_]*.py")), f"{room} holds no module"
+    assert layout_problems(REPO_ROOT, PACKAGE, ROOMS, MAX_TOP_LEVEL_MODULES) == []
 
 
 def test_no_room_imports_a_higher_room_or_a_top_level_module() -> None:
@@ -81,4 +76,19 @@ def test_a_room_importing_an_entry_point_is_found(house: Path) -> None:
     )
     assert upward_imports(house, PACKAGE, ROOMS) == [
         "executor_service.kernels.wrapper (kernels) imports executor_service.__main__, a top-level module"
+    ]
+
+
+def test_a_house_out_of_shape_is_named(house: Path) -> None:
+    (house / PACKAGE / "stray.py").write_text("")
+    (house / PACKAGE / "empty").mkdir()
+    (house / PACKAGE / "empty" / "__init__.py").write_text("")
+    assert layout_problems(house, PACKAGE, ("kernels", "runner", "empty", "sampling"), 1) == [
+        "3 top-level modules, over 1: ['__init__.py', '__main__.py', 'stray.py']",
+        "room sampling is missing",
+        "room empty holds no module",
+    ]
+    assert layout_problems(house, PACKAGE, ("kernels",), 3) == [
+        "empty is a sub-package but not a room",
+        "runner is a sub-package but not a room",
     ]

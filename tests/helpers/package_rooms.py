@@ -45,6 +45,19 @@ def room_of(module: str, rooms: Sequence[str]) -> str | None:
     return parts[1] if len(parts) > 1 and parts[1] in rooms else None
 
 
+def layout_problems(root: Path, package: str, rooms: Sequence[str], max_top_level_modules: int) -> list[str]:
+    """What breaks the house's shape: too many top-level modules, a sub-package that is not a
+    room, a room that is missing or holds no module."""
+    folder = root / package
+    top = sorted(path.name for path in folder.glob("*.py"))
+    problems = [f"{len(top)} top-level modules, over {max_top_level_modules}: {top}"] if len(top) > max_top_level_modules else []
+    found = {path.parent.name for path in folder.glob("*/__init__.py")}
+    problems += [f"{name} is a sub-package but not a room" for name in sorted(found - set(rooms))]
+    problems += [f"room {name} is missing" for name in rooms if name not in found]
+    problems += [f"room {name} holds no module" for name in rooms if name in found and not any((folder / name).glob("[!_]*.py"))]
+    return problems
+
+
 def upward_imports(root: Path, package: str, rooms: Sequence[str]) -> list[str]:
     rank = {room: index for index, room in enumerate(rooms)}
     modules = package_modules(root, package)
