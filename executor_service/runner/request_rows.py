@@ -23,7 +23,11 @@ import torch
 from executor_service.sampling.penalty_counts import PenaltyCounts
 from executor_service.sampling.position_seed import position_seed
 from executor_service.sampling.sampler_settings import SamplerSettings
-from executor_service.sampling.sampling_batch import SamplingBatch, penalties_of
+from executor_service.sampling.sampling_batch import (
+    SamplingBatch,
+    masks_stop_ids,
+    penalties_of,
+)
 
 # Columns of RequestRows.ints, .floats and .flags: one gather per table fetches a step's rows.
 COMPUTED, NUM_TOKENS, NUM_PROMPT, NUM_BLOCKS, LAST_TOKEN, PENALTY_ROW, TOP_K, NUM_LOGPROBS, MIN_TOKENS = range(9)
@@ -353,6 +357,5 @@ def _widened(table: np.ndarray, width: int) -> np.ndarray:
 
 
 def _masks_stop_ids(ints: np.ndarray, flags: np.ndarray) -> np.ndarray:
-    """Per gathered row: its min_tokens still forbid its stop ids."""
-    outputs = ints[:, NUM_TOKENS] - ints[:, NUM_PROMPT]
-    return flags[:, HAS_STOP_IDS] & (outputs < ints[:, MIN_TOKENS])
+    """masks_stop_ids of gathered rows."""
+    return masks_stop_ids(flags[:, HAS_STOP_IDS], ints[:, NUM_TOKENS] - ints[:, NUM_PROMPT], ints[:, MIN_TOKENS])

@@ -32,9 +32,6 @@ class SamplerSettings:
     def greedy(self) -> bool:
         return self.temperature < SAMPLING_EPS
 
-    def masks_stop_ids(self, num_output_tokens: int) -> bool:
-        return bool(self.min_tokens_stop_ids) and num_output_tokens < self.min_tokens
-
     @property
     def has_penalties(self) -> bool:
         return (

@@ -77,9 +77,14 @@ class SamplingBatch:
             num_logprobs=np.array([p.num_logprobs for p in params], dtype=np.int64),
             generators=[row.generator for row in rows],
             stop_masks=[
-                (i, row.params.min_tokens_stop_ids)
-                for i, row in enumerate(rows)
-                if row.params.masks_stop_ids(len(row.output_token_ids))
+                (i, rows[i].params.min_tokens_stop_ids)
+                for i in np.flatnonzero(
+                    masks_stop_ids(
+                        np.array([bool(p.min_tokens_stop_ids) for p in params], dtype=bool),
+                        np.array([len(row.output_token_ids) for row in rows], dtype=np.int64),
+                        np.array([p.min_tokens for p in params], dtype=np.int64),
+                    )
+                ).tolist()
             ],
             penalties=penalties_of(
                 np.array(penalised, dtype=np.int64),
@@ -92,6 +97,11 @@ class SamplingBatch:
             if penalised
             else None,
         )
+
+
+def masks_stop_ids(has_stop_ids: np.ndarray, num_outputs: np.ndarray, min_tokens: np.ndarray) -> np.ndarray:
+    """Per row, whether its min_tokens still forbid its stop ids: it has some and fewer outputs."""
+    return has_stop_ids & (num_outputs < min_tokens)
 
 
 def penalties_of(
