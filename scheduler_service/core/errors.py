@@ -1,7 +1,7 @@
 """What went wrong with a request, as a kind: the one error vocabulary of the scheduler.
 
-The core and the service layer say what went wrong in these terms; only the servicer maps kinds
-to gRPC status codes (frontend/servicer.py, one table).
+The core and the services say what went wrong in these terms; one table maps kinds to gRPC status
+codes and back (frontend/status_codes.py).
 """
 
 import enum

@@ -1,5 +1,7 @@
 """The one table that turns what went wrong with a request (core/errors.py) into the gRPC status
-a client can act on; the servicers use it and nothing else does."""
+a client can act on, and back: the servicers answer with it, the planner's side of a front-end's
+stream (tier/frontend_link.py) sends a failed request's code by it, and a front-end
+(tier/planner_client.py) reads the kind back from that code."""
 
 import grpc
 
