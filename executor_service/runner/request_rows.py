@@ -181,34 +181,25 @@ class RequestRows:
 
     def append_tokens(self, rows: np.ndarray, token_ids: Sequence[int]) -> None:
         """Each row's request has one more token (output: it counts for penalties); rows are
-        distinct."""
-        tokens = np.array(token_ids, dtype=np.int64)
-        ints = self.ints[rows]
-        ends = ints[:, NUM_TOKENS]
-        if len(ends) and ends.max() >= self.tokens.shape[1]:
-            self.tokens = _widened(self.tokens, int(ends.max()) + 1)
-        self.tokens[rows, ends] = tokens
-        ints[:, NUM_TOKENS] += 1
-        ints[:, LAST_TOKEN] = tokens
-        self.ints[rows] = ints
-        penalised = self.flags[rows, PENALISED]
-        if penalised.any():
-            self.penalty_counts.record(
-                torch.from_numpy(ints[penalised, PENALTY_ROW]).to(self.device),
-                torch.from_numpy(tokens[penalised]).to(self.device),
-            )
+        distinct. The rows' static sampling inputs, kept by sampling() for this step, say which
+        rows count penalties."""
+        if len(rows):
+            self._append(rows, self.ints[rows], token_ids)
 
     def decoded(self, rows: np.ndarray, ints: np.ndarray, token_ids: Sequence[int]) -> None:
         """A steady step ran: each row's last token is computed and its next one sampled.
-        ints: the rows' ints as gathered for the step (nothing else wrote them since); the
-        rows' sampling was gathered by sampling() for this step."""
+        ints: the rows' ints as gathered for the step (nothing else wrote them since)."""
+        ints[:, COMPUTED] = ints[:, NUM_TOKENS]
+        self._append(rows, ints, token_ids)
+
+    def _append(self, rows: np.ndarray, ints: np.ndarray, token_ids: Sequence[int]) -> None:
+        """append_tokens on the rows' gathered ints, which it writes back."""
         tokens = np.array(token_ids, dtype=np.int64)
         ends = ints[:, NUM_TOKENS]
         if ends.max() >= self.tokens.shape[1]:
             self.tokens = _widened(self.tokens, int(ends.max()) + 1)
         self.tokens[rows, ends] = tokens
-        ints[:, COMPUTED] = ends
-        ints[:, NUM_TOKENS] = ends + 1
+        ints[:, NUM_TOKENS] += 1
         ints[:, LAST_TOKEN] = tokens
         self.ints[rows] = ints
         penalties = self._static_sampling(rows).batch.penalties
