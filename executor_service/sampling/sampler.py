@@ -46,8 +46,6 @@ def sample(
     argmax: Argmax | None = None,
 ) -> SampleResult:
     """sample_batch for rows described by their token lists."""
-    if logits.shape[0] != len(rows):
-        raise ValueError(f"{logits.shape[0]} logit rows for {len(rows)} sampling rows")
     batch = SamplingBatch.from_rows(rows, logits.shape[-1], logits.device)
     return sample_batch(logits, batch, default_generator, argmax)
 
