@@ -1,6 +1,6 @@
 """The C kernels (the *.c files beside this module and the headers they include): built once per
-machine into one shared library, loaded with ctypes. layer_kernels.py, argmax_kernel.py and
-panel_linear.py here, attention/decode_kernel.py and attention/prefill_kernel.py, and
+machine into one shared library, loaded with ctypes. layer_kernels.py, argmax_kernel.py,
+row_kernels.py and panel_linear.py here, attention/decode_kernel.py and attention/prefill_kernel.py, and
 cpu_forward/greedy_head.py and cpu_forward/decode_program.py wrap its functions.
 
 Plain C files need only the system's C compiler (no torch headers, no ninja) and build in about
@@ -54,6 +54,7 @@ SOURCES = tuple(
         "panel_linear.c",
         "panel_amx.c",
         "decode_layers.c",
+        "steady_rows.c",
     )
 )
 # Included by the sources, so part of the build key like them.
@@ -84,6 +85,8 @@ REQUIRED_SYMBOLS = (
     "panel_packed_floats",
     "panel_pack",
     "panel_amx_use",
+    "steady_gather",
+    "steady_decoded",
 )
 
 

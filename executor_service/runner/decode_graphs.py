@@ -37,7 +37,7 @@ from executor_service.attention.kv_cache import PagedKVCache
 from executor_service.model.model_loader import LoadedModel
 from executor_service.runner.forward import accepts_logits_to_keep, compute_logits
 from executor_service.runner.plan_inputs import ScheduledWork, StepInputs
-from executor_service.runner.request_rows import COMPUTED, LAST_TOKEN, RequestRows
+from executor_service.runner.request_rows import RequestRows
 from executor_service.runner.steady_decodes import SteadyStep
 
 logger = logging.getLogger(__name__)
@@ -217,17 +217,17 @@ class DecodeGraphs:
         if not self.enabled:
             return None
         block_size = self._kv_cache.block_size
-        positions = step.ints[:, COMPUTED]
+        positions = step.positions
         needed = positions // block_size + 1
         batch = _smallest_at_least(len(step.rows), self.batch_sizes)
         width = _smallest_at_least(int(needed.max()), self.widths)
         if batch is None or width is None or batch * width > self._kv_cache.num_blocks:
             return None
-        held = rows.blocks[step.rows, : min(width, rows.blocks.shape[1])]
+        held = step.table[:, : min(width, step.table.shape[1])]
         table = np.zeros((len(step.rows), width), dtype=np.int64)
         # Blocks past a row's context are padding, block 0 as padded_blocks gives it.
         table[:, : held.shape[1]] = np.where(np.arange(held.shape[1])[None, :] < needed[:, None], held, 0)
-        self._stage((batch, width), step.ints[:, LAST_TOKEN], positions, table)
+        self._stage((batch, width), step.last_tokens, positions, table)
         return self._replay((batch, width), len(step.rows))
 
     @torch.inference_mode()

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from executor_service.attention.kv_cache import PagedKVCache
+from executor_service.kernels.row_kernels import RowKernels
 from executor_service.model.model_loader import LoadedModel
 from executor_service.runner.decode_graphs import DecodeGraphs
 from executor_service.runner.forward import accepts_logits_to_keep, compute_logits
@@ -69,7 +70,8 @@ class ModelRunner:
     """agree_on_tokens: under tensor parallelism, gives every rank rank 0's sampled tokens, so
     the ranks' request states (the next step's inputs) never drift apart. argmax: what the
     sampler's greedy rows take, torch's when None. graphs: pure decode steps through captured
-    CUDA graphs where a bucket holds them."""
+    CUDA graphs where a bucket holds them. row_kernels: a steady step's bookkeeping in C
+    (RequestRows), numpy's where None."""
 
     def __init__(
         self,
@@ -80,6 +82,7 @@ class ModelRunner:
         agree_on_tokens: Callable[[list[int]], list[int]] | None = None,
         argmax: Argmax | None = None,
         graphs: DecodeGraphs | None = None,
+        row_kernels: RowKernels | None = None,
     ) -> None:
         self.loaded = loaded
         self.graphs = graphs
@@ -90,7 +93,7 @@ class ModelRunner:
         self.backend = backend
         self.requests: dict[str, RequestState] = {}
         self.handles: dict[int, RequestState] = {}
-        self.rows = RequestRows(limits.vocab_size, loaded.device)
+        self.rows = RequestRows(limits.vocab_size, loaded.device, row_kernels)
         self._use_logits_to_keep = accepts_logits_to_keep(loaded)
         self._steady = SteadyDecodes()
         # Unseeded draws share this generator; seeded requests own theirs.
@@ -185,7 +188,7 @@ class ModelRunner:
             sampled.token_ids = self._agree_on_tokens(sampled.token_ids)
         result.forward_time_s = time.perf_counter() - forward_started
         if admitted.steady is not None:
-            self.rows.decoded(sampled_rows, admitted.steady.ints, sampled.token_ids)
+            self.rows.decoded(sampled_rows, sampled.token_ids)
             result.decode_token_ids.extend(sampled.token_ids)
             return
         tokens = self._advance(admitted, sampled_states, sampled, result)

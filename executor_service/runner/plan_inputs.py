@@ -16,9 +16,6 @@ from executor_service.attention.attention_metadata import (
 from executor_service.attention.kv_cache import PagedKVCache
 from executor_service.model.sequence_rope import token_lengths
 from executor_service.runner.request_rows import (
-    COMPUTED,
-    LAST_TOKEN,
-    NUM_BLOCKS,
     RequestRows,
     RequestState,
 )
@@ -97,39 +94,27 @@ def build_step_inputs(
 
 
 def build_decode_inputs(rows: RequestRows, step: SteadyStep, kv_cache: PagedKVCache) -> StepInputs:
-    """A step of steady decodes for the cpu_paged backend, gathered from the rows' tables: one
-    token per request, its last, each sampled. The same inputs build_step_inputs makes of these
-    requests, at a cost that does not grow with their contexts.
-
-    SteadyDecodes has checked each row's room; the block table's width is the widest table among
-    them, as build_step_attention's."""
-    block_size = kv_cache.block_size
-    ints = step.ints
-    positions = ints[:, COMPUTED].copy()
-    table = rows.blocks[step.rows, : int(ints[:, NUM_BLOCKS].max())]
-    if table.max() >= kv_cache.num_blocks:
-        # The kernel reads raw memory: as _check_fits does for build_step_inputs, a bug must not
-        # make it read past the cache (validation refuses such block ids when they come in).
-        raise RuntimeError(f"a block table names block {table.max()} of a cache of {kv_cache.num_blocks}")
-    slots = table[step.order, positions // block_size] * block_size + positions % block_size
+    """A step of steady decodes for the cpu_paged backend, from the inputs SteadyDecodes
+    gathered: one token per request, its last, each sampled. The same inputs build_step_inputs
+    makes of these requests, at a cost that does not grow with their contexts."""
     return StepInputs(
-        input_ids=torch.from_numpy(ints[:, LAST_TOKEN].copy())[None, :],
-        position_ids=torch.from_numpy(positions)[None, :],
+        input_ids=torch.from_numpy(step.last_tokens).view(1, -1),
+        position_ids=torch.from_numpy(step.positions).view(1, -1),
         attention=StepAttention(
             kv_cache=kv_cache,
             backend="cpu_paged",
-            slot_mapping=torch.from_numpy(slots),
+            slot_mapping=torch.from_numpy(step.slots),
             prefills=[],
             decodes=[],
             varlen=None,
             paged_decode=PagedDecode(
-                token_index=step.torch_order,
-                block_table=torch.from_numpy(table),
-                context_lens=torch.from_numpy(positions + 1),
+                token_index=step.order,
+                block_table=torch.from_numpy(step.table),
+                context_lens=torch.from_numpy(step.context_lens),
                 whole_step=True,
             ),
         ),
-        logits_indices=step.torch_order,
+        logits_indices=step.order,
         sampled=step.states,
         sampled_rows=step.rows,
         argmax_only=rows.argmax_only(step.rows),

@@ -20,6 +20,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
+from executor_service.kernels.row_kernels import RowKernels
 from executor_service.sampling.penalty_counts import PenaltyCounts
 from executor_service.sampling.position_seed import position_seed
 from executor_service.sampling.sampler_settings import SamplerSettings
@@ -33,6 +34,8 @@ from executor_service.sampling.sampling_batch import (
 COMPUTED, NUM_TOKENS, NUM_PROMPT, NUM_BLOCKS, LAST_TOKEN, PENALTY_ROW, TOP_K, NUM_LOGPROBS, MIN_TOKENS = range(9)
 TEMPERATURE, TOP_P, MIN_P, REPETITION, PRESENCE, FREQUENCY = range(6)
 GREEDY, PENALISED, WANT_LOGPROBS, HAS_STOP_IDS, SEEDED = range(5)
+# The ints columns RowKernels reads and writes, in the order kernels/steady_rows.c names them.
+KERNEL_COLUMNS = np.array([COMPUTED, NUM_TOKENS, NUM_BLOCKS, LAST_TOKEN], dtype=np.int64)
 
 
 @dataclass(slots=True, eq=False)
@@ -90,10 +93,14 @@ class RequestState:
 
 class RequestRows:
     """Rows are reused after release; the tables grow by doubling. The tables are public for
-    the step builders to gather from and are written only here."""
+    the step builders to gather from and are written only here.
 
-    def __init__(self, vocab_size: int, device: torch.device) -> None:
+    kernels: a steady step's gather (decode_gather.py) and write-back (decoded) in one C call
+    each; numpy's operations where None."""
+
+    def __init__(self, vocab_size: int, device: torch.device, kernels: RowKernels | None = None) -> None:
         self.device = device
+        self.kernels = kernels
         self.penalty_counts = PenaltyCounts(vocab_size, device)
         self.states: list[RequestState | None] = []
         self._free: list[int] = []
@@ -186,11 +193,28 @@ class RequestRows:
         if len(rows):
             self._append(rows, self.ints[rows], token_ids)
 
-    def decoded(self, rows: np.ndarray, ints: np.ndarray, token_ids: Sequence[int]) -> None:
-        """A steady step ran: each row's last token is computed and its next one sampled.
-        ints: the rows' ints as gathered for the step (nothing else wrote them since)."""
-        ints[:, COMPUTED] = ints[:, NUM_TOKENS]
-        self._append(rows, ints, token_ids)
+    def decoded(self, rows: np.ndarray, token_ids: Sequence[int]) -> None:
+        """A steady step ran: each row's last token is computed and its next one sampled; rows
+        are distinct."""
+        if self.kernels is None:
+            ints = self.ints[rows]
+            ints[:, COMPUTED] = ints[:, NUM_TOKENS]
+            self._append(rows, ints, token_ids)
+            return
+        tokens = np.array(token_ids, dtype=np.int64)
+        static = self._static_sampling(rows)
+        host_counts = self.penalty_counts.host_output
+        counts = None
+        if static.batch.penalties is not None and host_counts is not None:
+            counts = (host_counts, static.penalised, static.counts_rows)
+        needed = self.kernels.decoded(self.ints, KERNEL_COLUMNS, self.tokens, rows, tokens, counts)
+        if needed > 0:
+            self.tokens = _widened(self.tokens, needed)
+            needed = self.kernels.decoded(self.ints, KERNEL_COLUMNS, self.tokens, rows, tokens, counts)
+        if needed < 0:
+            raise ValueError(f"a sampled token lies outside the vocabulary of {host_counts.shape[1]}")  # type: ignore[union-attr]
+        if counts is None:
+            self._record_penalties(static, tokens)
 
     def _append(self, rows: np.ndarray, ints: np.ndarray, token_ids: Sequence[int]) -> None:
         """append_tokens on the rows' gathered ints, which it writes back."""
@@ -202,7 +226,10 @@ class RequestRows:
         ints[:, NUM_TOKENS] += 1
         ints[:, LAST_TOKEN] = tokens
         self.ints[rows] = ints
-        penalties = self._static_sampling(rows).batch.penalties
+        self._record_penalties(self._static_sampling(rows), tokens)
+
+    def _record_penalties(self, static: _StaticSampling, tokens: np.ndarray) -> None:
+        penalties = static.batch.penalties
         if penalties is not None:
             self.penalty_counts.record(penalties.counts_rows, torch.from_numpy(tokens).to(self.device)[penalties.index])
 
@@ -247,6 +274,7 @@ class RequestRows:
         ints, floats, flags = self.ints[rows], self.floats[rows], self.flags[rows]
         greedy = flags[:, GREEDY]
         penalised = np.flatnonzero(flags[:, PENALISED])
+        counts_rows = ints[penalised, PENALTY_ROW]
         penalties = None
         if len(penalised):
             chosen = floats[penalised]
@@ -256,7 +284,7 @@ class RequestRows:
                 chosen[:, PRESENCE],
                 chosen[:, FREQUENCY],
                 self.penalty_counts,
-                ints[penalised, PENALTY_ROW],
+                counts_rows,
             )
         unmasked = greedy & ~flags[:, PENALISED] & ~flags[:, WANT_LOGPROBS]
         self._static = _StaticSampling(
@@ -274,6 +302,8 @@ class RequestRows:
                 stop_masks=[],
                 penalties=penalties,
             ),
+            penalised=penalised,
+            counts_rows=counts_rows,
             seeded=np.flatnonzero(flags[:, SEEDED] & ~greedy),
             stop_rows=np.flatnonzero(flags[:, HAS_STOP_IDS]),
             argmax_only_unmasked=unmasked,
@@ -327,6 +357,9 @@ class _StaticSampling:
     version: int
     # The batch without per-step parts: generators all None, no stop masks.
     batch: SamplingBatch
+    # Positions in rows of the penalised rows, and their rows in the penalty counts.
+    penalised: np.ndarray
+    counts_rows: np.ndarray
     # Positions in rows of the seeded draws and of the rows with min-tokens stop ids, whose
     # generators and masks follow the token count.
     seeded: np.ndarray

@@ -2,9 +2,9 @@
 
 The planner sends the same handles in the same order step after step while no request comes or
 goes, so the handles' requests and rows are looked up once and kept until the handles or the
-held requests change; each step then gathers the rows' counters once, checks what moves (every
-row's room for one more token), builds the step's inputs from that snapshot and writes it back
-once the tokens are in.
+held requests change; each step then checks every row's room for its token and gathers the
+step's inputs from the tables, in one C call where the rows have their kernels (RowKernels) and
+in numpy's operations where not.
 """
 
 from __future__ import annotations
@@ -17,6 +17,8 @@ import torch
 
 from executor_service.runner.request_rows import (
     COMPUTED,
+    KERNEL_COLUMNS,
+    LAST_TOKEN,
     NUM_BLOCKS,
     NUM_TOKENS,
     RequestRows,
@@ -31,12 +33,17 @@ class SteadyStep:
 
     states: list[RequestState]
     rows: np.ndarray
-    # The rows' RequestRows.ints as admitted (after the plan's block appends), for the inputs
-    # and for RequestRows.decoded to write back.
-    ints: np.ndarray
-    # 0..len(rows)-1, as numpy and torch indices.
-    order: np.ndarray
-    torch_order: torch.Tensor
+    # 0..len(rows)-1.
+    order: torch.Tensor
+    # Per row, gathered as admitted (after the plan's block appends): its last token (the one
+    # the step computes), its position, its context length once the step has run, and the cache
+    # slot its token's K/V go to; and its block table, [rows, the most blocks a row holds],
+    # padded with block 0. They may be views of RowKernels' buffer, valid until the next step.
+    last_tokens: np.ndarray
+    positions: np.ndarray
+    context_lens: np.ndarray
+    slots: np.ndarray
+    table: np.ndarray
 
 
 class SteadyDecodes:
@@ -55,19 +62,24 @@ class SteadyDecodes:
         request_rows: RequestRows,
         limits: Limits,
     ) -> SteadyStep | None:
-        """The step of these handles when every one is held, none repeats and each passes
-        check_decode; None sends the caller to the row-by-row path for its answers."""
+        """The step of these handles when every one is held, none repeats, each passes
+        check_decode and every block it holds lies in the cache; None sends the caller to the
+        row-by-row path for its answers."""
         step = self._step
         # The plan's repeated field compares with the kept list without being copied.
         if step is None or handles != self._handles or request_rows.version != self._version:
             step = self._look_up(list(handles), held, request_rows)
             if step is None:
                 return None
-        step.ints = ints = request_rows.ints[step.rows]
-        # check_decode for every row at once.
-        end = ints[:, COMPUTED] + 1
-        if not ((end == ints[:, NUM_TOKENS]) & (end <= ints[:, NUM_BLOCKS] * limits.block_size)).all():
+        if request_rows.kernels is not None:
+            gathered = request_rows.kernels.gather(
+                request_rows.ints, KERNEL_COLUMNS, request_rows.blocks, step.rows, limits.block_size, limits.num_kv_blocks
+            )
+        else:
+            gathered = _gather(request_rows, step.rows, limits)
+        if gathered is None:
             return None
+        step.last_tokens, step.positions, step.context_lens, step.slots, step.table = gathered
         return step
 
     def _look_up(
@@ -80,5 +92,23 @@ class SteadyDecodes:
         states: list[RequestState] = found  # type: ignore[assignment]  # no None, checked above
         rows = np.fromiter((state.row for state in states), dtype=np.int64, count=len(states))
         self._handles, self._version = handles, request_rows.version
-        self._step = SteadyStep(states, rows, rows, np.arange(len(rows)), torch.arange(len(rows)))
+        empty = np.zeros(0, dtype=np.int64)
+        self._step = SteadyStep(states, rows, torch.arange(len(rows)), empty, empty, empty, empty, empty)
         return self._step
+
+
+def _gather(
+    request_rows: RequestRows, rows: np.ndarray, limits: Limits
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None:
+    """RowKernels.gather in numpy."""
+    ints = request_rows.ints[rows]
+    positions = ints[:, COMPUTED].copy()
+    ends = positions + 1
+    if not ((ends == ints[:, NUM_TOKENS]) & (ends <= ints[:, NUM_BLOCKS] * limits.block_size)).all():
+        return None
+    table = request_rows.blocks[rows, : int(ints[:, NUM_BLOCKS].max())]
+    if table.size and (table.min() < 0 or table.max() >= limits.num_kv_blocks):
+        return None
+    block_size = limits.block_size
+    slots = table[np.arange(len(rows)), positions // block_size] * block_size + positions % block_size
+    return ints[:, LAST_TOKEN].copy(), positions, ends, slots, table

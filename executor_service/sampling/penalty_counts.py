@@ -10,12 +10,16 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 
 class PenaltyCounts:
     """One row per penalised request: its output token counts and which prompt tokens it has.
-    Rows are reused after release; the tables grow by doubling."""
+    Rows are reused after release; the tables grow by doubling.
+
+    host_output: the output counts as numpy, on the CPU, where C may add to them (rows
+    [*, vocab_size] float32, C-contiguous); None on other devices."""
 
     def __init__(self, vocab_size: int, device: torch.device) -> None:
         self.vocab_size = vocab_size
@@ -24,6 +28,7 @@ class PenaltyCounts:
         self._prompt_seen = torch.zeros(0, vocab_size, dtype=torch.bool, device=device)
         self._free: list[int] = []
         self._one = torch.ones((), device=device)
+        self.host_output = self._host_view()
 
     def add(self, prompt_token_ids: Sequence[int], output_token_ids: Sequence[int]) -> int:
         """A row for a request with these tokens so far."""
@@ -41,6 +46,7 @@ class PenaltyCounts:
         self._output = self._output[:0]
         self._prompt_seen = self._prompt_seen[:0]
         self._free.clear()
+        self.host_output = self._host_view()
 
     def record(self, rows: torch.Tensor, token_ids: torch.Tensor) -> None:
         """One more output of token_ids[i] in rows[i] (int64 tensors on the counts' device)."""
@@ -62,3 +68,9 @@ class PenaltyCounts:
             [self._prompt_seen, torch.zeros(new - old, self.vocab_size, dtype=torch.bool, device=self.device)]
         )
         self._free.extend(range(new - 1, old - 1, -1))
+        self.host_output = self._host_view()
+
+    def _host_view(self) -> np.ndarray | None:
+        """The output counts as a numpy array sharing their memory where they are on the CPU,
+        for RowKernels to count a steady step's tokens in place; None elsewhere."""
+        return self._output.numpy() if self._output.device.type == "cpu" else None

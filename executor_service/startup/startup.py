@@ -24,6 +24,7 @@ from executor_service.kernels.argmax_kernel import RowArgmax, load_row_argmax
 from executor_service.kernels.cpu_kernels import KernelUnavailable
 from executor_service.kernels.layer_kernels import LayerKernels, load_layer_kernels
 from executor_service.kernels.panel_linear import PanelKernel, load_panel_kernel
+from executor_service.kernels.row_kernels import RowKernels, load_row_kernels
 from executor_service.model.model_loader import dtype_name, load_model
 from executor_service.parallel.tp_group import agree_on_min
 from executor_service.parallel.tp_steps import rank0_tokens
@@ -82,6 +83,16 @@ def _row_argmax(device: torch.device) -> RowArgmax | None:
         return load_row_argmax()
     except KernelUnavailable as error:
         logger.info("event=greedy_argmax impl=torch reason=%r", str(error))
+        return None
+
+
+def _row_kernels() -> RowKernels | None:
+    """A steady decode step's gather and write-back in C, or None (numpy's operations) where
+    they cannot be built, which an event=row_kernels line says with the reason."""
+    try:
+        return load_row_kernels()
+    except KernelUnavailable as error:
+        logger.info("event=row_kernels impl=numpy reason=%r", str(error))
         return None
 
 
@@ -178,5 +189,6 @@ def build_executor(settings: ExecutorSettings, device: str | None = None) -> Rea
         rank0_tokens if parallel else None,
         _row_argmax(loaded.device),
         graphs,
+        _row_kernels(),
     )
     return ReadyExecutor(runner=runner, info=info)

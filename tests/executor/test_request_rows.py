@@ -1,7 +1,8 @@
 """The persistent batch (runner/request_rows.py): steady decodes whose inputs and sampling batch
 are gathered from the rows' arrays sample exactly what the same requests sample as continuing
 entries built from their token and block lists, penalty counts kept step by step equal a
-recount, and the steady-decode check over all rows at once agrees with the per-request one."""
+recount, and the steady-decode check over all rows at once agrees with the per-request one; with
+the steady bookkeeping in C (RowKernels) and in numpy."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from executor_service.kernels.cpu_kernels import KernelUnavailable
+from executor_service.kernels.row_kernels import RowKernels
 from executor_service.runner import model_runner
 from executor_service.runner.model_runner import ModelRunner
 from executor_service.runner.request_rows import RequestRows
@@ -19,6 +22,7 @@ from executor_service.runner.steady_decodes import SteadyDecodes
 from executor_service.runner.validation import Limits, check_decode
 from executor_service.sampling.sampler_settings import SamplerSettings
 from executor_service.serving.settings import ExecutorSettings
+from executor_service.startup import startup
 from executor_service.startup.startup import build_executor
 from protos.limits import UNHELD_DECODE_TOKEN
 from protos.splitserve.executor.v1 import executor_pb2 as pb
@@ -45,13 +49,25 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_model("llama", tmp_path_factory.mktemp("llama"))
 
 
-def _runner(model_dir: Path) -> ModelRunner:
+@pytest.fixture(params=["c", "numpy"])
+def bookkeeping(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Steady steps' bookkeeping through RowKernels, or numpy's where the kernels cannot be had."""
+    if request.param == "numpy":
+        def unavailable() -> RowKernels:
+            raise KernelUnavailable("numpy's bookkeeping asked for")
+
+        monkeypatch.setattr(startup, "load_row_kernels", unavailable)
+    return str(request.param)
+
+
+def _runner(model_dir: Path, bookkeeping: str) -> ModelRunner:
     torch.set_num_threads(1)
     settings = ExecutorSettings(
         model_dir=model_dir, device="cpu", num_kv_blocks=len(SAMPLING) * BLOCKS_PER_REQUEST, block_size=BLOCK_SIZE
     )
     runner = build_executor(settings).runner
     assert runner.backend == "cpu_paged"
+    assert (runner.rows.kernels is not None) == (bookkeeping == "c")
     return runner
 
 
@@ -75,14 +91,14 @@ def _appended_block(request: int, position: int) -> int | None:
 
 
 def test_gathered_steady_decodes_sample_what_continuing_entries_sample(
-    model_dir: Path, monkeypatch: pytest.MonkeyPatch
+    model_dir: Path, monkeypatch: pytest.MonkeyPatch, bookkeeping: str
 ) -> None:
     gathered: list[int] = []
     real = model_runner.build_decode_inputs
     monkeypatch.setattr(
         model_runner, "build_decode_inputs", lambda *args: gathered.append(1) or real(*args)
     )
-    by_handle, by_entry = _runner(model_dir), _runner(model_dir)
+    by_handle, by_entry = _runner(model_dir, bookkeeping), _runner(model_dir, bookkeeping)
     tokens_by_handle = [[t] for t in _first_step(by_handle)]
     tokens_by_entry = [[t] for t in _first_step(by_entry)]
     for step in range(STEPS):
@@ -112,8 +128,8 @@ def test_gathered_steady_decodes_sample_what_continuing_entries_sample(
             assert state.num_computed_tokens == len(PROMPT) + STEPS
 
 
-def test_penalty_counts_kept_step_by_step_equal_a_recount(model_dir: Path) -> None:
-    runner = _runner(model_dir)
+def test_penalty_counts_kept_step_by_step_equal_a_recount(model_dir: Path, bookkeeping: str) -> None:
+    runner = _runner(model_dir, bookkeeping)
     _first_step(runner)
     for step in range(STEPS):
         position = len(PROMPT) + step
@@ -161,8 +177,8 @@ def test_the_vectorised_steady_decode_check_agrees_with_the_per_request_one(
         assert steady.rows.tolist() == [state.row for state in states]
 
 
-def test_a_handle_named_twice_in_a_plan_of_steady_decodes_is_refused_once(model_dir: Path) -> None:
-    runner = _runner(model_dir)
+def test_a_handle_named_twice_in_a_plan_of_steady_decodes_is_refused_once(model_dir: Path, bookkeeping: str) -> None:
+    runner = _runner(model_dir, bookkeeping)
     _first_step(runner)
     result = runner.execute(pb.StepPlan(step_id=2, decode_handles=[1, 2, 1]))
     assert [(r.request_id, "twice" in r.message) for r in result.rejected] == [("r0", True)]

@@ -1,0 +1,119 @@
+"""A steady decode step's bookkeeping in C (kernels/steady_rows.c): gathering its inputs from
+the persistent batch's tables and writing its sampled tokens back, one call each.
+
+runner/request_rows.py owns the tables and does the same in numpy where the library cannot be
+built; tests/executor/test_row_kernels.py holds the two to the same results.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+
+from executor_service.kernels.cpu_kernels import declare, load_kernel_library
+
+
+class RowKernels:
+    """steady_gather and steady_decoded with their argument types declared once, and the gather's
+    output buffer, reused from step to step."""
+
+    def __init__(self, library: ctypes.CDLL) -> None:
+        pointer, size = ctypes.c_void_p, ctypes.c_int64
+        self._gather = declare(
+            library.steady_gather, [pointer, size, pointer, pointer, size, pointer, size, size, size] + [pointer] * 5, size
+        )
+        self._decoded = declare(
+            library.steady_decoded,
+            [pointer, size, pointer, pointer, size, pointer, size, pointer, pointer, size, pointer, pointer, size],
+            size,
+        )
+        self._out = np.zeros(0, dtype=np.int64)
+        self._address = _Addresses()
+        # The last gather's row count and its four vectors, views of _out.
+        self._vectors: tuple[int, np.ndarray] = (-1, self._out)
+
+    def gather(
+        self,
+        ints: np.ndarray,
+        columns: np.ndarray,
+        blocks: np.ndarray,
+        rows: np.ndarray,
+        block_size: int,
+        num_cache_blocks: int,
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None:
+        """The rows' last tokens, positions, context lengths, slots and block table, as
+        steady_gather gives them (views of a buffer the next call overwrites); None where a row
+        is not one token behind, lacks room, or holds a block outside the cache.
+
+        ints, blocks: C-contiguous int64 tables; columns: int64 [computed, tokens, blocks, last
+        token] columns of ints; rows: int64."""
+        n = len(rows)
+        if self._out.size < 4 * n + n * blocks.shape[1]:
+            self._out = np.zeros(4 * n + n * blocks.shape[1], dtype=np.int64)
+            self._vectors = (-1, self._out)
+        address = self._address
+        base = address(_OUT, self._out)
+        step = n * self._out.itemsize
+        width = self._gather(
+            address(_INTS, ints), ints.shape[1], address(_COLUMNS, columns), address(_BLOCKS, blocks), blocks.shape[1],
+            address(_ROWS, rows), n, block_size, num_cache_blocks,
+            base, base + step, base + 2 * step, base + 3 * step, base + 4 * step,
+        )
+        if width < 0:
+            return None
+        if self._vectors[0] != n:
+            self._vectors = (n, self._out[: 4 * n].reshape(4, n))
+        vectors = self._vectors[1]
+        return vectors[0], vectors[1], vectors[2], vectors[3], self._out[4 * n : 4 * n + n * width].reshape(n, width)
+
+    def decoded(
+        self,
+        ints: np.ndarray,
+        columns: np.ndarray,
+        tokens: np.ndarray,
+        rows: np.ndarray,
+        sampled: np.ndarray,
+        counts: tuple[np.ndarray, np.ndarray, np.ndarray] | None,
+    ) -> int:
+        """steady_decoded: 0, or the token table width the rows need (nothing written), or -1
+        for a penalised token outside the vocabulary. counts: (the float32 [*, vocab] counts
+        table, the penalised places in rows, their rows in the table), or None for no counting
+        here. tokens: C-contiguous int32; sampled: int64."""
+        address = self._address
+        table, penalised, counts_rows = counts if counts is not None else (None, None, None)
+        return self._decoded(
+            address(_INTS, ints), ints.shape[1], address(_COLUMNS, columns), address(_TOKENS, tokens), tokens.shape[1],
+            address(_ROWS, rows), len(rows), sampled.ctypes.data,
+            None if table is None else address(_COUNTS, table),
+            0 if table is None else table.shape[1],
+            None if penalised is None else address(_PENALISED, penalised),
+            None if counts_rows is None else address(_COUNTS_ROWS, counts_rows),
+            0 if penalised is None else len(penalised),
+        )
+
+
+# Argument kinds whose arrays _Addresses keeps.
+_INTS, _COLUMNS, _BLOCKS, _ROWS, _OUT, _TOKENS, _COUNTS, _PENALISED, _COUNTS_ROWS = range(9)
+
+
+class _Addresses:
+    """Each kind of argument's last array and its address. The tables, a steady step's rows and
+    the output buffer stay the same objects from step to step, and numpy's .ctypes is Python code
+    that costs over a microsecond a call; an array kept here keeps its memory where it is."""
+
+    def __init__(self) -> None:
+        self._arrays: list[np.ndarray | None] = [None] * 9
+        self._values = [0] * 9
+
+    def __call__(self, kind: int, array: np.ndarray) -> int:
+        if array is not self._arrays[kind]:
+            self._arrays[kind] = array
+            self._values[kind] = array.ctypes.data
+        return self._values[kind]
+
+
+def load_row_kernels() -> RowKernels:
+    """The kernels, with an output buffer of their own (one per RequestRows); raises
+    cpu_kernels.KernelUnavailable saying why they cannot be had."""
+    return RowKernels(load_kernel_library())
