@@ -8,6 +8,7 @@ built; tests/executor/test_row_kernels.py holds the two to the same results.
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -29,9 +30,10 @@ class RowKernels:
             size,
         )
         self._out = np.zeros(0, dtype=np.int64)
+        self._sampled = np.zeros(0, dtype=np.int64)
         self._address = _Addresses()
-        # The last gather's row count and its four vectors, views of _out.
-        self._vectors: tuple[int, np.ndarray] = (-1, self._out)
+        # The last gather's row count and its vectors, views of _out.
+        self._vectors: tuple[int, tuple[np.ndarray, ...]] = (-1, ())
 
     def gather(
         self,
@@ -42,16 +44,17 @@ class RowKernels:
         block_size: int,
         num_cache_blocks: int,
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None:
-        """The rows' last tokens, positions, context lengths, slots and block table, as
-        steady_gather gives them (views of a buffer the next call overwrites); None where a row
-        is not one token behind, lacks room, or holds a block outside the cache.
+        """The rows' last tokens and positions ([1, rows], as a forward takes them), context
+        lengths, slots and block table, as steady_gather gives them (views of a buffer the next
+        call overwrites); None where a row is not one token behind, lacks room, or holds a block
+        outside the cache.
 
         ints, blocks: C-contiguous int64 tables; columns: int64 [computed, tokens, blocks, last
         token] columns of ints; rows: int64."""
         n = len(rows)
         if self._out.size < 4 * n + n * blocks.shape[1]:
             self._out = np.zeros(4 * n + n * blocks.shape[1], dtype=np.int64)
-            self._vectors = (-1, self._out)
+            self._vectors = (-1, ())
         address = self._address
         base = address(_OUT, self._out)
         step = n * self._out.itemsize
@@ -63,9 +66,10 @@ class RowKernels:
         if width < 0:
             return None
         if self._vectors[0] != n:
-            self._vectors = (n, self._out[: 4 * n].reshape(4, n))
-        vectors = self._vectors[1]
-        return vectors[0], vectors[1], vectors[2], vectors[3], self._out[4 * n : 4 * n + n * width].reshape(n, width)
+            vectors = self._out[: 4 * n].reshape(4, n)
+            self._vectors = (n, (vectors[0:1], vectors[1:2], vectors[2], vectors[3]))
+        last_tokens, positions, context_lens, slots = self._vectors[1]
+        return last_tokens, positions, context_lens, slots, self._out[4 * n : 4 * n + n * width].reshape(n, width)
 
     def decoded(
         self,
@@ -73,18 +77,22 @@ class RowKernels:
         columns: np.ndarray,
         tokens: np.ndarray,
         rows: np.ndarray,
-        sampled: np.ndarray,
+        sampled: Sequence[int],
         counts: tuple[np.ndarray, np.ndarray, np.ndarray] | None,
     ) -> int:
         """steady_decoded: 0, or the token table width the rows need (nothing written), or -1
         for a penalised token outside the vocabulary. counts: (the float32 [*, vocab] counts
         table, the penalised places in rows, their rows in the table), or None for no counting
-        here. tokens: C-contiguous int32; sampled: int64."""
+        here. tokens: C-contiguous int32."""
+        n = len(rows)
+        if self._sampled.size < n:
+            self._sampled = np.zeros(n, dtype=np.int64)
+        self._sampled[:n] = sampled
         address = self._address
         table, penalised, counts_rows = counts if counts is not None else (None, None, None)
         return self._decoded(
             address(_INTS, ints), ints.shape[1], address(_COLUMNS, columns), address(_TOKENS, tokens), tokens.shape[1],
-            address(_ROWS, rows), len(rows), sampled.ctypes.data,
+            address(_ROWS, rows), n, address(_SAMPLED, self._sampled),
             None if table is None else address(_COUNTS, table),
             0 if table is None else table.shape[1],
             None if penalised is None else address(_PENALISED, penalised),
@@ -94,17 +102,17 @@ class RowKernels:
 
 
 # Argument kinds whose arrays _Addresses keeps.
-_INTS, _COLUMNS, _BLOCKS, _ROWS, _OUT, _TOKENS, _COUNTS, _PENALISED, _COUNTS_ROWS = range(9)
+_INTS, _COLUMNS, _BLOCKS, _ROWS, _OUT, _TOKENS, _SAMPLED, _COUNTS, _PENALISED, _COUNTS_ROWS = range(10)
 
 
 class _Addresses:
     """Each kind of argument's last array and its address. The tables, a steady step's rows and
-    the output buffer stay the same objects from step to step, and numpy's .ctypes is Python code
+    the output buffers stay the same objects from step to step, and numpy's .ctypes is Python code
     that costs over a microsecond a call; an array kept here keeps its memory where it is."""
 
     def __init__(self) -> None:
-        self._arrays: list[np.ndarray | None] = [None] * 9
-        self._values = [0] * 9
+        self._arrays: list[np.ndarray | None] = [None] * 10
+        self._values = [0] * 10
 
     def __call__(self, kind: int, array: np.ndarray) -> int:
         if array is not self._arrays[kind]:

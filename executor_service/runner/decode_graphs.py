@@ -217,7 +217,7 @@ class DecodeGraphs:
         if not self.enabled:
             return None
         block_size = self._kv_cache.block_size
-        positions = step.positions
+        positions = step.positions[0]
         needed = positions // block_size + 1
         batch = _smallest_at_least(len(step.rows), self.batch_sizes)
         width = _smallest_at_least(int(needed.max()), self.widths)
@@ -227,7 +227,7 @@ class DecodeGraphs:
         table = np.zeros((len(step.rows), width), dtype=np.int64)
         # Blocks past a row's context are padding, block 0 as padded_blocks gives it.
         table[:, : held.shape[1]] = np.where(np.arange(held.shape[1])[None, :] < needed[:, None], held, 0)
-        self._stage((batch, width), step.last_tokens, positions, table)
+        self._stage((batch, width), step.last_tokens[0], positions, table)
         return self._replay((batch, width), len(step.rows))
 
     @torch.inference_mode()

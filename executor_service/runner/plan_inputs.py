@@ -98,8 +98,8 @@ def build_decode_inputs(rows: RequestRows, step: SteadyStep, kv_cache: PagedKVCa
     gathered: one token per request, its last, each sampled. The same inputs build_step_inputs
     makes of these requests, at a cost that does not grow with their contexts."""
     return StepInputs(
-        input_ids=torch.from_numpy(step.last_tokens).view(1, -1),
-        position_ids=torch.from_numpy(step.positions).view(1, -1),
+        input_ids=torch.from_numpy(step.last_tokens),
+        position_ids=torch.from_numpy(step.positions),
         attention=StepAttention(
             kv_cache=kv_cache,
             backend="cpu_paged",

@@ -201,20 +201,19 @@ class RequestRows:
             ints[:, COMPUTED] = ints[:, NUM_TOKENS]
             self._append(rows, ints, token_ids)
             return
-        tokens = np.array(token_ids, dtype=np.int64)
         static = self._static_sampling(rows)
         host_counts = self.penalty_counts.host_output
         counts = None
         if static.batch.penalties is not None and host_counts is not None:
             counts = (host_counts, static.penalised, static.counts_rows)
-        needed = self.kernels.decoded(self.ints, KERNEL_COLUMNS, self.tokens, rows, tokens, counts)
+        needed = self.kernels.decoded(self.ints, KERNEL_COLUMNS, self.tokens, rows, token_ids, counts)
         if needed > 0:
             self.tokens = _widened(self.tokens, needed)
-            needed = self.kernels.decoded(self.ints, KERNEL_COLUMNS, self.tokens, rows, tokens, counts)
+            needed = self.kernels.decoded(self.ints, KERNEL_COLUMNS, self.tokens, rows, token_ids, counts)
         if needed < 0:
             raise ValueError(f"a sampled token lies outside the vocabulary of {host_counts.shape[1]}")  # type: ignore[union-attr]
         if counts is None:
-            self._record_penalties(static, tokens)
+            self._record_penalties(static, np.array(token_ids, dtype=np.int64))
 
     def _append(self, rows: np.ndarray, ints: np.ndarray, token_ids: Sequence[int]) -> None:
         """append_tokens on the rows' gathered ints, which it writes back."""
@@ -267,10 +266,13 @@ class RequestRows:
         """What of these rows' sampling stays the same from step to step, kept for the last set
         of rows (a steady decode names the same rows step after step)."""
         static = self._static
-        if static is not None and static.version == self.version and (
-            static.rows is rows or np.array_equal(static.rows, rows)
-        ):
-            return static
+        if static is not None and static.version == self.version:
+            if static.rows is rows:
+                return static
+            if np.array_equal(static.rows, rows):
+                # Later steps name the new object: an identity check costs less than comparing.
+                static.rows = rows
+                return static
         ints, floats, flags = self.ints[rows], self.floats[rows], self.flags[rows]
         greedy = flags[:, GREEDY]
         penalised = np.flatnonzero(flags[:, PENALISED])

@@ -36,9 +36,10 @@ class SteadyStep:
     # 0..len(rows)-1.
     order: torch.Tensor
     # Per row, gathered as admitted (after the plan's block appends): its last token (the one
-    # the step computes), its position, its context length once the step has run, and the cache
-    # slot its token's K/V go to; and its block table, [rows, the most blocks a row holds],
-    # padded with block 0. They may be views of RowKernels' buffer, valid until the next step.
+    # the step computes) and its position, both [1, rows] as a forward takes them, its context
+    # length once the step has run, and the cache slot its token's K/V go to; and its block
+    # table, [rows, the most blocks a row holds], padded with block 0. They may be views of
+    # RowKernels' buffer, valid until the next step.
     last_tokens: np.ndarray
     positions: np.ndarray
     context_lens: np.ndarray
@@ -111,4 +112,4 @@ def _gather(
         return None
     block_size = limits.block_size
     slots = table[np.arange(len(rows)), positions // block_size] * block_size + positions % block_size
-    return ints[:, LAST_TOKEN].copy(), positions, ends, slots, table
+    return ints[None, :, LAST_TOKEN].copy(), positions[None, :], ends, slots, table
