@@ -29,7 +29,7 @@ def audit_executor(scheduler: Scheduler, held: Mapping[str, HeldState]) -> list[
                 f"{blocks} in the scheduler"
             )
         request = scheduler.requests.get(request_id)
-        computed = scheduler.computed_tokens(request) if request is not None else None
+        computed = request.num_computed_tokens if request is not None else None
         if state.num_computed_tokens != computed:
             found.append(
                 f"request {request_id}: {state.num_computed_tokens} tokens computed on the "

@@ -9,13 +9,13 @@ back as a packed list of tokens in the same order.
 
 A request joins once its prefill is done, when nothing about it needs per-request care (no
 logprobs, no stop token ids, no min_tokens, not retried after a failed step). It leaves when it
-finishes, is preempted or its executor goes; while it is here its computed-token count lives in
-these arrays (as is the time of its last token), and leave() writes them back to the Request.
+finishes, is preempted or its executor goes. While it is here these arrays are the only home of
+its progress (computed tokens, pending outputs, time of its last token): the Request's properties
+read and write its slot (Request.move_progress), so no one needs to know where it decodes.
 Its stops are stop_checker's rules for such requests, in vector form: the length limit it is
 given (stop_checker.length_limit) and the EOS ids.
 """
 
-import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -69,10 +69,10 @@ class DecodeSet:
         self.handle = np.zeros(capacity, dtype=np.int64)
         # Tokens whose K/V the executor has or will have once the steps in flight run.
         self.computed = np.zeros(capacity, dtype=np.int64)
+        # Tokens planned to be sampled whose values have not come back yet.
+        self.pending = np.zeros(capacity, dtype=np.int64)
         # Tokens the request's blocks can hold.
         self.cover = np.zeros(capacity, dtype=np.int64)
-        # Known tokens (prompt and outputs received).
-        self.num_tokens = np.zeros(capacity, dtype=np.int64)
         # Total tokens at which the request stops for length.
         self.limit = np.zeros(capacity, dtype=np.int64)
         self.stops_on_eos = np.zeros(capacity, dtype=bool)
@@ -95,22 +95,17 @@ class DecodeSet:
         self._requests[slot] = request
         self._slot_of[request] = slot
         self.handle[slot] = handle
-        self.computed[slot] = request.num_computed_tokens
         self.cover[slot] = cover
-        self.num_tokens[slot] = request.num_tokens
         self.limit[slot] = limit
         self.stops_on_eos[slot] = not request.sampling.ignore_eos
         self.active[slot] = True
         self.key[slot] = request.delivery_key
-        self.last_token_at[slot] = np.nan if request.last_token_at is None else request.last_token_at
+        request.move_progress(self, slot)
 
     def leave(self, request: Request) -> None:
-        """Writes the request's progress back to it and frees its slot."""
+        """Hands the request its progress back and frees its slot."""
         slot = self._slot_of.pop(request)
-        request.num_computed_tokens = int(self.computed[slot])
-        request.num_pending_outputs = request.num_computed_tokens + 1 - request.num_tokens
-        last = float(self.last_token_at[slot])
-        request.last_token_at = None if math.isnan(last) else last
+        request.move_progress(None)
         self._requests[slot] = None
         self.active[slot] = False
         self.epoch[slot] += 1
@@ -123,12 +118,6 @@ class DecodeSet:
             self.leave(request)
         return requests
 
-    def token_received(self, request: Request, now: float) -> None:
-        """A member's token came back through a per-request result (the step it joined in)."""
-        slot = self._slot_of[request]
-        self.num_tokens[slot] += 1
-        self.last_token_at[slot] = now
-
     def live(self, step: BulkStep) -> list[Request]:
         """The step's requests still here as they were when it was planned."""
         slots = step.slots[self.epoch[step.slots] == step.epochs]
@@ -136,9 +125,6 @@ class DecodeSet:
 
     def add_cover(self, request: Request, tokens: int) -> None:
         self.cover[self._slot_of[request]] += tokens
-
-    def computed_of(self, request: Request) -> int:
-        return int(self.computed[self._slot_of[request]])
 
     def needing_blocks(self) -> list[Request]:
         """Requests that will decode but whose next token falls past their blocks."""
@@ -156,6 +142,7 @@ class DecodeSet:
         if not slots.size:
             return None
         self.computed[slots] += 1
+        self.pending[slots] += 1
         return BulkStep(
             slots=slots,
             epochs=self.epoch[slots],
@@ -176,12 +163,14 @@ class DecodeSet:
         if not live.any():
             return result
         slots, tokens, computed = slots[live], tokens[live], step.computed[live]
-        self.num_tokens[slots] += 1
+        self.pending[slots] -= 1
         previous = self.last_token_at[slots]
         result.gaps = now - previous[~np.isnan(previous)]
         self.last_token_at[slots] = now
         keys = self.key[slots]
-        stops = self.num_tokens[slots] >= self.limit[slots]
+        # The step sampled the token after its computed ones, and results come back in order, so
+        # each request now has computed + 1 tokens.
+        stops = computed + 1 >= self.limit[slots]
         on_eos = self.stops_on_eos[slots]
         # A comparison per EOS id: models have one to three, and np.isin's set-up costs more.
         for eos in self._eos_ids:
@@ -210,7 +199,7 @@ class DecodeSet:
     def _grow(self) -> None:
         old = len(self._requests)
         new = max(64, old * _GROWTH)
-        names = ("handle", "computed", "cover", "num_tokens", "limit", "stops_on_eos", "active", "epoch", "key", "last_token_at")
+        names = ("handle", "computed", "pending", "cover", "limit", "stops_on_eos", "active", "epoch", "key", "last_token_at")
         for name in names:
             array = getattr(self, name)
             if array.shape[0] < new:

@@ -115,11 +115,6 @@ class Scheduler:
         bulk = self._in_flight_bulk.get(plan.step_id)
         return self.decodes.live(bulk) if bulk is not None else []
 
-    def computed_tokens(self, request: Request) -> int:
-        """Tokens whose K/V the executor has once the plans sent so far have run (a steady
-        decode's count lives in the decode set until it leaves)."""
-        return self.decodes.computed_of(request) if request in self.decodes else request.num_computed_tokens
-
     def reconfigure(self, knobs: SchedulingKnobs) -> None:
         """Plans from the next step on under these knobs; the queue is reordered at once."""
         if knobs.policy is not self.config.policy:
@@ -353,7 +348,7 @@ class Scheduler:
         for request in self.decodes.needing_blocks():
             if request not in self.decodes:
                 continue
-            computed = self.decodes.computed_of(request)
+            computed = request.num_computed_tokens
             while (ids := self.kv.allocate_slots(request.request_id, request.token_ids, computed, 1)) is None:
                 victim = pick_victim(self.running, self.config.policy)
                 self._preempt(victim)
@@ -676,13 +671,12 @@ class Scheduler:
         request.num_pending_outputs -= 1
         update = RequestUpdate(request, [], output.logprobs.get(request.request_id, []), False)
         sampled = output.sampled[request.request_id]
-        if sampled and request.last_token_at is not None:
-            gaps.append(now - request.last_token_at)
+        if sampled:
+            if request.last_token_at is not None:
+                gaps.append(now - request.last_token_at)
+            request.last_token_at = now
         for token in sampled:
             request.token_ids.append(token)
-            request.last_token_at = now
-            if request in self.decodes:
-                self.decodes.token_received(request, now)
             update.new_token_ids.append(token)
             if request.first_token_time is None:
                 request.first_token_time = now

@@ -408,3 +408,38 @@ def test_steady_decodes_come_back_with_their_delivery_keys_and_one_gap_per_token
         gaps += updates.inter_token_gaps
     assert [7, 9] in keys, "steady decodes came back in bulk"
     assert gaps == [0.5] * (2 * 4)
+
+
+def test_a_bulk_decoding_request_reads_its_true_progress_mid_decode() -> None:
+    """While a request decodes in bulk its progress lives in the decode set's arrays; read
+    through the request it matches the same request decoding one plan entry at a time, at every
+    step (planned two steps ahead, so outputs are pending too)."""
+    now = [0.0]
+    runs = []
+    for bulk in (True, False):
+        scheduler = Scheduler(config(bulk_decodes=bulk), clock=lambda: now[0])
+        request = Request("r", [1, 2, 3], SamplingParams(max_tokens=9, ignore_eos=True))
+        scheduler.add_request(request)
+        runs.append((scheduler, SimulatedExecutor(64, 4), request, []))
+
+    def progress(request: Request) -> tuple[object, ...]:
+        return (
+            request.num_tokens,
+            request.num_computed_tokens,
+            request.num_pending_outputs,
+            request.num_uncomputed_tokens,
+            request.last_token_at,
+        )
+
+    bulk_steps = 0
+    while runs[0][0].has_unfinished():
+        now[0] += 0.5
+        for scheduler, executor, _, in_flight in runs:
+            if scheduler.has_unfinished():
+                in_flight.append(executor.execute(scheduler.schedule()))
+            if len(in_flight) == 2 or not scheduler.has_unfinished():
+                scheduler.update(in_flight.pop(0))
+        assert progress(runs[0][2]) == progress(runs[1][2])
+        bulk_steps += runs[0][2] in runs[0][0].decodes
+    assert bulk_steps > 3, "the request decoded in bulk"
+    assert runs[0][2].output_token_ids == runs[1][2].output_token_ids == expected_output([1, 2, 3], 9)
