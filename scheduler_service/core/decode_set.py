@@ -73,8 +73,9 @@ class DecodeSet:
         self.pending = np.zeros(capacity, dtype=np.int64)
         # Tokens the request's blocks can hold.
         self.cover = np.zeros(capacity, dtype=np.int64)
-        # Total tokens at which the request stops for length.
-        self.limit = np.zeros(capacity, dtype=np.int64)
+        # Computed tokens at which the request samples its last token: its length limit less one,
+        # kept so to spare the hot comparisons a `computed + 1` each.
+        self.last_sample_at = np.zeros(capacity, dtype=np.int64)
         self.stops_on_eos = np.zeros(capacity, dtype=bool)
         self.active = np.zeros(capacity, dtype=bool)
         self.epoch = np.zeros(capacity, dtype=np.int64)
@@ -96,7 +97,7 @@ class DecodeSet:
         self._slot_of[request] = slot
         self.handle[slot] = handle
         self.cover[slot] = cover
-        self.limit[slot] = limit
+        self.last_sample_at[slot] = limit - 1
         self.stops_on_eos[slot] = not request.sampling.ignore_eos
         self.active[slot] = True
         self.key[slot] = request.delivery_key
@@ -130,14 +131,14 @@ class DecodeSet:
         """Requests that will decode but whose next token falls past their blocks."""
         size = len(self._requests)
         active, computed = self.active[:size], self.computed[:size]
-        slots = np.flatnonzero(active & (computed >= self.cover[:size]) & (computed + 1 < self.limit[:size]))
+        slots = np.flatnonzero(active & (computed >= self.cover[:size]) & (computed < self.last_sample_at[:size]))
         return [self._requests[s] for s in slots.tolist()]  # type: ignore[misc]
 
     def plan(self, budget: int) -> BulkStep | None:
         """One token for each request that may sample more and has room, up to budget."""
         size = len(self._requests)
         computed = self.computed[:size]
-        runnable = self.active[:size] & (computed < self.cover[:size]) & (computed + 1 < self.limit[:size])
+        runnable = self.active[:size] & (computed < self.cover[:size]) & (computed < self.last_sample_at[:size])
         slots = np.flatnonzero(runnable)[:budget]
         if not slots.size:
             return None
@@ -169,8 +170,8 @@ class DecodeSet:
         self.last_token_at[slots] = now
         keys = self.key[slots]
         # The step sampled the token after its computed ones, and results come back in order, so
-        # each request now has computed + 1 tokens.
-        stops = computed + 1 >= self.limit[slots]
+        # this is each request's token number `computed + 1`.
+        stops = computed >= self.last_sample_at[slots]
         on_eos = self.stops_on_eos[slots]
         # A comparison per EOS id: models have one to three, and np.isin's set-up costs more.
         for eos in self._eos_ids:
@@ -199,7 +200,7 @@ class DecodeSet:
     def _grow(self) -> None:
         old = len(self._requests)
         new = max(64, old * _GROWTH)
-        names = ("handle", "computed", "pending", "cover", "limit", "stops_on_eos", "active", "epoch", "key", "last_token_at")
+        names = ("handle", "computed", "pending", "cover", "last_sample_at", "stops_on_eos", "active", "epoch", "key", "last_token_at")
         for name in names:
             array = getattr(self, name)
             if array.shape[0] < new:
