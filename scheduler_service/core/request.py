@@ -34,7 +34,15 @@ class ProgressHome(Protocol):
 
 @dataclass(slots=True, eq=False)
 class Request:
-    """Compared by identity: a request id may be reused once the request has finished."""
+    """Compared by identity: a request id may be reused once the request has finished.
+
+    Its progress (num_computed_tokens, num_pending_outputs, last_token_at) has one home at a
+    time: these fields, or while it decodes in bulk its slot in a DecodeSet's arrays, which plan
+    and apply a step for all their requests at once. move_progress moves it and makes the request
+    an _InDecodeSet meanwhile, whose properties read and write that slot under the same names:
+    whoever reads a request's progress gets the true figure without asking where it decodes,
+    and a request planned one entry at a time pays nothing for it (plain fields, no property).
+    """
 
     request_id: str
     prompt_token_ids: list[int]
@@ -50,6 +58,12 @@ class Request:
     arrival_index: int = -1
     # Prompt followed by every output token received so far.
     token_ids: list[int] = field(default_factory=list)
+    # Tokens whose KV the executor has (or will have, once the steps in flight run). Progress:
+    # see the class's docstring.
+    num_computed_tokens: int = 0
+    # Tokens scheduled to be sampled whose values have not come back yet: with pipelining the
+    # next step is planned before the last result arrives.
+    num_pending_outputs: int = 0
     # Tokens to compute before the first sample of this admission (the prompt, or prompt and
     # earlier output when resuming after preemption).
     prefill_target: int = 0
@@ -74,6 +88,8 @@ class Request:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finish_time: float | None = None
+    # When its last token came back, on the scheduler's clock, for the inter-token latency.
+    last_token_at: float | None = None
     # Hashes of the leading full blocks of token_ids a prefix hit may cover, for blocks of
     # prefix_hashes_block_size tokens: computed once and extended as tokens are added, not
     # re-hashed at every admission attempt or routing decision.
@@ -86,12 +102,7 @@ class Request:
     # steady decodes' tokens as an array (StepUpdates.decoded_keys), so that an owner sending
     # tokens on in bulk (the planner, to its front-ends) need not look at each request.
     delivery_key: int = 0
-    # Its progress (num_computed_tokens, num_pending_outputs, last_token_at: see the properties)
-    # has one home at a time: these fields, or while it decodes in bulk its slot in the
-    # DecodeSet's arrays, which plan and apply a step for all members at once.
-    _computed: int = field(default=0, init=False, repr=False)
-    _pending: int = field(default=0, init=False, repr=False)
-    _last_token_at: float | None = field(default=None, init=False, repr=False)
+    # Where its progress lives while it decodes in bulk, and its slot there (see move_progress).
     _home: ProgressHome | None = field(default=None, init=False, repr=False)
     _slot: int = field(default=0, init=False, repr=False)
 
@@ -99,56 +110,11 @@ class Request:
         if not self.token_ids:
             self.token_ids = list(self.prompt_token_ids)
 
-    @property
-    def num_computed_tokens(self) -> int:
-        """Tokens whose KV the executor has (or will have, once the steps in flight run)."""
-        home = self._home
-        return self._computed if home is None else int(home.computed[self._slot])
-
-    @num_computed_tokens.setter
-    def num_computed_tokens(self, value: int) -> None:
-        home = self._home
-        if home is None:
-            self._computed = value
-        else:
-            home.computed[self._slot] = value
-
-    @property
-    def num_pending_outputs(self) -> int:
-        """Tokens scheduled to be sampled whose values have not come back yet: with pipelining
-        the next step is planned before the last result arrives."""
-        home = self._home
-        return self._pending if home is None else int(home.pending[self._slot])
-
-    @num_pending_outputs.setter
-    def num_pending_outputs(self, value: int) -> None:
-        home = self._home
-        if home is None:
-            self._pending = value
-        else:
-            home.pending[self._slot] = value
-
-    @property
-    def last_token_at(self) -> float | None:
-        """When its last token came back, on the scheduler's clock, for the inter-token latency."""
-        home = self._home
-        if home is None:
-            return self._last_token_at
-        last = float(home.last_token_at[self._slot])
-        return None if math.isnan(last) else last
-
-    @last_token_at.setter
-    def last_token_at(self, value: float | None) -> None:
-        home = self._home
-        if home is None:
-            self._last_token_at = value
-        else:
-            home.last_token_at[self._slot] = math.nan if value is None else value
-
     def move_progress(self, home: ProgressHome | None, slot: int = 0) -> None:
         """Makes `home` (at `slot`) the home of its progress, or its own fields when None,
-        carrying the current values over (DecodeSet calls it on join and leave)."""
+        carrying the figures over (DecodeSet calls it on join and leave)."""
         computed, pending, last = self.num_computed_tokens, self.num_pending_outputs, self.last_token_at
+        self.__class__ = Request if home is None else _InDecodeSet
         self._home, self._slot = home, slot
         self.num_computed_tokens, self.num_pending_outputs, self.last_token_at = computed, pending, last
 
@@ -179,3 +145,36 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
+
+
+class _InDecodeSet(Request):
+    """A request while it decodes in bulk: its progress is its slot of its DecodeSet's arrays
+    (the fields of the same names are shadowed and unused until it leaves)."""
+
+    __slots__ = ()
+    _home: ProgressHome
+
+    @property  # type: ignore[override]
+    def num_computed_tokens(self) -> int:
+        return int(self._home.computed[self._slot])
+
+    @num_computed_tokens.setter
+    def num_computed_tokens(self, value: int) -> None:
+        self._home.computed[self._slot] = value
+
+    @property  # type: ignore[override]
+    def num_pending_outputs(self) -> int:
+        return int(self._home.pending[self._slot])
+
+    @num_pending_outputs.setter
+    def num_pending_outputs(self, value: int) -> None:
+        self._home.pending[self._slot] = value
+
+    @property  # type: ignore[override]
+    def last_token_at(self) -> float | None:
+        last = float(self._home.last_token_at[self._slot])
+        return None if math.isnan(last) else last
+
+    @last_token_at.setter
+    def last_token_at(self, value: float | None) -> None:
+        self._home.last_token_at[self._slot] = math.nan if value is None else value
