@@ -10,8 +10,9 @@ back as a packed list of tokens in the same order.
 A request joins once its prefill is done, when nothing about it needs per-request care (no
 logprobs, no stop token ids, no min_tokens, not retried after a failed step). It leaves when it
 finishes, is preempted or its executor goes. While it is here these arrays are the only home of
-its progress (computed tokens, pending outputs, time of its last token): the Request's properties
-read and write its slot (Request.move_progress), so no one needs to know where it decodes.
+its progress (computed tokens, pending outputs, time of its last token): join and leave move it
+(Request.move_progress), and meanwhile the request reads and writes its slot, so no one needs to
+know where it decodes.
 Its stops are stop_checker's rules for such requests, in vector form: the length limit it is
 given (stop_checker.length_limit) and the EOS ids.
 """
@@ -74,7 +75,7 @@ class DecodeSet:
         # Tokens the request's blocks can hold.
         self.cover = np.zeros(capacity, dtype=np.int64)
         # Computed tokens at which the request samples its last token: its length limit less one,
-        # kept so to spare the hot comparisons a `computed + 1` each.
+        # kept so as to spare the hot comparisons a `computed + 1` each.
         self.last_sample_at = np.zeros(capacity, dtype=np.int64)
         self.stops_on_eos = np.zeros(capacity, dtype=bool)
         self.active = np.zeros(capacity, dtype=bool)
