@@ -22,13 +22,17 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from google.protobuf.descriptor import Descriptor
+from google.protobuf.descriptor import Descriptor, FieldDescriptor
 from google.protobuf.message import DecodeError, Message
 
 from scheduler_service.core.errors import ErrorKind, RequestRejected
 from scheduler_service.frontend.packed_varints import count_varints, piece_end
 from scheduler_service.frontend.wire_fields import (
+    FIXED32,
+    FIXED64,
     LENGTH_DELIMITED,
+    START_GROUP,
+    VARINT,
     FieldSpan,
     field_spans,
     varint_bytes,
@@ -87,10 +91,12 @@ class _IdList:
     # The field of the TokenIds message holding the ids, when the top-level field is such a
     # message; None when the top-level field is the repeated ids themselves.
     inner_number: int | None
-    # Its oneof and the oneof's other members: the one written last is the one the message
-    # holds, the list replacing a member written before it as a member replaces the list.
+    # Its oneof and the oneof's other members, as (field number, wire type): the one written
+    # last is the one the message holds, the list replacing a member written before it as a
+    # member replaces the list. A member's number under another wire type is an unknown field to
+    # protobuf, which replaces nothing.
     oneof: str | None
-    siblings: frozenset[int]
+    siblings: frozenset[tuple[int, int]]
 
     def holds(self, span: FieldSpan) -> bool:
         """Whether this top-level field adds ids to the list (a repeated id may come packed or
@@ -159,7 +165,11 @@ def _id_list(message_class: type[Message]) -> _IdList | None:
     if field is None:
         return None
     oneof = field.containing_oneof
-    siblings = frozenset(member.number for member in oneof.fields if member is not field) if oneof else frozenset()
+    siblings = (
+        frozenset((member.number, _wire_type(member)) for member in oneof.fields if member is not field)
+        if oneof
+        else frozenset()
+    )
     inner = field.message_type.fields_by_name["ids"].number if field.message_type is not None else None
     return _IdList(message_class, field.number, inner, oneof.name if oneof else None, siblings)
 
@@ -187,7 +197,7 @@ def _parse(request: UnparsedRequest, most_ids: int) -> ParsedRequest:
     for span in spans:
         if not id_list.holds(span):
             others.append(span)
-            if span.number in id_list.siblings:
+            if (span.number, span.wire_type) in id_list.siblings:
                 ids = None
             continue
         # The fields before it first: what does not parse there is what a whole parse reports.
@@ -206,6 +216,19 @@ def _parse(request: UnparsedRequest, most_ids: int) -> ParsedRequest:
     if ids <= most_ids:
         return ParsedRequest(message_class.FromString(request.raw))
     return ParsedRequest(message, undecoded_ids=ids)
+
+
+def _wire_type(field: FieldDescriptor) -> int:
+    """The wire type protobuf reads a singular field of this type from."""
+    if field.type in (FieldDescriptor.TYPE_STRING, FieldDescriptor.TYPE_BYTES, FieldDescriptor.TYPE_MESSAGE):
+        return LENGTH_DELIMITED
+    if field.type == FieldDescriptor.TYPE_GROUP:
+        return START_GROUP
+    if field.type in (FieldDescriptor.TYPE_DOUBLE, FieldDescriptor.TYPE_FIXED64, FieldDescriptor.TYPE_SFIXED64):
+        return FIXED64
+    if field.type in (FieldDescriptor.TYPE_FLOAT, FieldDescriptor.TYPE_FIXED32, FieldDescriptor.TYPE_SFIXED32):
+        return FIXED32
+    return VARINT
 
 
 def _merge(message: Message, raw: memoryview, spans: Sequence[FieldSpan]) -> None:

@@ -9,8 +9,9 @@ from dataclasses import dataclass
 # A message of a few capped fields has far fewer; past this many the scan stops, so a message
 # made of millions of tiny fields costs no more than one made of a few big ones.
 MAX_FIELDS_SCANNED = 64
-LENGTH_DELIMITED = 2
-_FIXED_WIDTHS = {1: 8, 5: 4}
+# Wire types.
+VARINT, FIXED64, LENGTH_DELIMITED, START_GROUP, FIXED32 = 0, 1, 2, 3, 5
+_FIXED_WIDTHS = {FIXED64: 8, FIXED32: 4}
 
 
 @dataclass(slots=True, frozen=True)
@@ -44,7 +45,7 @@ def field_spans(raw: bytes | memoryview, most: int) -> list[FieldSpan]:
             break
         number, wire_type = tag >> 3, tag & 7
         value_start = position
-        if wire_type == 0:
+        if wire_type == VARINT:
             _, position = _varint(raw, position)
         elif wire_type == LENGTH_DELIMITED:
             length, position = _varint(raw, position)
