@@ -77,7 +77,7 @@ def _token_ids(case: TokenizerCase, max_size: int) -> st.SearchStrategy[list[int
         pieces = [i for i in range(len(tokenizer)) if i not in byte_ids]
         units = st.one_of(
             st.sampled_from(pieces).map(lambda i: [i]),
-            st.characters(min_codepoint=0x80).map(
+            st.characters(min_codepoint=0x80, codec="utf-8").map(
                 lambda c: tokenizer.convert_tokens_to_ids([f"<0x{b:02X}>" for b in c.encode()])
             ),
         )
