@@ -13,13 +13,12 @@ import grpc.aio
 from clients import calls
 from clients.calls import (
     CancellingStream,
-    GenerateCall,
     UnaryCall,
     awaitable,
     collected_awaitable,
     streaming,
 )
-from clients.connection import Channel, Metadata
+from clients.connection import ChannelClient
 from clients.errors import SplitserveError
 from clients.results import GenerationDelta, delta_from_response
 
@@ -54,7 +53,7 @@ class AsyncDeltaStream(CancellingStream, AsyncIterator[GenerationDelta]):
         self.cancel()
 
 
-class AsyncClient:
+class AsyncClient(ChannelClient):
     """One grpc.aio channel to a scheduler service; create and use it inside one event loop.
 
     Arguments as for clients.Client. Each call also takes `api_key`, which replaces the client's
@@ -62,18 +61,8 @@ class AsyncClient:
     OpenAI-compatible gateway forwards each HTTP caller's bearer token this way).
     """
 
-    def __init__(
-        self,
-        address: str,
-        *,
-        timeout: float | None = None,
-        api_key: str | None = None,
-        root_certificates: bytes | None = None,
-        tls: bool = False,
-        credentials: grpc.ChannelCredentials | None = None,
-        metadata: Metadata | None = None,
-    ) -> None:
-        self._channel = Channel(grpc.aio, address, timeout, api_key, root_certificates, tls, credentials, metadata)
+    _transport = grpc.aio
+    _stream_type = AsyncDeltaStream
 
     async def __aenter__(self) -> AsyncClient:
         return self
@@ -97,10 +86,6 @@ class AsyncClient:
     model_info = awaitable(calls.model_info)
     server_status = awaitable(calls.server_status)
     serving = awaitable(calls.serving)
-
-    def _open(self, call: GenerateCall) -> AsyncDeltaStream:
-        options = self._channel.stream_options(call.api_key, call.trace_context)
-        return AsyncDeltaStream(self._channel.generation.Generate(call.request, **options))
 
     async def _run(self, call: UnaryCall[Out]) -> Out:
         method, options = self._channel.unary(call)

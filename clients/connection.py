@@ -6,12 +6,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from types import ModuleType
-from typing import Any
+from typing import Any, ClassVar
 
 import grpc
 from grpc_health.v1 import health_pb2_grpc
 
-from clients.calls import UnaryCall
+from clients.calls import GenerateCall, UnaryCall
 from protos.splitserve.v1 import generation_pb2_grpc as pb_grpc
 
 Metadata = Sequence[tuple[str, str]]
@@ -93,3 +93,29 @@ class Channel:
         if call.health:
             return getattr(self._health, call.method), {"timeout": timeout}
         return getattr(self.generation, call.method), {"timeout": timeout, "metadata": self._metadata(call.api_key)}
+
+
+class ChannelClient:
+    """What the blocking and the asyncio client share: their arguments (clients.Client documents
+    them) and how a Generate stream opens. Each names its transport (grpc or grpc.aio) and its
+    kind of delta stream, and runs unary calls its own way (_run)."""
+
+    _transport: ClassVar[ModuleType]
+    _stream_type: ClassVar[Callable[[Any], Any]]
+
+    def __init__(
+        self,
+        address: str,
+        *,
+        timeout: float | None = None,
+        api_key: str | None = None,
+        root_certificates: bytes | None = None,
+        tls: bool = False,
+        credentials: grpc.ChannelCredentials | None = None,
+        metadata: Metadata | None = None,
+    ) -> None:
+        self._channel = Channel(self._transport, address, timeout, api_key, root_certificates, tls, credentials, metadata)
+
+    def _open(self, call: GenerateCall) -> Any:
+        options = self._channel.stream_options(call.api_key, call.trace_context)
+        return self._stream_type(self._channel.generation.Generate(call.request, **options))

@@ -11,13 +11,12 @@ import grpc
 from clients import calls
 from clients.calls import (
     CancellingStream,
-    GenerateCall,
     UnaryCall,
     blocking,
     collected,
     streaming,
 )
-from clients.connection import Channel, Metadata
+from clients.connection import ChannelClient
 from clients.errors import SplitserveError
 from clients.results import GenerationDelta, delta_from_response
 from protos.splitserve.v1 import generation_pb2 as pb
@@ -60,7 +59,7 @@ class DeltaStream(CancellingStream, Iterator[GenerationDelta]):
         self.cancel()
 
 
-class Client:
+class Client(ChannelClient):
     """One channel to a scheduler service; safe to share between threads.
 
     timeout: deadline in seconds for each call (for a Generate stream: the whole stream).
@@ -75,18 +74,8 @@ class Client:
     generate()/stream() take `trace_context` (W3C traceparent, tracestate) for that request.
     """
 
-    def __init__(
-        self,
-        address: str,
-        *,
-        timeout: float | None = None,
-        api_key: str | None = None,
-        root_certificates: bytes | None = None,
-        tls: bool = False,
-        credentials: grpc.ChannelCredentials | None = None,
-        metadata: Metadata | None = None,
-    ) -> None:
-        self._channel = Channel(grpc, address, timeout, api_key, root_certificates, tls, credentials, metadata)
+    _transport = grpc
+    _stream_type = DeltaStream
 
     def __enter__(self) -> Client:
         return self
@@ -110,10 +99,6 @@ class Client:
     model_info = blocking(calls.model_info)
     server_status = blocking(calls.server_status)
     serving = blocking(calls.serving)
-
-    def _open(self, call: GenerateCall) -> DeltaStream:
-        options = self._channel.stream_options(call.api_key, call.trace_context)
-        return DeltaStream(self._channel.generation.Generate(call.request, **options))
 
     def _run(self, call: UnaryCall[Out]) -> Out:
         method, options = self._channel.unary(call)
