@@ -7,7 +7,7 @@ Pure Python, like protos/limits.py, so the scheduler's planning core may use it.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 
@@ -52,3 +52,22 @@ def range_problems(values: Mapping[str, float], prefix: str = "") -> list[str]:
         elif not allowed.contains(value):
             problems.append(f"{prefix}{name} must be {allowed.describe()}, got {value}")
     return problems
+
+
+# OpenAI's bounds on a logit bias: -100 in effect bans a token, 100 all but forces it.
+LOGIT_BIAS_RANGE = Range(-100, 100)
+
+
+def logit_bias_problem(pairs: Sequence[tuple[int, float]], vocab_size: int, name: str) -> str | None:
+    """What is wrong with (token id, bias) pairs, as a sentence naming them `name`; None when
+    the ids are distinct and in the vocab and the biases finite and in range."""
+    ids = [token for token, _ in pairs]
+    outside = [token for token in ids if not 0 <= token < vocab_size]
+    if outside:
+        return f"{name} names token {outside[0]}, outside the vocab [0, {vocab_size})"
+    if len(set(ids)) != len(ids):
+        return f"{name} names a token twice"
+    bad = [bias for _, bias in pairs if not LOGIT_BIAS_RANGE.contains(bias)]
+    if bad:
+        return f"{name} values must be {LOGIT_BIAS_RANGE.describe()}, got {bad[0]}"
+    return None

@@ -26,6 +26,7 @@ from executor_service.sampling.position_seed import position_seed
 from executor_service.sampling.sampler_settings import SamplerSettings
 from executor_service.sampling.sampling_batch import (
     SamplingBatch,
+    logit_shaping_of,
     masks_stop_ids,
     penalties_of,
 )
@@ -33,7 +34,7 @@ from executor_service.sampling.sampling_batch import (
 # Columns of RequestRows.ints, .floats and .flags: one gather per table fetches a step's rows.
 COMPUTED, NUM_TOKENS, NUM_PROMPT, NUM_BLOCKS, LAST_TOKEN, PENALTY_ROW, TOP_K, NUM_LOGPROBS, MIN_TOKENS = range(9)
 TEMPERATURE, TOP_P, MIN_P, REPETITION, PRESENCE, FREQUENCY = range(6)
-GREEDY, PENALISED, WANT_LOGPROBS, HAS_STOP_IDS, SEEDED = range(5)
+GREEDY, PENALISED, WANT_LOGPROBS, HAS_STOP_IDS, SEEDED, SHAPED = range(6)
 # The ints columns RowKernels reads and writes, in the order kernels/steady_rows.c names them.
 KERNEL_COLUMNS = np.array([COMPUTED, NUM_TOKENS, NUM_BLOCKS, LAST_TOKEN], dtype=np.int64)
 
@@ -106,7 +107,7 @@ class RequestRows:
         self._free: list[int] = []
         self.ints = np.zeros((0, 9), dtype=np.int64)
         self.floats = np.zeros((0, 6), dtype=np.float32)
-        self.flags = np.zeros((0, 5), dtype=bool)
+        self.flags = np.zeros((0, 6), dtype=bool)
         # Row r's tokens are tokens[r, :ints[r, NUM_TOKENS]], its block table
         # blocks[r, :ints[r, NUM_BLOCKS]].
         self.tokens = np.zeros((0, 0), dtype=np.int32)
@@ -255,7 +256,7 @@ class RequestRows:
 
     def argmax_only(self, rows: np.ndarray) -> list[bool]:
         """Per row, whether its next token is the logits' argmax and nothing else is read from
-        them (no penalties, logprobs or stop masks)."""
+        them (no penalties, logprobs, stop masks, allowed tokens or biases)."""
         static = self._static_sampling(rows)
         if not static.stop_rows.size:
             return static.argmax_only
@@ -288,7 +289,8 @@ class RequestRows:
                 self.penalty_counts,
                 counts_rows,
             )
-        unmasked = greedy & ~flags[:, PENALISED] & ~flags[:, WANT_LOGPROBS]
+        unmasked = greedy & ~flags[:, PENALISED] & ~flags[:, WANT_LOGPROBS] & ~flags[:, SHAPED]
+        shaped = np.flatnonzero(flags[:, SHAPED]).tolist()
         self._static = _StaticSampling(
             rows=rows,
             version=self.version,
@@ -303,6 +305,12 @@ class RequestRows:
                 generators=[None] * len(rows),
                 stop_masks=[],
                 penalties=penalties,
+                shaping=logit_shaping_of(
+                    shaped,
+                    [self.states[rows[i]].sampling for i in shaped],  # type: ignore[union-attr]
+                    self.penalty_counts.vocab_size,
+                    self.device,
+                ),
             ),
             penalised=penalised,
             counts_rows=counts_rows,
@@ -333,6 +341,7 @@ class RequestRows:
             sampling.want_logprobs,
             bool(sampling.min_tokens_stop_ids),
             sampling.seed is not None,
+            sampling.shapes_logits,
         )
         if sampling.has_penalties:
             self.ints[row, PENALTY_ROW] = self.penalty_counts.add(

@@ -36,6 +36,8 @@ def check_new(entry: executor_pb2.NewRequest, sampling: SamplerSettings, limits:
     )
     if problem:
         return problem
+    if len(entry.sampling.logit_bias_token_ids) != len(entry.sampling.logit_bias_values):
+        return "sampling.logit_bias_token_ids and sampling.logit_bias_values differ in length"
     if num_tokens == 0:
         return "token_ids is empty"
     if num_tokens > limits.max_model_len:

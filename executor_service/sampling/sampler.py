@@ -1,6 +1,7 @@
 """Vectorised sampling over the rows of a step that produce a token.
 
-Order follows vLLM: min-tokens masking and penalties on the raw logits, then greedy rows take
+Order follows vLLM: logprobs from the raw logits; then allowed-token masks and logit biases,
+min-tokens masking and penalties, then greedy rows take
 the argmax and the others go through temperature, min-p, top-k and top-p before a draw. Draws use
 the exponential race (argmax of p / Exp(1) noise), and a seeded row draws its noise from its own
 generator, so its tokens do not depend on what else is in the batch.
@@ -15,6 +16,7 @@ import numpy as np
 import torch
 
 from executor_service.sampling.sampling_batch import (
+    LogitShaping,
     Penalties,
     SamplingBatch,
     SamplingRow,
@@ -63,6 +65,8 @@ def sample_batch(
         return SampleResult(token_ids=[], logprobs=[])
     logits = logits.float()
     raw_logprobs = torch.log_softmax(logits, dim=-1) if batch.want_logprobs.any() else None
+    if batch.shaping is not None:
+        logits = apply_logit_shaping(logits, batch.shaping)
     logits = mask_min_tokens_stop_ids(logits, batch.stop_masks)
     if batch.penalties is not None:
         logits = apply_penalties(logits, batch.penalties)
@@ -116,6 +120,17 @@ def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor)
     outside[:, -1] = False
     ascending = ascending.masked_fill(outside, float("-inf"))
     return torch.empty_like(logits).scatter_(1, order, ascending)
+
+
+def apply_logit_shaping(logits: torch.Tensor, shaping: LogitShaping) -> torch.Tensor:
+    """-inf on every token a restricted row may not sample, then each bias added to its row's
+    token. Out of place; only the shaped rows change."""
+    if shaping.allowed_rows.numel():
+        rows = logits[shaping.allowed_rows].masked_fill(~shaping.allowed, float("-inf"))
+        logits = logits.index_put((shaping.allowed_rows,), rows)
+    if shaping.bias_rows.numel():
+        logits = logits.index_put((shaping.bias_rows, shaping.bias_tokens), shaping.bias_values, accumulate=True)
+    return logits
 
 
 def mask_min_tokens_stop_ids(

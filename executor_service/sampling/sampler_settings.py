@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from protos.sampling_ranges import SAMPLING_RANGES, range_problems
+from protos.sampling_ranges import SAMPLING_RANGES, logit_bias_problem, range_problems
 from protos.splitserve.executor.v1 import executor_pb2
 
 # Below this a temperature is greedy, as in vLLM: dividing logits by a denormal such as 1e-38
@@ -27,6 +27,10 @@ class SamplerSettings:
     want_logprobs: bool = False
     min_tokens: int = 0
     min_tokens_stop_ids: tuple[int, ...] = ()
+    # (token id, bias) pairs added to the logits, and the only tokens that may be sampled (empty:
+    # any).
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    allowed_token_ids: tuple[int, ...] = ()
 
     @property
     def greedy(self) -> bool:
@@ -39,6 +43,11 @@ class SamplerSettings:
             or self.presence_penalty != 0.0
             or self.frequency_penalty != 0.0
         )
+
+    @property
+    def shapes_logits(self) -> bool:
+        """Whether its logits are biased or restricted before the sampler reads them."""
+        return bool(self.logit_bias or self.allowed_token_ids)
 
     @classmethod
     def from_proto(cls, config: executor_pb2.SamplerConfig) -> SamplerSettings:
@@ -55,6 +64,9 @@ class SamplerSettings:
             want_logprobs=config.want_logprobs,
             min_tokens=config.min_tokens,
             min_tokens_stop_ids=tuple(config.min_tokens_stop_ids),
+            # check_new refuses lists of unequal lengths.
+            logit_bias=tuple(zip(config.logit_bias_token_ids, config.logit_bias_values)),
+            allowed_token_ids=tuple(config.allowed_token_ids),
         )
 
 
@@ -67,6 +79,12 @@ def sampling_problem(settings: SamplerSettings, max_logprobs: int, vocab_size: i
             f"sampling.min_tokens_stop_ids holds {bad_stop_ids[0]}, outside the vocab "
             f"[0, {vocab_size})"
         )
+    bias_problem = logit_bias_problem(settings.logit_bias, vocab_size, "sampling.logit_bias")
+    if bias_problem is not None:
+        return bias_problem
+    outside = [t for t in settings.allowed_token_ids if t >= vocab_size]
+    if outside:
+        return f"sampling.allowed_token_ids holds {outside[0]}, outside the vocab [0, {vocab_size})"
     if settings.num_logprobs > max_logprobs:
         return f"sampling.num_logprobs must be <= {max_logprobs}, got {settings.num_logprobs}"
     # Checked as the sampler will use them: the proto's zero defaults mean "off".

@@ -42,6 +42,43 @@ class Penalties:
 
 
 @dataclass(slots=True)
+class LogitShaping:
+    """The rows of a step whose logits are restricted to some tokens or biased (allowed_token_ids,
+    logit_bias) before anything else reads them. Tensors on the logits' device."""
+
+    # Restricted rows (their places in the step), and per such row a [vocab] mask of the tokens
+    # it may sample.
+    allowed_rows: torch.Tensor
+    allowed: torch.Tensor
+    # One entry per (row, token) with a bias: the row's place, the token and the bias.
+    bias_rows: torch.Tensor
+    bias_tokens: torch.Tensor
+    bias_values: torch.Tensor
+
+
+def logit_shaping_of(
+    places: Sequence[int], settings: Sequence[SamplerSettings], vocab_size: int, device: torch.device
+) -> LogitShaping | None:
+    """The shaping of the rows at these places in a step, each with its settings; None when none
+    shapes its logits."""
+    shaped = [(place, params) for place, params in zip(places, settings, strict=True) if params.shapes_logits]
+    if not shaped:
+        return None
+    restricted = [(place, params.allowed_token_ids) for place, params in shaped if params.allowed_token_ids]
+    allowed = torch.zeros(len(restricted), vocab_size, dtype=torch.bool)
+    for i, (_, token_ids) in enumerate(restricted):
+        allowed[i, list(token_ids)] = True
+    biased = [(place, token, bias) for place, params in shaped for token, bias in params.logit_bias]
+    return LogitShaping(
+        allowed_rows=torch.tensor([place for place, _ in restricted], dtype=torch.long, device=device),
+        allowed=allowed.to(device),
+        bias_rows=torch.tensor([place for place, _, _ in biased], dtype=torch.long, device=device),
+        bias_tokens=torch.tensor([token for _, token, _ in biased], dtype=torch.long, device=device),
+        bias_values=torch.tensor([bias for _, _, bias in biased], dtype=torch.float32, device=device),
+    )
+
+
+@dataclass(slots=True)
 class SamplingBatch:
     greedy: np.ndarray
     temperature: np.ndarray
@@ -56,6 +93,7 @@ class SamplingBatch:
     # (row, stop ids) for rows whose min_tokens still forbid stopping.
     stop_masks: list[tuple[int, tuple[int, ...]]]
     penalties: Penalties | None
+    shaping: LogitShaping | None = None
 
     def __len__(self) -> int:
         return len(self.greedy)
@@ -96,6 +134,7 @@ class SamplingBatch:
             )
             if penalised
             else None,
+            shaping=logit_shaping_of(range(len(params)), params, vocab_size, device),
         )
 
 

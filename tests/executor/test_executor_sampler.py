@@ -166,3 +166,29 @@ def test_tiny_temperature_is_greedy() -> None:
     logits = torch.tensor([[5.0, 6.0, 10.0, -10.0]] * 4)
     rows = [row(SamplerSettings(temperature=t)) for t in (1e-38, 1e-30, 1e-6, 9.9e-6)]
     assert sample(logits, rows, torch.Generator().manual_seed(0)).token_ids == [2] * 4
+
+
+def test_logit_bias_moves_the_greedy_choice_and_leaves_logprobs_raw() -> None:
+    # Token 3 is 1.1 below LOGITS' argmax (token 0): +1.2 makes it the greedy choice; -100 on
+    # token 0 bans it in the second row, whose argmax becomes the runner-up.
+    rows = [
+        row(SamplerSettings(temperature=0.0, logit_bias=((3, 1.2),), want_logprobs=True, num_logprobs=1)),
+        row(SamplerSettings(temperature=0.0, logit_bias=((0, -100.0),))),
+        row(SamplerSettings(temperature=0.0)),
+    ]
+    logits = LOGITS.expand(len(rows), -1).clone()
+    result = sample(logits, rows)
+    assert result.token_ids == [3, 1, 0]
+    biased = result.logprobs[0]
+    assert biased is not None
+    assert biased.token_logprob == pytest.approx(torch.log_softmax(LOGITS, dim=-1)[3].item(), abs=1e-6)
+    assert torch.equal(logits, LOGITS.expand(len(rows), -1)), "the caller's logits changed"
+
+
+def test_allowed_token_ids_bound_greedy_rows_and_draws() -> None:
+    allowed = (4, 7, 8)
+    rows = [row(SamplerSettings(temperature=0.0, allowed_token_ids=allowed))]
+    rows += [row(SamplerSettings(temperature=1.0, allowed_token_ids=allowed))] * 500
+    tokens = sample(LOGITS.expand(len(rows), -1).clone(), rows, torch.Generator().manual_seed(2)).token_ids
+    assert tokens[0] == 4
+    assert set(tokens[1:]) == set(allowed)

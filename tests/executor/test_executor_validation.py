@@ -133,6 +133,18 @@ BAD_ENTRIES: dict[str, tuple[Callable[[str, str], pb.StepPlan], str]] = {
     "presence-penalty-out-of-range": (_sampling(presence_penalty=3.0), "presence_penalty"),
     "frequency-penalty-out-of-range": (_sampling(frequency_penalty=-2.5), "frequency_penalty"),
     "too-many-logprobs": (_sampling(want_logprobs=True, num_logprobs=21), "num_logprobs"),
+    "logit-bias-id-outside-vocab": (
+        _sampling(logit_bias_token_ids=[VOCAB_SIZE], logit_bias_values=[1.0]), "logit_bias names token"
+    ),
+    "logit-bias-out-of-range": (_sampling(logit_bias_token_ids=[4], logit_bias_values=[101.0]), "logit_bias values"),
+    "logit-bias-nan": (_sampling(logit_bias_token_ids=[4], logit_bias_values=[math.nan]), "logit_bias values"),
+    "logit-bias-id-twice": (
+        _sampling(logit_bias_token_ids=[4, 4], logit_bias_values=[1.0, 2.0]), "names a token twice"
+    ),
+    "logit-bias-lengths-differ": (
+        _sampling(logit_bias_token_ids=[4, 5], logit_bias_values=[1.0]), "differ in length"
+    ),
+    "allowed-token-outside-vocab": (_sampling(allowed_token_ids=[3, VOCAB_SIZE]), "allowed_token_ids"),
     "continuing-unknown-id": (
         lambda bad_id, victim_id: pb.StepPlan(
             continuing_requests=[pb.ContinuingRequest(request_id=bad_id, num_scheduled_tokens=1)]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -40,6 +41,8 @@ SAMPLING = [
     pb.SamplerConfig(repetition_penalty=1.5),
     pb.SamplerConfig(temperature=0.7, top_k=5, seed=3, has_seed=True),
     pb.SamplerConfig(min_tokens=4, min_tokens_stop_ids=[2, 17]),
+    pb.SamplerConfig(logit_bias_token_ids=[7, 9], logit_bias_values=[30.0, -100.0]),
+    pb.SamplerConfig(temperature=1.0, seed=5, has_seed=True, allowed_token_ids=[3, 8, 21]),
 ]
 BLOCKS_PER_REQUEST = 5
 
@@ -121,6 +124,8 @@ def test_gathered_steady_decodes_sample_what_continuing_entries_sample(
     assert len(gathered) == STEPS, "the steady decodes did not take their inputs from the rows"
     assert tokens_by_handle == tokens_by_entry
     assert not {2, 17} & set(tokens_by_handle[4][:4]), "min_tokens let a stop id through"
+    assert tokens_by_handle[5] == [7] * (STEPS + 1), "a +30 bias did not take the greedy choice"
+    assert set(tokens_by_handle[6]) <= {3, 8, 21}, "a token outside allowed_token_ids was sampled"
     for runner in (by_handle, by_entry):
         for i in range(len(SAMPLING)):
             state = runner.requests[f"r{i}"]
@@ -184,3 +189,12 @@ def test_a_handle_named_twice_in_a_plan_of_steady_decodes_is_refused_once(model_
     assert [(r.request_id, "twice" in r.message) for r in result.rejected] == [("r0", True)]
     assert result.decode_token_ids[2] == UNHELD_DECODE_TOKEN
     assert UNHELD_DECODE_TOKEN not in result.decode_token_ids[:2]
+
+
+def test_rows_with_shaped_logits_are_not_argmax_only() -> None:
+    rows = RequestRows(VOCAB_SIZE, torch.device("cpu"))
+    plain = rows.admit("plain", [3, 4], 2, [0], 0, SamplerSettings())
+    biased = rows.admit("biased", [3, 4], 2, [1], 0, SamplerSettings(logit_bias=((5, 2.0),)))
+    allowed = rows.admit("allowed", [3, 4], 2, [2], 0, SamplerSettings(allowed_token_ids=(5, 6)))
+    order = np.array([plain.row, biased.row, allowed.row], dtype=np.int64)
+    assert rows.argmax_only(order) == [True, False, False]
