@@ -2,7 +2,7 @@
 
 from dataclasses import dataclass
 
-from protos.sampling_ranges import SAMPLING_RANGES, range_problems
+from protos.sampling_ranges import SAMPLING_RANGES, logit_bias_problem, range_problems
 
 
 @dataclass(slots=True, frozen=True)
@@ -51,6 +51,10 @@ class SamplingParams:
     skip_special_tokens: bool = True
     # The stop string that ended the request ends the output text too (vLLM's field).
     include_stop_str_in_output: bool = False
+    # (token id, bias) pairs added to the logits, ids ascending; the only ids that may be
+    # generated (empty: any).
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    allowed_token_ids: tuple[int, ...] = ()
 
     def problems(self, vocab_size: int, max_logprobs: int) -> list[str]:
         """Every way these settings are invalid, each as a sentence for the client."""
@@ -66,4 +70,10 @@ class SamplingParams:
             found.append(f"stop_token_ids {bad_ids} are outside the vocabulary of {vocab_size}")
         if any(not s for s in self.stop):
             found.append("stop strings must not be empty")
+        bias_problem = logit_bias_problem(self.logit_bias, vocab_size, "logit_bias")
+        if bias_problem is not None:
+            found.append(bias_problem)
+        outside = [t for t in self.allowed_token_ids if t >= vocab_size]
+        if outside:
+            found.append(f"allowed_token_ids {outside} are outside the vocabulary of {vocab_size}")
         return found

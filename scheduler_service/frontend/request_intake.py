@@ -196,6 +196,8 @@ def sampling_from_proto(message: pb.SamplingParams, defaults: SamplingDefaults) 
         logprobs=optional("logprobs", None),
         skip_special_tokens=not message.keep_special_tokens,
         include_stop_str_in_output=message.include_stop_str_in_output,
+        logit_bias=tuple(sorted(message.logit_bias.items())),
+        allowed_token_ids=tuple(message.allowed_token_ids),
     )
 
 

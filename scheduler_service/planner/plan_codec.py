@@ -28,6 +28,10 @@ def sampler_config(params: SamplingParams, eos_token_ids: Collection[int] = ()) 
         config.has_seed, config.seed = True, params.seed
     if params.logprobs is not None:
         config.want_logprobs, config.num_logprobs = True, params.logprobs
+    if params.logit_bias:
+        config.logit_bias_token_ids.extend(token for token, _ in params.logit_bias)
+        config.logit_bias_values.extend(bias for _, bias in params.logit_bias)
+    config.allowed_token_ids.extend(params.allowed_token_ids)
     if params.min_tokens:
         config.min_tokens = params.min_tokens
         ending = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))

@@ -26,6 +26,8 @@ def sampling_to_proto(sampling: SamplingParams) -> pb.SamplingParams:
         ignore_eos=sampling.ignore_eos,
         keep_special_tokens=not sampling.skip_special_tokens,
         include_stop_str_in_output=sampling.include_stop_str_in_output,
+        logit_bias=dict(sampling.logit_bias),
+        allowed_token_ids=sampling.allowed_token_ids,
     )
     if sampling.max_tokens is not None:
         message.max_tokens = sampling.max_tokens
