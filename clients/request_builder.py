@@ -33,6 +33,8 @@ class GenerateOptions(TypedDict, total=False):
     frequency_penalty: float | None
     stop: str | Sequence[str] | None
     stop_token_ids: Sequence[int] | None
+    logit_bias: Mapping[int, float] | None
+    allowed_token_ids: Sequence[int] | None
     ignore_eos: bool | None
     logprobs: int | None
     min_tokens: int | None
@@ -61,6 +63,8 @@ def build_generate_request(
     frequency_penalty: float | None = None,
     stop: str | Sequence[str] | None = None,
     stop_token_ids: Sequence[int] | None = None,
+    logit_bias: Mapping[int, float] | None = None,
+    allowed_token_ids: Sequence[int] | None = None,
     ignore_eos: bool | None = None,
     logprobs: int | None = None,
     min_tokens: int | None = None,
@@ -79,6 +83,8 @@ def build_generate_request(
     are extra template variables such as {"enable_thinking": False}) must be given.
     skip_special_tokens=False asks for the text of special tokens too;
     include_stop_str_in_output=True ends the text with the stop string that ended it.
+    logit_bias adds a bias in [-100, 100] to a token id's logit; allowed_token_ids limits what
+    may be generated to those ids.
     """
     prompts = {"prompt": prompt, "prompt_token_ids": prompt_token_ids, "messages": messages}
     given = [name for name, value in prompts.items() if value is not None]
@@ -126,6 +132,10 @@ def build_generate_request(
         _checked("stop", params.stop.extend, [stop] if isinstance(stop, str) else list(stop))
     if stop_token_ids is not None:
         _checked("stop_token_ids", params.stop_token_ids.extend, list(stop_token_ids))
+    if logit_bias is not None:
+        _checked("logit_bias", params.logit_bias.update, dict(logit_bias))
+    if allowed_token_ids is not None:
+        _checked("allowed_token_ids", params.allowed_token_ids.extend, list(allowed_token_ids))
     # Proto3 creates an empty sampling message on first access; keep it present either way so
     # the server sees "all defaults" explicitly.
     request.sampling.SetInParent()

@@ -70,6 +70,7 @@ class SamplingFields(Body):
     ignore_eos: bool | None = None
     min_tokens: int | None = None
     stop_token_ids: list[int] | None = None
+    allowed_token_ids: list[int] | None = None
     skip_special_tokens: bool | None = None
     priority: int | None = None
     cache_salt: str | None = None

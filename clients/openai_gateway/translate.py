@@ -114,8 +114,6 @@ def _single_prompt(prompt: str | list[int] | list[str] | list[list[int]]) -> str
 def _check_common(body: SamplingFields) -> None:
     if body.n not in (None, 1):
         raise unsupported("n", "only n=1 is supported; send one request per completion")
-    if body.logit_bias:
-        raise unsupported("logit_bias", "logit_bias is not supported")
     if body.stream_options is not None and not body.stream:
         raise bad_request("stream_options is only allowed with stream=true", "stream_options")
 
@@ -136,6 +134,8 @@ def _sampling(
         frequency_penalty=body.frequency_penalty,
         stop=body.stop,
         stop_token_ids=body.stop_token_ids,
+        logit_bias=_logit_bias(body.logit_bias),
+        allowed_token_ids=body.allowed_token_ids,
         ignore_eos=body.ignore_eos,
         include_stop_str_in_output=body.include_stop_str_in_output,
         logprobs=logprobs,
@@ -148,6 +148,19 @@ def _sampling(
     if body.priority is not None:
         options["priority"] = body.priority
     return options
+
+
+def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
+    """OpenAI's logit_bias, keyed by token ids written as strings; the scheduler checks the ids
+    and the values' range."""
+    if bias is None:
+        return None
+    ids: dict[int, float] = {}
+    for key, value in bias.items():
+        if not (key.isascii() and key.isdigit()):
+            raise bad_request(f"logit_bias keys must be token ids, got {key!r}", "logit_bias")
+        ids[int(key)] = value
+    return ids
 
 
 def _chat_turn(index: int, message: ChatMessage) -> dict[str, str]:

@@ -228,6 +228,35 @@ def test_completion_answers_as_the_grpc_api_does(oai: openai.OpenAI, grpc_client
     assert completion.choices[0].text == by_ids.text and completion.usage.prompt_tokens == 5
 
 
+def test_logit_bias_and_allowed_token_ids_shape_the_answer(oai: openai.OpenAI, grpc_client: Client) -> None:
+    favoured, other = 1234, 99
+    plain = grpc_client.generate(prompt=PROMPT, max_tokens=6, temperature=0, ignore_eos=True)
+    expected = grpc_client.generate(
+        prompt=PROMPT, max_tokens=6, temperature=0, ignore_eos=True, logit_bias={favoured: 100.0}
+    )
+    assert expected.token_ids == [favoured] * 6 != plain.token_ids
+    biased = oai.completions.create(
+        model=MODEL_NAME, prompt=PROMPT, max_tokens=6, temperature=0, logit_bias={str(favoured): 100},
+        extra_body=IGNORE_EOS,
+    )
+    assert biased.choices[0].text == expected.text != plain.text
+
+    allowed = [favoured, other]
+    expected = grpc_client.generate(
+        prompt=PROMPT, max_tokens=6, temperature=1.0, seed=4, ignore_eos=True, allowed_token_ids=allowed
+    )
+    assert set(expected.token_ids) <= set(allowed)
+    chat = oai.chat.completions.create(
+        model=MODEL_NAME, messages=MESSAGES, max_tokens=6, temperature=1.0, seed=4,
+        extra_body={**IGNORE_EOS, "allowed_token_ids": allowed},
+    )
+    restricted = grpc_client.generate(
+        messages=MESSAGES, max_tokens=6, temperature=1.0, seed=4, ignore_eos=True, allowed_token_ids=allowed
+    )
+    assert chat.choices[0].message.content == restricted.text
+    assert set(restricted.token_ids) <= set(allowed)
+
+
 def test_completion_stream_ends_with_a_usage_chunk(oai: openai.OpenAI, grpc_client: Client) -> None:
     expected = grpc_client.generate(prompt=PROMPT, max_tokens=8, temperature=0, ignore_eos=True)
     arguments: dict[str, Any] = dict(
@@ -534,7 +563,9 @@ def test_version_is_the_installed_packages(stack: Stack) -> None:
         ({"prompt": ["one", "two"]}, "several prompts"),
         ({"extra_body": {"best_guess": 1}}, "best_guess: unsupported field"),
         ({"extra_body": {"max_tokens": "many"}}, "max_tokens"),
-        ({"logit_bias": {"5": 1.0}}, "logit_bias"),
+        ({"logit_bias": {str(VOCAB_SIZE): 1.0}}, "logit_bias names token"),
+        ({"logit_bias": {"5": 101}}, "logit_bias values"),
+        ({"logit_bias": {"five": 1}}, "logit_bias keys must be token ids"),
     ],
 )
 def test_bad_completion_requests_get_400(oai: openai.OpenAI, arguments: dict[str, Any], message: str) -> None:
