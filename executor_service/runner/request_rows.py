@@ -37,6 +37,7 @@ TEMPERATURE, TOP_P, MIN_P, REPETITION, PRESENCE, FREQUENCY = range(6)
 GREEDY, PENALISED, WANT_LOGPROBS, HAS_STOP_IDS, SEEDED, SHAPED = range(6)
 # The ints columns RowKernels reads and writes, in the order kernels/steady_rows.c names them.
 KERNEL_COLUMNS = np.array([COMPUTED, NUM_TOKENS, NUM_BLOCKS, LAST_TOKEN], dtype=np.int64)
+KERNEL_COLUMNS.flags.writeable = False
 
 
 @dataclass(slots=True, eq=False)
@@ -96,8 +97,8 @@ class RequestRows:
     """Rows are reused after release; the tables grow by doubling. The tables are public for
     the step builders to gather from and are written only here.
 
-    kernels: a steady step's gather (decode_gather.py) and write-back (decoded) in one C call
-    each; numpy's operations where None."""
+    kernels: a steady step's gather (SteadyDecodes) and write-back (decoded) in one C call each;
+    numpy's operations where None."""
 
     def __init__(self, vocab_size: int, device: torch.device, kernels: RowKernels | None = None) -> None:
         self.device = device
