@@ -9,10 +9,24 @@ from __future__ import annotations
 
 import ctypes
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
 from executor_service.kernels.cpu_kernels import declare, load_kernel_library
+
+
+@dataclass(slots=True)
+class KeptTable:
+    """A steady step's block table as steady_gather keeps it from step to step: [rows, width]
+    int64, 0 past each row's blocks, and how many of each row's blocks it holds already."""
+
+    table: np.ndarray
+    held: np.ndarray
+
+    @classmethod
+    def empty(cls, rows: int, width: int) -> KeptTable:
+        return cls(np.zeros((rows, width), dtype=np.int64), np.zeros(rows, dtype=np.int64))
 
 
 class RowKernels:
@@ -22,7 +36,9 @@ class RowKernels:
     def __init__(self, library: ctypes.CDLL) -> None:
         pointer, size = ctypes.c_void_p, ctypes.c_int64
         self._gather = declare(
-            library.steady_gather, [pointer, size, pointer, pointer, size, pointer, size, size, size] + [pointer] * 5, size
+            library.steady_gather,
+            [pointer, size, pointer, pointer, size, pointer, size, size, size] + [pointer] * 5 + [size, pointer],
+            size,
         )
         self._decoded = declare(
             library.steady_decoded,
@@ -43,33 +59,55 @@ class RowKernels:
         rows: np.ndarray,
         block_size: int,
         num_cache_blocks: int,
-    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None:
+        kept: KeptTable,
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None:
         """The rows' last tokens and positions ([1, rows], as a forward takes them), context
-        lengths, slots and block table, as steady_gather gives them (views of a buffer the next
-        call overwrites); None where a row is not one token behind, lacks room, or holds a block
+        lengths and slots, as steady_gather gives them (views of a buffer the next call
+        overwrites), with kept's table brought up to date (started over, wider, where a row
+        outgrew it); None where a row is not one token behind, lacks room, or holds a new block
         outside the cache.
 
         ints, blocks: C-contiguous int64 tables; columns: int64 [computed, tokens, blocks, last
-        token] columns of ints; rows: int64."""
+        token] columns of ints; rows: int64, the rows kept was made for."""
         n = len(rows)
-        if self._out.size < 4 * n + n * blocks.shape[1]:
-            self._out = np.zeros(4 * n + n * blocks.shape[1], dtype=np.int64)
+        if self._out.size < 4 * n:
+            self._out = np.zeros(4 * n, dtype=np.int64)
             self._vectors = (-1, ())
-        address = self._address
-        base = address(_OUT, self._out)
-        step = n * self._out.itemsize
-        width = self._gather(
-            address(_INTS, ints), ints.shape[1], address(_COLUMNS, columns), address(_BLOCKS, blocks), blocks.shape[1],
-            address(_ROWS, rows), n, block_size, num_cache_blocks,
-            base, base + step, base + 2 * step, base + 3 * step, base + 4 * step,
-        )
-        if width < 0:
+        code = self._run_gather(ints, columns, blocks, rows, block_size, num_cache_blocks, kept)
+        if code == _TABLE_TOO_NARROW:
+            fresh = KeptTable.empty(n, blocks.shape[1])
+            kept.table, kept.held = fresh.table, fresh.held
+            code = self._run_gather(ints, columns, blocks, rows, block_size, num_cache_blocks, kept)
+        if code != 0:
             return None
         if self._vectors[0] != n:
             vectors = self._out[: 4 * n].reshape(4, n)
             self._vectors = (n, (vectors[0:1], vectors[1:2], vectors[2], vectors[3]))
         last_tokens, positions, context_lens, slots = self._vectors[1]
-        return last_tokens, positions, context_lens, slots, self._out[4 * n : 4 * n + n * width].reshape(n, width)
+        return last_tokens, positions, context_lens, slots
+
+    def _run_gather(
+        self,
+        ints: np.ndarray,
+        columns: np.ndarray,
+        blocks: np.ndarray,
+        rows: np.ndarray,
+        block_size: int,
+        num_cache_blocks: int,
+        kept: KeptTable,
+    ) -> int:
+        n = len(rows)
+        address = self._address
+        base = address(_OUT, self._out)
+        step = n * self._out.itemsize
+        return int(
+            self._gather(
+                address(_INTS, ints), ints.shape[1], address(_COLUMNS, columns), address(_BLOCKS, blocks),
+                blocks.shape[1], address(_ROWS, rows), n, block_size, num_cache_blocks,
+                base, base + step, base + 2 * step, base + 3 * step,
+                address(_TABLE, kept.table), kept.table.shape[1], address(_HELD, kept.held),
+            )
+        )
 
     def decoded(
         self,
@@ -102,7 +140,9 @@ class RowKernels:
 
 
 # Argument kinds whose arrays _Addresses keeps.
-_INTS, _COLUMNS, _BLOCKS, _ROWS, _OUT, _TOKENS, _SAMPLED, _COUNTS, _PENALISED, _COUNTS_ROWS = range(10)
+_INTS, _COLUMNS, _BLOCKS, _ROWS, _OUT, _TABLE, _HELD, _TOKENS, _SAMPLED, _COUNTS, _PENALISED, _COUNTS_ROWS = range(12)
+# steady_gather's answer when a row holds more blocks than the kept table is wide.
+_TABLE_TOO_NARROW = -3
 
 
 class _Addresses:
@@ -111,8 +151,8 @@ class _Addresses:
     that costs over a microsecond a call; an array kept here keeps its memory where it is."""
 
     def __init__(self) -> None:
-        self._arrays: list[np.ndarray | None] = [None] * 10
-        self._values = [0] * 10
+        self._arrays: list[np.ndarray | None] = [None] * 12
+        self._values = [0] * 12
 
     def __call__(self, kind: int, array: np.ndarray) -> int:
         if array is not self._arrays[kind]:

@@ -17,46 +17,54 @@
 enum { COL_COMPUTED, COL_NUM_TOKENS, COL_NUM_BLOCKS, COL_LAST_TOKEN };
 
 /* Every row must be one token behind (computed + 1 == known tokens) with room in its blocks for
- * that token, and every block id it holds must lie in the cache. Then, per row i: its last token,
- * its position (its computed count), its context length, the cache slot its token's K/V go to,
- * and its block table, packed as [rows, width] into `table` where width is the most blocks any row
- * holds (rows holding fewer are padded with block 0, as the tables are).
+ * that token. Then, per row i: its last token, its position (its computed count), its context
+ * length and the cache slot its token's K/V go to; and its block table kept up to date in
+ * `table` ([rows, table_cols], kept by the caller from step to step): held[i] says how many of
+ * row i's blocks it holds already, and only the blocks added since are copied (and checked to
+ * lie in the cache). A steady step's rows only ever gain blocks while they are the same rows, so
+ * a step copies what changed, not every context's whole table. Entries past a row's blocks are
+ * 0, the padding the tables use.
  *
- * Returns width; -1 when a row is not one token behind or lacks room, -2 when a block id lies
- * outside the cache; nothing is promised of the outputs then. `table` holds rows * block_cols. */
+ * Returns 0; -1 when a row is not one token behind or lacks room, -2 when a new block id lies
+ * outside the cache, -3 when a row holds more blocks than table_cols (the caller widens the
+ * table and starts it over, held all 0). Nothing is promised of the outputs then. */
 int64_t steady_gather(
     const int64_t *ints, int64_t int_cols, const int64_t *columns,
     const int64_t *blocks, int64_t block_cols,
     const int64_t *rows, int64_t num_rows, int64_t block_size, int64_t num_cache_blocks,
-    int64_t *last_tokens, int64_t *positions, int64_t *context_lens, int64_t *slots, int64_t *table)
+    int64_t *last_tokens, int64_t *positions, int64_t *context_lens, int64_t *slots,
+    int64_t *table, int64_t table_cols, int64_t *held)
 {
     const int64_t computed_col = columns[COL_COMPUTED], tokens_col = columns[COL_NUM_TOKENS];
     const int64_t blocks_col = columns[COL_NUM_BLOCKS], last_col = columns[COL_LAST_TOKEN];
-    int64_t width = 0;
     for (int64_t i = 0; i < num_rows; i++) {
         const int64_t *row = ints + rows[i] * int_cols;
         const int64_t end = row[computed_col] + 1;
         if (end != row[tokens_col] || end > row[blocks_col] * block_size)
             return -1;
-        if (row[blocks_col] > width)
-            width = row[blocks_col];
+        if (row[blocks_col] > table_cols)
+            return -3;
     }
     for (int64_t i = 0; i < num_rows; i++) {
         const int64_t *row = ints + rows[i] * int_cols;
-        const int64_t *held = blocks + rows[i] * block_cols;
-        int64_t *out = table + i * width;
-        for (int64_t b = 0; b < width; b++) {
-            if (held[b] < 0 || held[b] >= num_cache_blocks)
+        const int64_t *source = blocks + rows[i] * block_cols;
+        const int64_t count = row[blocks_col];
+        int64_t *out = table + i * table_cols;
+        for (int64_t b = held[i]; b < count; b++) {
+            if (source[b] < 0 || source[b] >= num_cache_blocks)
                 return -2;
-            out[b] = held[b];
+            out[b] = source[b];
         }
+        for (int64_t b = count; b < held[i]; b++)
+            out[b] = 0;
+        held[i] = count;
         const int64_t position = row[computed_col];
         last_tokens[i] = row[last_col];
         positions[i] = position;
         context_lens[i] = position + 1;
         slots[i] = out[position / block_size] * block_size + position % block_size;
     }
-    return width;
+    return 0;
 }
 
 /* A steady step ran: row i's last token is computed and sampled[i] is its next one, written

@@ -4,7 +4,8 @@ The planner sends the same handles in the same order step after step while no re
 goes, so the handles' requests and rows are looked up once and kept until the handles or the
 held requests change; each step then checks every row's room for its token and gathers the
 step's inputs from the tables, in one C call where the rows have their kernels (RowKernels) and
-in numpy's operations where not.
+in numpy's operations where not. The C call keeps the step's block table from step to step and
+copies only the blocks added since, so the gather does not grow with the contexts.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from executor_service.kernels.row_kernels import KeptTable
 from executor_service.runner.request_rows import (
     COMPUTED,
     KERNEL_COLUMNS,
@@ -38,13 +40,15 @@ class SteadyStep:
     # Per row, gathered as admitted (after the plan's block appends): its last token (the one
     # the step computes) and its position, both [1, rows] as a forward takes them, its context
     # length once the step has run, and the cache slot its token's K/V go to; and its block
-    # table, [rows, the most blocks a row holds], padded with block 0. They may be views of
-    # RowKernels' buffer, valid until the next step.
+    # table, [rows, at least the most blocks a row holds], padded with block 0. They may be
+    # views of RowKernels' buffer, valid until the next step.
     last_tokens: np.ndarray
     positions: np.ndarray
     context_lens: np.ndarray
     slots: np.ndarray
     table: np.ndarray
+    # The block table RowKernels keeps for these rows (None without the kernels).
+    kept: KeptTable | None = None
 
 
 class SteadyDecodes:
@@ -72,15 +76,20 @@ class SteadyDecodes:
             step = self._look_up(list(handles), held, request_rows)
             if step is None:
                 return None
-        if request_rows.kernels is not None:
+        if step.kept is not None and request_rows.kernels is not None:
             gathered = request_rows.kernels.gather(
-                request_rows.ints, KERNEL_COLUMNS, request_rows.blocks, step.rows, limits.block_size, limits.num_kv_blocks
+                request_rows.ints, KERNEL_COLUMNS, request_rows.blocks, step.rows, limits.block_size,
+                limits.num_kv_blocks, step.kept,
             )
-        else:
-            gathered = _gather(request_rows, step.rows, limits)
-        if gathered is None:
+            if gathered is None:
+                return None
+            step.last_tokens, step.positions, step.context_lens, step.slots = gathered
+            step.table = step.kept.table
+            return step
+        numpy_gathered = _gather(request_rows, step.rows, limits)
+        if numpy_gathered is None:
             return None
-        step.last_tokens, step.positions, step.context_lens, step.slots, step.table = gathered
+        step.last_tokens, step.positions, step.context_lens, step.slots, step.table = numpy_gathered
         return step
 
     def _look_up(
@@ -94,20 +103,21 @@ class SteadyDecodes:
         rows = np.fromiter((state.row for state in states), dtype=np.int64, count=len(states))
         self._handles, self._version = handles, request_rows.version
         empty = np.zeros(0, dtype=np.int64)
-        self._step = SteadyStep(states, rows, torch.arange(len(rows)), empty, empty, empty, empty, empty)
+        kept = KeptTable.empty(len(rows), request_rows.blocks.shape[1]) if request_rows.kernels is not None else None
+        self._step = SteadyStep(states, rows, torch.arange(len(rows)), empty, empty, empty, empty, empty, kept)
         return self._step
 
 
 def _gather(
     request_rows: RequestRows, rows: np.ndarray, limits: Limits
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None:
-    """RowKernels.gather in numpy."""
+    """RowKernels.gather in numpy, the whole table gathered each step (its width the rows' table's)."""
     ints = request_rows.ints[rows]
     positions = ints[:, COMPUTED].copy()
     ends = positions + 1
     if not ((ends == ints[:, NUM_TOKENS]) & (ends <= ints[:, NUM_BLOCKS] * limits.block_size)).all():
         return None
-    table = request_rows.blocks[rows, : int(ints[:, NUM_BLOCKS].max())]
+    table = request_rows.blocks[rows]
     if table.size and (table.min() < 0 or table.max() >= limits.num_kv_blocks):
         return None
     block_size = limits.block_size

@@ -108,3 +108,35 @@ def test_a_token_outside_the_vocabulary_is_refused_before_anything_is_written() 
     width = before[1].shape[1]
     assert np.array_equal(rows.ints, before[0])
     assert np.array_equal(rows.tokens[:, :width], before[1]) and not rows.tokens[:, width:].any()
+
+
+def _padded(table: np.ndarray, width: int) -> np.ndarray:
+    return np.pad(table, ((0, 0), (0, width - table.shape[1])))
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(st.integers(1, 5), min_size=1, max_size=6),
+    st.lists(st.lists(st.booleans(), min_size=6, max_size=6), min_size=1, max_size=12),
+)
+def test_the_kept_table_follows_block_appends_step_after_step(held: list[int], appends: list[list[bool]]) -> None:
+    """The C gather copies only the blocks added since the last step (and lays its table out
+    again when a row outgrows it); the table it keeps equals the one numpy gathers whole."""
+    kernels = _kernels()
+    limits = Limits(vocab_size=VOCAB, num_kv_blocks=1_000, block_size=BLOCK_SIZE, max_model_len=256, max_logprobs=5)
+    sides = []
+    for side_kernels in (kernels, None):
+        rows = RequestRows(VOCAB, torch.device("cpu"), side_kernels)
+        states = [rows.admit(f"r{i}", [1], 1, [100 * i + b for b in range(count)], 0, SamplerSettings()) for i, count in enumerate(held)]
+        sides.append((rows, states, {i + 1: state for i, state in enumerate(states)}, SteadyDecodes()))
+    for step in appends:
+        tables = []
+        for rows, states, handles, steady in sides:
+            for i, (state, append) in enumerate(zip(states, step)):
+                if append:
+                    rows.add_blocks(state, [100 * i + len(state.block_ids)])
+            admitted = steady.admit(list(handles), handles, rows, limits)
+            assert admitted is not None
+            tables.append(admitted.table.copy())
+        width = max(table.shape[1] for table in tables)
+        assert np.array_equal(_padded(tables[0], width), _padded(tables[1], width))
