@@ -73,11 +73,21 @@ class RowKernels:
         if self._out.size < 4 * n:
             self._out = np.zeros(4 * n, dtype=np.int64)
             self._vectors = (-1, ())
-        code = self._run_gather(ints, columns, blocks, rows, block_size, num_cache_blocks, kept)
-        if code == _TABLE_TOO_NARROW:
+        address = self._address
+        base = address(_OUT, self._out)
+        step = n * self._out.itemsize
+        # A second try is on a table as wide as the rows' own, which every row fits.
+        for _ in range(2):
+            code = self._gather(
+                address(_INTS, ints), ints.shape[1], address(_COLUMNS, columns), address(_BLOCKS, blocks),
+                blocks.shape[1], address(_ROWS, rows), n, block_size, num_cache_blocks,
+                base, base + step, base + 2 * step, base + 3 * step,
+                address(_TABLE, kept.table), kept.table.shape[1], address(_HELD, kept.held),
+            )
+            if code != _TABLE_TOO_NARROW:
+                break
             fresh = KeptTable.empty(n, blocks.shape[1])
             kept.table, kept.held = fresh.table, fresh.held
-            code = self._run_gather(ints, columns, blocks, rows, block_size, num_cache_blocks, kept)
         if code != 0:
             return None
         if self._vectors[0] != n:
@@ -85,29 +95,6 @@ class RowKernels:
             self._vectors = (n, (vectors[0:1], vectors[1:2], vectors[2], vectors[3]))
         last_tokens, positions, context_lens, slots = self._vectors[1]
         return last_tokens, positions, context_lens, slots
-
-    def _run_gather(
-        self,
-        ints: np.ndarray,
-        columns: np.ndarray,
-        blocks: np.ndarray,
-        rows: np.ndarray,
-        block_size: int,
-        num_cache_blocks: int,
-        kept: KeptTable,
-    ) -> int:
-        n = len(rows)
-        address = self._address
-        base = address(_OUT, self._out)
-        step = n * self._out.itemsize
-        return int(
-            self._gather(
-                address(_INTS, ints), ints.shape[1], address(_COLUMNS, columns), address(_BLOCKS, blocks),
-                blocks.shape[1], address(_ROWS, rows), n, block_size, num_cache_blocks,
-                base, base + step, base + 2 * step, base + 3 * step,
-                address(_TABLE, kept.table), kept.table.shape[1], address(_HELD, kept.held),
-            )
-        )
 
     def decoded(
         self,
