@@ -58,13 +58,19 @@ def range_problems(values: Mapping[str, float], prefix: str = "") -> list[str]:
 LOGIT_BIAS_RANGE = Range(-100, 100)
 
 
+def vocab_problem(token_ids: Sequence[int], vocab_size: int, name: str) -> str | None:
+    """A sentence naming `name`'s first token id outside the vocab, or None when all lie in it."""
+    outside = [token for token in token_ids if not 0 <= token < vocab_size]
+    return f"{name} names token {outside[0]}, outside the vocab [0, {vocab_size})" if outside else None
+
+
 def logit_bias_problem(pairs: Sequence[tuple[int, float]], vocab_size: int, name: str) -> str | None:
     """What is wrong with (token id, bias) pairs, as a sentence naming them `name`; None when
     the ids are distinct and in the vocab and the biases finite and in range."""
     ids = [token for token, _ in pairs]
-    outside = [token for token in ids if not 0 <= token < vocab_size]
-    if outside:
-        return f"{name} names token {outside[0]}, outside the vocab [0, {vocab_size})"
+    outside = vocab_problem(ids, vocab_size, name)
+    if outside is not None:
+        return outside
     if len(set(ids)) != len(ids):
         return f"{name} names a token twice"
     bad = [bias for _, bias in pairs if not LOGIT_BIAS_RANGE.contains(bias)]

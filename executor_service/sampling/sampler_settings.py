@@ -5,7 +5,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from protos.sampling_ranges import SAMPLING_RANGES, logit_bias_problem, range_problems
+from protos.sampling_ranges import (
+    SAMPLING_RANGES,
+    logit_bias_problem,
+    range_problems,
+    vocab_problem,
+)
 from protos.splitserve.executor.v1 import executor_pb2
 
 # Below this a temperature is greedy, as in vLLM: dividing logits by a denormal such as 1e-38
@@ -79,12 +84,10 @@ def sampling_problem(settings: SamplerSettings, max_logprobs: int, vocab_size: i
             f"sampling.min_tokens_stop_ids holds {bad_stop_ids[0]}, outside the vocab "
             f"[0, {vocab_size})"
         )
-    bias_problem = logit_bias_problem(settings.logit_bias, vocab_size, "sampling.logit_bias")
-    if bias_problem is not None:
-        return bias_problem
-    outside = [t for t in settings.allowed_token_ids if t >= vocab_size]
-    if outside:
-        return f"sampling.allowed_token_ids holds {outside[0]}, outside the vocab [0, {vocab_size})"
+    shaping_problem = logit_bias_problem(settings.logit_bias, vocab_size, "sampling.logit_bias")
+    shaping_problem = shaping_problem or vocab_problem(settings.allowed_token_ids, vocab_size, "sampling.allowed_token_ids")
+    if shaping_problem is not None:
+        return shaping_problem
     if settings.num_logprobs > max_logprobs:
         return f"sampling.num_logprobs must be <= {max_logprobs}, got {settings.num_logprobs}"
     # Checked as the sampler will use them: the proto's zero defaults mean "off".

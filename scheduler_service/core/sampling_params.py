@@ -2,7 +2,12 @@
 
 from dataclasses import dataclass
 
-from protos.sampling_ranges import SAMPLING_RANGES, logit_bias_problem, range_problems
+from protos.sampling_ranges import (
+    SAMPLING_RANGES,
+    logit_bias_problem,
+    range_problems,
+    vocab_problem,
+)
 
 
 @dataclass(slots=True, frozen=True)
@@ -73,7 +78,7 @@ class SamplingParams:
         bias_problem = logit_bias_problem(self.logit_bias, vocab_size, "logit_bias")
         if bias_problem is not None:
             found.append(bias_problem)
-        outside = [t for t in self.allowed_token_ids if t >= vocab_size]
-        if outside:
-            found.append(f"allowed_token_ids {outside} are outside the vocabulary of {vocab_size}")
+        allowed_problem = vocab_problem(self.allowed_token_ids, vocab_size, "allowed_token_ids")
+        if allowed_problem is not None:
+            found.append(allowed_problem)
         return found

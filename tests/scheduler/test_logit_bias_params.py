@@ -42,7 +42,7 @@ def test_the_pairs_reach_the_executor_as_the_client_sent_them() -> None:
         ({"logit_bias": {3: 100.5}}, "logit_bias values must be in [-100, 100], got 100.5"),
         ({"logit_bias": {3: math.inf}}, "logit_bias values must be in [-100, 100], got inf"),
         ({"logit_bias": {3: math.nan}}, "logit_bias values must be in [-100, 100], got nan"),
-        ({"allowed_token_ids": [3, VOCAB]}, "allowed_token_ids [100] are outside the vocabulary of 100"),
+        ({"allowed_token_ids": [3, VOCAB]}, "allowed_token_ids names token 100, outside the vocab [0, 100)"),
     ],
 )
 def test_a_bias_or_allowed_id_the_model_cannot_take_is_refused_naming_it(fields: dict[str, object], problem: str) -> None:
