@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -35,6 +35,7 @@ from executor_service.runner.validation import (
 from executor_service.sampling.position_seed import make_generator
 from executor_service.sampling.sampler import Argmax, SampleResult, sample_batch
 from executor_service.sampling.sampler_settings import SamplerSettings
+from executor_service.sampling.sampling_batch import TokenMasks, token_masks_of
 from protos import rpc_codes
 from protos.limits import UNHELD_DECODE_TOKEN
 from protos.splitserve.executor.v1 import executor_pb2
@@ -172,6 +173,8 @@ class ModelRunner:
         """The shared part of a step: one forward and one sampling pass for all its work."""
         forward_started = time.perf_counter()
         steady = admitted.steady
+        # Read before the forward, which moves the requests' progress on.
+        masks = self._token_masks(admitted.work) if steady is None else None
         logits = self._steady_logits(steady) if steady is not None else None
         if steady is not None and logits is not None:
             sampled_states, sampled_rows = steady.states, steady.rows
@@ -183,6 +186,8 @@ class ModelRunner:
                 admitted.steady = None
             logits, sampled_states, sampled_rows = self._work_logits(admitted.work)
         batch = self.rows.sampling(sampled_rows)
+        if masks is not None:
+            batch = replace(batch, token_masks=masks)
         sampled = sample_batch(logits, batch, self._generator, self._argmax)
         if self._agree_on_tokens is not None and sampled.token_ids:
             sampled.token_ids = self._agree_on_tokens(sampled.token_ids)
@@ -197,6 +202,16 @@ class ModelRunner:
             result.decode_token_ids.extend(
                 [UNHELD_DECODE_TOKEN if s is None else tokens[s.request_id] for s in admitted.decodes]
             )
+
+    def _token_masks(self, work: list[ScheduledWork]) -> TokenMasks | None:
+        """The plan's grammar masks, placed by row among the sampled requests (in work order,
+        as both build_step_inputs and the decode graphs sample them)."""
+        sampling = [item for item in work if item.samples]
+        places = [i for i, item in enumerate(sampling) if item.allowed_token_bitmask]
+        if not places:
+            return None
+        bitmasks = [sampling[i].allowed_token_bitmask for i in places]
+        return token_masks_of(places, bitmasks, self.limits.vocab_size, self.loaded.device)
 
     def _steady_logits(self, steady: SteadyStep) -> torch.Tensor | None:
         """A steady step's logits from inputs gathered from the rows' tables, or None where
@@ -341,7 +356,7 @@ class ModelRunner:
             assert state is not None  # check_continuing refuses an unknown id
             self.rows.add_blocks(state, entry.new_block_ids)
         scheduled.add(entry.request_id)
-        admitted.work.append(ScheduledWork(state, entry.num_scheduled_tokens))
+        admitted.work.append(ScheduledWork(state, entry.num_scheduled_tokens, entry.allowed_token_bitmask))
         return None
 
     def _reject(self, admitted: _Admitted, request_id: str, code: int, problem: str) -> None:

@@ -26,6 +26,8 @@ from executor_service.runner.steady_decodes import SteadyStep
 class ScheduledWork:
     state: RequestState
     num_tokens: int
+    # The tokens the step may sample (NewRequest.allowed_token_bitmask); empty: any.
+    allowed_token_bitmask: bytes = b""
 
     @property
     def samples(self) -> bool:
@@ -62,6 +64,8 @@ def build_step_inputs(
     spans: list[SequenceSpan] = []
     logits_indices: list[int] = []
     sampled: list[RequestState] = []
+    # Per sampled request, whether the plan restricts its tokens: then every logit is read.
+    masked: list[bool] = []
     for item in work:
         start = item.state.num_computed_tokens
         end = start + item.num_tokens
@@ -80,7 +84,11 @@ def build_step_inputs(
         if item.samples:
             logits_indices.append(len(token_ids) - 1)
             sampled.append(item.state)
+            masked.append(bool(item.allowed_token_bitmask))
     sampled_rows = np.array([state.row for state in sampled], dtype=np.int64)
+    argmax_only = sampled[0].rows.argmax_only(sampled_rows) if sampled else []
+    if any(masked):
+        argmax_only = [only and not mask for only, mask in zip(argmax_only, masked, strict=True)]
     return StepInputs(
         input_ids=torch.tensor([token_ids], dtype=torch.long, device=device),
         position_ids=torch.tensor([positions], dtype=torch.long, device=device),
@@ -88,7 +96,7 @@ def build_step_inputs(
         logits_indices=torch.tensor(logits_indices, dtype=torch.long, device=device),
         sampled=sampled,
         sampled_rows=sampled_rows,
-        argmax_only=sampled[0].rows.argmax_only(sampled_rows) if sampled else [],
+        argmax_only=argmax_only,
         rope_lengths=torch.tensor(lengths, dtype=torch.long, device=device) if rope_lengths else None,
     )
 

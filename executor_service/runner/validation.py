@@ -55,7 +55,7 @@ def check_new(entry: executor_pb2.NewRequest, sampling: SamplerSettings, limits:
         return "num_scheduled_tokens must be > 0"
     if end > num_tokens:
         return f"computing up to token {end} but only {num_tokens} tokens are known"
-    return _capacity_problem(end, len(entry.block_ids), limits)
+    return _capacity_problem(end, len(entry.block_ids), limits) or _bitmask_problem(entry.allowed_token_bitmask, limits)
 
 
 def check_continuing(
@@ -75,7 +75,7 @@ def check_continuing(
     end = state.num_computed_tokens + entry.num_scheduled_tokens
     if end > num_tokens:
         return f"computing up to token {end} but only {num_tokens} tokens are known"
-    return _capacity_problem(end, len(block_ids), limits)
+    return _capacity_problem(end, len(block_ids), limits) or _bitmask_problem(entry.allowed_token_bitmask, limits)
 
 
 def check_decode_block(block_id: int, state: RequestState, limits: Limits) -> str | None:
@@ -121,4 +121,20 @@ def _capacity_problem(end: int, num_blocks: int, limits: Limits) -> str | None:
     capacity = num_blocks * limits.block_size
     if end > capacity:
         return f"{end} tokens do not fit in {num_blocks} blocks ({capacity} slots)"
+    return None
+
+
+def _bitmask_problem(bitmask: bytes, limits: Limits) -> str | None:
+    """An allowed-token bitmask: empty (no constraint), or one bit per token in 32-bit words,
+    at least one token allowed."""
+    if not bitmask:
+        return None
+    words = -(-limits.vocab_size // 32)
+    if len(bitmask) != 4 * words:
+        return (
+            f"allowed_token_bitmask has {len(bitmask)} bytes; the vocab of {limits.vocab_size} "
+            f"needs {words} 32-bit words ({4 * words} bytes)"
+        )
+    if not bitmask.strip(b"\0"):
+        return "allowed_token_bitmask allows no token"
     return None

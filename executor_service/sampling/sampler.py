@@ -1,7 +1,7 @@
 """Vectorised sampling over the rows of a step that produce a token.
 
 Order follows vLLM: logprobs from the raw logits; then allowed-token masks and logit biases,
-min-tokens masking and penalties, then greedy rows take
+the step's grammar masks, min-tokens masking and penalties, then greedy rows take
 the argmax and the others go through temperature, min-p, top-k and top-p before a draw. Draws use
 the exponential race (argmax of p / Exp(1) noise), and a seeded row draws its noise from its own
 generator, so its tokens do not depend on what else is in the batch.
@@ -67,6 +67,8 @@ def sample_batch(
     raw_logprobs = torch.log_softmax(logits, dim=-1) if batch.want_logprobs.any() else None
     if batch.shaping is not None:
         logits = apply_logit_shaping(logits, batch.shaping)
+    if batch.token_masks is not None:
+        logits = _restrict(logits, batch.token_masks.rows, batch.token_masks.allowed)
     logits = mask_min_tokens_stop_ids(logits, batch.stop_masks)
     if batch.penalties is not None:
         logits = apply_penalties(logits, batch.penalties)
@@ -126,11 +128,15 @@ def apply_logit_shaping(logits: torch.Tensor, shaping: LogitShaping) -> torch.Te
     """-inf on every token a restricted row may not sample, then each bias added to its row's
     token. Out of place; only the shaped rows change."""
     if shaping.allowed_rows.numel():
-        rows = logits[shaping.allowed_rows].masked_fill(~shaping.allowed, float("-inf"))
-        logits = logits.index_put((shaping.allowed_rows,), rows)
+        logits = _restrict(logits, shaping.allowed_rows, shaping.allowed)
     if shaping.bias_rows.numel():
         logits = logits.index_put((shaping.bias_rows, shaping.bias_tokens), shaping.bias_values, accumulate=True)
     return logits
+
+
+def _restrict(logits: torch.Tensor, rows: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+    """-inf, out of place, on every token these rows may not sample."""
+    return logits.index_put((rows,), logits[rows].masked_fill(~allowed, float("-inf")))
 
 
 def mask_min_tokens_stop_ids(

@@ -79,6 +79,30 @@ def logit_shaping_of(
 
 
 @dataclass(slots=True)
+class TokenMasks:
+    """The rows of a step restricted by the plan for this step alone (a grammar's next tokens),
+    each with a [vocab] mask of the tokens it may sample. Tensors on the logits' device."""
+
+    rows: torch.Tensor
+    allowed: torch.Tensor
+
+
+def token_masks_of(
+    places: Sequence[int], bitmasks: Sequence[bytes], vocab_size: int, device: torch.device
+) -> TokenMasks | None:
+    """The masks of the rows at these places, from their plan's bitmasks (bit t % 32 of
+    little-endian 32-bit word t / 32 allows token t); None when there are none."""
+    if not places:
+        return None
+    packed = np.frombuffer(b"".join(bitmasks), dtype=np.uint8).reshape(len(places), -1)
+    allowed = np.unpackbits(packed, axis=1, bitorder="little")[:, :vocab_size].astype(bool)
+    return TokenMasks(
+        rows=torch.tensor(list(places), dtype=torch.long, device=device),
+        allowed=torch.from_numpy(allowed).to(device),
+    )
+
+
+@dataclass(slots=True)
 class SamplingBatch:
     greedy: np.ndarray
     temperature: np.ndarray
@@ -94,6 +118,7 @@ class SamplingBatch:
     stop_masks: list[tuple[int, tuple[int, ...]]]
     penalties: Penalties | None
     shaping: LogitShaping | None = None
+    token_masks: TokenMasks | None = None
 
     def __len__(self) -> int:
         return len(self.greedy)

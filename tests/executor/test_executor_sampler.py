@@ -3,13 +3,19 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
 
-from executor_service.sampling.sampler import SamplingRow, apply_penalties, sample
+from executor_service.sampling.sampler import (
+    SamplingRow,
+    apply_penalties,
+    sample,
+    sample_batch,
+)
 from executor_service.sampling.sampler_settings import SamplerSettings
-from executor_service.sampling.sampling_batch import SamplingBatch
+from executor_service.sampling.sampling_batch import SamplingBatch, token_masks_of
 
 torch.set_num_threads(1)
 
@@ -192,3 +198,22 @@ def test_allowed_token_ids_bound_greedy_rows_and_draws() -> None:
     tokens = sample(LOGITS.expand(len(rows), -1).clone(), rows, torch.Generator().manual_seed(2)).token_ids
     assert tokens[0] == 4
     assert set(tokens[1:]) == set(allowed)
+
+
+def test_a_steps_token_masks_bound_only_their_rows_greedy_and_drawn() -> None:
+    # Row 0 greedy and rows 1.. drawn may sample tokens 5 and 9 only (bit t % 8 of byte t // 8,
+    # in whole 32-bit words); the last row has no mask and keeps LOGITS' argmax.
+    allowed = (5, 9)
+    bitmask = bytearray(4)
+    for token in allowed:
+        bitmask[token // 8] |= 1 << (token % 8)
+    rows = [row(SamplerSettings(temperature=0.0))] + [row(SamplerSettings(temperature=1.0))] * 300
+    rows += [row(SamplerSettings(temperature=0.0))]
+    places = list(range(len(rows) - 1))
+    masks = token_masks_of(places, [bytes(bitmask)] * len(places), len(LOGITS), torch.device("cpu"))
+    batch = replace(SamplingBatch.from_rows(rows, len(LOGITS), torch.device("cpu")), token_masks=masks)
+    logits = LOGITS.expand(len(rows), -1).clone()
+    tokens = sample_batch(logits, batch, torch.Generator().manual_seed(4)).token_ids
+    assert tokens[0] == 5 and tokens[-1] == 0
+    assert set(tokens[1:-1]) == set(allowed)
+    assert torch.equal(logits, LOGITS.expand(len(rows), -1)), "the caller's logits changed"

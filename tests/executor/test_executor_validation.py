@@ -25,6 +25,8 @@ VICTIM_PROMPT = list(range(200, 216))
 GOOD_STEPS = 4
 
 _ids = itertools.count()
+# One bit per token, in whole 32-bit words.
+BITMASK_BYTES = 4 * -(-VOCAB_SIZE // 32)
 
 
 @pytest.fixture(scope="module")
@@ -145,6 +147,8 @@ BAD_ENTRIES: dict[str, tuple[Callable[[str, str], pb.StepPlan], str]] = {
         _sampling(logit_bias_token_ids=[4, 5], logit_bias_values=[1.0]), "differ in length"
     ),
     "allowed-token-outside-vocab": (_sampling(allowed_token_ids=[3, VOCAB_SIZE]), "allowed_token_ids"),
+    "bitmask-too-short": (_new(allowed_token_bitmask=b"\xff" * 4), "allowed_token_bitmask has 4 bytes"),
+    "bitmask-allows-nothing": (_new(allowed_token_bitmask=bytes(BITMASK_BYTES)), "allows no token"),
     "continuing-unknown-id": (
         lambda bad_id, victim_id: pb.StepPlan(
             continuing_requests=[pb.ContinuingRequest(request_id=bad_id, num_scheduled_tokens=1)]
@@ -157,6 +161,10 @@ BAD_ENTRIES: dict[str, tuple[Callable[[str, str], pb.StepPlan], str]] = {
     ),
     # The victim's 16 prompt tokens fill its one block; its 17th token needs a new block.
     "continuing-too-many-tokens-for-blocks": (_continuing(), "do not fit"),
+    "continuing-bitmask-too-long": (
+        _continuing(new_block_ids=[21], allowed_token_bitmask=b"\xff" * (BITMASK_BYTES + 4)),
+        f"allowed_token_bitmask has {BITMASK_BYTES + 4} bytes",
+    ),
     "continuing-scheduled-past-known": (
         _continuing(num_scheduled_tokens=2, new_block_ids=[21]),
         "only 17 tokens",
@@ -241,3 +249,45 @@ def test_dropping_unknown_ids_is_a_no_op(stream: PlanStream, clean_tokens: list[
         tokens.extend(result.outputs[0].token_ids)
     assert tokens == clean_tokens
     stream.step(pb.StepPlan(step_id=GOOD_STEPS + 1, dropped_request_ids=[good, good]))
+
+
+def only(token: int) -> bytes:
+    """A bitmask allowing this token alone."""
+    mask = bytearray(BITMASK_BYTES)
+    mask[token // 8] |= 1 << (token % 8)
+    return bytes(mask)
+
+
+def test_a_bitmask_decides_the_sampled_token_and_leaves_the_neighbour_alone(
+    stream: PlanStream, clean_tokens: list[int]
+) -> None:
+    n = next(_ids)
+    good, masked = f"good{n}", f"masked{n}"
+    forced = [VOCAB_SIZE - 1, 7, 300, 7]
+    # Whatever the model prefers, the one allowed token is sampled, greedy or drawn.
+    constrained = pb.NewRequest(
+        request_id=masked,
+        token_ids=VICTIM_PROMPT,
+        block_ids=[20, 21],
+        num_scheduled_tokens=len(VICTIM_PROMPT),
+        sampling=pb.SamplerConfig(temperature=1.0),
+        allowed_token_bitmask=only(forced[0]),
+    )
+    result = stream.step(pb.StepPlan(step_id=1, new_requests=[good_new(good), constrained]))
+    outputs = {o.request_id: list(o.token_ids) for o in result.outputs}
+    assert outputs[masked] == forced[:1]
+    tokens = outputs[good]
+    for step, token in enumerate(forced[1:], start=2):
+        plan = pb.StepPlan(
+            step_id=step,
+            continuing_requests=[
+                pb.ContinuingRequest(request_id=good, num_scheduled_tokens=1),
+                pb.ContinuingRequest(request_id=masked, num_scheduled_tokens=1, allowed_token_bitmask=only(token)),
+            ],
+        )
+        result = stream.step(plan)
+        outputs = {o.request_id: list(o.token_ids) for o in result.outputs}
+        assert outputs[masked] == [token]
+        tokens += outputs[good]
+    assert tokens == clean_tokens
+    stream.step(pb.StepPlan(step_id=GOOD_STEPS + 1, dropped_request_ids=[good, masked]))
