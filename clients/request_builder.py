@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Mapping, Sequence
-from typing import TypedDict, TypeVar
+from typing import Any, TypedDict, TypeVar
 
 from protos.splitserve.v1 import generation_pb2 as pb
 
@@ -35,6 +36,7 @@ class GenerateOptions(TypedDict, total=False):
     stop_token_ids: Sequence[int] | None
     logit_bias: Mapping[int, float] | None
     allowed_token_ids: Sequence[int] | None
+    structured_output: Mapping[str, Any] | None
     ignore_eos: bool | None
     logprobs: int | None
     min_tokens: int | None
@@ -65,6 +67,7 @@ def build_generate_request(
     stop_token_ids: Sequence[int] | None = None,
     logit_bias: Mapping[int, float] | None = None,
     allowed_token_ids: Sequence[int] | None = None,
+    structured_output: Mapping[str, Any] | None = None,
     ignore_eos: bool | None = None,
     logprobs: int | None = None,
     min_tokens: int | None = None,
@@ -84,7 +87,9 @@ def build_generate_request(
     skip_special_tokens=False asks for the text of special tokens too;
     include_stop_str_in_output=True ends the text with the stop string that ended it.
     logit_bias adds a bias in [-100, 100] to a token id's logit; allowed_token_ids limits what
-    may be generated to those ids.
+    may be generated to those ids. structured_output constrains the output to a grammar, spelled
+    as vLLM's structured_outputs with one key: {"json": schema (a dict or JSON text)},
+    {"json_object": True}, {"regex": pattern}, {"choice": [strings]} or {"grammar": EBNF}.
     """
     prompts = {"prompt": prompt, "prompt_token_ids": prompt_token_ids, "messages": messages}
     given = [name for name, value in prompts.items() if value is not None]
@@ -136,10 +141,39 @@ def build_generate_request(
         _checked("logit_bias", params.logit_bias.update, dict(logit_bias))
     if allowed_token_ids is not None:
         _checked("allowed_token_ids", params.allowed_token_ids.extend, list(allowed_token_ids))
+    if structured_output is not None:
+        params.structured_output.CopyFrom(structured_output_message(structured_output))
     # Proto3 creates an empty sampling message on first access; keep it present either way so
     # the server sees "all defaults" explicitly.
     request.sampling.SetInParent()
     return request
+
+
+def structured_output_message(spec: Mapping[str, Any]) -> pb.StructuredOutput:
+    """vLLM's structured_outputs spelling (one key) as the protocol's message; ValueError for
+    anything else."""
+    if len(spec) != 1:
+        raise ValueError(f"structured_output takes exactly one of {sorted(_GRAMMAR_KEYS)}, got {sorted(spec)}")
+    (key, value), = spec.items()
+    if key not in _GRAMMAR_KEYS:
+        raise ValueError(f"structured_output takes exactly one of {sorted(_GRAMMAR_KEYS)}, got {key!r}")
+    if key == "json":
+        return pb.StructuredOutput(json_schema=value if isinstance(value, str) else json.dumps(value))
+    if key == "json_object":
+        if value is not True:
+            raise ValueError("structured_output json_object must be true")
+        return pb.StructuredOutput(json_object=True)
+    if key == "choice":
+        if isinstance(value, str) or not all(isinstance(choice, str) for choice in value):
+            raise ValueError("structured_output choice must be a list of strings")
+        return pb.StructuredOutput(choice=pb.Choices(choices=list(value)))
+    if not isinstance(value, str):
+        raise ValueError(f"structured_output {key} must be a string")
+    return pb.StructuredOutput(**{key: value})
+
+
+# vLLM's names of the kinds of grammar; "json" is the protocol's json_schema.
+_GRAMMAR_KEYS = frozenset({"json", "json_object", "regex", "choice", "grammar"})
 
 
 def build_tokenize_request(

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 
 class Body(BaseModel):
@@ -40,10 +40,20 @@ class ChatMessage(Body):
     name: str | None = None
 
 
-class ResponseFormat(BaseModel):
-    model_config = ConfigDict(extra="allow")
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
 
+    name: str | None = None
+    description: str | None = None
+    # "schema" shadows a BaseModel attribute, hence the alias.
+    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
+    # Followed strictly whatever this says: the server constrains every json_schema output.
+    strict: bool | None = None
+
+
+class ResponseFormat(Body):
     type: str
+    json_schema: JsonSchemaFormat | None = None
 
 
 class SamplingFields(Body):
@@ -75,6 +85,8 @@ class SamplingFields(Body):
     priority: int | None = None
     cache_salt: str | None = None
     include_stop_str_in_output: bool | None = None
+    # vLLM's structured outputs: one of json, json_object, regex, choice, grammar.
+    structured_outputs: dict[str, Any] | None = None
 
 
 class CompletionRequest(SamplingFields):

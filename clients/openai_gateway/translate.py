@@ -16,9 +16,14 @@ from clients.openai_gateway.schemas import (
     ChatCompletionRequest,
     ChatMessage,
     CompletionRequest,
+    ResponseFormat,
     SamplingFields,
 )
-from clients.request_builder import GenerateOptions, TemplateValue
+from clients.request_builder import (
+    GenerateOptions,
+    TemplateValue,
+    structured_output_message,
+)
 
 # OpenAI's newer name for the system role; the templates served here know only "system".
 ROLE_ALIASES = {"developer": "system"}
@@ -60,17 +65,17 @@ def chat_call(body: ChatCompletionRequest, request_id: str) -> GenerateCall:
     for name, choice in (("tool_choice", body.tool_choice), ("function_call", body.function_call)):
         if choice not in (None, "none"):
             raise unsupported(name, "tool calling is not supported")
-    if body.response_format is not None and body.response_format.type != "text":
-        raise unsupported(
-            "response_format",
-            f"response_format {body.response_format.type!r} is not supported (only 'text')",
-        )
     if body.top_logprobs is not None and not body.logprobs:
         raise bad_request("top_logprobs needs logprobs set to true", "top_logprobs")
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     # OpenAI deprecated max_tokens for chat in favour of max_completion_tokens.
     max_tokens = body.max_tokens if body.max_completion_tokens is None else body.max_completion_tokens
     options = _sampling(body, request_id, max_tokens=max_tokens, logprobs=logprobs)
+    formatted = _response_format(body.response_format)
+    if formatted is not None:
+        if body.structured_outputs is not None:
+            raise bad_request("give response_format or structured_outputs, not both", "response_format")
+        options["structured_output"] = formatted
     if body.add_generation_prompt is not None:
         options["add_generation_prompt"] = body.add_generation_prompt
     if body.chat_template_kwargs is not None:
@@ -136,6 +141,7 @@ def _sampling(
         stop_token_ids=body.stop_token_ids,
         logit_bias=_logit_bias(body.logit_bias),
         allowed_token_ids=body.allowed_token_ids,
+        structured_output=_structured_outputs(body.structured_outputs),
         ignore_eos=body.ignore_eos,
         include_stop_str_in_output=body.include_stop_str_in_output,
         logprobs=logprobs,
@@ -148,6 +154,34 @@ def _sampling(
     if body.priority is not None:
         options["priority"] = body.priority
     return options
+
+
+def _response_format(response_format: ResponseFormat | None) -> dict[str, Any] | None:
+    """OpenAI's response_format as a structured_output (None for plain text)."""
+    if response_format is None or response_format.type == "text":
+        return None
+    if response_format.type == "json_object":
+        return {"json_object": True}
+    if response_format.type == "json_schema":
+        spec = response_format.json_schema
+        if spec is None or spec.json_schema is None:
+            raise bad_request("response_format json_schema needs json_schema.schema", "response_format")
+        return {"json": spec.json_schema}
+    raise unsupported(
+        "response_format",
+        f"response_format {response_format.type!r} is not supported (text, json_object or json_schema)",
+    )
+
+
+def _structured_outputs(spec: dict[str, Any] | None) -> dict[str, Any] | None:
+    """vLLM's structured_outputs, checked for its shape; the scheduler compiles the grammar."""
+    if spec is None:
+        return None
+    try:
+        structured_output_message(spec)
+    except ValueError as error:
+        raise bad_request(str(error), "structured_outputs") from None
+    return spec
 
 
 def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:

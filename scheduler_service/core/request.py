@@ -8,6 +8,7 @@ from typing import Protocol
 import numpy as np
 
 from scheduler_service.core.sampling_params import SamplingParams
+from scheduler_service.core.structured_output import TokenConstraint
 
 
 class RequestStatus(enum.Enum):
@@ -102,6 +103,9 @@ class Request:
     # steady decodes' tokens as an array (StepUpdates.decoded_keys), so that an owner sending
     # tokens on in bulk (the planner, to its front-ends) need not look at each request.
     delivery_key: int = 0
+    # Where it stands in its grammar (sampling.structured_output), advanced with every token it
+    # receives; set by the planner when it takes the request, from the tokens it has.
+    grammar: TokenConstraint | None = None
     # Where its progress lives while it decodes in bulk, and its slot there (see move_progress).
     _home: ProgressHome | None = field(default=None, init=False, repr=False)
     _slot: int = field(default=0, init=False, repr=False)

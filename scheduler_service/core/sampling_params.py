@@ -8,6 +8,7 @@ from protos.sampling_ranges import (
     range_problems,
     vocab_problem,
 )
+from scheduler_service.core.structured_output import StructuredOutput
 
 
 @dataclass(slots=True, frozen=True)
@@ -60,6 +61,8 @@ class SamplingParams:
     # generated (empty: any).
     logit_bias: tuple[tuple[int, float], ...] = ()
     allowed_token_ids: tuple[int, ...] = ()
+    # The grammar the output follows (structured outputs); None: unconstrained.
+    structured_output: StructuredOutput | None = None
 
     def problems(self, vocab_size: int, max_logprobs: int) -> list[str]:
         """Every way these settings are invalid, each as a sentence for the client."""
@@ -81,4 +84,12 @@ class SamplingParams:
         allowed_problem = vocab_problem(self.allowed_token_ids, vocab_size, "allowed_token_ids")
         if allowed_problem is not None:
             found.append(allowed_problem)
+        if self.structured_output is not None:
+            found.extend(self.structured_output.problems())
+            # The grammar ends the output with end-of-sequence where its sentence is complete:
+            # neither may forbid that end.
+            if self.ignore_eos:
+                found.append("ignore_eos cannot be combined with structured_output")
+            if self.min_tokens:
+                found.append("min_tokens cannot be combined with structured_output")
         return found

@@ -423,6 +423,9 @@ class Scheduler:
                 continue
             if not request.in_prefill and not may_sample_more(request, self.config.max_seq_len):
                 continue
+            # A grammar's next mask needs the token in flight: such a request is not pipelined.
+            if request.grammar is not None and request.num_pending_outputs:
+                continue
             num_new = min(request.num_uncomputed_tokens, budget)
             while (ids := self._allocate(request, num_new)) is None:
                 victim = pick_victim(self.running, self.config.policy)
@@ -526,6 +529,8 @@ class Scheduler:
         fresh = set(admitted)
         in_flight: dict[str, _InFlight] = {}
         for request, num_new in scheduled.items():
+            samples = request.num_computed_tokens + num_new == request.num_tokens + request.num_pending_outputs
+            mask = request.grammar.allowed_token_bitmask() if samples and request.grammar is not None else b""
             if request in fresh:
                 request.handle = next(self._handles)
                 plan.new_requests.append(
@@ -538,15 +543,15 @@ class Scheduler:
                         request.sampling,
                         request.num_prompt_tokens,
                         request.handle,
+                        mask,
                     )
                 )
                 self._on_executor.add(request.request_id)
             else:
                 plan.continuing_requests.append(
-                    ContinuingRequestPlan(request.request_id, num_new, new_blocks[request.request_id])
+                    ContinuingRequestPlan(request.request_id, num_new, new_blocks[request.request_id], mask)
                 )
             request.num_computed_tokens += num_new
-            samples = request.num_computed_tokens == request.num_tokens + request.num_pending_outputs
             if samples:
                 request.num_pending_outputs += 1
                 if self._decodes_in_bulk(request):
@@ -566,10 +571,11 @@ class Scheduler:
     def _decodes_in_bulk(self, request: Request) -> bool:
         """Whether the request, its prefill done, decodes in bulk from now on: the executor
         supports it and nothing about the request needs per-request care (logprobs, stop token
-        ids, min_tokens, an isolated retry)."""
+        ids, min_tokens, a grammar's masks, an isolated retry)."""
         sampling = request.sampling
         return self.config.bulk_decodes and not (
             request.retry_alone
+            or request.grammar is not None
             or sampling.logprobs is not None
             or sampling.stop_token_ids
             or sampling.min_tokens
@@ -675,7 +681,11 @@ class Scheduler:
             if request.last_token_at is not None:
                 gaps.append(now - request.last_token_at)
             request.last_token_at = now
+        grammar = request.grammar
         for token in sampled:
+            if grammar is not None and not grammar.accept(token):
+                message = f"the executor sampled token {token}, which request {request.request_id}'s grammar does not allow"
+                return self._end_in_error(request, RequestError(ErrorKind.INTERNAL, message))
             request.token_ids.append(token)
             update.new_token_ids.append(token)
             if request.first_token_time is None:

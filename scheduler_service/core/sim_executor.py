@@ -28,6 +28,18 @@ class PlanMismatch(AssertionError):
     """The plan contradicts what the executor holds: a scheduler bug."""
 
 
+def _allowed_token(bitmask: bytes, preferred: int) -> int:
+    """The preferred token when the bitmask allows it, else one of those it allows, picked by
+    the preferred token (so still a function of the sequence alone)."""
+    bits = int.from_bytes(bitmask, "little")
+    if bits >> preferred & 1:
+        return preferred
+    allowed = [token for token in range(bits.bit_length()) if bits >> token & 1]
+    if not allowed:
+        raise PlanMismatch("a bitmask that allows no token")
+    return allowed[preferred % len(allowed)]
+
+
 @dataclass(slots=True)
 class _SimRequest:
     token_ids: list[int]
@@ -75,6 +87,12 @@ class SimulatedExecutor:
             self.dropped_by_failure.discard(request_id)
         output = StepOutput(step_id=plan.step_id)
         work: list[tuple[str, int]] = []
+        # The tokens each constrained request may sample this step (as the plan's bitmask).
+        masks = {
+            entry.request_id: entry.allowed_token_bitmask
+            for entry in (*plan.new_requests, *plan.continuing_requests)
+            if entry.allowed_token_bitmask
+        }
         for new in plan.new_requests:
             self.dropped_by_failure.discard(new.request_id)
             if new.request_id in self.requests:
@@ -137,6 +155,8 @@ class SimulatedExecutor:
                 self._check_cached(request_id, state)
             if state.num_computed == len(state.token_ids):
                 token = self.next_token(request_id, state.token_ids)
+                if request_id in masks:
+                    token = _allowed_token(masks[request_id], token)
                 state.token_ids.append(token)
                 output.sampled[request_id] = [token]
         # Decodes by handle are answered in their own list, in plan order.

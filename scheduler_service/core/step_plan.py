@@ -36,6 +36,9 @@ class NewRequestPlan:
     num_prompt_tokens: int
     # Names the request in later plans' decode_handles (0: never).
     handle: int = 0
+    # The tokens this step may sample (TokenConstraint.allowed_token_bitmask), for a request
+    # with a grammar whose step samples; empty otherwise.
+    allowed_token_bitmask: bytes = b""
 
 
 @dataclass(slots=True)
@@ -48,6 +51,8 @@ class ContinuingRequestPlan:
     num_scheduled_tokens: int
     # Blocks appended to the request's block table for this step's tokens.
     new_block_ids: list[int]
+    # As NewRequestPlan.allowed_token_bitmask.
+    allowed_token_bitmask: bytes = b""
 
 
 @dataclass(slots=True)

@@ -30,6 +30,8 @@ from scheduler_service.frontend.intake_limits import (
     check_prompt,
 )
 from scheduler_service.frontend.request_parsing import UnparsedRequest, parse_request
+from scheduler_service.structured.grammars import Grammars
+from scheduler_service.structured.spec_codec import spec_from_proto
 from scheduler_service.text.template_kwargs import TemplateValue
 from scheduler_service.text.tokenizer import TextProcessor
 from scheduler_service.text.tokenizer_pool import TokenizerPool
@@ -47,14 +49,30 @@ class Intake:
     tokenizer pool."""
 
     def __init__(
-        self, text: TextProcessor | None, limits: IntakeLimits, defaults: SamplingDefaults = SamplingDefaults()
+        self,
+        text: TextProcessor | None,
+        limits: IntakeLimits,
+        defaults: SamplingDefaults = SamplingDefaults(),
+        grammars: Grammars | None = None,
     ) -> None:
         self.text = text
         self.limits = limits
         self.defaults = defaults
+        # Shared with the planner when both roles run in one process: a grammar compiles once.
+        self.grammars = grammars if grammars is not None else Grammars(text)
         self._pool = TokenizerPool(limits.tokenizer_threads)
 
     async def generate_request(
+        self, message: pb.GenerateRequest | UnparsedRequest, info: executor_pb2.ExecutorInfo
+    ) -> Request:
+        request = await self._generate_request(message, info)
+        # A grammar that cannot compile is the client's error, answered before the request runs.
+        spec = request.sampling.structured_output
+        if spec is not None:
+            await self.grammars.compile(spec, info.vocab_size)
+        return request
+
+    async def _generate_request(
         self, message: pb.GenerateRequest | UnparsedRequest, info: executor_pb2.ExecutorInfo
     ) -> Request:
         if isinstance(message, UnparsedRequest):
@@ -198,6 +216,7 @@ def sampling_from_proto(message: pb.SamplingParams, defaults: SamplingDefaults) 
         include_stop_str_in_output=message.include_stop_str_in_output,
         logit_bias=tuple(sorted(message.logit_bias.items())),
         allowed_token_ids=tuple(message.allowed_token_ids),
+        structured_output=spec_from_proto(message),
     )
 
 

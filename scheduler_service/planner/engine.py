@@ -44,6 +44,7 @@ from scheduler_service.planner.lane_audit import ExecutorAudit
 from scheduler_service.planner.metrics import SchedulerMetrics
 from scheduler_service.planner.request_sink import RequestSink
 from scheduler_service.planner.step_trace import StepTrace
+from scheduler_service.structured.grammars import Grammars
 from scheduler_service.text.tokenizer import TextProcessor
 
 logger = logging.getLogger(__name__)
@@ -91,9 +92,12 @@ class Engine:
         link_factory: Callable[[str, str], ExecutorLink] = ExecutorLink,
         tracing: Tracing = NO_TRACING,
         step_trace: StepTrace | None = None,
+        grammars: Grammars | None = None,
     ) -> None:
         self.scheduler_id = scheduler_id
         self.text = text
+        # Where constrained requests' grammar states come from (structured outputs).
+        self.grammars = grammars if grammars is not None else Grammars(text)
         self.options = options
         self.metrics = metrics
         self.tracing = tracing
@@ -285,6 +289,8 @@ class Engine:
             check_room_in_cache(
                 request.num_prompt_tokens, largest, f"the largest KV cache of any executor ({largest} tokens)"
             )
+        if info is not None:
+            self._constrain(request, info)
         request.arrival_index = next(self._arrivals)
         request.arrival_time = request.arrival_time or time.monotonic()
         stream: RequestSink = (
@@ -565,6 +571,14 @@ class Engine:
             if not serving:
                 self.unplaced.append(request)
                 continue
+            # Queued before any executor told the vocabulary: its grammar state is made now.
+            if request.grammar is None and request.sampling.structured_output is not None:
+                assert self.info is not None  # a lane is serving
+                try:
+                    self._constrain(request, self.info)
+                except RequestRejected as rejected:
+                    self._fail(request, RequestError(rejected.kind, str(rejected)))
+                    continue
             index = self._route(request, serving)
             lane = serving[index if index is not None else 0]
             if not lane.scheduler.adopt(request):
@@ -573,6 +587,14 @@ class Engine:
                 self.step_trace.request_added(lane.address, request, lane.scheduler)
             lane.wake.set()
         self.unplaced.sort(key=lambda r: r.arrival_index)
+
+    def _constrain(self, request: Request, info: executor_pb2.ExecutorInfo) -> None:
+        """Gives a constrained request its place in its grammar, after the output it has."""
+        spec = request.sampling.structured_output
+        if spec is None:
+            return
+        stop_ids = set(info.eos_token_ids) | set(self.text.eos_token_ids if self.text else ())
+        request.grammar = self.grammars.state(spec, info.vocab_size, stop_ids, request.output_token_ids)
 
     def _route(self, request: Request, lanes: Sequence[ExecutorLane]) -> int | None:
         choice = route(

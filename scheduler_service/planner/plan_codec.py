@@ -56,6 +56,7 @@ def plan_to_proto(plan: StepPlan, eos_token_ids: Collection[int] = ()) -> pb.Ste
                 sampling=sampler_config(new.sampling, eos_token_ids),
                 num_prompt_tokens=new.num_prompt_tokens,
                 handle=new.handle,
+                allowed_token_bitmask=new.allowed_token_bitmask,
             )
         )
     for cont in plan.continuing_requests:
@@ -64,6 +65,7 @@ def plan_to_proto(plan: StepPlan, eos_token_ids: Collection[int] = ()) -> pb.Ste
                 request_id=cont.request_id,
                 num_scheduled_tokens=cont.num_scheduled_tokens,
                 new_block_ids=cont.new_block_ids,
+                allowed_token_bitmask=cont.allowed_token_bitmask,
             )
         )
     if plan.decode_handles:

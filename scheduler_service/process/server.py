@@ -30,6 +30,7 @@ from scheduler_service.process.server_settings import (
     DEFAULT_DRAIN_TIMEOUT_S,
     ServerSettings,
 )
+from scheduler_service.structured.grammars import Grammars
 from service_support.health_port import start_health_port
 
 logger = logging.getLogger(__name__)
@@ -50,11 +51,13 @@ async def serve(settings: ServerSettings) -> int:
 
     link_factory = functools.partial(ExecutorLink, tls=settings.executor_tls, token=settings.executor_token)
     step_trace = StepTrace(settings.trace_dir) if settings.trace_dir is not None else None
+    # One cache of compiled grammars for the intake (which compiles) and the engine (which uses).
+    grammars = Grammars(settings.text)
     engine = Engine(
         "", settings.text, settings.options, metrics, report_serving, link_factory, settings.tracing,
-        step_trace,
+        step_trace, grammars,
     )
-    intake = Intake(settings.text, settings.limits, settings.sampling_defaults)
+    intake = Intake(settings.text, settings.limits, settings.sampling_defaults, grammars)
     receive_limit = settings.limits.receive_limit_bytes()
     server = client_server(settings, engine, intake, AdminServicer(engine), health_reporter)
     await health_reporter.start()

@@ -2,6 +2,7 @@
 server status front-ends forward to their clients."""
 
 import asyncio
+import contextlib
 import itertools
 import logging
 from collections.abc import AsyncIterator
@@ -13,6 +14,7 @@ from protos.splitserve.planner.v1 import planner_pb2, planner_pb2_grpc
 from protos.splitserve.v1 import generation_pb2 as pb
 from scheduler_service.core.errors import ErrorKind, RequestError, RequestRejected
 from scheduler_service.planner.engine import Engine
+from scheduler_service.structured.spec_codec import spec_from_proto
 from scheduler_service.tier.frontend_link import FrontendLink, RemoteSink
 from scheduler_service.tier.request_codec import request_of
 
@@ -104,12 +106,25 @@ class PlannerServicer(planner_pb2_grpc.PlannerServicer):
     async def _read(self, link: FrontendLink, batches: AsyncIterator[planner_pb2.FrontendBatch]) -> None:
         try:
             async for batch in batches:
+                await self._compile_grammars(batch)
                 self._apply(link, batch)
         except grpc.RpcError as error:
             logger.info("event=frontend_stream_broken frontend=%s error=%r", link.frontend_id, error)
         finally:
             # The front-end closed its side (or broke it): the stream ends here too.
             link.close()
+
+    async def _compile_grammars(self, batch: planner_pb2.FrontendBatch) -> None:
+        """Compiles the batch's grammars off the event loop, so that submitting the requests
+        finds them cached; a grammar that fails is refused when its request is submitted."""
+        info = self.engine.info
+        if info is None:
+            return
+        for submitted in batch.submitted:
+            spec = spec_from_proto(submitted.sampling)
+            if spec is not None:
+                with contextlib.suppress(RequestRejected):
+                    await self.engine.grammars.compile(spec, info.vocab_size)
 
     def _apply(self, link: FrontendLink, batch: planner_pb2.FrontendBatch) -> None:
         engine = self.engine

@@ -9,6 +9,7 @@ from protos.splitserve.v1 import generation_pb2 as pb
 from scheduler_service.core.request import Request
 from scheduler_service.core.sampling_params import SamplingDefaults, SamplingParams
 from scheduler_service.frontend.request_intake import sampling_from_proto
+from scheduler_service.structured.spec_codec import spec_to_proto
 
 
 def sampling_to_proto(sampling: SamplingParams) -> pb.SamplingParams:
@@ -35,6 +36,8 @@ def sampling_to_proto(sampling: SamplingParams) -> pb.SamplingParams:
         message.seed = sampling.seed
     if sampling.logprobs is not None:
         message.logprobs = sampling.logprobs
+    if sampling.structured_output is not None:
+        message.structured_output.CopyFrom(spec_to_proto(sampling.structured_output))
     return message
 
 

@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import asyncio
 import http.client
-from importlib import metadata
 import json
 import re
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +22,7 @@ import pytest
 import trustme
 
 from clients import Client, SplitserveError
-from clients.openai_gateway.errors import from_splitserve
+from clients.openai_gateway.errors import GatewayError, from_splitserve
 from clients.openai_gateway.schemas import ChatCompletionRequest, CompletionRequest
 from clients.openai_gateway.translate import chat_call, completion_call
 from clients.request_builder import build_generate_request
@@ -164,6 +164,33 @@ def test_chat_fields_map_as_openai_and_vllm_define_them() -> None:
     assert call.messages == [{"role": "user", "content": "a\nb"}]
     assert call.options["max_tokens"] == 6 and call.options["top_k"] == 0
     assert call.options["logprobs"] == 3 and call.options["temperature"] == 0
+
+
+def test_response_format_and_structured_outputs_become_the_requests_grammar() -> None:
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    messages = [{"role": "user", "content": "hi"}]
+
+    def grammar(**fields: Any) -> pb.StructuredOutput:
+        call = chat_call(ChatCompletionRequest(messages=messages, **fields), "chatcmpl-1")
+        return build_generate_request(messages=call.messages, **call.options).sampling.structured_output
+
+    as_schema = {"type": "json_schema", "json_schema": {"name": "a", "schema": schema, "strict": True}}
+    assert json.loads(grammar(response_format=as_schema).json_schema) == schema
+    assert grammar(response_format={"type": "json_object"}).json_object
+    assert grammar(response_format={"type": "text"}) == pb.StructuredOutput()
+    assert list(grammar(structured_outputs={"choice": ["x", "y"]}).choice.choices) == ["x", "y"]
+    call = completion_call(CompletionRequest(prompt="hi", structured_outputs={"regex": "[ab]+"}), "cmpl-1")
+    assert call.options["structured_output"] == {"regex": "[ab]+"}
+    for fields, problem in (
+        ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "exactly one of"),
+        ({"structured_outputs": {"xml": "a"}}, "exactly one of"),
+        ({"structured_outputs": {"choice": "ab"}}, "a list of strings"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "a"}}}, "needs json_schema.schema"),
+        ({"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}}, "not both"),
+    ):
+        with pytest.raises(GatewayError) as error:
+            chat_call(ChatCompletionRequest(messages=messages, **fields), "chatcmpl-1")
+        assert error.value.status == 400 and problem in error.value.body()["error"]["message"], fields
 
 
 @pytest.mark.parametrize(
@@ -581,7 +608,7 @@ def test_bad_completion_requests_get_400(oai: openai.OpenAI, arguments: dict[str
     ("arguments", "message"),
     [
         ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tool calling"),
-        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"response_format": {"type": "yaml"}}, "response_format 'yaml' is not supported"),
         ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, "image_url"),
         ({"top_logprobs": 2}, "logprobs"),
     ],

@@ -5,7 +5,8 @@ level holds at most 3 modules (the package, its command line and the command lin
 flags), and no scheduler module imports in a cycle. Read from the source with ast: nothing is
 imported.
 
-The order follows the roles of the scheduler tier. The client API (frontend) drives no executor,
+The order follows the roles of the scheduler tier. Grammars (structured) sit on the tokenizer
+(text) and serve both the front-end, which compiles them, and the planner, which steps them. The client API (frontend) drives no executor,
 so the engine (planner), which streams a request's tokens into its client's output stream when
 both share a process, builds on it and not the reverse. Both ends of the Planner API (tier) build
 on the two: a planner serves the engine to front-ends, a front-end's backend is a planner. Each
@@ -25,6 +26,7 @@ PACKAGE = "scheduler_service"
 ROOMS = (
     "core",
     "text",
+    "structured",
     "frontend",
     "planner",
     "tier",

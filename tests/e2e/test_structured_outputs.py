@@ -1,0 +1,102 @@
+"""Structured outputs on the default model (SmolLM2-135M), through real processes and the
+official `openai` package against the gateway: every answer follows its grammar and ends with
+finish reason stop; a grammar the compiler refuses is a 400 naming the problem."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import jsonschema
+import openai
+import pytest
+
+from tests.helpers.executor_process import start_executor
+from tests.helpers.gateway_process import start_gateway
+from tests.helpers.scheduler_process import start_scheduler
+
+WEATHER_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 24},
+        "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+        "raining": {"type": "boolean"},
+    },
+    "required": ["city", "unit", "raining"],
+    "additionalProperties": False,
+}
+ASK_WEATHER = [{"role": "user", "content": "What is the weather in Paris? Answer in JSON."}]
+
+
+@pytest.fixture(scope="module")
+def oai(prepared_model: Path) -> Iterator[openai.OpenAI]:
+    with (
+        start_executor(prepared_model, num_kv_blocks=512) as (executor, _),
+        start_scheduler(executor, tokenizer=prepared_model) as scheduler,
+        start_gateway(scheduler) as gateway,
+        openai.OpenAI(base_url=f"http://{gateway}/v1", api_key="none", max_retries=0, timeout=120.0) as client,
+    ):
+        yield client
+
+
+def chat(oai: openai.OpenAI, max_tokens: int = 96, **fields: object) -> tuple[str, str]:
+    """(the answer, its finish reason)."""
+    model = oai.models.list().data[0].id
+    answer = oai.chat.completions.create(model=model, messages=ASK_WEATHER, max_tokens=max_tokens, **fields)
+    choice = answer.choices[0]
+    return choice.message.content or "", choice.finish_reason
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.7])
+def test_a_strict_json_schema_answer_parses_and_follows_the_schema(oai: openai.OpenAI, temperature: float) -> None:
+    response_format = {"type": "json_schema", "json_schema": {"name": "weather", "schema": WEATHER_SCHEMA, "strict": True}}
+    for seed in (1, 2) if temperature else (None,):
+        text, finish = chat(oai, temperature=temperature, seed=seed, response_format=response_format)
+        jsonschema.validate(json.loads(text), WEATHER_SCHEMA)
+        assert finish == "stop", text
+
+
+def test_json_object_gives_an_object(oai: openai.OpenAI) -> None:
+    # Any object: the model fills in a long one.
+    text, finish = chat(oai, max_tokens=512, temperature=0.0, response_format={"type": "json_object"})
+    assert isinstance(json.loads(text), dict) and finish == "stop", text
+
+
+def test_choice_and_regex_through_vllms_structured_outputs(oai: openai.OpenAI) -> None:
+    choices = ["sunny", "cloudy", "rainy with a chance of meatballs"]
+    text, finish = chat(oai, temperature=0.7, seed=3, extra_body={"structured_outputs": {"choice": choices}})
+    assert text in choices and finish == "stop"
+    pattern = r"(Mon|Tue|Wed) [0-9]{1,2}:[0-5][0-9]"
+    text, finish = chat(oai, temperature=0.0, extra_body={"structured_outputs": {"regex": pattern}})
+    assert re.fullmatch(pattern, text) and finish == "stop", text
+
+
+def test_an_unconstrained_answer_is_not_json(oai: openai.OpenAI) -> None:
+    """The check above is not vacuous: the model left alone does not answer in the schema."""
+    text, _ = chat(oai, temperature=0.0)
+    with pytest.raises((json.JSONDecodeError, jsonschema.ValidationError)):
+        jsonschema.validate(json.loads(text), WEATHER_SCHEMA)
+
+
+def test_a_grammar_that_never_ends_stops_at_max_tokens(oai: openai.OpenAI) -> None:
+    text, finish = chat(oai, max_tokens=12, temperature=0.0, extra_body={"structured_outputs": {"grammar": 'root ::= "a" root'}})
+    assert finish == "length" and text and set(text) == {"a"}
+
+
+@pytest.mark.parametrize(
+    ("structured", "problem"),
+    [
+        ({"json": {"type": "nope"}}, 'structured_output json_schema cannot be compiled: Unsupported type "nope"'),
+        ({"regex": "(unclosed"}, "structured_output regex cannot be compiled: Regex parsing error"),
+        ({"grammar": "root ::= missing"}, 'structured_output grammar cannot be compiled: EBNF parser error at line 1, column 10: Rule "missing" is not defined'),
+        ({"choice": []}, "structured_output choice needs at least one string"),
+    ],
+)
+def test_a_grammar_that_cannot_compile_is_a_400_naming_the_problem(
+    oai: openai.OpenAI, structured: dict[str, object], problem: str
+) -> None:
+    with pytest.raises(openai.BadRequestError) as error:
+        chat(oai, extra_body={"structured_outputs": structured})
+    assert problem in str(error.value)
