@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import re
 import signal
-import sys
 import time
 from collections.abc import Iterator
 from contextlib import ExitStack
@@ -22,16 +21,19 @@ from clients.errors import SplitserveError
 from protos.splitserve.v1 import generation_pb2 as pb
 from tests.helpers.block_audit import assert_books_agree
 from tests.helpers.executor_process import ExecutorProcess
-from tests.helpers.executor_token import token_file
 from tests.helpers.greedy_client import stream_all, workload
 from tests.helpers.greedy_reference import Reference
 from tests.helpers.model_factory import build_model
 from tests.helpers.scheduler_process import SchedulerProcess
-from tests.helpers.service_process import ServiceProcess, is_running
+from tests.helpers.service_process import is_running
+from tests.helpers.tier_processes import (
+    frontend,
+    planner,
+    planners_and_frontend,
+    wait_for,
+)
 
 torch.set_num_threads(1)
-PLANNER_LISTENING = re.compile(r"event=planner_listening address=(\S+):(\d+)")
-FRONTEND_READY = re.compile(r"event=frontend_ready address=(\S+):(\d+)")
 EXECUTOR_FLAGS = {"num_kv_blocks": 256, "block_size": 16}
 
 
@@ -54,36 +56,6 @@ def planner_token(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-def planner(executors: list[str], token: Path) -> ServiceProcess:
-    command = [sys.executable, "-m", "scheduler_service", "--role", "planner", "--port", "0",
-               "--executor-token-file", str(token_file()), "--planner-token-file", str(token)]
-    for address in executors:
-        command += ["--executor", address]
-    return ServiceProcess(command, PLANNER_LISTENING, "planner")
-
-
-def frontend(planners: list[str], token: Path) -> ServiceProcess:
-    command = [sys.executable, "-m", "scheduler_service", "--role", "frontend", "--port", "0",
-               "--planner-token-file", str(token)]
-    for address in planners:
-        command += ["--planner", address]
-    return ServiceProcess(command, FRONTEND_READY, "frontend")
-
-
-def planners_and_frontend(stack: ExitStack, executors: list[str], token: Path) -> tuple[ServiceProcess, ServiceProcess]:
-    """Planner A holding both executors, a standby planner B, and a front-end naming A then B,
-    each closed by stack; (A, the front-end)."""
-    first = planner(executors, token)
-    stack.callback(first.close)
-    first_address = first.wait_ready()
-    _wait_for(lambda: first.log_text().count("state=up") >= 2, what="the first planner holding both executors")
-    standby = planner(executors, token)
-    stack.callback(standby.close)
-    front = frontend([first_address, standby.wait_ready()], token)
-    stack.callback(front.close)
-    return first, front
-
-
 @pytest.fixture
 def executors(model_dir: Path) -> Iterator[list[str]]:
     with ExitStack() as stack:
@@ -91,13 +63,6 @@ def executors(model_dir: Path) -> Iterator[list[str]]:
         for executor in started:
             stack.callback(executor.close)
         yield [executor.wait_ready() for executor in started]
-
-
-def _wait_for(predicate, timeout_s: float = 90.0, what: str = "condition") -> None:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.1)
 
 
 async def _sampled(address: str, jobs: list[tuple[list[int], int]]) -> list[list[int]]:
@@ -146,7 +111,7 @@ def test_a_planner_lost_under_load_is_replaced_and_no_stream_notices(
         if fault == "freeze":
             first.process.send_signal(signal.SIGKILL)
         # The standby asks a refused executor again every few seconds: both are its soon.
-        _wait_for(lambda: _executors_up(address) == 2, what="the standby holding both executors")
+        wait_for(lambda: _executors_up(address) == 2, what="the standby holding both executors")
         assert_books_agree(address, audited_at_least=2)
         log = front.log_text()
     for (prompt, max_tokens), output in zip(jobs, outputs, strict=True):
@@ -189,7 +154,7 @@ def test_a_frontend_killed_under_load_costs_only_its_own_streams(
         the_planner = planner(executors, planner_token)
         stack.callback(the_planner.close)
         planner_address = the_planner.wait_ready()
-        _wait_for(lambda: the_planner.log_text().count("state=up") >= 2, what="both executors up")
+        wait_for(lambda: the_planner.log_text().count("state=up") >= 2, what="both executors up")
         fronts = [frontend([planner_address], planner_token) for _ in range(2)]
         for front in fronts:
             stack.callback(front.close)
@@ -210,7 +175,7 @@ def test_a_frontend_killed_under_load_costs_only_its_own_streams(
         assert isinstance(lost, SplitserveError), lost
         assert lost.code.name == "UNAVAILABLE"
         # Within seconds the planner holds nothing of the dead front-end's.
-        _wait_for(lambda: _idle(survivor), timeout_s=10.0, what="the planner to let go of the dead front-end's requests")
+        wait_for(lambda: _idle(survivor), timeout_s=10.0, what="the planner to let go of the dead front-end's requests")
         assert time.monotonic() - killed_at < 10.0
         assert_books_agree(survivor, audited_at_least=2)
         log = the_planner.log_text()
@@ -234,6 +199,6 @@ def test_the_all_in_one_schedulers_front_ends_end_with_it_even_when_it_is_killed
         pids = [int(pid) for pid in re.findall(r"event=frontend_started index=\d+ pid=(\d+)", scheduler.log_text())]
         assert len(pids) == 2
         scheduler.process.send_signal(signal.SIGKILL)
-        _wait_for(lambda: not any(is_running(pid) for pid in pids), timeout_s=20.0, what="the front-ends to end")
+        wait_for(lambda: not any(is_running(pid) for pid in pids), timeout_s=20.0, what="the front-ends to end")
     finally:
         scheduler.close()
