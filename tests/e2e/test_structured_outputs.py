@@ -1,21 +1,27 @@
 """Structured outputs on the default model (SmolLM2-135M), through real processes and the
 official `openai` package against the gateway: every answer follows its grammar and ends with
-finish reason stop; a grammar the compiler refuses is a 400 naming the problem."""
+finish reason stop; a grammar the compiler refuses is a 400 naming the problem; and constrained
+streams whose executor or planner is killed mid-generation end as they would have undisturbed."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack
 from pathlib import Path
 
 import jsonschema
 import openai
 import pytest
 
-from tests.helpers.executor_process import start_executor
+from clients import AsyncClient, Client
+from protos.executor_access import write_token_file
+from tests.helpers.executor_process import ExecutorProcess, start_executor
 from tests.helpers.gateway_process import start_gateway
 from tests.helpers.scheduler_process import start_scheduler
+from tests.helpers.tier_processes import planners_and_frontend
 
 WEATHER_SCHEMA = {
     "type": "object",
@@ -100,3 +106,69 @@ def test_a_grammar_that_cannot_compile_is_a_400_naming_the_problem(
     with pytest.raises(openai.BadRequestError) as error:
         chat(oai, extra_body={"structured_outputs": structured})
     assert problem in str(error.value)
+
+
+CITIES = ["Paris", "Rome", "Oslo", "Lima", "Cairo", "Tokyo", "Quito", "Dakar", "Hanoi", "Perth", "Sofia", "Bern", "Riga", "Doha", "Baku", "Accra"]
+
+
+async def _weather_streams(address: str, fault: Callable[[], None] | None = None, after_steps: int = 0) -> list[tuple[str, str]]:
+    """(text, finish reason) of one json_schema stream per city, all in flight together; once
+    the scheduler has run after_steps more steps, fault() (if given)."""
+    async with AsyncClient(address) as client:
+        start = (await client.server_status()).num_steps
+
+        async def one(index: int, city: str) -> tuple[str, str]:
+            result = await client.generate(
+                messages=[{"role": "user", "content": f"What is the weather in {city}? Answer in JSON."}],
+                max_tokens=80,
+                temperature=0.7 if index % 2 else 0.0,
+                seed=index,
+                structured_output={"json": WEATHER_SCHEMA},
+            )
+            return result.text, result.finish_reason
+
+        streams = asyncio.gather(*(one(i, city) for i, city in enumerate(CITIES)))
+        if fault is not None:
+            while not streams.done() and (await client.server_status()).num_steps < start + after_steps:
+                await asyncio.sleep(0.02)
+            assert not streams.done(), "every stream ended before the fault"
+            fault()
+        return await streams
+
+
+def test_json_schema_streams_survive_an_executor_killed_mid_generation(prepared_model: Path) -> None:
+    """16 streams, greedy and seeded: the killed executor's requests resume on the other with
+    their grammars rebuilt from their tokens, and every answer is the undisturbed run's."""
+    with ExitStack() as stack:
+        executors = [ExecutorProcess(prepared_model, num_kv_blocks=512) for _ in range(2)]
+        for executor in executors:
+            stack.callback(executor.close)
+        addresses = [executor.wait_ready() for executor in executors]
+        address = stack.enter_context(start_scheduler(addresses, tokenizer=prepared_model, step_timeout_floor=5))
+        undisturbed = asyncio.run(_weather_streams(address))
+        disturbed = asyncio.run(_weather_streams(address, executors[0].process.kill, after_steps=12))
+        with Client(address) as client:
+            status = client.server_status()
+    for text, finish in undisturbed:
+        jsonschema.validate(json.loads(text), WEATHER_SCHEMA)
+        assert finish == "stop", text
+    assert disturbed == undisturbed
+    assert status.num_preemptions >= 1, "the kill came after every stream had ended"
+
+
+def test_json_schema_streams_continue_exactly_across_a_planner_kill(prepared_model: Path, tmp_path: Path) -> None:
+    """The standby planner rebuilds each grammar from the tokens the front-end delivered."""
+    token = tmp_path / "planner-token"
+    write_token_file(token)
+    with ExitStack() as stack:
+        executors = [ExecutorProcess(prepared_model, num_kv_blocks=512) for _ in range(2)]
+        for executor in executors:
+            stack.callback(executor.close)
+        addresses = [executor.wait_ready() for executor in executors]
+        first, front = planners_and_frontend(stack, addresses, token, "--tokenizer", str(prepared_model))
+        address = front.wait_ready()
+        undisturbed = asyncio.run(_weather_streams(address))
+        disturbed = asyncio.run(_weather_streams(address, first.process.kill, after_steps=12))
+        log = front.log_text()
+    assert disturbed == undisturbed
+    assert "event=planner_lost" in log and "event=planner_chosen" in log
