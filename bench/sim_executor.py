@@ -24,6 +24,7 @@ import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from executor_service.runner.late_bitmasks import LateBitmasks
 from executor_service.serving.access import ExecutorAccess
 from executor_service.serving.server import ServeOptions, serve, step_thread
 from protos import rpc_codes
@@ -83,7 +84,8 @@ class TimedRunner:
         # Simulated: no forward at all.
         return 0
 
-    def execute(self, plan: executor_pb2.StepPlan) -> executor_pb2.StepResult:
+    def execute(self, plan: executor_pb2.StepPlan, late: LateBitmasks | None = None) -> executor_pb2.StepResult:
+        """late: unused; this executor does not say it takes bitmasks after their plans."""
         started = time.monotonic()
         for request_id in plan.dropped_request_ids:
             self._forget(request_id)

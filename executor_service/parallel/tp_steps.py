@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from executor_service.parallel.tp_group import RANK_LOST_EXIT, collective_device
+from executor_service.runner.late_bitmasks import LateBitmasks
 from executor_service.runner.model_runner import ModelRunner
 from protos.splitserve.executor.v1 import executor_pb2
 
@@ -43,9 +44,11 @@ class PlanBroadcaster:
     def __init__(self, runner: ModelRunner) -> None:
         self.runner = runner
 
-    def execute(self, plan: executor_pb2.StepPlan) -> executor_pb2.StepResult:
+    def execute(self, plan: executor_pb2.StepPlan, late: LateBitmasks | None = None) -> executor_pb2.StepResult:
+        """late: the bitmasks that follow the plan; only rank 0 waits for them, since its tokens
+        are every rank's."""
         _send(_Command.PLAN, plan.SerializeToString())
-        return _unless_failed(self.runner.execute(plan), rank=0)
+        return _unless_failed(self.runner.execute(plan, late), rank=0)
 
     def drop_all_requests(self, wipe_kv: bool = False) -> None:
         # Every rank holds its own heads' K/V: each wipes its own.

@@ -18,6 +18,7 @@ from executor_service.kernels.row_kernels import RowKernels
 from executor_service.model.model_loader import LoadedModel
 from executor_service.runner.decode_graphs import DecodeGraphs
 from executor_service.runner.forward import accepts_logits_to_keep, compute_logits
+from executor_service.runner.late_bitmasks import LateBitmasks
 from executor_service.runner.plan_inputs import (
     ScheduledWork,
     build_decode_inputs,
@@ -27,6 +28,7 @@ from executor_service.runner.request_rows import RequestRows, RequestState
 from executor_service.runner.steady_decodes import SteadyDecodes, SteadyStep
 from executor_service.runner.validation import (
     Limits,
+    bitmask_problem,
     check_continuing,
     check_decode,
     check_decode_block,
@@ -101,7 +103,10 @@ class ModelRunner:
         self._generator = torch.Generator(device=loaded.device)
         self._generator.seed()
 
-    def execute(self, plan: executor_pb2.StepPlan) -> executor_pb2.StepResult:
+    def execute(self, plan: executor_pb2.StepPlan, late: LateBitmasks | None = None) -> executor_pb2.StepResult:
+        """late: where the bitmasks of entries with bitmask_follows come from (the plan's
+        stream); without it (a tensor-parallel follower, whose tokens rank 0 decides) such
+        entries sample unconstrained."""
         started = time.perf_counter()
         for request_id in plan.dropped_request_ids:
             # Unknown ids are fine: the scheduler pipelines and may drop what is already gone.
@@ -110,7 +115,7 @@ class ModelRunner:
         result = executor_pb2.StepResult(step_id=plan.step_id, rejected=admitted.rejected)
         if admitted.work or admitted.steady is not None:
             try:
-                self._run(admitted, result)
+                self._run(admitted, result, late)
             except Exception as error:
                 self._fail_step(plan.step_id, admitted.states(), error, result)
         elif admitted.decodes:
@@ -169,12 +174,12 @@ class ModelRunner:
             del self.handles[state.handle]
         self.rows.release(state)
 
-    def _run(self, admitted: _Admitted, result: executor_pb2.StepResult) -> None:
+    def _run(self, admitted: _Admitted, result: executor_pb2.StepResult, late: LateBitmasks | None) -> None:
         """The shared part of a step: one forward and one sampling pass for all its work."""
         forward_started = time.perf_counter()
         steady = admitted.steady
         # Read before the forward, which moves the requests' progress on.
-        masks = self._token_masks(admitted.work) if steady is None else None
+        sampling = [item for item in admitted.work if item.samples] if steady is None else []
         logits = self._steady_logits(steady) if steady is not None else None
         if steady is not None and logits is not None:
             sampled_states, sampled_rows = steady.states, steady.rows
@@ -186,6 +191,7 @@ class ModelRunner:
                 admitted.steady = None
             logits, sampled_states, sampled_rows = self._work_logits(admitted.work)
         batch = self.rows.sampling(sampled_rows)
+        masks = self._token_masks(result.step_id, sampling, late)
         if masks is not None:
             batch = replace(batch, token_masks=masks)
         sampled = sample_batch(logits, batch, self._generator, self._argmax)
@@ -203,15 +209,24 @@ class ModelRunner:
                 [UNHELD_DECODE_TOKEN if s is None else tokens[s.request_id] for s in admitted.decodes]
             )
 
-    def _token_masks(self, work: list[ScheduledWork]) -> TokenMasks | None:
-        """The plan's grammar masks, placed by row among the sampled requests (in work order,
-        as both build_step_inputs and the decode graphs sample them)."""
-        sampling = [item for item in work if item.samples]
-        places = [i for i, item in enumerate(sampling) if item.allowed_token_bitmask]
+    def _token_masks(self, step_id: int, sampling: list[ScheduledWork], late: LateBitmasks | None) -> TokenMasks | None:
+        """The step's grammar masks, placed by row among its sampling work (in work order, as
+        both build_step_inputs and the decode graphs sample them); those that follow the plan
+        waited for here, after the forward."""
+        bitmasks = [item.allowed_token_bitmask for item in sampling]
+        if late is not None and any(item.bitmask_follows for item in sampling):
+            arrived = late.take(step_id)
+            for i, item in enumerate(sampling):
+                if item.bitmask_follows:
+                    bitmask = arrived.get(item.state.request_id, b"")
+                    problem = bitmask_problem(bitmask, self.limits)
+                    if problem is not None:
+                        raise ValueError(f"request {item.state.request_id!r}'s late bitmask: {problem}")
+                    bitmasks[i] = bitmask
+        places = [i for i, bitmask in enumerate(bitmasks) if bitmask]
         if not places:
             return None
-        bitmasks = [sampling[i].allowed_token_bitmask for i in places]
-        return token_masks_of(places, bitmasks, self.limits.vocab_size, self.loaded.device)
+        return token_masks_of(places, [bitmasks[i] for i in places], self.limits.vocab_size, self.loaded.device)
 
     def _steady_logits(self, steady: SteadyStep) -> torch.Tensor | None:
         """A steady step's logits from inputs gathered from the rows' tables, or None where
@@ -356,7 +371,8 @@ class ModelRunner:
             assert state is not None  # check_continuing refuses an unknown id
             self.rows.add_blocks(state, entry.new_block_ids)
         scheduled.add(entry.request_id)
-        admitted.work.append(ScheduledWork(state, entry.num_scheduled_tokens, entry.allowed_token_bitmask))
+        follows = isinstance(entry, executor_pb2.ContinuingRequest) and entry.bitmask_follows
+        admitted.work.append(ScheduledWork(state, entry.num_scheduled_tokens, entry.allowed_token_bitmask, follows))
         return None
 
     def _reject(self, admitted: _Admitted, request_id: str, code: int, problem: str) -> None:

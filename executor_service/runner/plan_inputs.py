@@ -28,6 +28,8 @@ class ScheduledWork:
     num_tokens: int
     # The tokens the step may sample (NewRequest.allowed_token_bitmask); empty: any.
     allowed_token_bitmask: bytes = b""
+    # They come after the plan (ContinuingRequest.bitmask_follows).
+    bitmask_follows: bool = False
 
     @property
     def samples(self) -> bool:
@@ -84,7 +86,7 @@ def build_step_inputs(
         if item.samples:
             logits_indices.append(len(token_ids) - 1)
             sampled.append(item.state)
-            masked.append(bool(item.allowed_token_bitmask))
+            masked.append(bool(item.allowed_token_bitmask) or item.bitmask_follows)
     sampled_rows = np.array([state.row for state in sampled], dtype=np.int64)
     argmax_only = sampled[0].rows.argmax_only(sampled_rows) if sampled else []
     if any(masked):

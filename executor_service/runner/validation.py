@@ -55,7 +55,7 @@ def check_new(entry: executor_pb2.NewRequest, sampling: SamplerSettings, limits:
         return "num_scheduled_tokens must be > 0"
     if end > num_tokens:
         return f"computing up to token {end} but only {num_tokens} tokens are known"
-    return _capacity_problem(end, len(entry.block_ids), limits) or _bitmask_problem(entry.allowed_token_bitmask, limits)
+    return _capacity_problem(end, len(entry.block_ids), limits) or bitmask_problem(entry.allowed_token_bitmask, limits)
 
 
 def check_continuing(
@@ -75,7 +75,9 @@ def check_continuing(
     end = state.num_computed_tokens + entry.num_scheduled_tokens
     if end > num_tokens:
         return f"computing up to token {end} but only {num_tokens} tokens are known"
-    return _capacity_problem(end, len(block_ids), limits) or _bitmask_problem(entry.allowed_token_bitmask, limits)
+    if entry.bitmask_follows and entry.allowed_token_bitmask:
+        return "bitmask_follows and allowed_token_bitmask are both set"
+    return _capacity_problem(end, len(block_ids), limits) or bitmask_problem(entry.allowed_token_bitmask, limits)
 
 
 def check_decode_block(block_id: int, state: RequestState, limits: Limits) -> str | None:
@@ -124,7 +126,7 @@ def _capacity_problem(end: int, num_blocks: int, limits: Limits) -> str | None:
     return None
 
 
-def _bitmask_problem(bitmask: bytes, limits: Limits) -> str | None:
+def bitmask_problem(bitmask: bytes, limits: Limits) -> str | None:
     """An allowed-token bitmask: empty (no constraint), or one bit per token in 32-bit words,
     at least one token allowed."""
     if not bitmask:

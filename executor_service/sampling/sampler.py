@@ -67,8 +67,11 @@ def sample_batch(
     raw_logprobs = torch.log_softmax(logits, dim=-1) if batch.want_logprobs.any() else None
     if batch.shaping is not None:
         logits = apply_logit_shaping(logits, batch.shaping)
-    if batch.token_masks is not None:
-        logits = _restrict(logits, batch.token_masks.rows, batch.token_masks.allowed)
+    masks = batch.token_masks
+    if masks is not None:
+        # Every row masked (a batch of constrained requests): one pass, no gather and put back.
+        whole = len(masks.rows) == len(logits)
+        logits = logits.masked_fill(~masks.allowed, float("-inf")) if whole else _restrict(logits, masks.rows, masks.allowed)
     logits = mask_min_tokens_stop_ids(logits, batch.stop_masks)
     if batch.penalties is not None:
         logits = apply_penalties(logits, batch.penalties)

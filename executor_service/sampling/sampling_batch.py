@@ -95,7 +95,8 @@ def token_masks_of(
     if not places:
         return None
     packed = np.frombuffer(b"".join(bitmasks), dtype=np.uint8).reshape(len(places), -1)
-    allowed = np.unpackbits(packed, axis=1, bitorder="little")[:, :vocab_size].astype(bool)
+    # unpackbits writes 0s and 1s: read as bools without a copy.
+    allowed = np.unpackbits(packed, axis=1, count=vocab_size, bitorder="little").view(bool)
     return TokenMasks(
         rows=torch.tensor(list(places), dtype=torch.long, device=device),
         allowed=torch.from_numpy(allowed).to(device),

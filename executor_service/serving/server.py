@@ -19,6 +19,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
 
+from executor_service.runner.late_bitmasks import LateBitmasks
 from executor_service.serving.access import ExecutorAccess
 from executor_service.serving.metrics import ExecutorMetrics
 from executor_service.serving.settings import DEFAULT_DRAIN_TIMEOUT_S
@@ -34,7 +35,9 @@ class StepRunner(Protocol):
     """Runs plans, one at a time, on the worker thread (executor_service.runner.model_runner, or a
     benchmark's simulated runner)."""
 
-    def execute(self, plan: executor_pb2.StepPlan) -> executor_pb2.StepResult: ...
+    def execute(self, plan: executor_pb2.StepPlan, late: LateBitmasks) -> executor_pb2.StepResult:
+        """late: where the bitmasks that follow the plan (bitmask_follows) come from."""
+        ...
 
     def drop_all_requests(self, wipe_kv: bool = False) -> None:
         """Forgets every request; wipe_kv also zeroes every block's K/V (a new holder must not
@@ -108,11 +111,14 @@ class _Stream:
     ending: _StreamError | None = None
     # The worker thread's view of `ending`: plans of an ended stream still queued are skipped.
     skip_plans: threading.Event = field(default_factory=threading.Event)
+    # Bitmasks sent after their plans (StepPlan.bitmasks_for_step), for the steps waiting on them.
+    late: LateBitmasks = field(default_factory=LateBitmasks)
 
     def end(self, error: _StreamError) -> None:
         if self.ending is None:
             self.ending = error
         self.skip_plans.set()
+        self.late.close()
         # Wakes the call if it waits for a plan.
         self.pending.put_nowait(error)
 
@@ -261,7 +267,7 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
         """On the worker thread. None for a plan of a stream that ended while it was queued."""
         if stream.skip_plans.is_set():
             return None
-        result = self._executor.runner.execute(plan)
+        result = self._executor.runner.execute(plan, stream.late)
         self._metrics.observe_step(plan, result)
         return result
 
@@ -276,6 +282,12 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
             async for plan in plans:
                 if stream.ending is not None:
                     return
+                if plan.bitmasks_for_step:
+                    # Not a plan: bitmasks for one already queued or running.
+                    stream.last_plan_at = time.monotonic()
+                    late = {entry.request_id: entry.allowed_token_bitmask for entry in plan.late_bitmasks}
+                    stream.late.put(plan.bitmasks_for_step, late)
+                    continue
                 if last_step is not None and plan.step_id <= last_step:
                     message = f"step_id {plan.step_id} does not increase past {last_step}"
                     logger.warning("event=stream_rejected problem=%r", message)
@@ -295,6 +307,8 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
             # The caller went away mid-stream; the plans it did send still run in order.
             logger.info("event=stream_broken error=%r", error)
         finally:
+            # No more bitmasks can come: a step waiting for some fails rather than hangs.
+            stream.late.close()
             await stream.pending.put(None)
 
 

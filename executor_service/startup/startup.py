@@ -165,6 +165,7 @@ def build_executor(settings: ExecutorSettings, device: str | None = None) -> Rea
         attention_backend=backend,
         lease_timeout_s=settings.lease_timeout_s,
         supports_decode_handles=True,
+        supports_late_bitmasks=True,
         tensor_parallel_size=settings.tensor_parallel_size,
         kv_cache_bytes=num_blocks * shape.bytes_per_block() * settings.tensor_parallel_size,
     )

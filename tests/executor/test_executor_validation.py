@@ -291,3 +291,28 @@ def test_a_bitmask_decides_the_sampled_token_and_leaves_the_neighbour_alone(
         tokens += outputs[good]
     assert tokens == clean_tokens
     stream.step(pb.StepPlan(step_id=GOOD_STEPS + 1, dropped_request_ids=[good, masked]))
+
+
+def test_a_bitmask_that_follows_its_plan_decides_the_token_and_a_stream_ending_first_frees_the_step(
+    channel: grpc.Channel,
+) -> None:
+    n = next(_ids)
+    masked = f"late{n}"
+    stream = PlanStream(channel)
+    first = pb.NewRequest(request_id=masked, token_ids=VICTIM_PROMPT, block_ids=[20, 21], num_scheduled_tokens=16)
+    stream.send(pb.StepPlan(step_id=1, new_requests=[first]))
+    follows = pb.ContinuingRequest(request_id=masked, num_scheduled_tokens=1, bitmask_follows=True)
+    # Plan 2 goes out before result 1 is read, its bitmask after: as a pipelining scheduler sends.
+    stream.send(pb.StepPlan(step_id=2, continuing_requests=[follows]))
+    assert stream.receive().outputs
+    late = pb.LateBitmask(request_id=masked, allowed_token_bitmask=only(VOCAB_SIZE - 2))
+    stream.send(pb.StepPlan(bitmasks_for_step=2, late_bitmasks=[late]))
+    assert list(stream.receive().outputs[0].token_ids) == [VOCAB_SIZE - 2]
+    # A step whose bitmasks never come: the stream's end fails it rather than leaving the
+    # executor's one worker waiting, and the next stream is served.
+    stream.send(pb.StepPlan(step_id=3, continuing_requests=[follows]))
+    stream.close()
+    again = PlanStream(channel)
+    new = pb.NewRequest(request_id=f"after{n}", token_ids=GOOD_PROMPT, block_ids=[0, 1], num_scheduled_tokens=20)
+    assert again.step(pb.StepPlan(step_id=1, new_requests=[new])).outputs
+    again.close()

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n,protos/splitserve/executor/v1/executor.proto\x12\x16splitserve.executor.v1\"\x11\n\x0f\x44\x65scribeRequest\"\xf5\x02\n\x0c\x45xecutorInfo\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x15\n\reos_token_ids\x18\x03 \x03(\r\x12\x15\n\rmax_model_len\x18\x04 \x01(\r\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\x15\n\rnum_kv_blocks\x18\x06 \x01(\r\x12\r\n\x05\x64type\x18\x07 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x08 \x01(\t\x12\x16\n\x0eincarnation_id\x18\t \x01(\t\x12\x14\n\x0cmax_logprobs\x18\n \x01(\r\x12\x19\n\x11\x61ttention_backend\x18\x0b \x01(\t\x12\x17\n\x0flease_timeout_s\x18\x0c \x01(\x01\x12\x1f\n\x17supports_decode_handles\x18\r \x01(\x08\x12\x1c\n\x14tensor_parallel_size\x18\x0e \x01(\r\x12\x16\n\x0ekv_cache_bytes\x18\x0f \x01(\x04\x12\x0e\n\x06\x61\x63\x63\x65ss\x18\x10 \x01(\t\"\xf4\x02\n\rSamplerConfig\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\r\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x10\n\x08has_seed\x18\x05 \x01(\x08\x12\x0c\n\x04seed\x18\x06 \x01(\x04\x12\x1a\n\x12repetition_penalty\x18\x07 \x01(\x02\x12\x18\n\x10presence_penalty\x18\x08 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\t \x01(\x02\x12\x14\n\x0cnum_logprobs\x18\n \x01(\r\x12\x15\n\rwant_logprobs\x18\x0b \x01(\x08\x12\x12\n\nmin_tokens\x18\x0c \x01(\r\x12\x1b\n\x13min_tokens_stop_ids\x18\r \x03(\r\x12\x1c\n\x14logit_bias_token_ids\x18\x0e \x03(\r\x12\x19\n\x11logit_bias_values\x18\x0f \x03(\x02\x12\x19\n\x11\x61llowed_token_ids\x18\x10 \x03(\r\"\x84\x02\n\nNewRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x11\n\tblock_ids\x18\x03 \x03(\r\x12\x1b\n\x13num_computed_tokens\x18\x04 \x01(\r\x12\x1c\n\x14num_scheduled_tokens\x18\x05 \x01(\r\x12\x37\n\x08sampling\x18\x06 \x01(\x0b\x32%.splitserve.executor.v1.SamplerConfig\x12\x19\n\x11num_prompt_tokens\x18\x07 \x01(\r\x12\x0e\n\x06handle\x18\x08 \x01(\r\x12\x1d\n\x15\x61llowed_token_bitmask\x18\t \x01(\x0c\"\x95\x01\n\x11\x43ontinuingRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x1c\n\x14num_scheduled_tokens\x18\x02 \x01(\r\x12\x15\n\rnew_block_ids\x18\x03 \x03(\r\x12\x1d\n\x15\x61llowed_token_bitmask\x18\x05 \x01(\x0cJ\x04\x08\x04\x10\x05R\x12\x61ppended_token_ids\"\xa6\x02\n\x08StepPlan\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x38\n\x0cnew_requests\x18\x02 \x03(\x0b\x32\".splitserve.executor.v1.NewRequest\x12\x46\n\x13\x63ontinuing_requests\x18\x03 \x03(\x0b\x32).splitserve.executor.v1.ContinuingRequest\x12\x1b\n\x13\x64ropped_request_ids\x18\x04 \x03(\t\x12\x16\n\x0e\x64\x65\x63ode_handles\x18\x05 \x03(\r\x12\x1c\n\x14\x64\x65\x63ode_block_handles\x18\x06 \x03(\r\x12\x18\n\x10\x64\x65\x63ode_block_ids\x18\x07 \x03(\r\x12\x1a\n\x12want_held_requests\x18\x08 \x01(\x08\"^\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x15\n\rtop_token_ids\x18\x03 \x03(\r\x12\x14\n\x0ctop_logprobs\x18\x04 \x03(\x02\"n\n\rRequestOutput\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x36\n\x08logprobs\x18\x03 \x03(\x0b\x32$.splitserve.executor.v1.TokenLogprob\"D\n\x0fRejectedRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04\x63ode\x18\x02 \x01(\x05\x12\x0f\n\x07message\x18\x03 \x01(\t\"3\n\x0bStepFailure\x12\x0f\n\x07message\x18\x01 \x01(\t\x12\x13\n\x0brequest_ids\x18\x02 \x03(\t\"\xdb\x02\n\nStepResult\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x36\n\x07outputs\x18\x02 \x03(\x0b\x32%.splitserve.executor.v1.RequestOutput\x12\x39\n\x08rejected\x18\x03 \x03(\x0b\x32\'.splitserve.executor.v1.RejectedRequest\x12\x16\n\x0e\x66orward_time_s\x18\x04 \x01(\x01\x12\x13\n\x0bstep_time_s\x18\x05 \x01(\x01\x12\x34\n\x07\x66\x61ilure\x18\x06 \x01(\x0b\x32#.splitserve.executor.v1.StepFailure\x12\x18\n\x10\x64\x65\x63ode_token_ids\x18\x07 \x03(\r\x12\x10\n\x08\x64raining\x18\x08 \x01(\x08\x12:\n\rheld_requests\x18\t \x03(\x0b\x32#.splitserve.executor.v1.HeldRequest\"Q\n\x0bHeldRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\tblock_ids\x18\x02 \x03(\r\x12\x1b\n\x13num_computed_tokens\x18\x03 \x01(\r2\xba\x01\n\x08\x45xecutor\x12Y\n\x08\x44\x65scribe\x12\'.splitserve.executor.v1.DescribeRequest\x1a$.splitserve.executor.v1.ExecutorInfo\x12S\n\x07\x45xecute\x12 .splitserve.executor.v1.StepPlan\x1a\".splitserve.executor.v1.StepResult(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n,protos/splitserve/executor/v1/executor.proto\x12\x16splitserve.executor.v1\"\x11\n\x0f\x44\x65scribeRequest\"\x95\x03\n\x0c\x45xecutorInfo\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x15\n\reos_token_ids\x18\x03 \x03(\r\x12\x15\n\rmax_model_len\x18\x04 \x01(\r\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\x15\n\rnum_kv_blocks\x18\x06 \x01(\r\x12\r\n\x05\x64type\x18\x07 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x08 \x01(\t\x12\x16\n\x0eincarnation_id\x18\t \x01(\t\x12\x14\n\x0cmax_logprobs\x18\n \x01(\r\x12\x19\n\x11\x61ttention_backend\x18\x0b \x01(\t\x12\x17\n\x0flease_timeout_s\x18\x0c \x01(\x01\x12\x1f\n\x17supports_decode_handles\x18\r \x01(\x08\x12\x1c\n\x14tensor_parallel_size\x18\x0e \x01(\r\x12\x16\n\x0ekv_cache_bytes\x18\x0f \x01(\x04\x12\x0e\n\x06\x61\x63\x63\x65ss\x18\x10 \x01(\t\x12\x1e\n\x16supports_late_bitmasks\x18\x11 \x01(\x08\"\xf4\x02\n\rSamplerConfig\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\r\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x10\n\x08has_seed\x18\x05 \x01(\x08\x12\x0c\n\x04seed\x18\x06 \x01(\x04\x12\x1a\n\x12repetition_penalty\x18\x07 \x01(\x02\x12\x18\n\x10presence_penalty\x18\x08 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\t \x01(\x02\x12\x14\n\x0cnum_logprobs\x18\n \x01(\r\x12\x15\n\rwant_logprobs\x18\x0b \x01(\x08\x12\x12\n\nmin_tokens\x18\x0c \x01(\r\x12\x1b\n\x13min_tokens_stop_ids\x18\r \x03(\r\x12\x1c\n\x14logit_bias_token_ids\x18\x0e \x03(\r\x12\x19\n\x11logit_bias_values\x18\x0f \x03(\x02\x12\x19\n\x11\x61llowed_token_ids\x18\x10 \x03(\r\"\x84\x02\n\nNewRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x11\n\tblock_ids\x18\x03 \x03(\r\x12\x1b\n\x13num_computed_tokens\x18\x04 \x01(\r\x12\x1c\n\x14num_scheduled_tokens\x18\x05 \x01(\r\x12\x37\n\x08sampling\x18\x06 \x01(\x0b\x32%.splitserve.executor.v1.SamplerConfig\x12\x19\n\x11num_prompt_tokens\x18\x07 \x01(\r\x12\x0e\n\x06handle\x18\x08 \x01(\r\x12\x1d\n\x15\x61llowed_token_bitmask\x18\t \x01(\x0c\"\xae\x01\n\x11\x43ontinuingRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x1c\n\x14num_scheduled_tokens\x18\x02 \x01(\r\x12\x15\n\rnew_block_ids\x18\x03 \x03(\r\x12\x1d\n\x15\x61llowed_token_bitmask\x18\x05 \x01(\x0c\x12\x17\n\x0f\x62itmask_follows\x18\x06 \x01(\x08J\x04\x08\x04\x10\x05R\x12\x61ppended_token_ids\"\xfd\x02\n\x08StepPlan\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x38\n\x0cnew_requests\x18\x02 \x03(\x0b\x32\".splitserve.executor.v1.NewRequest\x12\x46\n\x13\x63ontinuing_requests\x18\x03 \x03(\x0b\x32).splitserve.executor.v1.ContinuingRequest\x12\x1b\n\x13\x64ropped_request_ids\x18\x04 \x03(\t\x12\x16\n\x0e\x64\x65\x63ode_handles\x18\x05 \x03(\r\x12\x1c\n\x14\x64\x65\x63ode_block_handles\x18\x06 \x03(\r\x12\x18\n\x10\x64\x65\x63ode_block_ids\x18\x07 \x03(\r\x12\x1a\n\x12want_held_requests\x18\x08 \x01(\x08\x12\x19\n\x11\x62itmasks_for_step\x18\t \x01(\x04\x12:\n\rlate_bitmasks\x18\n \x03(\x0b\x32#.splitserve.executor.v1.LateBitmask\"@\n\x0bLateBitmask\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x1d\n\x15\x61llowed_token_bitmask\x18\x02 \x01(\x0c\"^\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x15\n\rtop_token_ids\x18\x03 \x03(\r\x12\x14\n\x0ctop_logprobs\x18\x04 \x03(\x02\"n\n\rRequestOutput\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x36\n\x08logprobs\x18\x03 \x03(\x0b\x32$.splitserve.executor.v1.TokenLogprob\"D\n\x0fRejectedRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04\x63ode\x18\x02 \x01(\x05\x12\x0f\n\x07message\x18\x03 \x01(\t\"3\n\x0bStepFailure\x12\x0f\n\x07message\x18\x01 \x01(\t\x12\x13\n\x0brequest_ids\x18\x02 \x03(\t\"\xdb\x02\n\nStepResult\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x36\n\x07outputs\x18\x02 \x03(\x0b\x32%.splitserve.executor.v1.RequestOutput\x12\x39\n\x08rejected\x18\x03 \x03(\x0b\x32\'.splitserve.executor.v1.RejectedRequest\x12\x16\n\x0e\x66orward_time_s\x18\x04 \x01(\x01\x12\x13\n\x0bstep_time_s\x18\x05 \x01(\x01\x12\x34\n\x07\x66\x61ilure\x18\x06 \x01(\x0b\x32#.splitserve.executor.v1.StepFailure\x12\x18\n\x10\x64\x65\x63ode_token_ids\x18\x07 \x03(\r\x12\x10\n\x08\x64raining\x18\x08 \x01(\x08\x12:\n\rheld_requests\x18\t \x03(\x0b\x32#.splitserve.executor.v1.HeldRequest\"Q\n\x0bHeldRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\tblock_ids\x18\x02 \x03(\r\x12\x1b\n\x13num_computed_tokens\x18\x03 \x01(\r2\xba\x01\n\x08\x45xecutor\x12Y\n\x08\x44\x65scribe\x12\'.splitserve.executor.v1.DescribeRequest\x1a$.splitserve.executor.v1.ExecutorInfo\x12S\n\x07\x45xecute\x12 .splitserve.executor.v1.StepPlan\x1a\".splitserve.executor.v1.StepResult(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,27 +34,29 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_DESCRIBEREQUEST']._serialized_start=72
   _globals['_DESCRIBEREQUEST']._serialized_end=89
   _globals['_EXECUTORINFO']._serialized_start=92
-  _globals['_EXECUTORINFO']._serialized_end=465
-  _globals['_SAMPLERCONFIG']._serialized_start=468
-  _globals['_SAMPLERCONFIG']._serialized_end=840
-  _globals['_NEWREQUEST']._serialized_start=843
-  _globals['_NEWREQUEST']._serialized_end=1103
-  _globals['_CONTINUINGREQUEST']._serialized_start=1106
-  _globals['_CONTINUINGREQUEST']._serialized_end=1255
-  _globals['_STEPPLAN']._serialized_start=1258
-  _globals['_STEPPLAN']._serialized_end=1552
-  _globals['_TOKENLOGPROB']._serialized_start=1554
-  _globals['_TOKENLOGPROB']._serialized_end=1648
-  _globals['_REQUESTOUTPUT']._serialized_start=1650
-  _globals['_REQUESTOUTPUT']._serialized_end=1760
-  _globals['_REJECTEDREQUEST']._serialized_start=1762
-  _globals['_REJECTEDREQUEST']._serialized_end=1830
-  _globals['_STEPFAILURE']._serialized_start=1832
-  _globals['_STEPFAILURE']._serialized_end=1883
-  _globals['_STEPRESULT']._serialized_start=1886
-  _globals['_STEPRESULT']._serialized_end=2233
-  _globals['_HELDREQUEST']._serialized_start=2235
-  _globals['_HELDREQUEST']._serialized_end=2316
-  _globals['_EXECUTOR']._serialized_start=2319
-  _globals['_EXECUTOR']._serialized_end=2505
+  _globals['_EXECUTORINFO']._serialized_end=497
+  _globals['_SAMPLERCONFIG']._serialized_start=500
+  _globals['_SAMPLERCONFIG']._serialized_end=872
+  _globals['_NEWREQUEST']._serialized_start=875
+  _globals['_NEWREQUEST']._serialized_end=1135
+  _globals['_CONTINUINGREQUEST']._serialized_start=1138
+  _globals['_CONTINUINGREQUEST']._serialized_end=1312
+  _globals['_STEPPLAN']._serialized_start=1315
+  _globals['_STEPPLAN']._serialized_end=1696
+  _globals['_LATEBITMASK']._serialized_start=1698
+  _globals['_LATEBITMASK']._serialized_end=1762
+  _globals['_TOKENLOGPROB']._serialized_start=1764
+  _globals['_TOKENLOGPROB']._serialized_end=1858
+  _globals['_REQUESTOUTPUT']._serialized_start=1860
+  _globals['_REQUESTOUTPUT']._serialized_end=1970
+  _globals['_REJECTEDREQUEST']._serialized_start=1972
+  _globals['_REJECTEDREQUEST']._serialized_end=2040
+  _globals['_STEPFAILURE']._serialized_start=2042
+  _globals['_STEPFAILURE']._serialized_end=2093
+  _globals['_STEPRESULT']._serialized_start=2096
+  _globals['_STEPRESULT']._serialized_end=2443
+  _globals['_HELDREQUEST']._serialized_start=2445
+  _globals['_HELDREQUEST']._serialized_end=2526
+  _globals['_EXECUTOR']._serialized_start=2529
+  _globals['_EXECUTOR']._serialized_end=2715
 # @@protoc_insertion_point(module_scope)
