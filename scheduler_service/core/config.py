@@ -26,6 +26,10 @@ class SchedulerConfig:
     # Steady decodes travel by handle and are planned in bulk (see decode_set); off for an
     # executor that does not support it.
     bulk_decodes: bool = True
+    # A constrained request's bitmask may follow its plan (StepPlan.bitmasks_for_step), so it
+    # is pipelined like any other; off for an executor that does not take them, where it is
+    # planned only once its last token is back.
+    late_bitmasks: bool = False
 
     @property
     def max_seq_len(self) -> int:

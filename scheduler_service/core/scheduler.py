@@ -20,6 +20,7 @@ from scheduler_service.core.request import FinishReason, Request, RequestStatus
 from scheduler_service.core.request_queue import WaitingQueue
 from scheduler_service.core.step_plan import (
     ContinuingRequestPlan,
+    LateBitmasks,
     NewRequestPlan,
     RequestUpdate,
     StepOutput,
@@ -98,6 +99,9 @@ class Scheduler:
         self.decodes = DecodeSet(config.block_size, self.eos_token_ids)
         # step id -> that step's bulk decodes, until its result is in.
         self._in_flight_bulk: dict[int, BulkStep] = {}
+        # step id -> (request, epoch) of its entries whose bitmask follows the plan, in step
+        # order, until the bitmasks go (see _late_bitmasks).
+        self._late: dict[int, list[tuple[Request, int]]] = {}
         self._handles = itertools.count(1)
 
     @property
@@ -181,6 +185,7 @@ class Scheduler:
         self._on_executor.clear()
         self._to_drop = []
         self._in_flight.clear()
+        self._late.clear()
         self._retrying.clear()
         self.kv = KVCacheManager(self.config.num_kv_blocks, self.config.block_size, self.config.enable_prefix_caching)
         return evicted
@@ -423,8 +428,11 @@ class Scheduler:
                 continue
             if not request.in_prefill and not may_sample_more(request, self.config.max_seq_len):
                 continue
-            # A grammar's next mask needs the token in flight: such a request is not pipelined.
-            if request.grammar is not None and request.num_pending_outputs:
+            # A grammar's next mask needs the token in flight: it follows the plan where the
+            # executor takes that, else the request waits for its token.
+            if request.grammar is not None and request.num_pending_outputs and not (
+                self.config.late_bitmasks and request.num_pending_outputs == 1
+            ):
                 continue
             num_new = min(request.num_uncomputed_tokens, budget)
             while (ids := self._allocate(request, num_new)) is None:
@@ -528,9 +536,14 @@ class Scheduler:
         joining = []
         fresh = set(admitted)
         in_flight: dict[str, _InFlight] = {}
+        late: list[tuple[Request, int]] = []
         for request, num_new in scheduled.items():
             samples = request.num_computed_tokens + num_new == request.num_tokens + request.num_pending_outputs
-            mask = request.grammar.allowed_token_bitmask() if samples and request.grammar is not None else b""
+            constrained = samples and request.grammar is not None
+            follows = constrained and request.num_pending_outputs > 0
+            mask = request.grammar.allowed_token_bitmask() if constrained and not follows else b""
+            if follows:
+                late.append((request, request.num_preemptions))
             if request in fresh:
                 request.handle = next(self._handles)
                 plan.new_requests.append(
@@ -549,7 +562,7 @@ class Scheduler:
                 self._on_executor.add(request.request_id)
             else:
                 plan.continuing_requests.append(
-                    ContinuingRequestPlan(request.request_id, num_new, new_blocks[request.request_id], mask)
+                    ContinuingRequestPlan(request.request_id, num_new, new_blocks[request.request_id], mask, follows)
                 )
             request.num_computed_tokens += num_new
             if samples:
@@ -561,6 +574,8 @@ class Scheduler:
             )
         if in_flight:
             self._in_flight[plan.step_id] = in_flight
+        if late:
+            self._late[plan.step_id] = late
         for request in joining:
             cover = len(self.kv.block_ids(request.request_id)) * self.config.block_size
             self.decodes.join(request, request.handle, cover, length_limit(request, self.config.max_seq_len))
@@ -623,7 +638,31 @@ class Scheduler:
                     updates.append(self._append_tokens(request, output, now, result.inter_token_gaps))
         if output.failure is not None:
             updates += self._step_failed(failed, output.failure)
+        self._late.pop(output.step_id, None)
+        if self._late:
+            result.late_bitmasks = self._late_bitmasks()
         return result
+
+    def _late_bitmasks(self) -> list[LateBitmasks]:
+        """The bitmasks of the steps in flight whose requests' earlier tokens are all in, in
+        step order; requests that ended or lost their place since get none (the executor then
+        samples them unconstrained, and their token is stale)."""
+        ready = []
+        for step_id, entries in list(self._late.items()):
+            live = [
+                request
+                for request, epoch in entries
+                if self.requests.get(request.request_id) is request and request.num_preemptions == epoch
+            ]
+            if any(request.num_pending_outputs > 1 for request in live):
+                break
+            del self._late[step_id]
+            bitmasks = []
+            for request in live:
+                assert request.grammar is not None  # only constrained requests' bitmasks follow
+                bitmasks.append((request.request_id, request.grammar.allowed_token_bitmask()))
+            ready.append(LateBitmasks(step_id, bitmasks))
+        return ready
 
     def _apply_bulk(self, bulk: BulkStep, output: StepOutput, result: StepUpdates, now: float) -> None:
         if len(output.decode_token_ids) != len(bulk.handles):

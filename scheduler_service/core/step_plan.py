@@ -53,6 +53,17 @@ class ContinuingRequestPlan:
     new_block_ids: list[int]
     # As NewRequestPlan.allowed_token_bitmask.
     allowed_token_bitmask: bytes = b""
+    # The bitmask comes after the plan (LateBitmasks), once the token before is back.
+    bitmask_follows: bool = False
+
+
+@dataclass(slots=True, frozen=True)
+class LateBitmasks:
+    """The bitmasks of a plan's entries that had bitmask_follows, sent once the plan before it
+    has answered: (request id, bitmask) for each whose request still wants its token."""
+
+    step_id: int
+    bitmasks: list[tuple[str, bytes]]
 
 
 @dataclass(slots=True)
@@ -161,6 +172,8 @@ class StepUpdates:
     # Seconds between each token that came back in this step and the request's token before
     # it (requests with an earlier token; one figure per request, however many tokens it got).
     inter_token_gaps: list[float] = field(default_factory=list)
+    # Bitmasks of steps in flight that can go now: their requests' earlier tokens are all in.
+    late_bitmasks: list[LateBitmasks] = field(default_factory=list)
 
     def __iter__(self) -> Iterator[RequestUpdate]:
         """Every update as a RequestUpdate (the bulk ones built on the way; for callers that

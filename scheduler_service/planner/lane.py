@@ -36,7 +36,11 @@ from scheduler_service.planner.lane_audit import (
     ExecutorAudit,
     PendingAudits,
 )
-from scheduler_service.planner.plan_codec import output_from_proto, plan_to_proto
+from scheduler_service.planner.plan_codec import (
+    late_bitmasks_to_proto,
+    output_from_proto,
+    plan_to_proto,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -275,7 +279,11 @@ class ExecutorLane:
             self._step_times.append(time.monotonic() - sent_at)
             self.num_steps += had_work
             output = output_from_proto(result)
-            self.hooks.deliver(self, output, scheduler.update(output))
+            updates = scheduler.update(output)
+            # First, as the executor may be waiting for them to sample.
+            for late in updates.late_bitmasks:
+                await self.link.send(late_bitmasks_to_proto(late))
+            self.hooks.deliver(self, output, updates)
             if self.audits.answers(output.step_id):
                 self.audits.answer(audit_executor(scheduler, output.held_requests or {}))
             if result.draining and self.state is LaneState.UP:
@@ -299,6 +307,7 @@ class ExecutorLane:
             policy=options.policy,
             mode=options.mode,
             bulk_decodes=info.supports_decode_handles,
+            late_bitmasks=info.supports_late_bitmasks,
         )
 
     def _set_state(self, state: LaneState, reason: str) -> None:

@@ -6,7 +6,12 @@ from protos import rpc_codes
 from protos.splitserve.executor.v1 import executor_pb2 as pb
 from scheduler_service.core.errors import ErrorKind, RequestError
 from scheduler_service.core.sampling_params import SamplingParams
-from scheduler_service.core.step_plan import HeldState, StepOutput, StepPlan
+from scheduler_service.core.step_plan import (
+    HeldState,
+    LateBitmasks,
+    StepOutput,
+    StepPlan,
+)
 
 # An entry the executor refused is wrong (INVALID_ARGUMENT) or tripped it (INTERNAL).
 _REJECTION_KINDS = {rpc_codes.INVALID_ARGUMENT: ErrorKind.INVALID, rpc_codes.INTERNAL: ErrorKind.INTERNAL}
@@ -66,6 +71,7 @@ def plan_to_proto(plan: StepPlan, eos_token_ids: Collection[int] = ()) -> pb.Ste
                 num_scheduled_tokens=cont.num_scheduled_tokens,
                 new_block_ids=cont.new_block_ids,
                 allowed_token_bitmask=cont.allowed_token_bitmask,
+                bitmask_follows=cont.bitmask_follows,
             )
         )
     if plan.decode_handles:
@@ -73,6 +79,16 @@ def plan_to_proto(plan: StepPlan, eos_token_ids: Collection[int] = ()) -> pb.Ste
         message.decode_block_handles.extend(plan.decode_block_handles)
         message.decode_block_ids.extend(plan.decode_block_ids)
     return message
+
+
+def late_bitmasks_to_proto(late: LateBitmasks) -> pb.StepPlan:
+    """The message that brings a plan's late bitmasks (not itself a plan: step_id 0)."""
+    return pb.StepPlan(
+        bitmasks_for_step=late.step_id,
+        late_bitmasks=[
+            pb.LateBitmask(request_id=request_id, allowed_token_bitmask=bitmask) for request_id, bitmask in late.bitmasks
+        ],
+    )
 
 
 def output_from_proto(result: pb.StepResult) -> StepOutput:

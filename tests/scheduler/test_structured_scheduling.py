@@ -145,3 +145,40 @@ def test_without_a_tokenizer_a_grammar_is_unsupported_and_the_core_refuses_bad_c
     empty = SamplingParams(structured_output=StructuredOutput(GrammarKind.REGEX, " ")).problems(VOCAB_SIZE, 0)
     assert empty == ["structured_output regex is empty"]
 
+
+
+def test_with_late_bitmasks_a_constrained_request_pipelines_and_its_bitmask_follows_the_plan(
+    grammars: Grammars, text: TextProcessor
+) -> None:
+    """As the executor runs it: plan N+1 is computed while result N is applied, and samples
+    once the bitmasks that result released have come."""
+    config = SchedulerConfig(num_kv_blocks=64, block_size=4, max_model_len=256, late_bitmasks=True)
+    scheduler = Scheduler(config, eos_token_ids=[EOS])
+    executor = SimulatedExecutor(64, 4)
+    requests = [constrained(grammars, f"c{i}", [10 + i, 20, 30, 40 + i]) for i in range(3)]
+    for request in requests:
+        scheduler.add_request(request)
+    results = [executor.execute(scheduler.schedule())]
+    planned: dict[str, list[int]] = {r.request_id: [] for r in requests}
+    while scheduler.has_unfinished():
+        plan = scheduler.schedule()
+        updates = scheduler.update(results.pop(0))
+        entries = {entry.request_id: entry for entry in plan.continuing_requests}
+        for late in updates.late_bitmasks:
+            assert late.step_id == plan.step_id
+            for request_id, bitmask in late.bitmasks:
+                assert entries[request_id].bitmask_follows and allowed(bitmask)
+                entries[request_id].allowed_token_bitmask = bitmask
+        for entry in plan.continuing_requests:
+            # Each decode was planned with the token before it still in flight.
+            assert entry.bitmask_follows
+            planned[entry.request_id].append(plan.step_id)
+        results.append(executor.execute(plan))
+    for request in requests:
+        assert request.finish_reason is FinishReason.STOP
+        assert text.tokenizer.decode(request.output_token_ids[:-1]) in ANSWERS
+        # One decode every step, not one every other.
+        steps = planned[request.request_id]
+        assert steps == list(range(steps[0], steps[0] + len(steps)))
+        assert len(steps) >= len(request.output_token_ids) - 1
+    assert scheduler.kv.num_free_blocks == 64
