@@ -92,4 +92,7 @@ class SamplingParams:
                 found.append("ignore_eos cannot be combined with structured_output")
             if self.min_tokens:
                 found.append("min_tokens cannot be combined with structured_output")
+            # Their intersection could be empty, and then no token could be sampled at all.
+            if self.allowed_token_ids:
+                found.append("allowed_token_ids cannot be combined with structured_output (the grammar decides)")
         return found

@@ -137,10 +137,13 @@ def test_without_a_tokenizer_a_grammar_is_unsupported_and_the_core_refuses_bad_c
     with pytest.raises(RequestRejected, match="--tokenizer") as refused:
         asyncio.run(Grammars(None).compile(CHOICE, VOCAB_SIZE))
     assert refused.value.kind is ErrorKind.UNSUPPORTED
-    problems = SamplingParams(structured_output=CHOICE, ignore_eos=True, min_tokens=2).problems(VOCAB_SIZE, 0)
+    problems = SamplingParams(
+        structured_output=CHOICE, ignore_eos=True, min_tokens=2, allowed_token_ids=(5,)
+    ).problems(VOCAB_SIZE, 0)
     assert problems == [
         "ignore_eos cannot be combined with structured_output",
         "min_tokens cannot be combined with structured_output",
+        "allowed_token_ids cannot be combined with structured_output (the grammar decides)",
     ]
     empty = SamplingParams(structured_output=StructuredOutput(GrammarKind.REGEX, " ")).problems(VOCAB_SIZE, 0)
     assert empty == ["structured_output regex is empty"]
