@@ -64,6 +64,12 @@ def build_parser(prog: str = "python -m clients") -> argparse.ArgumentParser:
     generate.add_argument("--top-k", type=at_least(0), help=sampling)
     generate.add_argument("--seed", type=int, help="same seed, same tokens (default: random)")
     generate.add_argument("--stop", action="append", help="stop string (repeatable)")
+    grammar = generate.add_mutually_exclusive_group()
+    grammar.add_argument("--json-schema", metavar="SCHEMA", help="answer in JSON following this schema (JSON text)")
+    grammar.add_argument("--json-object", action="store_true", help="answer with a JSON object")
+    grammar.add_argument("--regex", help="answer matching this regular expression")
+    grammar.add_argument("--choice", action="append", help="answer with exactly one of these (repeatable)")
+    grammar.add_argument("--grammar", metavar="EBNF", help="answer following this EBNF grammar (start rule root)")
 
     tokenize = commands.add_parser(
         "tokenize",
@@ -164,6 +170,18 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m clients") -> 
         return 130
 
 
+def _structured_output(args: argparse.Namespace) -> dict[str, object] | None:
+    """The one grammar flag given, as structured_output; the server checks the grammar."""
+    given = {
+        "json": args.json_schema,
+        "json_object": args.json_object or None,
+        "regex": args.regex,
+        "choice": args.choice,
+        "grammar": args.grammar,
+    }
+    return next(({key: value} for key, value in given.items() if value is not None), None)
+
+
 def _generate(client: Client, args: argparse.Namespace) -> int:
     options: GenerateOptions = {
         "max_tokens": args.max_tokens or None,
@@ -172,6 +190,7 @@ def _generate(client: Client, args: argparse.Namespace) -> int:
         "top_k": args.top_k,
         "seed": args.seed,
         "stop": args.stop,
+        "structured_output": _structured_output(args),
     }
     if args.chat:
         deltas = client.stream(messages=[("user", args.prompt)], **options)

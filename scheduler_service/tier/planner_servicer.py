@@ -121,9 +121,9 @@ class PlannerServicer(planner_pb2_grpc.PlannerServicer):
         if info is None:
             return
         for submitted in batch.submitted:
-            spec = spec_from_proto(submitted.sampling)
-            if spec is not None:
-                with contextlib.suppress(RequestRejected):
+            with contextlib.suppress(RequestRejected):
+                spec = spec_from_proto(submitted.sampling)
+                if spec is not None:
                     await self.engine.grammars.compile(spec, info.vocab_size)
 
     def _apply(self, link: FrontendLink, batch: planner_pb2.FrontendBatch) -> None:
@@ -133,9 +133,9 @@ class PlannerServicer(planner_pb2_grpc.PlannerServicer):
             if handle in link.requests or handle == 0:
                 link.failed(handle, RequestError(ErrorKind.INVALID, f"handle {handle} is 0 or already in flight on this stream"))
                 continue
-            request = request_of(submitted)
-            request.delivery_key = link.index << _HANDLE_BITS | handle
             try:
+                request = request_of(submitted)
+                request.delivery_key = link.index << _HANDLE_BITS | handle
                 sink = engine.submit(
                     request, dict(submitted.trace_context), lambda r, h=handle: RemoteSink(r, link, h)
                 )

@@ -17,6 +17,7 @@ import openai
 import pytest
 
 from clients import AsyncClient, Client
+from clients.cli import main as cli_main
 from protos.executor_access import write_token_file
 from tests.helpers.executor_process import ExecutorProcess, start_executor
 from tests.helpers.gateway_process import start_gateway
@@ -37,13 +38,19 @@ ASK_WEATHER = [{"role": "user", "content": "What is the weather in Paris? Answer
 
 
 @pytest.fixture(scope="module")
-def oai(prepared_model: Path) -> Iterator[openai.OpenAI]:
+def service(prepared_model: Path) -> Iterator[tuple[str, str]]:
+    """(the scheduler's address, the gateway's)."""
     with (
         start_executor(prepared_model, num_kv_blocks=512) as (executor, _),
         start_scheduler(executor, tokenizer=prepared_model) as scheduler,
         start_gateway(scheduler) as gateway,
-        openai.OpenAI(base_url=f"http://{gateway}/v1", api_key="none", max_retries=0, timeout=120.0) as client,
     ):
+        yield scheduler, gateway
+
+
+@pytest.fixture(scope="module")
+def oai(service: tuple[str, str]) -> Iterator[openai.OpenAI]:
+    with openai.OpenAI(base_url=f"http://{service[1]}/v1", api_key="none", max_retries=0, timeout=120.0) as client:
         yield client
 
 
@@ -89,6 +96,12 @@ def test_an_unconstrained_answer_is_not_json(oai: openai.OpenAI) -> None:
 def test_a_grammar_that_never_ends_stops_at_max_tokens(oai: openai.OpenAI) -> None:
     text, finish = chat(oai, max_tokens=12, temperature=0.0, extra_body={"structured_outputs": {"grammar": 'root ::= "a" root'}})
     assert finish == "length" and text and set(text) == {"a"}
+
+
+def test_the_cli_answers_with_one_of_its_choices(service: tuple[str, str], capsys: pytest.CaptureFixture[str]) -> None:
+    choices = ["--choice", "north", "--choice", "south"]
+    assert cli_main(["generate", "--server", service[0], "--chat", "Which way?", "--temperature", "0", *choices]) == 0
+    assert capsys.readouterr().out.strip() in ("north", "south")
 
 
 @pytest.mark.parametrize(
