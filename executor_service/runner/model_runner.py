@@ -20,6 +20,7 @@ from executor_service.runner.decode_graphs import DecodeGraphs
 from executor_service.runner.forward import accepts_logits_to_keep, compute_logits
 from executor_service.runner.late_bitmasks import LateBitmasks
 from executor_service.runner.plan_inputs import (
+    PromptSpan,
     ScheduledWork,
     build_decode_inputs,
     build_step_inputs,
@@ -189,7 +190,11 @@ class ModelRunner:
                 # makes: the decodes run as work.
                 admitted.work = [ScheduledWork(state, 1) for state in steady.states]
                 admitted.steady = None
-            logits, sampled_states, sampled_rows = self._work_logits(admitted.work)
+            logits, sampled_states, sampled_rows, prompt_spans = self._work_logits(admitted.work)
+            if prompt_spans:
+                # The prompts' rows follow the sampled ones.
+                self._score_prompts(logits[len(sampled_states) :], prompt_spans)
+                logits = logits[: len(sampled_states)]
         batch = self.rows.sampling(sampled_rows)
         masks = self._token_masks(result.step_id, sampling, late)
         if masks is not None:
@@ -240,15 +245,39 @@ class ModelRunner:
         inputs = build_decode_inputs(self.rows, steady, self.kv_cache)
         return compute_logits(self.loaded, inputs, self._use_logits_to_keep)
 
-    def _work_logits(self, work: list[ScheduledWork]) -> tuple[torch.Tensor, list[RequestState], np.ndarray]:
-        """The logits of a step's work, with the requests they sample and their rows."""
+    def _work_logits(
+        self, work: list[ScheduledWork]
+    ) -> tuple[torch.Tensor, list[RequestState], np.ndarray, list[PromptSpan]]:
+        """The logits of a step's work, with the requests they sample and their rows, then the
+        rows of the prompts it scores."""
         logits = self.graphs.logits(work) if self.graphs is not None else None
         if logits is not None:
             # A graphed step is all decodes, every one sampled, in work order.
             states = [item.state for item in work]
-            return logits, states, np.array([state.row for state in states], dtype=np.int64)
+            return logits, states, np.array([state.row for state in states], dtype=np.int64), []
         inputs = build_step_inputs(work, self.kv_cache, self.backend, self.loaded.device, self.loaded.sequence_rope)
-        return compute_logits(self.loaded, inputs, self._use_logits_to_keep), inputs.sampled, inputs.sampled_rows
+        logits = compute_logits(self.loaded, inputs, self._use_logits_to_keep)
+        return logits, inputs.sampled, inputs.sampled_rows, inputs.prompt_spans
+
+    def _score_prompts(self, logits: torch.Tensor, spans: list[PromptSpan]) -> None:
+        """Each scored prompt token's logprob under the model's raw distribution, and its most
+        likely alternatives, kept on its request until the step that samples after the prompt."""
+        logprobs = torch.log_softmax(logits.float(), dim=-1)
+        targets = [token for span in spans for token in span.state.tokens(span.first + 1, span.first + 1 + span.count)]
+        chosen = logprobs.gather(1, torch.tensor(targets, device=logprobs.device)[:, None]).squeeze(1).tolist()
+        width = max(span.state.sampling.num_prompt_logprobs for span in spans)
+        top_values, top_ids = logprobs.topk(width, dim=-1) if width else (None, None)
+        row = 0
+        for span in spans:
+            n = span.state.sampling.num_prompt_logprobs
+            for _ in range(span.count):
+                record = executor_pb2.TokenLogprob(token_id=targets[row], logprob=chosen[row])
+                if n:
+                    assert top_values is not None and top_ids is not None  # width >= n > 0
+                    record.top_token_ids.extend(top_ids[row, :n].tolist())
+                    record.top_logprobs.extend(top_values[row, :n].tolist())
+                span.state.prompt_logprobs.append(record)
+                row += 1
 
     def _fail_step(
         self,
@@ -416,6 +445,9 @@ class ModelRunner:
             if state.request_id not in by_id:
                 continue
             token, logprobs = by_id[state.request_id]
+            if state.prompt_logprobs:
+                output.prompt_logprobs.extend(state.prompt_logprobs)
+                state.prompt_logprobs.clear()
             output.token_ids.append(token)
             if logprobs is not None:
                 output.logprobs.add(

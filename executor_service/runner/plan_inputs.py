@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -37,6 +37,16 @@ class ScheduledWork:
         return self.state.num_computed_tokens + self.num_tokens == self.state.num_tokens
 
 
+@dataclass(slots=True, frozen=True)
+class PromptSpan:
+    """Prompt positions of one request whose logits the step computes to score the tokens after
+    them (want_prompt_logprobs): positions first .. first + count - 1 score tokens first + 1 ..."""
+
+    state: RequestState
+    first: int
+    count: int
+
+
 @dataclass(slots=True)
 class StepInputs:
     input_ids: torch.Tensor
@@ -51,6 +61,8 @@ class StepInputs:
     # Each token's sequence length as transformers' generate sees it (sequence_rope.py); only
     # for models whose rotary frequencies depend on it.
     rope_lengths: torch.Tensor | None = None
+    # Prompts scored this step: their rows follow the sampled ones in logits_indices.
+    prompt_spans: list[PromptSpan] = field(default_factory=list)
 
 
 def build_step_inputs(
@@ -68,6 +80,8 @@ def build_step_inputs(
     sampled: list[RequestState] = []
     # Per sampled request, whether the plan restricts its tokens: then every logit is read.
     masked: list[bool] = []
+    prompt_spans: list[PromptSpan] = []
+    prompt_indices: list[int] = []
     for item in work:
         start = item.state.num_computed_tokens
         end = start + item.num_tokens
@@ -87,10 +101,19 @@ def build_step_inputs(
             logits_indices.append(len(token_ids) - 1)
             sampled.append(item.state)
             masked.append(bool(item.allowed_token_bitmask) or item.bitmask_follows)
+        if item.state.sampling.want_prompt_logprobs:
+            # Position p scores prompt token p + 1; the last prompt position is the sampled row.
+            scored = min(end, item.state.num_prompt_tokens - 1) - start
+            if scored > 0:
+                prompt_spans.append(PromptSpan(item.state, start, scored))
+                first_index = len(token_ids) - item.num_tokens
+                prompt_indices.extend(range(first_index, first_index + scored))
     sampled_rows = np.array([state.row for state in sampled], dtype=np.int64)
     argmax_only = sampled[0].rows.argmax_only(sampled_rows) if sampled else []
     if any(masked):
         argmax_only = [only and not mask for only, mask in zip(argmax_only, masked, strict=True)]
+    logits_indices.extend(prompt_indices)
+    argmax_only = argmax_only + [False] * len(prompt_indices)
     return StepInputs(
         input_ids=torch.tensor([token_ids], dtype=torch.long, device=device),
         position_ids=torch.tensor([positions], dtype=torch.long, device=device),
@@ -100,6 +123,7 @@ def build_step_inputs(
         sampled_rows=sampled_rows,
         argmax_only=argmax_only,
         rope_lengths=torch.tensor(lengths, dtype=torch.long, device=device) if rope_lengths else None,
+        prompt_spans=prompt_spans,
     )
 
 

@@ -15,7 +15,7 @@ only RequestRows' methods change them.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
@@ -30,6 +30,7 @@ from executor_service.sampling.sampling_batch import (
     masks_stop_ids,
     penalties_of,
 )
+from protos.splitserve.executor.v1 import executor_pb2
 
 # Columns of RequestRows.ints, .floats and .flags: one gather per table fetches a step's rows.
 COMPUTED, NUM_TOKENS, NUM_PROMPT, NUM_BLOCKS, LAST_TOKEN, PENALTY_ROW, TOP_K, NUM_LOGPROBS, MIN_TOKENS = range(9)
@@ -54,6 +55,9 @@ class RequestState:
     handle: int
     row: int
     rows: RequestRows
+    # Records of the prompt tokens scored so far (want_prompt_logprobs), until the step that
+    # samples after the prompt reports them.
+    prompt_logprobs: list[executor_pb2.TokenLogprob] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:

@@ -36,6 +36,9 @@ class SamplerSettings:
     # any).
     logit_bias: tuple[tuple[int, float], ...] = ()
     allowed_token_ids: tuple[int, ...] = ()
+    # Score the prompt's tokens, with this many alternatives each.
+    want_prompt_logprobs: bool = False
+    num_prompt_logprobs: int = 0
 
     @property
     def greedy(self) -> bool:
@@ -72,6 +75,8 @@ class SamplerSettings:
             # check_new refuses lists of unequal lengths.
             logit_bias=tuple(zip(config.logit_bias_token_ids, config.logit_bias_values)),
             allowed_token_ids=tuple(config.allowed_token_ids),
+            want_prompt_logprobs=config.want_prompt_logprobs,
+            num_prompt_logprobs=config.num_prompt_logprobs,
         )
 
 
@@ -90,6 +95,8 @@ def sampling_problem(settings: SamplerSettings, max_logprobs: int, vocab_size: i
         return shaping_problem
     if settings.num_logprobs > max_logprobs:
         return f"sampling.num_logprobs must be <= {max_logprobs}, got {settings.num_logprobs}"
+    if settings.num_prompt_logprobs > max_logprobs:
+        return f"sampling.num_prompt_logprobs must be <= {max_logprobs}, got {settings.num_prompt_logprobs}"
     # Checked as the sampler will use them: the proto's zero defaults mean "off".
     problems = range_problems(
         {name: getattr(settings, name) for name in SAMPLING_RANGES}, prefix="sampling."
