@@ -87,7 +87,7 @@ def collected(define: Callable[P, GenerateCall]) -> Callable[Concatenate[Any, P]
 
     def method(self: Any, *args: P.args, **kwargs: P.kwargs) -> GenerationResult:
         call = define(*args, **kwargs)
-        assembler = ResultAssembler(call.want_logprobs)
+        assembler = ResultAssembler(call.want_logprobs, call.want_prompt_logprobs)
         for delta in self._open(call):
             assembler.add(delta)
         return assembler.result()
@@ -103,7 +103,7 @@ def collected_awaitable(
 
     async def method(self: Any, *args: P.args, **kwargs: P.kwargs) -> GenerationResult:
         call = define(*args, **kwargs)
-        assembler = ResultAssembler(call.want_logprobs)
+        assembler = ResultAssembler(call.want_logprobs, call.want_prompt_logprobs)
         async with self._open(call) as stream:
             async for delta in stream:
                 assembler.add(delta)
@@ -163,6 +163,7 @@ class GenerateCall:
     want_logprobs: bool
     api_key: str | None = None
     trace_context: Mapping[str, str] | None = None
+    want_prompt_logprobs: bool = False
 
 
 def generate(
@@ -182,7 +183,13 @@ def generate(
     so a tracing server's spans continue the caller's trace.
     """
     request = build_generate_request(prompt, prompt_token_ids=prompt_token_ids, messages=messages, **options)
-    return GenerateCall(request, options.get("logprobs") is not None, api_key, trace_context)
+    return GenerateCall(
+        request,
+        want_logprobs=options.get("logprobs") is not None,
+        api_key=api_key,
+        trace_context=trace_context,
+        want_prompt_logprobs=options.get("prompt_logprobs") is not None,
+    )
 
 
 def abort(request_id: str, *, api_key: str | None = None) -> UnaryCall[bool]:

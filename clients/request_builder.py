@@ -39,6 +39,7 @@ class GenerateOptions(TypedDict, total=False):
     structured_output: Mapping[str, Any] | None
     ignore_eos: bool | None
     logprobs: int | None
+    prompt_logprobs: int | None
     min_tokens: int | None
     skip_special_tokens: bool | None
     include_stop_str_in_output: bool | None
@@ -70,6 +71,7 @@ def build_generate_request(
     structured_output: Mapping[str, Any] | None = None,
     ignore_eos: bool | None = None,
     logprobs: int | None = None,
+    prompt_logprobs: int | None = None,
     min_tokens: int | None = None,
     skip_special_tokens: bool | None = None,
     include_stop_str_in_output: bool | None = None,
@@ -87,7 +89,8 @@ def build_generate_request(
     skip_special_tokens=False asks for the text of special tokens too;
     include_stop_str_in_output=True ends the text with the stop string that ended it.
     logit_bias adds a bias in [-100, 100] to a token id's logit; allowed_token_ids limits what
-    may be generated to those ids. structured_output constrains the output to a grammar, spelled
+    may be generated to those ids. prompt_logprobs=N scores the prompt (each token's logprob
+    and N alternatives; max_tokens=0 then scores it alone). structured_output constrains the output to a grammar, spelled
     as vLLM's structured_outputs with one key: {"json": schema (a dict or JSON text)},
     {"json_object": True}, {"regex": pattern}, {"choice": [strings]} or {"grammar": EBNF}.
     """
@@ -124,6 +127,7 @@ def build_generate_request(
         "frequency_penalty": frequency_penalty,
         "ignore_eos": ignore_eos,
         "logprobs": logprobs,
+        "prompt_logprobs": prompt_logprobs,
         "min_tokens": min_tokens,
         "include_stop_str_in_output": include_stop_str_in_output,
     }

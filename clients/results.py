@@ -57,6 +57,9 @@ class GenerationDelta:
     stop_reason: str | None = None
     usage: Usage | None = None
     timings: Timings | None = None
+    # On the first delta when prompt_logprobs was asked for: one per prompt token after the
+    # first, each naming that prompt token.
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
 
 
 @dataclass(slots=True, frozen=True)
@@ -70,6 +73,8 @@ class GenerationResult:
     timings: Timings | None
     # One entry per generated token when logprobs were asked for, else None.
     logprobs: list[TokenLogprob] | None
+    # One entry per prompt token after the first when prompt_logprobs was asked for, else None.
+    prompt_logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass(slots=True, frozen=True)
@@ -91,21 +96,23 @@ def delta_from_response(response: pb.GenerateResponse) -> GenerationDelta:
         request_id=response.request_id,
         token_ids=list(response.token_ids),
         text=response.text,
-        logprobs=[
-            TokenLogprob(
-                lp.token_id,
-                lp.logprob,
-                list(lp.top_token_ids),
-                list(lp.top_logprobs),
-                lp.token_bytes or None,
-                list(lp.top_token_bytes),
-            )
-            for lp in response.logprobs
-        ],
+        logprobs=[_token_logprob(lp) for lp in response.logprobs],
         finish_reason=FINISH_REASONS.get(response.finish_reason),
         stop_reason=response.stop_reason or None,
         usage=usage,
         timings=timings,
+        prompt_logprobs=[_token_logprob(lp) for lp in response.prompt_logprobs],
+    )
+
+
+def _token_logprob(record: pb.TokenLogprob) -> TokenLogprob:
+    return TokenLogprob(
+        record.token_id,
+        record.logprob,
+        list(record.top_token_ids),
+        list(record.top_logprobs),
+        record.token_bytes or None,
+        list(record.top_token_bytes),
     )
 
 
@@ -119,10 +126,13 @@ class ResultAssembler:
 
     # Whether the request asked for logprobs (an empty output still has a list then).
     want_logprobs: bool = False
+    # Whether it asked for its prompt's logprobs (likewise).
+    want_prompt_logprobs: bool = False
     request_id: str = ""
     token_ids: list[int] = field(default_factory=list)
     text_parts: list[str] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
     last: GenerationDelta | None = None
 
     def add(self, delta: GenerationDelta) -> None:
@@ -130,6 +140,7 @@ class ResultAssembler:
         self.token_ids.extend(delta.token_ids)
         self.text_parts.append(delta.text)
         self.logprobs.extend(delta.logprobs)
+        self.prompt_logprobs.extend(delta.prompt_logprobs)
         self.last = delta
 
     def result(self) -> GenerationResult:
@@ -149,4 +160,5 @@ class ResultAssembler:
             usage=last.usage,
             timings=last.timings,
             logprobs=self.logprobs if self.want_logprobs else None,
+            prompt_logprobs=self.prompt_logprobs if self.want_prompt_logprobs else None,
         )

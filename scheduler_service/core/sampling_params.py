@@ -63,16 +63,20 @@ class SamplingParams:
     allowed_token_ids: tuple[int, ...] = ()
     # The grammar the output follows (structured outputs); None: unconstrained.
     structured_output: StructuredOutput | None = None
+    # Score the prompt: each prompt token's logprob after the first, with this many alternatives.
+    prompt_logprobs: int | None = None
 
     def problems(self, vocab_size: int, max_logprobs: int) -> list[str]:
         """Every way these settings are invalid, each as a sentence for the client."""
         found = range_problems({name: getattr(self, name) for name in SAMPLING_RANGES})
-        if self.max_tokens is not None and self.max_tokens < 1:
-            found.append(f"max_tokens must be at least 1, got {self.max_tokens}")
+        if self.max_tokens is not None and self.max_tokens < 1 and not (self.max_tokens == 0 and self.prompt_logprobs is not None):
+            found.append(f"max_tokens must be at least 1 (0 only with prompt_logprobs), got {self.max_tokens}")
         if self.top_k < 0:
             found.append(f"top_k must be >= 0, got {self.top_k}")
         if self.logprobs is not None and self.logprobs > max_logprobs:
             found.append(f"logprobs must be at most {max_logprobs}, got {self.logprobs}")
+        if self.prompt_logprobs is not None and self.prompt_logprobs > max_logprobs:
+            found.append(f"prompt_logprobs must be at most {max_logprobs}, got {self.prompt_logprobs}")
         bad_ids = [t for t in self.stop_token_ids if t >= vocab_size]
         if bad_ids:
             found.append(f"stop_token_ids {bad_ids} are outside the vocabulary of {vocab_size}")

@@ -463,8 +463,10 @@ class Scheduler:
             if request.retry_alone and (scheduled or bulk.step is not None):
                 break
             hashes = self.prefix_hashes(request)
-            hit = self.kv.find_cached_prefix(request.token_ids, request.cache_salt, hashes)
-            if len(hit.blocks) < len(hashes) and hashes[len(hit.blocks)] in self._prefixes.computing:
+            # A scored prompt is computed whole: cached positions would have no logits.
+            scores_prompt = request.sampling.prompt_logprobs is not None
+            hit = PrefixHit() if scores_prompt else self.kv.find_cached_prefix(request.token_ids, request.cache_salt, hashes)
+            if not scores_prompt and len(hit.blocks) < len(hashes) and hashes[len(hit.blocks)] in self._prefixes.computing:
                 self._deferred.append(self.waiting.pop())
                 continue
             num_new = request.num_tokens - hit.num_tokens
@@ -715,6 +717,15 @@ class Scheduler:
     def _append_tokens(self, request: Request, output: StepOutput, now: float, gaps: list[float]) -> RequestUpdate:
         request.num_pending_outputs -= 1
         update = RequestUpdate(request, [], output.logprobs.get(request.request_id, []), False)
+        prompt_records = output.prompt_logprobs.get(request.request_id, ()) if request.num_output_tokens == 0 else ()
+        if request.sampling.max_tokens == 0:
+            # The prompt alone was to be scored: the token sampled after it is not the client's.
+            update.new_logprobs = list(prompt_records)
+            self.finish(request, FinishReason.LENGTH)
+            update.finished = True
+            return update
+        if prompt_records:
+            update.new_logprobs = [*prompt_records, *update.new_logprobs]
         sampled = output.sampled[request.request_id]
         if sampled:
             if request.last_token_at is not None:

@@ -125,6 +125,9 @@ class StepOutput:
     # The executor's per-token logprob records, opaque to the planner: they pass through to the
     # client as they came (see frontend/output_stream.py).
     logprobs: dict[str, Sequence[object]] = field(default_factory=dict)
+    # Likewise the records of the prompt tokens scored (prompt_logprobs), on the step that
+    # samples a request's first token after its prompt.
+    prompt_logprobs: dict[str, Sequence[object]] = field(default_factory=dict)
     # One token per StepPlan.decode_handles entry, in that order.
     decode_token_ids: Sequence[int] = ()
     # Entries the executor refused, by request, with why: those requests end in error.
@@ -146,7 +149,8 @@ class RequestUpdate:
     request: Request
     # Tokens appended to the request by this step (up to any stop condition they met).
     new_token_ids: list[int]
-    # The executor's logprob records of those tokens (empty unless the request asked).
+    # The executor's logprob records of those tokens (empty unless the request asked); with a
+    # request's first token, those of its prompt's tokens first (prompt_logprobs).
     new_logprobs: Sequence[object]
     # The request ended with this step (a stop condition, or an error).
     finished: bool

@@ -57,6 +57,9 @@ class OutputStream:
         self._stream_interval = stream_interval
         self._held_tokens = 0
         self._first_sent = False
+        # Whether the prompt's scores (SamplingParams.prompt_logprobs) are still to come: they
+        # lead the logprob records of the request's first tokens.
+        self._prompt_scores_due = request.sampling.prompt_logprobs is not None and request.num_output_tokens == 0
         self._backlog = backlog
         self._on_backlog_exceeded = on_backlog_exceeded or self.fail
         # Set by close() or fail(); what follows the last message is then self.error.
@@ -82,11 +85,13 @@ class OutputStream:
         self, token_ids: list[int], logprobs: Sequence[executor_pb2.TokenLogprob]
     ) -> tuple[pb.GenerateResponse, str | None]:
         """The message for newly sampled tokens and the stop string they completed, if any."""
-        message = pb.GenerateResponse(
-            request_id=self.request.request_id,
-            token_ids=token_ids,
-            logprobs=[self._client_logprob(record) for record in logprobs],
-        )
+        message = pb.GenerateResponse(request_id=self.request.request_id, token_ids=token_ids)
+        if self._prompt_scores_due:
+            self._prompt_scores_due = False
+            scored = self.request.num_prompt_tokens - 1
+            message.prompt_logprobs.extend(self._client_logprob(record) for record in logprobs[:scored])
+            logprobs = logprobs[scored:]
+        message.logprobs.extend(self._client_logprob(record) for record in logprobs)
         if self._detokenizer is None:
             return message, None
         step = self._detokenizer.push(token_ids)

@@ -217,6 +217,7 @@ def sampling_from_proto(message: pb.SamplingParams, defaults: SamplingDefaults) 
         logit_bias=tuple(sorted(message.logit_bias.items())),
         allowed_token_ids=tuple(message.allowed_token_ids),
         structured_output=spec_from_proto(message),
+        prompt_logprobs=optional("prompt_logprobs", None),
     )
 
 

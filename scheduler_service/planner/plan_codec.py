@@ -33,6 +33,8 @@ def sampler_config(params: SamplingParams, eos_token_ids: Collection[int] = ()) 
         config.has_seed, config.seed = True, params.seed
     if params.logprobs is not None:
         config.want_logprobs, config.num_logprobs = True, params.logprobs
+    if params.prompt_logprobs is not None:
+        config.want_prompt_logprobs, config.num_prompt_logprobs = True, params.prompt_logprobs
     if params.logit_bias:
         config.logit_bias_token_ids.extend(token for token, _ in params.logit_bias)
         config.logit_bias_values.extend(bias for _, bias in params.logit_bias)
@@ -102,6 +104,8 @@ def output_from_proto(result: pb.StepResult) -> StepOutput:
         output.sampled[item.request_id] = item.token_ids
         if item.logprobs:
             output.logprobs[item.request_id] = item.logprobs
+        if item.prompt_logprobs:
+            output.prompt_logprobs[item.request_id] = item.prompt_logprobs
     for rejected in result.rejected:
         kind = _REJECTION_KINDS.get(rejected.code, ErrorKind.INTERNAL)
         output.rejected[rejected.request_id] = RequestError(kind, rejected.message)

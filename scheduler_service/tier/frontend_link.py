@@ -157,7 +157,8 @@ class RemoteSink:
 
     def send(self, message: tuple[list[int], Sequence[executor_pb2.TokenLogprob]]) -> None:
         token_ids, logprobs = message
-        if token_ids:
+        # No tokens but records: a prompt scored alone (max_tokens 0).
+        if token_ids or logprobs:
             self.link.tokens(self, token_ids, logprobs)
 
     def close(self, message: tuple[list[int], Sequence[executor_pb2.TokenLogprob]] | None = None) -> None:

@@ -36,6 +36,8 @@ def sampling_to_proto(sampling: SamplingParams) -> pb.SamplingParams:
         message.seed = sampling.seed
     if sampling.logprobs is not None:
         message.logprobs = sampling.logprobs
+    if sampling.prompt_logprobs is not None:
+        message.prompt_logprobs = sampling.prompt_logprobs
     if sampling.structured_output is not None:
         message.structured_output.CopyFrom(spec_to_proto(sampling.structured_output))
     return message

@@ -166,3 +166,44 @@ def test_unset_sampling_fields_follow_the_models_generation_config(
     assert defaults.source == str(tmp_path / "generation_config.json")
     assert unset.token_ids == reference(prompt, 6) and unset.finish_reason == "length"
     assert own.token_ids == reference(prompt, 9)
+
+
+def _prompt_expected(reference: Reference, prompt: list[int]) -> torch.Tensor:
+    """transformers' log-softmax at every prompt position but the last: row i scores token i+1."""
+    with torch.inference_mode():
+        logits = reference.model(torch.tensor([prompt])).logits[0]
+    return torch.log_softmax(logits[:-1].float(), dim=-1)
+
+
+def _assert_scores(records: list, prompt: list[int], expected: torch.Tensor, alternatives: int) -> None:  # type: ignore[type-arg]
+    assert [record.token_id for record in records] == prompt[1:]
+    for position, record in enumerate(records):
+        assert record.logprob == pytest.approx(float(expected[position, prompt[position + 1]]), abs=1e-4)
+        top = torch.topk(expected[position], alternatives)
+        assert record.top_token_ids == top.indices.tolist()
+        assert record.top_logprobs == pytest.approx(top.values.tolist(), abs=1e-4)
+
+
+def test_prompt_logprobs_score_the_prompt_as_transformers_does_chunked_cached_or_alone(
+    executor: str, reference: Reference
+) -> None:
+    """Each prompt token after the first gets its logprob given the tokens before it, and the
+    most likely alternatives: with max_tokens 0 (the prompt alone, finish reason length), beside
+    generated tokens and their logprobs, in prefill chunks of 16 tokens, and for a prompt whose
+    blocks another request left in the prefix cache."""
+    prompt = list(range(100, 161))
+    expected = _prompt_expected(reference, prompt)
+    with start_scheduler(executor, max_num_batched_tokens=16) as address, Client(address) as client:
+        cached = client.generate(prompt_token_ids=prompt, max_tokens=2, temperature=0, ignore_eos=True)
+        alone = client.generate(prompt_token_ids=prompt, max_tokens=0, prompt_logprobs=2)
+        beside = client.generate(
+            prompt_token_ids=prompt, max_tokens=4, temperature=0, ignore_eos=True, prompt_logprobs=0, logprobs=1
+        )
+    assert cached.prompt_logprobs is None and cached.usage is not None
+    assert alone.token_ids == [] and alone.finish_reason == "length" and alone.logprobs is None
+    assert alone.prompt_logprobs is not None
+    _assert_scores(alone.prompt_logprobs, prompt, expected, 2)
+    assert beside.token_ids == reference(prompt, 4)
+    assert beside.prompt_logprobs is not None and beside.logprobs is not None and len(beside.logprobs) == 4
+    _assert_scores(beside.prompt_logprobs, prompt, expected, 0)
+    assert [record.token_id for record in beside.logprobs] == beside.token_ids
