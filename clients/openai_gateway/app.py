@@ -16,7 +16,11 @@ from fastapi.responses import JSONResponse, Response
 from clients.async_client import AsyncClient
 from clients.errors import SplitserveError
 from clients.openai_gateway.body_limit import BodyLimit
-from clients.openai_gateway.errors import bad_request, install_error_handlers
+from clients.openai_gateway.errors import (
+    bad_request,
+    from_splitserve,
+    install_error_handlers,
+)
 from clients.openai_gateway.responses import (
     ChatShaper,
     CompletionShaper,
@@ -39,6 +43,7 @@ from clients.openai_gateway.streaming import (
 )
 from clients.openai_gateway.tokenization import router as tokenization_router
 from clients.openai_gateway.translate import GenerateCall, chat_call, completion_call
+from clients.results import TokenLogprob
 from protos.splitserve.v1 import generation_pb2 as pb
 
 logger = logging.getLogger(__name__)
@@ -79,7 +84,10 @@ async def completions(
     request_id = f"cmpl-{uuid.uuid4().hex}"
     call = completion_call(body, request_id)
     context = await _context(gateway, body, api_key, request_id, body.logprobs is not None)
-    return await _respond(request, gateway, call, api_key, CompletionShaper(context), bool(body.stream))
+    shaper = CompletionShaper(context)
+    if body.echo:
+        await _echo(gateway, call, api_key, shaper)
+    return await _respond(request, gateway, call, api_key, shaper, bool(body.stream))
 
 
 @router.post("/v1/chat/completions")
@@ -125,6 +133,22 @@ def trace_context(request: Request) -> dict[str, str]:
         for name, value in headers.items()
         if value and len(value) <= MAX_TRACE_HEADER_CHARS and value.isascii() and value.isprintable()
     }
+
+
+async def _echo(gateway: Gateway, call: GenerateCall, api_key: str | None, shaper: CompletionShaper) -> None:
+    """Readies the shaper to lead with the prompt: its text, and its first token (which no
+    logprob scores) by name. The ids are the scheduler's: those Generate uses."""
+    client = gateway.client
+    try:
+        ids = call.prompt_token_ids or (await client.tokenize(call.prompt, api_key=api_key)).token_ids
+        text = call.prompt if call.prompt is not None else await client.detokenize(ids, api_key=api_key)
+        first = await client.detokenize(ids[:1], api_key=api_key) if ids else ""
+    except SplitserveError as error:
+        raise from_splitserve(error) from None
+    shaper.echo = text
+    if ids:
+        shaper.logprobs.echo_first = TokenLogprob(ids[0], 0.0, [], [], first.encode())
+        shaper.logprobs.echo_length = len(text)
 
 
 def _model_card(gateway: Gateway, info: pb.ModelInfo) -> dict[str, Any]:

@@ -53,17 +53,37 @@ class CompletionLogprobs:
     """
 
     offset: int = 0
+    # With echo: the prompt's first token, which nothing scores (its entries are null), until
+    # the fragment that leads with the prompt.
+    echo_first: TokenLogprob | None = None
+    # The echoed prompt's length in characters: where the completion's text begins.
+    echo_length: int = 0
 
     def fragment(self, delta: GenerationDelta) -> dict[str, Any]:
-        records = delta.logprobs
-        fragment = {
-            "tokens": [token_name(record.token_id, record.token_bytes) for record in records],
-            "token_logprobs": [finite(record.logprob) for record in records],
-            "top_logprobs": [_top_dict(record) for record in records],
-            "text_offset": [self.offset] * len(records),
-        }
+        fragment: dict[str, list[Any]] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        if self.echo_first is not None:
+            first, self.echo_first = self.echo_first, None
+            fragment = {
+                "tokens": [token_name(first.token_id, first.token_bytes)],
+                "token_logprobs": [None],
+                "top_logprobs": [None],
+                "text_offset": [0],
+            }
+            self.offset = len(fragment["tokens"][0])
+            for record in delta.prompt_logprobs:
+                self._add(fragment, record)
+                self.offset += len(token_name(record.token_id, record.token_bytes))
+            self.offset = self.echo_length
+        for record in delta.logprobs:
+            self._add(fragment, record)
         self.offset += len(delta.text)
         return fragment
+
+    def _add(self, fragment: dict[str, list[Any]], record: TokenLogprob) -> None:
+        fragment["tokens"].append(token_name(record.token_id, record.token_bytes))
+        fragment["token_logprobs"].append(finite(record.logprob))
+        fragment["top_logprobs"].append(_top_dict(record))
+        fragment["text_offset"].append(self.offset)
 
     def whole(self, deltas: list[GenerationDelta]) -> dict[str, Any]:
         merged: dict[str, list[Any]] = {

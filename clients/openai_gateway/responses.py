@@ -88,15 +88,19 @@ def _usage_chunk(context: ResponseContext, object_name: str, usage: Usage | None
 
 @dataclass(slots=True)
 class CompletionShaper:
+    """echo: the prompt's text, which the answer then begins with (its tokens lead the logprobs,
+    the first with null entries: logprobs.echo_first)."""
+
     context: ResponseContext
     logprobs: CompletionLogprobs = field(default_factory=CompletionLogprobs)
+    echo: str | None = None
 
     def whole(self, deltas: Sequence[GenerationDelta]) -> dict[str, Any]:
         result = assemble(deltas, self.context.want_logprobs)
         reason = finish_reason(deltas[-1])
         choice = {
             "index": 0,
-            "text": result.text,
+            "text": (self.echo or "") + result.text,
             "logprobs": self.logprobs.whole(list(deltas)) if self.context.want_logprobs else None,
             "finish_reason": reason,
         }
@@ -111,11 +115,12 @@ class CompletionShaper:
 
     def chunks(self, delta: GenerationDelta) -> list[dict[str, Any]]:
         reason = finish_reason(delta)
-        if not delta.text and reason is None and not (self.context.want_logprobs and delta.logprobs):
+        echo, self.echo = self.echo or "", None
+        if not (echo or delta.text) and reason is None and not (self.context.want_logprobs and delta.logprobs):
             return []
         choice = {
             "index": 0,
-            "text": delta.text,
+            "text": echo + delta.text,
             "logprobs": self.logprobs.fragment(delta) if self.context.want_logprobs else None,
             "finish_reason": reason,
         }

@@ -45,13 +45,15 @@ class GenerateCall:
 
 def completion_call(body: CompletionRequest, request_id: str) -> GenerateCall:
     _check_common(body)
-    if body.echo:
-        raise unsupported("echo", "echo is not supported")
     if body.best_of not in (None, 1):
         raise unsupported("best_of", "best_of is not supported (only 1)")
     if body.suffix is not None:
         raise unsupported("suffix", "suffix (insertion) is not supported")
     options = _sampling(body, request_id, max_tokens=body.max_tokens, logprobs=body.logprobs)
+    if body.echo and (body.logprobs is not None or body.max_tokens == 0):
+        # The echoed prompt's tokens are scored as the completion's are; with max_tokens 0 the
+        # prompt is all there is (how evaluation harnesses score text).
+        options["prompt_logprobs"] = body.logprobs or 0
     prompt = _single_prompt(body.prompt)
     if isinstance(prompt, str):
         return GenerateCall(prompt, None, None, options)

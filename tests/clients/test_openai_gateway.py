@@ -586,7 +586,7 @@ def test_version_is_the_installed_packages(stack: Stack) -> None:
     [
         ({"temperature": -1}, "temperature"),  # the scheduler's own message
         ({"n": 2}, "n=1"),
-        ({"echo": True}, "echo"),
+        ({"max_tokens": 0}, "0 only with prompt_logprobs"),  # echo with logprobs scores the prompt alone
         ({"prompt": ["one", "two"]}, "several prompts"),
         ({"extra_body": {"best_guess": 1}}, "best_guess: unsupported field"),
         ({"extra_body": {"max_tokens": "many"}}, "max_tokens"),

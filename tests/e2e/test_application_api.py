@@ -1,7 +1,8 @@
-"""Structured outputs on the default model (SmolLM2-135M), through real processes and the
-official `openai` package against the gateway: every answer follows its grammar and ends with
-finish reason stop; a grammar the compiler refuses is a 400 naming the problem; and constrained
-streams whose executor or planner is killed mid-generation end as they would have undisturbed."""
+"""What applications ask of the API, on the default model (SmolLM2-135M), through real processes
+and the official `openai` package against the gateway. Structured outputs: every answer follows
+its grammar and ends with finish reason stop; a grammar the compiler refuses is a 400 naming the
+problem; constrained streams whose executor or planner is killed mid-generation end as they
+would have undisturbed. Prompt scoring: echo with logprobs equals transformers'."""
 
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ from pathlib import Path
 import jsonschema
 import openai
 import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from clients import AsyncClient, Client
 from clients.cli import main as cli_main
@@ -185,3 +188,32 @@ def test_json_schema_streams_continue_exactly_across_a_planner_kill(prepared_mod
         log = front.log_text()
     assert disturbed == undisturbed
     assert "event=planner_lost" in log and "event=planner_chosen" in log
+
+
+def test_echo_with_logprobs_and_max_tokens_0_scores_the_prompt_as_transformers_does(
+    oai: openai.OpenAI, prepared_model: Path
+) -> None:
+    """How evaluation harnesses score text (lm-eval's local-completions): the prompt comes back
+    with each token's logprob given the tokens before it (the first's null), and its top token."""
+    prompt = "The capital of France is Paris, and the capital of Italy is Rome."
+    model = oai.models.list().data[0].id
+    answer = oai.completions.create(model=model, prompt=prompt, max_tokens=0, echo=True, logprobs=1)
+    choice = answer.choices[0]
+    assert choice.text == prompt and choice.finish_reason == "length"
+    reference = AutoModelForCausalLM.from_pretrained(prepared_model, dtype=torch.float32).eval()
+    ids = AutoTokenizer.from_pretrained(prepared_model)(prompt)["input_ids"]
+    with torch.inference_mode():
+        expected = torch.log_softmax(reference(torch.tensor([ids])).logits[0, :-1].float(), dim=-1)
+    logprobs = choice.logprobs
+    assert logprobs is not None and len(logprobs.token_logprobs) == len(ids)
+    assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
+    assert "".join(logprobs.tokens) == prompt
+    for position, token in enumerate(ids[1:]):
+        assert logprobs.token_logprobs[position + 1] == pytest.approx(float(expected[position, token]), abs=1e-3)
+        # The most likely token, and the prompt's own where it is not that one.
+        top = logprobs.top_logprobs[position + 1]
+        assert max(top.values()) == pytest.approx(float(expected[position].max()), abs=1e-3)
+    # And with a completion after the echoed prompt: the prompt's records, then the answer's.
+    both = oai.completions.create(model=model, prompt=prompt, max_tokens=3, echo=True, logprobs=0, temperature=0)
+    assert both.choices[0].text.startswith(prompt)
+    assert both.choices[0].logprobs is not None and len(both.choices[0].logprobs.tokens) == len(ids) + 3
