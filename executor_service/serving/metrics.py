@@ -91,6 +91,8 @@ class ExecutorMetrics:
         self.graphed.inc(graphed - self._graphed_seen)
         self._graphed_seen = graphed
         now = time.monotonic()
-        if now - self._counted_at >= KV_COUNT_INTERVAL_S:
+        # Counted when requests come or go, and at least once a second as they grow: a request
+        # that comes and goes within a second still shows.
+        if plan.new_requests or plan.dropped_request_ids or now - self._counted_at >= KV_COUNT_INTERVAL_S:
             self._counted_at = now
             self.kv_blocks_in_use.set(self._blocks_in_use())

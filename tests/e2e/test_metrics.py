@@ -53,7 +53,8 @@ def scraped(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Scraped]:
         with start_scheduler(executor, max_num_batched_tokens=256, metrics_port=scheduler_metrics) as address:
             executor_during = asyncio.run(_scrape_while_running(address, executor_metrics))
             asyncio.run(stream_all(address, JOBS))
-            # The executor counts its blocks in use at most once a second, on a step.
+            # The executor counts its blocks in use on a step that admits or drops a request, or a
+            # second after the last count.
             time.sleep(1.1)
             with Client(address) as client:
                 client.generate(prompt_token_ids=[5, 6, 7], max_tokens=1)
