@@ -4,7 +4,7 @@ the way to the scheduler, which then applies the model's own defaults.
 
 Fields outside these models are refused (extra="forbid"): a feature this server does not have
 must fail loudly rather than be dropped. Fields OpenAI defines but that only some values of are
-supported (n, echo, tools, ...) are declared here and checked in translate.py, which can say why.
+supported (n, best_of, tools, ...) are declared here and checked in translate.py, which can say why.
 Fields that change nothing a server returns (user, store, metadata, service_tier, a message's
 name) are taken and ignored, as OpenAI's clients send them routinely.
 """
