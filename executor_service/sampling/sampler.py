@@ -37,6 +37,10 @@ class SampleResult:
     logprobs: list[TopLogprobs | None]
 
 
+# A row whose top-k and nucleus lie among its this many most likely tokens is cut from them
+# alone, without sorting its whole vocabulary (see _top_k_top_p).
+NUCLEUS_CANDIDATES = 256
+
 # Each row's first largest index, as torch.argmax(dim=-1) gives it.
 Argmax = Callable[[torch.Tensor], torch.Tensor]
 
@@ -113,6 +117,49 @@ def sampling_probs(
 
 
 def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Each row's logits with -inf outside its top-k and then its nucleus (top-p).
+
+    Sorting every row's whole vocabulary cost more than the forward (32 rows of 49k: 45 % of a
+    SmolLM2 executor's time at temperature 0.7). A row whose cut lies within its
+    NUCLEUS_CANDIDATES most likely tokens (a top-k below that, not tied at its edge; or, without
+    top-k, a nucleus those tokens' mass passes before the least of them) is cut from them alone;
+    a row with neither is left whole; the others are sorted whole. Which way a row goes depends
+    on its own logits only, so a row's result never depends on its batch."""
+    vocab = logits.shape[-1]
+    width = min(vocab, NUCLEUS_CANDIDATES)
+    if width == vocab:
+        return _sorted_top_k_top_p(logits, top_k, top_p)
+    raw, ids = logits.topk(width, dim=-1)
+    k = top_k.clamp(min=0, max=vocab)
+    in_k = torch.arange(width, device=logits.device)[None, :] < torch.where(k > 0, k, width)[:, None]
+    values = raw.masked_fill(~in_k, float("-inf"))
+    # Each row's mass over what its top-k leaves: the whole row without one.
+    base = torch.where(k > 0, torch.logsumexp(values, dim=-1), torch.logsumexp(logits, dim=-1))
+    probs = (values - base[:, None]).exp()
+    tail = (1 - probs.sum(dim=-1)).clamp(min=0)
+    edge = raw.gather(1, (k - 1).clamp(min=0, max=width - 1)[:, None]).squeeze(1)
+    past_edge = raw.gather(1, k.clamp(max=width - 1)[:, None]).squeeze(1)
+    by_k = (k > 0) & (k < width) & (edge > past_edge)
+    by_p = (k == 0) & (top_p < 1) & (tail + probs[:, -1] <= 1 - top_p)
+    whole = (k == 0) & (top_p >= 1)
+    out = logits.clone()
+    rows = (by_k | by_p).nonzero().squeeze(1)
+    if rows.numel():
+        # Least likely first, as the sorted path: the mass below a token starts with the tail
+        # outside the candidates, all of which the nucleus leaves out.
+        ascending = probs[rows].flip(-1)
+        below = tail[rows, None] + ascending.cumsum(dim=-1)
+        outside = below <= (1 - top_p[rows])[:, None]
+        outside[:, -1] = False
+        cut = values[rows].flip(-1).masked_fill(outside, float("-inf"))
+        out[rows] = torch.full_like(out[rows], float("-inf")).scatter_(1, ids[rows].flip(-1), cut)
+    slow = (~(by_k | by_p | whole)).nonzero().squeeze(1)
+    if slow.numel():
+        out[slow] = _sorted_top_k_top_p(logits[slow], top_k[slow], top_p[slow])
+    return out
+
+
+def _sorted_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     vocab = logits.shape[-1]
     ascending, order = logits.sort(dim=-1)
     # k = 0 keeps everything: the threshold is then the smallest logit.

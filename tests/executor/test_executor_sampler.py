@@ -9,7 +9,10 @@ import pytest
 import torch
 
 from executor_service.sampling.sampler import (
+    NUCLEUS_CANDIDATES,
     SamplingRow,
+    _sorted_top_k_top_p,
+    _top_k_top_p,
     apply_penalties,
     sample,
     sample_batch,
@@ -217,3 +220,22 @@ def test_a_steps_token_masks_bound_only_their_rows_greedy_and_drawn() -> None:
     assert tokens[0] == 5 and tokens[-1] == 0
     assert set(tokens[1:-1]) == set(allowed)
     assert torch.equal(logits, LOGITS.expand(len(rows), -1)), "the caller's logits changed"
+
+
+def test_a_nucleus_cut_from_the_top_candidates_is_the_sorted_cut_and_the_rows_own() -> None:
+    """Peaky rows (cut from their NUCLEUS_CANDIDATES best) and flat ones (sorted whole), top-k
+    and top-p mixed: every row keeps exactly the tokens a sort of its whole row keeps, alone or
+    in the batch."""
+    generator = torch.Generator().manual_seed(5)
+    vocab = 4 * NUCLEUS_CANDIDATES
+    scales = torch.tensor([8.0, 4.0, 1.0, 0.1])
+    logits = torch.randn(96, vocab, generator=generator) * scales.repeat(24)[:, None]
+    top_k = torch.tensor([0, 1, 7, NUCLEUS_CANDIDATES - 1, NUCLEUS_CANDIDATES, 900]).repeat(16)
+    top_p = torch.tensor([1.0, 0.95, 0.9, 0.5]).repeat_interleave(24)
+    cut = _top_k_top_p(logits, top_k, top_p)
+    sorted_cut = _sorted_top_k_top_p(logits, top_k, top_p)
+    assert torch.equal(cut.isinf(), sorted_cut.isinf())
+    assert torch.equal(cut[~cut.isinf()], logits[~cut.isinf()])
+    for row in range(0, 96, 7):
+        alone = _top_k_top_p(logits[row : row + 1], top_k[row : row + 1], top_p[row : row + 1])
+        assert torch.equal(alone[0], cut[row])
