@@ -37,6 +37,9 @@ def _admin(address: str) -> admin_pb2_grpc.AdminStub:
     return admin_pb2_grpc.AdminStub(grpc.insecure_channel(address))
 
 
+A_TOKENS = 600
+
+
 def test_a_policy_switch_under_load_orders_the_waiting_requests_anew(executor: str, model_dir: Path) -> None:
     reference = Reference(model_dir)
     prompts = {name: [10 + index, 20, 30, 40 + index] for index, name in enumerate("abcd")}
@@ -60,12 +63,14 @@ def test_a_policy_switch_under_load_orders_the_waiting_requests_anew(executor: s
                 outputs[name] = tokens
 
             running = asyncio.Event()
-            tasks = [asyncio.create_task(one("a", 40, running))]
+            # Long enough to outlast the queueing of the others on a fast host.
+            tasks = [asyncio.create_task(one("a", A_TOKENS, running))]
             await running.wait()
             # Queued FCFS behind a: b, c, d; one request runs at a time.
             for name in "bcd":
                 tasks.append(asyncio.create_task(one(name, 4, asyncio.Event())))
                 while (await client.server_status()).num_waiting < len(tasks) - 1:
+                    assert not tasks[0].done(), "a ended before b, c and d were queued behind it"
                     await asyncio.sleep(0.01)
             assert started == ["a"], "a was meant to be still running"
             applied = _admin(address).UpdateSchedulingConfig(admin_pb2.UpdateSchedulingConfigRequest(policy="priority"))
