@@ -36,7 +36,13 @@ from executor_service.runner.validation import (
     check_new,
 )
 from executor_service.sampling.position_seed import make_generator
-from executor_service.sampling.sampler import Argmax, SampleResult, sample_batch
+from executor_service.sampling.sampler import (
+    Argmax,
+    SampleResult,
+    TopLogprobs,
+    sample_batch,
+    top_logprobs,
+)
 from executor_service.sampling.sampler_settings import SamplerSettings
 from executor_service.sampling.sampling_batch import TokenMasks, token_masks_of
 from protos import rpc_codes
@@ -264,20 +270,13 @@ class ModelRunner:
         likely alternatives, kept on its request until the step that samples after the prompt."""
         logprobs = torch.log_softmax(logits.float(), dim=-1)
         targets = [token for span in spans for token in span.state.tokens(span.first + 1, span.first + 1 + span.count)]
-        chosen = logprobs.gather(1, torch.tensor(targets, device=logprobs.device)[:, None]).squeeze(1).tolist()
-        width = max(span.state.sampling.num_prompt_logprobs for span in spans)
-        top_values, top_ids = logprobs.topk(width, dim=-1) if width else (None, None)
-        row = 0
+        widths = [span.state.sampling.num_prompt_logprobs for span in spans for _ in range(span.count)]
+        tops = top_logprobs(logprobs, torch.tensor(targets, device=logprobs.device), widths)
+        records = [_logprob_record(token, top) for token, top in zip(targets, tops, strict=True)]
+        start = 0
         for span in spans:
-            n = span.state.sampling.num_prompt_logprobs
-            for _ in range(span.count):
-                record = executor_pb2.TokenLogprob(token_id=targets[row], logprob=chosen[row])
-                if n:
-                    assert top_values is not None and top_ids is not None  # width >= n > 0
-                    record.top_token_ids.extend(top_ids[row, :n].tolist())
-                    record.top_logprobs.extend(top_values[row, :n].tolist())
-                span.state.prompt_logprobs.append(record)
-                row += 1
+            span.state.prompt_logprobs.extend(records[start : start + span.count])
+            start += span.count
 
     def _fail_step(
         self,
@@ -450,13 +449,17 @@ class ModelRunner:
                 state.prompt_logprobs.clear()
             output.token_ids.append(token)
             if logprobs is not None:
-                output.logprobs.add(
-                    token_id=token,
-                    logprob=logprobs.token_logprob,
-                    top_token_ids=logprobs.top_token_ids,
-                    top_logprobs=logprobs.top_logprobs,
-                )
+                output.logprobs.append(_logprob_record(token, logprobs))
         return decoded
+
+
+def _logprob_record(token: int, logprobs: TopLogprobs) -> executor_pb2.TokenLogprob:
+    return executor_pb2.TokenLogprob(
+        token_id=token,
+        logprob=logprobs.token_logprob,
+        top_token_ids=logprobs.top_token_ids,
+        top_logprobs=logprobs.top_logprobs,
+    )
 
 
 def _new_state(

@@ -9,7 +9,7 @@ generator, so its tokens do not depend on what else is in the batch.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -243,19 +243,21 @@ def _logprobs(
 ) -> list[TopLogprobs | None]:
     if raw_logprobs is None:
         return [None] * len(batch)
-    chosen = raw_logprobs.gather(1, tokens[:, None]).squeeze(1).tolist()
-    width = int(batch.num_logprobs.max())
-    top_values, top_ids = raw_logprobs.topk(width, dim=-1) if width else (None, None)
-    result: list[TopLogprobs | None] = []
-    for i, (wanted, n) in enumerate(zip(batch.want_logprobs.tolist(), batch.num_logprobs.tolist())):
-        if not wanted:
-            result.append(None)
-            continue
-        result.append(
-            TopLogprobs(
-                token_logprob=chosen[i],
-                top_token_ids=top_ids[i, :n].tolist() if n else [],
-                top_logprobs=top_values[i, :n].tolist() if n else [],
-            )
+    records = top_logprobs(raw_logprobs, tokens, batch.num_logprobs.tolist())
+    return [record if wanted else None for record, wanted in zip(records, batch.want_logprobs.tolist(), strict=True)]
+
+
+def top_logprobs(logprobs: torch.Tensor, tokens: torch.Tensor, widths: Sequence[int]) -> list[TopLogprobs]:
+    """Per row of log-probabilities: its token's, and those of its widths[row] most likely
+    tokens (sampled tokens, or the prompt tokens a row scores)."""
+    chosen = logprobs.gather(1, tokens[:, None]).squeeze(1).tolist()
+    width = max(widths, default=0)
+    top_values, top_ids = logprobs.topk(width, dim=-1) if width else (None, None)
+    return [
+        TopLogprobs(
+            token_logprob=chosen[i],
+            top_token_ids=top_ids[i, :n].tolist() if n else [],
+            top_logprobs=top_values[i, :n].tolist() if n else [],
         )
-    return result
+        for i, n in enumerate(widths)
+    ]
