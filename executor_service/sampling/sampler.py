@@ -71,11 +71,8 @@ def sample_batch(
     raw_logprobs = torch.log_softmax(logits, dim=-1) if batch.want_logprobs.any() else None
     if batch.shaping is not None:
         logits = apply_logit_shaping(logits, batch.shaping)
-    masks = batch.token_masks
-    if masks is not None:
-        # Every row masked (a batch of constrained requests): one pass, no gather and put back.
-        whole = len(masks.rows) == len(logits)
-        logits = logits.masked_fill(~masks.allowed, float("-inf")) if whole else _restrict(logits, masks.rows, masks.allowed)
+    if batch.token_masks is not None:
+        logits = _restrict(logits, batch.token_masks.rows, batch.token_masks.allowed)
     logits = mask_min_tokens_stop_ids(logits, batch.stop_masks)
     if batch.penalties is not None:
         logits = apply_penalties(logits, batch.penalties)
@@ -185,7 +182,11 @@ def apply_logit_shaping(logits: torch.Tensor, shaping: LogitShaping) -> torch.Te
 
 
 def _restrict(logits: torch.Tensor, rows: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
-    """-inf, out of place, on every token these rows may not sample."""
+    """-inf, out of place, on every token these rows (distinct, ascending) may not sample."""
+    if len(rows) == len(logits):
+        # Then they are every row (a batch of constrained requests): one pass, no gather and
+        # put back.
+        return logits.masked_fill(~allowed, float("-inf"))
     return logits.index_put((rows,), logits[rows].masked_fill(~allowed, float("-inf")))
 
 
