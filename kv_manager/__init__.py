@@ -5,10 +5,11 @@ executor owns the memory the block ids point into.
 """
 
 from kv_manager.block_pool import BlockPool, KVBlock
-from kv_manager.kv_cache_manager import CacheStats, KVCacheManager, PrefixHit
+from kv_manager.kv_cache_manager import BlockCopy, CacheStats, KVCacheManager, PrefixHit
 from kv_manager.prefix_hash import BlockHash, hash_block_tokens
 
 __all__ = [
+    "BlockCopy",
     "BlockHash",
     "BlockPool",
     "CacheStats",

@@ -16,6 +16,15 @@ class PrefixHit:
     num_tokens: int = 0
 
 
+@dataclass(slots=True, frozen=True)
+class BlockCopy:
+    """Copy-on-write of a shared partial block: the executor copies block `source` into
+    `destination` before the step that writes into `destination` runs."""
+
+    source: int
+    destination: int
+
+
 @dataclass(slots=True)
 class CacheStats:
     num_blocks: int
@@ -38,6 +47,9 @@ class _RequestBlocks:
     hashes: list[BlockHash] = field(default_factory=list)
     num_registered: int = 0
     extra_key: bytes = b""
+    # Leading tokens whose K/V the executor has written (reported by cache_computed): what a
+    # fork may share.
+    num_written: int = 0
 
 
 class KVCacheManager:
@@ -124,10 +136,51 @@ class KVCacheManager:
         another request before (or without) its content being computed.
         """
         entry = self._requests.get(request_id)
-        if entry is None or not self.enable_prefix_caching:
+        if entry is None:
+            return
+        entry.num_written = max(entry.num_written, num_computed_tokens)
+        if not self.enable_prefix_caching:
             return
         num_full = min(len(token_ids), num_computed_tokens) // self.block_size
         self._register_full_blocks(entry, token_ids, min(num_full, len(entry.blocks)))
+
+    def num_written(self, request_id: str) -> int:
+        """Leading tokens of the request whose K/V exists on the executor (0 if it holds none)."""
+        entry = self._requests.get(request_id)
+        return entry.num_written if entry else 0
+
+    def fork(self, parent_id: str, child_id: str, num_tokens: int) -> BlockCopy | None:
+        """Gives child_id the parent's K/V of its first num_tokens tokens (which must be
+        written, see num_written) without computing them again: the full blocks are shared
+        (one more holder each), and a partial last block, which the child is about to write
+        into, is copied on that write into a block of its own (the returned BlockCopy, for the
+        executor). The child then computes on from num_tokens like any request.
+
+        Raises ValueError when the parent has not written that far or the child holds blocks;
+        MemoryError, changing nothing, when the copy needs a block and none is free."""
+        parent = self._requests.get(parent_id)
+        if parent is None or parent.num_written < num_tokens:
+            written = parent.num_written if parent else 0
+            raise ValueError(f"request {parent_id} has written {written} tokens, not {num_tokens}")
+        if child_id in self._requests:
+            raise ValueError(f"request {child_id} already holds blocks")
+        num_full, partial = divmod(num_tokens, self.block_size)
+        if partial and self.pool.num_free == 0:
+            raise MemoryError("no free block for the copy of the shared partial block")
+        shared = parent.blocks[:num_full]
+        self.pool.acquire(shared)
+        child = self._requests[child_id] = _RequestBlocks(
+            blocks=list(shared),
+            hashes=parent.hashes[:num_full],
+            num_registered=min(parent.num_registered, num_full),
+            extra_key=parent.extra_key,
+            num_written=num_tokens,
+        )
+        if not partial:
+            return None
+        (copy,) = self.pool.allocate(1)
+        child.blocks.append(copy)
+        return BlockCopy(parent.blocks[num_full].block_id, copy.block_id)
 
     def free(self, request_id: str) -> None:
         """Releases every block of the request (finished, aborted or preempted). Idempotent."""

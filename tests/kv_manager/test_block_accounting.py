@@ -81,3 +81,40 @@ def test_releasing_more_than_acquired_is_refused() -> None:
     kv.free("a")
     with pytest.raises(ValueError, match="released more often"):
         kv.pool.release([block])
+
+
+def test_fork_shares_full_blocks_and_copies_the_partial_one() -> None:
+    kv = KVCacheManager(num_blocks=8, block_size=4)
+    prompt = list(range(10))
+    kv.allocate_slots("a", prompt, 0, 10)
+    kv.cache_computed("a", prompt, 10)
+    parent = kv.block_ids("a")
+    copy = kv.fork("a", "a#1", 9)
+    child = kv.block_ids("a#1")
+    assert child[:2] == parent[:2] and child[2] != parent[2]
+    assert copy is not None and (copy.source, copy.destination) == (parent[2], child[2])
+    assert [kv.pool.blocks[b].ref_count for b in parent] == [2, 2, 1]
+    # The child computes on from the fork like any request: the last prompt token, then its own.
+    assert kv.allocate_slots("a#1", [*prompt, 7], 9, 2) == []
+    kv.free("a")
+    assert [kv.pool.blocks[b].ref_count for b in child] == [1, 1, 1]
+
+
+def test_fork_at_a_block_boundary_copies_nothing() -> None:
+    kv = KVCacheManager(num_blocks=8, block_size=4)
+    kv.allocate_slots("a", list(range(9)), 0, 9)
+    kv.cache_computed("a", list(range(9)), 9)
+    assert kv.fork("a", "b", 8) is None
+    assert kv.block_ids("b") == kv.block_ids("a")[:2]
+
+
+def test_fork_refuses_what_the_parent_has_not_written_and_a_full_pool() -> None:
+    kv = KVCacheManager(num_blocks=3, block_size=4)
+    kv.allocate_slots("a", list(range(10)), 0, 10)
+    with pytest.raises(ValueError, match="written 0 tokens"):
+        kv.fork("a", "b", 9)
+    kv.cache_computed("a", list(range(10)), 10)
+    free = kv.num_free_blocks
+    with pytest.raises(MemoryError):
+        kv.fork("a", "b", 9)
+    assert not kv.holds("b") and kv.num_free_blocks == free

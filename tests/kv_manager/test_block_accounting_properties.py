@@ -1,7 +1,10 @@
-"""Random interleavings of admit / compute / decode / finish / preempt on the KV cache manager.
+"""Random interleavings of admit / compute / decode / fork / finish / preempt on the KV cache
+manager.
 
-A shadow model writes each computed token into the slot the manager's block table names, so a
-prefix-cache hit is checked against what was really stored there, not only against hashes.
+A shadow model writes each computed token into the slot the manager's block table names (and
+copies blocks as a fork's BlockCopy says), so a prefix-cache hit or a fork is checked against
+what was really stored there, not only against hashes, and every request must read its own
+tokens back from its table: nobody writes into a block another request still reads.
 """
 
 from collections import Counter
@@ -24,6 +27,8 @@ class ShadowRequest:
     tokens: list[int]
     salt: bytes
     computed: int = 0
+    # Tokens whose result came back (cache_computed): what a fork may share.
+    committed: int = 0
     admitted: bool = False
     preemptions: int = 0
     slots: list[int] = field(default_factory=list)
@@ -76,6 +81,34 @@ class KVManagerMachine(RuleBasedStateMachine):
         req.computed += num_new
         if commit:
             self.kv.cache_computed(request_id, req.tokens, req.computed)
+            req.committed = req.computed
+
+    @precondition(lambda self: any(r.admitted and r.committed for r in self.requests.values()))
+    @rule(data=st.data())
+    def fork(self, data: st.DataObject) -> None:
+        """A sibling choice takes the K/V of a request's first tokens once they are written."""
+        parents = sorted(k for k, r in self.requests.items() if r.admitted and r.committed)
+        parent_id = data.draw(st.sampled_from(parents))
+        parent = self.requests[parent_id]
+        num_tokens = data.draw(st.integers(1, parent.committed))
+        child_id = f"r{self.next_id}"
+        self.next_id += 1
+        free_before = self.kv.num_free_blocks
+        try:
+            copy = self.kv.fork(parent_id, child_id, num_tokens)
+        except MemoryError:
+            assert num_tokens % BLOCK_SIZE and free_before == 0 and not self.kv.holds(child_id)
+            return
+        if copy is not None:
+            for j in range(BLOCK_SIZE):
+                source = self.content.get(copy.source * BLOCK_SIZE + j)
+                if source is not None:
+                    self.content[copy.destination * BLOCK_SIZE + j] = source
+        # Siblings share what was forked and differ from there on (each samples its own).
+        tail = data.draw(st.lists(st.integers(0, 3), min_size=1, max_size=4))
+        child = ShadowRequest(parent.tokens[:num_tokens] + tail, parent.salt, num_tokens, num_tokens, admitted=True)
+        self.requests[child_id] = child
+        assert self.kv.num_written(child_id) == num_tokens
 
     @precondition(lambda self: any(r.admitted for r in self.requests.values()))
     @rule(data=st.data(), chunk=st.integers(1, 8), decoded=st.integers(0, 3), commit=st.booleans())
@@ -93,6 +126,7 @@ class KVManagerMachine(RuleBasedStateMachine):
         # Results come back late, or (pipelined) after the next step was planned.
         if commit:
             self.kv.cache_computed(request_id, req.tokens, req.computed)
+            req.committed = req.computed
 
     @precondition(lambda self: any(r.admitted for r in self.requests.values()))
     @rule(data=st.data(), preempt=st.booleans())
@@ -102,7 +136,7 @@ class KVManagerMachine(RuleBasedStateMachine):
         self.kv.free(request_id)
         if preempt:
             req = self.requests[request_id]
-            req.admitted, req.computed = False, 0
+            req.admitted, req.computed, req.committed = False, 0, 0
             req.preemptions += 1
         else:
             del self.requests[request_id]
@@ -130,13 +164,18 @@ class KVManagerMachine(RuleBasedStateMachine):
         assert len(free) + len(used) == NUM_BLOCKS
 
     @invariant()
-    def shared_blocks_are_cached_full_blocks(self) -> None:
-        index = self.kv.pool.cached_hashes()
-        for block_hash, block_id in index.items():
+    def cache_index_matches_blocks(self) -> None:
+        for block_hash, block_id in self.kv.pool.cached_hashes().items():
             assert self.kv.pool.blocks[block_id].block_hash == block_hash
-        for block in self.kv.pool.blocks:
-            if block.ref_count > 1:
-                assert block.block_hash is not None
+
+    @invariant()
+    def every_request_reads_its_own_tokens(self) -> None:
+        for request_id, req in self.requests.items():
+            if not req.admitted:
+                continue
+            table = self.kv.block_ids(request_id)
+            stored = [self.content.get(table[pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE) for pos in range(req.computed)]
+            assert stored == req.tokens[: req.computed], request_id
 
     @invariant()
     def tables_cover_computed_tokens(self) -> None:
