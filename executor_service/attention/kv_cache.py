@@ -70,6 +70,15 @@ class PagedKVCache:
         for tensor in (*self.keys, *self.values, self._gather.keys, self._gather.values):
             tensor.zero_()
 
+    def copy_blocks(self, sources: list[int], destinations: list[int]) -> None:
+        """Copies every slot of each source block into its destination block, in every layer
+        (forks' copy-on-write; validation.copies_problem checked the ids)."""
+        offsets = torch.arange(self.block_size, device=self.keys[0].device)
+        source_slots = (torch.tensor(sources, device=offsets.device)[:, None] * self.block_size + offsets).flatten()
+        destination_slots = (torch.tensor(destinations, device=offsets.device)[:, None] * self.block_size + offsets).flatten()
+        for tensor in (*self.keys, *self.values):
+            tensor[destination_slots] = tensor[source_slots]
+
     def layer(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.keys[layer_idx], self.values[layer_idx]
 

@@ -34,6 +34,7 @@ from executor_service.runner.validation import (
     check_decode,
     check_decode_block,
     check_new,
+    copies_problem,
 )
 from executor_service.sampling.position_seed import make_generator
 from executor_service.sampling.sampler import (
@@ -118,7 +119,8 @@ class ModelRunner:
         for request_id in plan.dropped_request_ids:
             # Unknown ids are fine: the scheduler pipelines and may drop what is already gone.
             self._forget(request_id)
-        admitted = self._admit(plan)
+        copies_refused = self._copy_blocks(plan)
+        admitted = self._admit(plan, copies_refused)
         result = executor_pb2.StepResult(step_id=plan.step_id, rejected=admitted.rejected)
         if admitted.work or admitted.steady is not None:
             try:
@@ -300,11 +302,24 @@ class ModelRunner:
             executor_pb2.StepFailure(message=f"{type(error).__name__}: {error}", request_ids=failed)
         )
 
-    def _admit(self, plan: executor_pb2.StepPlan) -> _Admitted:
+    def _copy_blocks(self, plan: executor_pb2.StepPlan) -> str | None:
+        """Makes the plan's block copies; says what is wrong with them instead, when anything is
+        (then the plan's new requests, which would read the copies, are refused)."""
+        if not plan.copy_block_sources and not plan.copy_block_destinations:
+            return None
+        problem = copies_problem(plan, self.limits)
+        if problem is None:
+            self.kv_cache.copy_blocks(list(plan.copy_block_sources), list(plan.copy_block_destinations))
+        return problem
+
+    def _admit(self, plan: executor_pb2.StepPlan, copies_refused: str | None = None) -> _Admitted:
         admitted = _Admitted(work=[], rejected=[], decodes=[])
         scheduled: set[str] = set()
         entries = [*plan.new_requests, *plan.continuing_requests]
         for entry in entries:
+            if copies_refused is not None and isinstance(entry, executor_pb2.NewRequest):
+                self._reject(admitted, entry.request_id, rpc_codes.INVALID_ARGUMENT, f"the plan's block copies: {copies_refused}")
+                continue
             try:
                 problem = self._admit_entry(entry, admitted, scheduled)
             except Exception as error:

@@ -46,11 +46,6 @@ def check_new(entry: executor_pb2.NewRequest, sampling: SamplerSettings, limits:
         return f"num_prompt_tokens {entry.num_prompt_tokens} exceeds the {num_tokens} token_ids"
     if len(set(entry.block_ids)) != len(entry.block_ids):
         return "block_ids repeats a block"
-    if entry.num_computed_tokens % limits.block_size:
-        return (
-            f"num_computed_tokens {entry.num_computed_tokens} is not a multiple of "
-            f"block_size {limits.block_size}"
-        )
     if entry.num_scheduled_tokens == 0:
         return "num_scheduled_tokens must be > 0"
     if end > num_tokens:
@@ -78,6 +73,21 @@ def check_continuing(
     if entry.bitmask_follows and entry.allowed_token_bitmask:
         return "bitmask_follows and allowed_token_bitmask are both set"
     return _capacity_problem(end, len(block_ids), limits) or bitmask_problem(entry.allowed_token_bitmask, limits)
+
+
+def copies_problem(plan: executor_pb2.StepPlan, limits: Limits) -> str | None:
+    """What is wrong with a plan's block copies (copy_block_sources/destinations)."""
+    sources, destinations = plan.copy_block_sources, plan.copy_block_destinations
+    if len(sources) != len(destinations):
+        return "copy_block_sources and copy_block_destinations differ in length"
+    problem = _blocks_problem(sources, limits) or _blocks_problem(destinations, limits)
+    if problem:
+        return problem
+    if len(set(destinations)) != len(destinations):
+        return "copy_block_destinations repeats a block"
+    if not set(destinations).isdisjoint(sources):
+        return "a block is both copied and copied into"
+    return None
 
 
 def check_decode_block(block_id: int, state: RequestState, limits: Limits) -> str | None:

@@ -166,6 +166,7 @@ def build_executor(settings: ExecutorSettings, device: str | None = None) -> Rea
         lease_timeout_s=settings.lease_timeout_s,
         supports_decode_handles=True,
         supports_late_bitmasks=True,
+        supports_block_copies=True,
         tensor_parallel_size=settings.tensor_parallel_size,
         kv_cache_bytes=num_blocks * shape.bytes_per_block() * settings.tensor_parallel_size,
     )

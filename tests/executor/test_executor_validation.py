@@ -84,6 +84,18 @@ def _new(**fields: object) -> Callable[[str, str], pb.StepPlan]:
     return make
 
 
+def _copies(sources: list[int], destinations: list[int]) -> Callable[[str, str], pb.StepPlan]:
+    """A plan whose block copies are bad: its new request, which would read them, is refused."""
+
+    def make(bad_id: str, victim_id: str) -> pb.StepPlan:
+        plan = _new()(bad_id, victim_id)
+        plan.copy_block_sources.extend(sources)
+        plan.copy_block_destinations.extend(destinations)
+        return plan
+
+    return make
+
+
 def _sampling(**fields: object) -> Callable[[str, str], pb.StepPlan]:
     return _new(sampling=pb.SamplerConfig(**fields))
 
@@ -109,10 +121,10 @@ BAD_ENTRIES: dict[str, tuple[Callable[[str, str], pb.StepPlan], str]] = {
     "new-prompt-longer-than-tokens": (_new(num_prompt_tokens=11), "num_prompt_tokens 11 exceeds"),
     "new-zero-scheduled": (_new(num_scheduled_tokens=0), "num_scheduled_tokens"),
     "new-scheduled-past-known": (_new(num_scheduled_tokens=11), "only 10 tokens are known"),
-    "new-computed-not-block-multiple": (
-        _new(num_computed_tokens=5, num_scheduled_tokens=5),
-        "multiple of block_size",
-    ),
+    "copies-lengths-differ": (_copies([30, 31], [32]), "differ in length"),
+    "copy-outside-pool": (_copies([30], [NUM_BLOCKS]), "outside the pool"),
+    "copy-into-a-source": (_copies([30, 31], [31, 32]), "both copied and copied into"),
+    "copy-into-one-block-twice": (_copies([30, 31], [32, 32]), "repeats a block"),
     "new-repeated-block": (
         _new(token_ids=list(range(300, 320)), block_ids=[10, 10], num_scheduled_tokens=20),
         "repeats",
@@ -316,3 +328,38 @@ def test_a_bitmask_that_follows_its_plan_decides_the_token_and_a_stream_ending_f
     new = pb.NewRequest(request_id=f"after{n}", token_ids=GOOD_PROMPT, block_ids=[0, 1], num_scheduled_tokens=20)
     assert again.step(pb.StepPlan(step_id=1, new_requests=[new])).outputs
     again.close()
+
+
+def test_a_request_forked_from_a_copied_partial_block_continues_as_the_original(
+    stream: PlanStream, clean_tokens: list[int]
+) -> None:
+    """A sibling choice takes the original's K/V of all but the prompt's last token: the full
+    block shared, the partial one copied; it computes that last token itself, and its greedy
+    tokens are the original's, while the original writes on into its own partial block."""
+    n = next(_ids)
+    original, fork = f"original{n}", f"fork{n}"
+    tokens = {original: list(stream.step(pb.StepPlan(step_id=1, new_requests=[good_new(original)])).outputs[0].token_ids)}
+    forked = pb.NewRequest(
+        request_id=fork, token_ids=GOOD_PROMPT, block_ids=[0, 5], num_computed_tokens=len(GOOD_PROMPT) - 1, num_scheduled_tokens=1
+    )
+    plan = pb.StepPlan(
+        step_id=2,
+        new_requests=[forked],
+        continuing_requests=[pb.ContinuingRequest(request_id=original, num_scheduled_tokens=1)],
+        copy_block_sources=[1],
+        copy_block_destinations=[5],
+    )
+    result = stream.step(plan)
+    assert not result.rejected
+    outputs = {o.request_id: list(o.token_ids) for o in result.outputs}
+    tokens[original] += outputs[original]
+    tokens[fork] = outputs[fork]
+    assert tokens[fork] == clean_tokens[:1]
+    for step in range(3, GOOD_STEPS + 2):
+        decodes = [pb.ContinuingRequest(request_id=r, num_scheduled_tokens=1) for r in (original, fork)]
+        result = stream.step(pb.StepPlan(step_id=step, continuing_requests=decodes))
+        for output in result.outputs:
+            tokens[output.request_id] += output.token_ids
+    assert tokens[original][:GOOD_STEPS] == clean_tokens
+    assert tokens[fork] == clean_tokens
+    stream.step(pb.StepPlan(step_id=GOOD_STEPS + 2, dropped_request_ids=[original, fork]))
