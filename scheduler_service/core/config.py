@@ -30,6 +30,9 @@ class SchedulerConfig:
     # is pipelined like any other; off for an executor that does not take them, where it is
     # planned only once its last token is back.
     late_bitmasks: bool = False
+    # The executor copies blocks for a plan (StepPlan.block_copies), so sibling choices fork
+    # from one prompt computation; off for one that does not, where each computes its own.
+    block_copies: bool = False
 
     @property
     def max_seq_len(self) -> int:

@@ -106,6 +106,9 @@ class Request:
     # Where it stands in its grammar (sampling.structured_output), advanced with every token it
     # receives; set by the planner when it takes the request, from the tokens it has.
     grammar: TokenConstraint | None = None
+    # The sibling choice (same prompt, SamplingParams.n > 1) whose prompt K/V this request takes
+    # instead of computing it (Scheduler: a fork), when both are on one executor; empty: none.
+    fork_of: str = ""
     # Where its progress lives while it decodes in bulk, and its slot there (see move_progress).
     _home: ProgressHome | None = field(default=None, init=False, repr=False)
     _slot: int = field(default=0, init=False, repr=False)

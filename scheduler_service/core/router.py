@@ -16,6 +16,9 @@ index as in SGLang's router or Dynamo's KV router). For each executor that can t
 The highest score wins; ties go to the executor with the most free blocks, then the one caching
 the fewest blocks (so unrelated prefixes spread out), then the first listed. An executor whose
 KV cache could never hold the request is not a candidate.
+
+A sibling choice of a prompt (Request.fork_of) goes where its first choice is, whatever the
+scores: there it forks from that prompt's computation instead of repeating it.
 """
 
 from collections.abc import Sequence
@@ -47,6 +50,9 @@ def route(
     for index, scheduler in enumerate(candidates):
         if request.num_tokens >= scheduler.config.max_seq_len:
             continue
+        if request.fork_of and request.fork_of in scheduler.requests:
+            affinity = scheduler.affinity(request)
+            return RouteChoice(index, affinity, affinity - tokens_per_request * scheduler.load)
         affinity = scheduler.affinity(request)
         score = affinity - tokens_per_request * scheduler.load
         kv = scheduler.kv

@@ -65,12 +65,26 @@ class SamplingParams:
     structured_output: StructuredOutput | None = None
     # Score the prompt: each prompt token's logprob after the first, with this many alternatives.
     prompt_logprobs: int | None = None
+    # Choices generated for the prompt, and how many are generated to keep the n most likely
+    # (None: n): the front-end forks the request into that many choices (frontend/choices.py),
+    # each of which the planner sees as a request of its own with n = 1.
+    n: int = 1
+    best_of: int | None = None
+
+    @property
+    def num_choices(self) -> int:
+        """Choices generated (best_of, or n)."""
+        return self.best_of or self.n
 
     def problems(self, vocab_size: int, max_logprobs: int) -> list[str]:
         """Every way these settings are invalid, each as a sentence for the client."""
         found = range_problems({name: getattr(self, name) for name in SAMPLING_RANGES})
         if self.max_tokens is not None and self.max_tokens < 1 and not (self.max_tokens == 0 and self.prompt_logprobs is not None):
             found.append(f"max_tokens must be at least 1 (0 only with prompt_logprobs), got {self.max_tokens}")
+        if self.n < 1:
+            found.append(f"n must be at least 1, got {self.n}")
+        if self.best_of is not None and self.best_of < self.n:
+            found.append(f"best_of must be at least n ({self.n}), got {self.best_of}")
         if self.top_k < 0:
             found.append(f"top_k must be >= 0, got {self.top_k}")
         if self.logprobs is not None and self.logprobs > max_logprobs:

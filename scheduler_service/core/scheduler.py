@@ -6,7 +6,7 @@ import time
 from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field
 
-from kv_manager import BlockHash, KVCacheManager, PrefixHit, prefix_hash
+from kv_manager import BlockCopy, BlockHash, KVCacheManager, PrefixHit, prefix_hash
 from scheduler_service.core.config import SchedulerConfig, SchedulingKnobs
 from scheduler_service.core.decode_set import BulkStep, DecodeSet
 from scheduler_service.core.errors import ErrorKind, RequestError, RequestRejected
@@ -62,6 +62,13 @@ class _BulkPlan:
 _NO_BULK = _BulkPlan()
 
 
+class _AwaitFork:
+    """A forking request's source has yet to write the prompt it shares (see _fork_source)."""
+
+
+_AWAIT_FORK = _AwaitFork()
+
+
 class Scheduler:
     """Owns the waiting and running queues and the KV block pool of one executor."""
 
@@ -103,6 +110,8 @@ class Scheduler:
         # order, until the bitmasks go (see _late_bitmasks).
         self._late: dict[int, list[tuple[Request, int]]] = {}
         self._handles = itertools.count(1)
+        # Block copies for the plan being made (forks' partial blocks).
+        self._copies: list[BlockCopy] = []
 
     @property
     def on_executor(self) -> frozenset[str]:
@@ -374,6 +383,12 @@ class Scheduler:
         (it is cached now, or whoever computed it left)."""
         still = []
         for request in self._deferred:
+            if request.fork_of:
+                if self._fork_source(request) is _AWAIT_FORK:
+                    still.append(request)
+                else:
+                    self.waiting.insert(request)
+                continue
             hashes = self.prefix_hashes(request)
             cached = next(
                 (i for i, h in enumerate(hashes) if not self.kv.is_cached(h)), len(hashes)
@@ -463,6 +478,17 @@ class Scheduler:
             if request.retry_alone and (scheduled or bulk.step is not None):
                 break
             hashes = self.prefix_hashes(request)
+            source = self._fork_source(request) if request.fork_of else None
+            if source is _AWAIT_FORK:
+                self._deferred.append(self.waiting.pop())
+                continue
+            if isinstance(source, Request):
+                if not self._fork(request, source):
+                    break
+                self._admitted(request, request.num_computed_tokens, hashes, admitted)
+                scheduled[request] = 1
+                budget -= 1
+                continue
             # A scored prompt is computed whole: cached positions would have no logits.
             scores_prompt = request.sampling.prompt_logprobs is not None
             hit = PrefixHit() if scores_prompt else self.kv.find_cached_prefix(request.token_ids, request.cache_salt, hashes)
@@ -475,22 +501,64 @@ class Scheduler:
             num_new = min(num_new, budget)
             if self._allocate(request, num_new, hit) is None:
                 break
-            self.waiting.pop()
-            now = self.clock()
-            if request.first_scheduled_time is None:
-                request.first_scheduled_time = now
-                request.num_cached_tokens = hit.num_tokens
-            request.status = RequestStatus.RUNNING
-            request.num_computed_tokens = hit.num_tokens
-            request.prefill_target = request.num_tokens
-            self._prefixes.computing.add(request, hashes[len(hit.blocks) :])
-            self.running.append(request)
-            admitted.append(request)
+            self._admitted(request, hit.num_tokens, hashes, admitted)
             scheduled[request] = num_new
             budget -= num_new
             if request.retry_alone:
                 break
         return budget
+
+    def _admitted(self, request: Request, num_computed: int, hashes: list[BlockHash], admitted: list[Request]) -> None:
+        """The head of the queue runs from here, its first num_computed tokens already in its
+        blocks (a prefix hit or a fork)."""
+        self.waiting.pop()
+        if request.first_scheduled_time is None:
+            request.first_scheduled_time = self.clock()
+            request.num_cached_tokens = num_computed
+        request.status = RequestStatus.RUNNING
+        request.num_computed_tokens = num_computed
+        request.prefill_target = request.num_tokens
+        self._prefixes.computing.add(request, hashes[num_computed // self.config.block_size :])
+        self.running.append(request)
+        admitted.append(request)
+
+    def _fork_source(self, request: Request) -> Request | _AwaitFork | None:
+        """The sibling whose prompt K/V the request takes (request.fork_of) when it is running
+        here and has written all but the prompt's last token, which the request computes itself
+        for its own first logits; _AWAIT_FORK while that sibling is queued or computing its
+        prompt here; None when no fork applies (the request computes its prompt like any)."""
+        config = self.config
+        if not config.block_copies or request.num_output_tokens or request.sampling.prompt_logprobs is not None:
+            return None
+        source = self.requests.get(request.fork_of)
+        shared = request.num_prompt_tokens - 1
+        if (
+            source is None
+            or source is request
+            or shared == 0
+            or source.cache_salt != request.cache_salt
+            or source.token_ids[:shared] != request.prompt_token_ids[:shared]
+        ):
+            return None
+        if source.status is RequestStatus.RUNNING and self.kv.num_written(source.request_id) >= shared:
+            return source
+        return _AWAIT_FORK
+
+    def _fork(self, request: Request, source: Request) -> bool:
+        """Gives the request the source's K/V of all but the prompt's last token, and a block
+        for that token; False, changing nothing, when the blocks are not there."""
+        shared = request.num_prompt_tokens - 1
+        try:
+            copy = self.kv.fork(source.request_id, request.request_id, shared)
+        except MemoryError:
+            return False
+        if self.kv.allocate_slots(request.request_id, request.token_ids, shared, 1) is None:
+            self.kv.free(request.request_id)
+            return False
+        if copy is not None:
+            self._copies.append(copy)
+        request.num_computed_tokens = shared
+        return True
 
     def _allocate(self, request: Request, num_new: int, hit: PrefixHit | None = None) -> list[int] | None:
         return self.kv.allocate_slots(
@@ -529,8 +597,8 @@ class Scheduler:
         admitted: list[Request],
         bulk: "_BulkPlan",
     ) -> StepPlan:
-        plan = StepPlan(step_id=next(self._step_ids), dropped_request_ids=self._to_drop)
-        self._to_drop = []
+        plan = StepPlan(step_id=next(self._step_ids), dropped_request_ids=self._to_drop, block_copies=self._copies)
+        self._to_drop, self._copies = [], []
         if bulk.step is not None:
             plan.decode_handles = bulk.step.handles
             plan.decode_block_handles, plan.decode_block_ids = bulk.block_handles, bulk.block_ids

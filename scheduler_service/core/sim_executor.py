@@ -85,6 +85,14 @@ class SimulatedExecutor:
         for request_id in plan.dropped_request_ids:
             self._forget(request_id)
             self.dropped_by_failure.discard(request_id)
+        for copy in plan.block_copies:
+            for offset in range(self.block_size):
+                source = self.slots.get(copy.source * self.block_size + offset)
+                destination = copy.destination * self.block_size + offset
+                if source is None:
+                    self.slots.pop(destination, None)
+                else:
+                    self.slots[destination] = source
         output = StepOutput(step_id=plan.step_id)
         work: list[tuple[str, int]] = []
         # The tokens each constrained request may sample this step (as the plan's bitmask).

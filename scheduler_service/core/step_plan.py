@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from kv_manager import BlockCopy
 from scheduler_service.core.errors import RequestError
 from scheduler_service.core.request import Request
 from scheduler_service.core.sampling_params import SamplingParams
@@ -26,8 +27,8 @@ class NewRequestPlan:
     token_ids: list[int]
     # The request's whole block table: token i lives in block_ids[i // block_size].
     block_ids: list[int]
-    # Leading tokens whose K/V are already in those blocks (prefix-cache hits), a multiple of
-    # the block size; the executor computes from here.
+    # Leading tokens whose K/V are already in those blocks (a prefix-cache hit, a multiple of
+    # the block size; or a fork of a sibling's prompt); the executor computes from here.
     num_computed_tokens: int
     # Tokens to compute this step (a whole prefill, or one chunk of it).
     num_scheduled_tokens: int
@@ -83,6 +84,8 @@ class StepPlan:
     decode_block_ids: list[int] = field(default_factory=list)
     # Ask the executor for every request it holds after this plan (the audit).
     want_held_requests: bool = False
+    # Blocks to copy before the step runs (forks' copies of a shared partial block).
+    block_copies: list[BlockCopy] = field(default_factory=list)
 
     @property
     def num_scheduled_tokens(self) -> int:

@@ -308,6 +308,7 @@ class ExecutorLane:
             mode=options.mode,
             bulk_decodes=info.supports_decode_handles,
             late_bitmasks=info.supports_late_bitmasks,
+            block_copies=info.supports_block_copies,
         )
 
     def _set_state(self, state: LaneState, reason: str) -> None:

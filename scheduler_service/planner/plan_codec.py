@@ -80,6 +80,9 @@ def plan_to_proto(plan: StepPlan, eos_token_ids: Collection[int] = ()) -> pb.Ste
         message.decode_handles.extend(plan.decode_handles)
         message.decode_block_handles.extend(plan.decode_block_handles)
         message.decode_block_ids.extend(plan.decode_block_ids)
+    for copy in plan.block_copies:
+        message.copy_block_sources.append(copy.source)
+        message.copy_block_destinations.append(copy.destination)
     return message
 
 

@@ -8,7 +8,12 @@ from scheduler_service.core.errors import RequestError
 from scheduler_service.core.request import Request
 from scheduler_service.core.sampling_params import SamplingParams
 from scheduler_service.core.scheduler import Scheduler
-from scheduler_service.core.sim_executor import FailFn, SimulatedExecutor
+from scheduler_service.core.sim_executor import (
+    FailFn,
+    SimulatedExecutor,
+    TokenFn,
+    default_next_token,
+)
 from scheduler_service.core.step_plan import StepPlan
 from scheduler_service.replay.scenarios import Scenario, scenario_request
 
@@ -71,10 +76,11 @@ def run(
     max_steps: int = 500,
     fail_step: FailFn | None = None,
     before_step: Callable[[int, Scheduler], None] | None = None,
+    next_token: TokenFn = default_next_token,
 ) -> Run:
     """Adds arrivals[n] before planning step n (1-based) and runs until every request finished.
     before_step(n, scheduler) runs after step n's arrivals, before it is planned."""
-    executor = SimulatedExecutor(config.num_kv_blocks, config.block_size, fail_step=fail_step)
+    executor = SimulatedExecutor(config.num_kv_blocks, config.block_size, next_token, fail_step=fail_step)
     result = Run(Scheduler(config), executor)
     book = HandleBook()
     step = 0

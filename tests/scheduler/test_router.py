@@ -96,3 +96,12 @@ def test_released_requests_leave_with_their_placement() -> None:
     assert lane.load == 2 and [r.request_id for r in lane.waiting] == ["w0", "w1"]
     # Only what the remaining requests will compute counts now.
     assert lane.affinity(request("probe", SHARED + [1])) == 2 * BLOCK
+
+
+def test_a_sibling_choice_goes_where_its_first_choice_is_whatever_the_load() -> None:
+    lanes = [scheduler(), scheduler()]
+    lanes[1].add_request(request("busy", [7, 8, 9]))
+    lanes[1].add_request(request("a", [1, 2, 3, 4, 5]))
+    sibling = Request("a#1", [1, 2, 3, 4, 5], SamplingParams(max_tokens=4), fork_of="a")
+    assert route(sibling, lanes, tokens_per_request=1000).index == 1
+    assert route(request("other", [1, 2, 3, 4, 5]), lanes, tokens_per_request=1000).index == 0

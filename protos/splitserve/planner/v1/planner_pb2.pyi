@@ -15,7 +15,7 @@ class Hello(_message.Message):
     def __init__(self, frontend_id: _Optional[str] = ...) -> None: ...
 
 class SubmittedRequest(_message.Message):
-    __slots__ = ("handle", "request_id", "prompt_token_ids", "output_token_ids", "sampling", "priority", "cache_salt", "received_ago_s", "trace_context", "num_planner_losses")
+    __slots__ = ("handle", "request_id", "prompt_token_ids", "output_token_ids", "sampling", "priority", "cache_salt", "received_ago_s", "trace_context", "num_planner_losses", "fork_of")
     class TraceContextEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -33,6 +33,7 @@ class SubmittedRequest(_message.Message):
     RECEIVED_AGO_S_FIELD_NUMBER: _ClassVar[int]
     TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
     NUM_PLANNER_LOSSES_FIELD_NUMBER: _ClassVar[int]
+    FORK_OF_FIELD_NUMBER: _ClassVar[int]
     handle: int
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -43,7 +44,8 @@ class SubmittedRequest(_message.Message):
     received_ago_s: float
     trace_context: _containers.ScalarMap[str, str]
     num_planner_losses: int
-    def __init__(self, handle: _Optional[int] = ..., request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_generation_pb2.SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., cache_salt: _Optional[bytes] = ..., received_ago_s: _Optional[float] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., num_planner_losses: _Optional[int] = ...) -> None: ...
+    fork_of: str
+    def __init__(self, handle: _Optional[int] = ..., request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_generation_pb2.SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., cache_salt: _Optional[bytes] = ..., received_ago_s: _Optional[float] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., num_planner_losses: _Optional[int] = ..., fork_of: _Optional[str] = ...) -> None: ...
 
 class EndedRequest(_message.Message):
     __slots__ = ("handle", "stop_string")
