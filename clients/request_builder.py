@@ -40,6 +40,8 @@ class GenerateOptions(TypedDict, total=False):
     ignore_eos: bool | None
     logprobs: int | None
     prompt_logprobs: int | None
+    n: int | None
+    best_of: int | None
     min_tokens: int | None
     skip_special_tokens: bool | None
     include_stop_str_in_output: bool | None
@@ -72,6 +74,8 @@ def build_generate_request(
     ignore_eos: bool | None = None,
     logprobs: int | None = None,
     prompt_logprobs: int | None = None,
+    n: int | None = None,
+    best_of: int | None = None,
     min_tokens: int | None = None,
     skip_special_tokens: bool | None = None,
     include_stop_str_in_output: bool | None = None,
@@ -90,7 +94,9 @@ def build_generate_request(
     include_stop_str_in_output=True ends the text with the stop string that ended it.
     logit_bias adds a bias in [-100, 100] to a token id's logit; allowed_token_ids limits what
     may be generated to those ids. prompt_logprobs=N scores the prompt (each token's logprob
-    and N alternatives; max_tokens=0 then scores it alone). structured_output constrains the output to a grammar, spelled
+    and N alternatives; max_tokens=0 then scores it alone). n=N generates N choices from one
+    prompt computation (each delta names its choice in `index`); best_of=M generates M and keeps
+    the n most likely. structured_output constrains the output to a grammar, spelled
     as vLLM's structured_outputs with one key: {"json": schema (a dict or JSON text)},
     {"json_object": True}, {"regex": pattern}, {"choice": [strings]} or {"grammar": EBNF}.
     """
@@ -128,6 +134,8 @@ def build_generate_request(
         "ignore_eos": ignore_eos,
         "logprobs": logprobs,
         "prompt_logprobs": prompt_logprobs,
+        "n": n,
+        "best_of": best_of,
         "min_tokens": min_tokens,
         "include_stop_str_in_output": include_stop_str_in_output,
     }

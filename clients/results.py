@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import grpc
 
@@ -60,6 +60,8 @@ class GenerationDelta:
     # On the first delta when prompt_logprobs was asked for: one per prompt token after the
     # first, each naming that prompt token.
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
+    # The choice it belongs to (n > 1), from 0; each choice has its own last delta.
+    index: int = 0
 
 
 @dataclass(slots=True, frozen=True)
@@ -75,6 +77,10 @@ class GenerationResult:
     logprobs: list[TokenLogprob] | None
     # One entry per prompt token after the first when prompt_logprobs was asked for, else None.
     prompt_logprobs: list[TokenLogprob] | None = None
+    # Which choice this is (n > 1), from 0.
+    index: int = 0
+    # With n > 1: every choice, in index order (this result is the first); else empty.
+    choices: list["GenerationResult"] = field(default_factory=list)
 
 
 @dataclass(slots=True, frozen=True)
@@ -102,6 +108,7 @@ def delta_from_response(response: pb.GenerateResponse) -> GenerationDelta:
         usage=usage,
         timings=timings,
         prompt_logprobs=[_token_logprob(lp) for lp in response.prompt_logprobs],
+        index=response.index,
     )
 
 
@@ -121,44 +128,66 @@ def tokenize_result(response: pb.TokenizeResponse) -> TokenizeResult:
 
 
 @dataclass(slots=True)
-class ResultAssembler:
-    """Collects a stream's deltas into one GenerationResult."""
+class _ChoiceParts:
+    """What the deltas of one choice brought so far."""
 
-    # Whether the request asked for logprobs (an empty output still has a list then).
-    want_logprobs: bool = False
-    # Whether it asked for its prompt's logprobs (likewise).
-    want_prompt_logprobs: bool = False
-    request_id: str = ""
     token_ids: list[int] = field(default_factory=list)
     text_parts: list[str] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
     last: GenerationDelta | None = None
 
+
+@dataclass(slots=True)
+class ResultAssembler:
+    """Collects a stream's deltas into one GenerationResult (with every choice's, for n > 1)."""
+
+    # Whether the request asked for logprobs (an empty output still has a list then).
+    want_logprobs: bool = False
+    # Whether it asked for its prompt's logprobs (likewise).
+    want_prompt_logprobs: bool = False
+    request_id: str = ""
+    choices: dict[int, _ChoiceParts] = field(default_factory=dict)
+
     def add(self, delta: GenerationDelta) -> None:
         self.request_id = delta.request_id or self.request_id
-        self.token_ids.extend(delta.token_ids)
-        self.text_parts.append(delta.text)
-        self.logprobs.extend(delta.logprobs)
-        self.prompt_logprobs.extend(delta.prompt_logprobs)
-        self.last = delta
+        parts = self.choices.setdefault(delta.index, _ChoiceParts())
+        parts.token_ids.extend(delta.token_ids)
+        parts.text_parts.append(delta.text)
+        parts.logprobs.extend(delta.logprobs)
+        parts.prompt_logprobs.extend(delta.prompt_logprobs)
+        parts.last = delta
 
     def result(self) -> GenerationResult:
-        last = self.last
+        results = [self._choice(index) for index in sorted(self.choices)]
+        if not results or [r.index for r in results] != list(range(len(results))):
+            raise SplitserveError(grpc.StatusCode.UNKNOWN, "the stream ended without a finish reason")
+        first = results[0]
+        if len(results) == 1:
+            return first
+        # The prompt's scores come with one choice; every choice is the prompt's.
+        prompt_logprobs = next((r.prompt_logprobs for r in results if r.prompt_logprobs), first.prompt_logprobs)
+        results = [replace(r, prompt_logprobs=prompt_logprobs) for r in results]
+        return replace(results[0], choices=results)
+
+    def _choice(self, index: int) -> GenerationResult:
+        parts = self.choices[index]
+        last = parts.last
         if last is None or last.finish_reason is None:
-            # The contract ends every stream with a finish reason; anything else is a broken
-            # server or connection, not a result.
+            # The contract ends every stream (every choice) with a finish reason; anything else
+            # is a broken server or connection, not a result.
             raise SplitserveError(
                 grpc.StatusCode.UNKNOWN, "the stream ended without a finish reason"
             )
         return GenerationResult(
             request_id=self.request_id,
-            token_ids=self.token_ids,
-            text="".join(self.text_parts),
+            token_ids=parts.token_ids,
+            text="".join(parts.text_parts),
             finish_reason=last.finish_reason,
             stop_reason=last.stop_reason,
             usage=last.usage,
             timings=last.timings,
-            logprobs=self.logprobs if self.want_logprobs else None,
-            prompt_logprobs=self.prompt_logprobs if self.want_prompt_logprobs else None,
+            logprobs=parts.logprobs if self.want_logprobs else None,
+            prompt_logprobs=parts.prompt_logprobs if self.want_prompt_logprobs else None,
+            index=index,
         )

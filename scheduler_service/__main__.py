@@ -243,6 +243,7 @@ def _add_cap_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-stop-bytes", type=positive_int, default=caps.max_stop_bytes, help="UTF-8 bytes of one stop string")
     group.add_argument("--max-stop-token-ids", type=positive_int, default=caps.max_stop_token_ids)
     group.add_argument("--max-chat-messages", type=positive_int, default=caps.max_chat_messages)
+    group.add_argument("--max-choices", type=positive_int, default=caps.max_choices, help="choices of one request (n, best_of)")
     group.add_argument(
         "--max-message-bytes",
         type=positive_int,
@@ -292,6 +293,7 @@ def intake_limits(args: argparse.Namespace) -> IntakeLimits:
         max_stop_bytes=args.max_stop_bytes,
         max_stop_token_ids=args.max_stop_token_ids,
         max_chat_messages=args.max_chat_messages,
+        max_choices=args.max_choices,
         max_message_bytes=args.max_message_bytes,
         chat_roles=roles,
         tokenizer_threads=args.tokenizer_threads,

@@ -40,6 +40,9 @@ class IntakeLimits:
     max_stop_bytes: int = 1024
     max_stop_token_ids: int = 256
     max_chat_messages: int = 512
+    # Choices one request may ask for (SamplingParams.n and best_of): each is a sequence with
+    # K/V of its own beyond the shared prompt.
+    max_choices: int = 16
     # Bytes gRPC takes in for one message before it refuses it (RESOURCE_EXHAUSTED) unread.
     max_message_bytes: int = 64 << 20
     # Roles a chat message may have; the chat template renders any string it is given, so
@@ -76,6 +79,9 @@ def check_generate(
     stop_ids = message.sampling.stop_token_ids
     if len(stop_ids) > limits.max_stop_token_ids:
         _reject(f"{len(stop_ids)} stop token ids; at most {limits.max_stop_token_ids} are allowed")
+    choices = max(message.sampling.n, message.sampling.best_of)
+    if choices > limits.max_choices:
+        _reject(f"{choices} choices (n, best_of); at most {limits.max_choices} are allowed (--max-choices)")
     for stop in stops:
         if not stop:
             _reject("a stop string is empty")

@@ -11,6 +11,7 @@ from protos.splitserve.v1 import generation_pb2_grpc
 from scheduler_service.core.errors import ErrorKind, RequestError, RequestRejected
 from scheduler_service.core.sampling_params import SamplingDefaults
 from scheduler_service.frontend.backend import Backend
+from scheduler_service.frontend.choices import ChoiceReader, fork_choices
 from scheduler_service.frontend.draining import refuse_when_draining
 from scheduler_service.frontend.output_stream import OutputStream
 from scheduler_service.frontend.request_intake import Intake
@@ -30,7 +31,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:
         try:
-            stream = await self._submit(request, context)
+            streams, reader = await self._submit(request, context)
         except RequestRejected as rejected:
             refusal: RequestError | None = RequestError(rejected.kind, str(rejected))
         else:
@@ -42,31 +43,35 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         del request
         if refusal is not None:
             await context.abort(STATUS_CODES[refusal.kind], refusal.message)
-        scheduled = stream.request
+        scheduled = streams[0].request
         logger.info(
-            "event=request_received request_id=%s prompt_tokens=%d priority=%d",
-            scheduled.request_id, scheduled.num_prompt_tokens, scheduled.priority,
+            "event=request_received request_id=%s prompt_tokens=%d priority=%d choices=%d",
+            scheduled.request_id, scheduled.num_prompt_tokens, scheduled.priority, len(streams),
         )
         # A cancelled call may never resume this handler (grpc can drop it while a message is
         # being sent), so the call's end, not only the handler's finally, frees the request.
-        context.add_done_callback(lambda _: self._cancel(stream))
+        context.add_done_callback(lambda _: self._cancel(streams, reader))
         try:
-            while (item := await stream.next_item()) is not None:
+            while (item := await reader.next_item()) is not None:
                 if isinstance(item, RequestError):
                     await context.abort(STATUS_CODES[item.kind], item.message)
                 yield item
         finally:
-            self._cancel(stream)
-        request_done = stream.request
+            self._cancel(streams, reader)
+        request_done = streams[0].request
         logger.info(
             "event=request_finished request_id=%s reason=%s completion_tokens=%d",
             request_done.request_id,
             request_done.finish_reason.value if request_done.finish_reason else "abort",
-            request_done.num_output_tokens,
+            sum(stream.request.num_output_tokens for stream in streams),
         )
 
-    async def _submit(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> OutputStream:
-        """The new request's output stream; RequestRejected saying why it cannot run."""
+    async def _submit(
+        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> tuple[list[OutputStream], OutputStream | ChoiceReader]:
+        """The output streams of the new request's choices (one unless it asks for several)
+        and what the client's messages are read from; RequestRejected saying why it cannot
+        run."""
         refuse_when_draining(self.engine.draining)
         info = self._info()
         scheduled = await self.intake.generate_request(request, info)
@@ -75,14 +80,28 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             # The caller's W3C trace context, which the request's span continues.
             metadata = context.invocation_metadata() or ()
             carrier = {key: value for key, value in metadata if key in TRACE_CONTEXT_KEYS}
-        return self.engine.open_stream(scheduled, carrier)
+        sampling = scheduled.sampling
+        if sampling.num_choices == 1:
+            stream = self.engine.open_stream(scheduled, carrier)
+            return [stream], stream
+        streams: list[OutputStream] = []
+        try:
+            for choice in fork_choices(scheduled):
+                streams.append(self.engine.open_stream(choice, carrier))
+        except RequestRejected:
+            self._cancel(streams)
+            raise
+        return streams, ChoiceReader(scheduled.request_id, streams, sampling.n, sampling.logprobs is not None)
 
-    def _cancel(self, stream: OutputStream) -> None:
-        """The call is over: its request ends (if it still runs) and what its client did not
+    def _cancel(self, streams: list[OutputStream], reader: OutputStream | ChoiceReader | None = None) -> None:
+        """The call is over: its requests end (if they still run) and what its client did not
         read is dropped now, not when the collector finds the call's reference cycles."""
-        if self.engine.cancel(stream):
-            logger.info("event=request_cancelled request_id=%s", stream.request.request_id)
-        stream.discard()
+        if isinstance(reader, ChoiceReader):
+            reader.close()
+        for stream in streams:
+            if self.engine.cancel(stream):
+                logger.info("event=request_cancelled request_id=%s", stream.request.request_id)
+            stream.discard()
 
     async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
         return pb.AbortResponse(found=await self.engine.abort_request(request.request_id))

@@ -369,8 +369,11 @@ class Engine:
         return self.abort(request_id)
 
     def abort(self, request_id: str) -> bool:
-        request = self._find(request_id)
-        return request is not None and self._abort(request)
+        """Ends the request with this client id, and its other choices (SamplingParams.n)."""
+        family = [r for r in self._every_request() if r.request_id == request_id or r.fork_of == request_id]
+        for request in family:
+            self._abort(request)
+        return bool(family)
 
     def cancel(self, stream: RequestSink) -> bool:
         """Aborts the request of this stream, if still running; unlike abort(id) it never
@@ -379,11 +382,7 @@ class Engine:
         return self._find(request.request_id) is request and self._abort(request)
 
     def abort_all(self) -> None:
-        for lane in self.lanes.values():
-            if lane.scheduler is not None:
-                for request in list(lane.scheduler.requests.values()):
-                    self._abort(request)
-        for request in list(self.unplaced):
+        for request in self._every_request():
             self._abort(request)
 
     @property
@@ -640,6 +639,10 @@ class Engine:
             stream.fail(error)
             self.metrics.request_finished(request)
             self.tracing.request_finished(stream)
+
+    def _every_request(self) -> list[Request]:
+        placed = [r for lane in self.lanes.values() if lane.scheduler is not None for r in lane.scheduler.requests.values()]
+        return [*placed, *self.unplaced]
 
     def _find(self, request_id: str) -> Request | None:
         for lane in self.lanes.values():

@@ -147,10 +147,16 @@ class PlannerClient:
         return True
 
     async def abort_request(self, request_id: str) -> bool:
-        """A request of this front-end ends here; another's, through the planner."""
-        handle = self._handles_by_id.get(request_id)
-        if handle is not None:
-            self._end(handle, FinishReason.ABORT)
+        """A request of this front-end ends here, with its other choices (SamplingParams.n);
+        another's, through the planner."""
+        if request_id in self._handles_by_id:
+            family = [
+                handle
+                for handle in list(self._handles_by_id.values())
+                if (request := self._in_flight[handle].stream.request).request_id == request_id or request.fork_of == request_id
+            ]
+            for handle in family:
+                self._end(handle, FinishReason.ABORT)
             return True
         if self.current is None:
             return False

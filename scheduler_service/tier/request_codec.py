@@ -56,6 +56,7 @@ def submitted(request: Request, handle: int, num_planner_losses: int, trace_cont
         received_ago_s=max(0.0, time.monotonic() - request.arrival_time),
         trace_context=trace_context,
         num_planner_losses=num_planner_losses,
+        fork_of=request.fork_of,
     )
 
 
@@ -71,4 +72,5 @@ def request_of(message: planner_pb2.SubmittedRequest) -> Request:
         cache_salt=message.cache_salt,
         arrival_time=time.monotonic() - message.received_ago_s,
         token_ids=[*prompt, *message.output_token_ids],
+        fork_of=message.fork_of,
     )
