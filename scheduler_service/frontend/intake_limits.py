@@ -12,6 +12,7 @@ gRPC answers RESOURCE_EXHAUSTED there with no way to say which cap was broken.
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from protos.splitserve.v1 import generation_pb2 as pb
@@ -24,8 +25,13 @@ REQUEST_ID_PATTERN = re.compile(r"[!-~]+")
 TOKEN_ID_WIRE_BYTES = 5
 # Field tags, lengths and the sampling message: generous room beside the capped fields.
 ENVELOPE_BYTES = 64 << 10
-# Framing of one chat message beside its content (tags, lengths, a role name).
+# Framing of one chat message beside its content (tags, lengths, a role name); of one tool or
+# tool call beside its strings alike.
 CHAT_MESSAGE_OVERHEAD_BYTES = 64
+# Tools a chat may offer, and tool calls its turns may hold together: far above what a model's
+# prompt holds usefully (OpenAI allows 128 tools), and what bounds their framing on the wire.
+MAX_TOOLS = 128
+MAX_TOOL_CALLS = 512
 
 
 @dataclass(slots=True, frozen=True)
@@ -54,7 +60,8 @@ class IntakeLimits:
     def receive_limit_bytes(self) -> int:
         """The largest GenerateRequest these caps allow, with room for its framing."""
         prompt = max(
-            self.max_prompt_bytes + self.max_chat_messages * CHAT_MESSAGE_OVERHEAD_BYTES,
+            self.max_prompt_bytes
+            + (self.max_chat_messages + MAX_TOOLS + MAX_TOOL_CALLS) * CHAT_MESSAGE_OVERHEAD_BYTES,
             self.max_prompt_tokens * TOKEN_ID_WIRE_BYTES,
         )
         stops = self.max_stop_strings * (self.max_stop_bytes + 8) + self.max_stop_token_ids * TOKEN_ID_WIRE_BYTES
@@ -114,10 +121,24 @@ def check_prompt(
         _check_chat(message.chat, limits)
 
 
+def chat_texts(chat: pb.Chat) -> Iterator[str]:
+    """Every string of a chat that reaches the prompt: contents, tools, tool calls and results."""
+    for tool in chat.tools:
+        yield from (tool.name, tool.description, tool.parameters)
+    for turn in chat.messages:
+        yield from (turn.content, turn.tool_call_id, turn.name)
+        for call in turn.tool_calls:
+            yield from (call.id, call.name, call.arguments)
+
+
 def _check_chat(chat: pb.Chat, limits: IntakeLimits) -> None:
     if len(chat.messages) > limits.max_chat_messages:
         _reject(f"the chat has {len(chat.messages)} messages; at most {limits.max_chat_messages} are allowed")
-    budget = limits.max_prompt_bytes
+    if len(chat.tools) > MAX_TOOLS:
+        _reject(f"the chat has {len(chat.tools)} tools; at most {MAX_TOOLS} are allowed")
+    calls = sum(len(turn.tool_calls) for turn in chat.messages)
+    if calls > MAX_TOOL_CALLS:
+        _reject(f"the chat's messages hold {calls} tool calls; at most {MAX_TOOL_CALLS} are allowed")
     for index, turn in enumerate(chat.messages):
         if turn.role not in limits.chat_roles:
             shown = turn.role if len(turn.role) <= 32 else turn.role[:32] + "..."
@@ -125,9 +146,14 @@ def _check_chat(chat: pb.Chat, limits: IntakeLimits) -> None:
                 f"chat message {index} has role {shown!r}; the roles allowed are "
                 f"{', '.join(sorted(limits.chat_roles))} (--chat-roles)"
             )
-        if _utf8_length_exceeds(turn.content, budget):
-            _reject(f"the chat's contents are longer than {limits.max_prompt_bytes} bytes together (--max-prompt-bytes)")
-        budget -= len(turn.content.encode())
+    budget = limits.max_prompt_bytes
+    for text in chat_texts(chat):
+        if _utf8_length_exceeds(text, budget):
+            _reject(
+                f"the chat's contents, tools and tool calls are longer than {limits.max_prompt_bytes} "
+                "bytes together (--max-prompt-bytes)"
+            )
+        budget -= len(text.encode())
 
 
 def _check_request_id(request_id: str, limits: IntakeLimits) -> None:

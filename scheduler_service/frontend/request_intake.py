@@ -24,8 +24,10 @@ from protos.splitserve.v1 import generation_pb2 as pb
 from scheduler_service.core.errors import ErrorKind, RequestRejected
 from scheduler_service.core.request import Request
 from scheduler_service.core.sampling_params import SamplingDefaults, SamplingParams
+from scheduler_service.frontend.chat_turns import chat_input
 from scheduler_service.frontend.intake_limits import (
     IntakeLimits,
+    chat_texts,
     check_generate,
     check_prompt,
 )
@@ -164,12 +166,13 @@ class Intake:
 def prompt_size(message: pb.GenerateRequest | pb.TokenizeRequest, field: str) -> int:
     """What orders the request in the tokenizer pool: characters of text or chat contents, or
     token ids (checking and hashing an id costs a quarter of tokenizing a character, so an id
-    prompt never ranks ahead of work it outlasts)."""
+    prompt never ranks ahead of work it outlasts). A chat's tools and tool calls are text it
+    renders."""
     kind = message.WhichOneof(field)
     if kind == "text":
         return len(message.text)
     if kind == "chat":
-        return sum(len(turn.content) for turn in message.chat.messages)
+        return sum(map(len, chat_texts(message.chat)))
     return 0 if kind is None else len(message.token_ids.ids)
 
 
@@ -241,15 +244,15 @@ def prompt_token_ids(
         return text.encode(message.text)
     if not text.has_chat_template:
         raise RequestRejected(ErrorKind.UNSUPPORTED, "the tokenizer has no chat template; send text")
-    turns = [(m.role, m.content) for m in message.chat.messages]
-    if not turns:
+    if not message.chat.messages:
         raise RequestRejected(ErrorKind.INVALID, "chat has no messages")
+    chat = chat_input(message.chat)
     variables = {name: template_value(value) for name, value in message.chat.template_kwargs.items()}
     if None in variables.values():
         unset = sorted(name for name, value in variables.items() if value is None)
         raise RequestRejected(ErrorKind.INVALID, f"chat template_kwargs {unset[:10]} have no value set")
     try:
-        return text.encode_chat(turns, message.chat.add_generation_prompt, variables)
+        return text.encode_chat(chat.turns, message.chat.add_generation_prompt, variables, chat.tools)
     except (ValueError, TemplateError) as error:
         # The template refused the conversation (its raise_exception: roles out of order, say)
         # or its content cannot be kept apart from the template's control tokens.

@@ -11,8 +11,9 @@ import json
 import logging
 import re
 import secrets
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 from tokenizers import AddedToken, Tokenizer
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
@@ -25,11 +26,20 @@ from scheduler_service.text.template_kwargs import (
 from scheduler_service.text.token_bytes import TokenBytes
 from scheduler_service.text.token_count_bound import token_count_bound
 from scheduler_service.text.tokenizer_folder import check_tokenizer_folder, unloadable
+from scheduler_service.text.tool_prompt import (
+    hermes_conversation,
+    template_renders_tools,
+)
 
 logger = logging.getLogger(__name__)
 
-# A chat turn as a (role, content) pair or as {"role": ..., "content": ...}.
-ChatTurn = tuple[str, str] | Mapping[str, str]
+# A chat turn as a (role, content) pair or as {"role": ..., "content": ...}, the mapping with
+# transformers' optional tool keys: "tool_calls" ([{"id", "type": "function", "function": {"name",
+# "arguments": object}}]), "tool_call_id" and "name".
+ChatTurn = tuple[str, str] | Mapping[str, Any]
+# A tool as transformers takes it: {"type": "function", "function": {"name", "description",
+# "parameters"}}.
+ToolSpec = Mapping[str, Any]
 
 
 class ChatContentError(ValueError):
@@ -116,6 +126,7 @@ class TextProcessor:
         messages: Sequence[ChatTurn],
         add_generation_prompt: bool,
         template_kwargs: Mapping[str, TemplateValue] | None = None,
+        tools: Sequence[ToolSpec] = (),
     ) -> list[int]:
         """Token ids of a conversation rendered with the chat template.
 
@@ -125,6 +136,11 @@ class TextProcessor:
         they could otherwise end a turn and forge the next one. template_kwargs are extra
         template variables (TemplateKwargsError, a ValueError, for those refused; see
         text/template_kwargs.py).
+
+        tools, and turns' calls and results, go to a template that renders tools as they are;
+        for any other template they are written into plain turns (text/tool_prompt.py). Their
+        strings are rendered as JSON or verbatim where no stand-in could quote a control token,
+        so one that holds a control token's text is refused (ChatContentError).
         """
         if not self.has_chat_template:
             raise ValueError("the tokenizer has no chat template")
@@ -137,16 +153,30 @@ class TextProcessor:
         for turn in conversation:
             if found := self._control_text.search(turn["role"]):
                 raise ChatContentError(f"a message role contains {_control_token(found)}")
+            for key in ("tool_calls", "tool_call_id", "name"):
+                self._refuse_control_text(turn.get(key), f"a message's {key}")
+        for tool in tools:
+            self._refuse_control_text(tool, "a tool definition")
+        template_tools: list[ToolSpec] | None = list(tools) or None
+        with_tools = tools or any(turn.get("tool_calls") or turn["role"] == "tool" for turn in conversation)
+        if with_tools and not template_renders_tools(self._tokenizer.chat_template):
+            conversation, template_tools = hermes_conversation(conversation, tools), None
         if any(self._control_text.search(turn["content"]) for turn in conversation):
-            return self._encode_chat_quoting_controls(conversation, add_generation_prompt, variables)
-        rendered = self._render_chat(conversation, add_generation_prompt, variables)
+            return self._encode_chat_quoting_controls(conversation, add_generation_prompt, variables, template_tools)
+        rendered = self._render_chat(conversation, add_generation_prompt, variables, template_tools)
         return list(self._tokenizer.encode(rendered, add_special_tokens=False))
+
+    def _refuse_control_text(self, value: Any, what: str) -> None:
+        for text in _strings(value):
+            if found := self._control_text.search(text):
+                raise ChatContentError(f"{what} contains {_control_token(found)}")
 
     def _encode_chat_quoting_controls(
         self,
-        conversation: list[dict[str, str]],
+        conversation: list[dict[str, Any]],
         add_generation_prompt: bool,
         variables: Mapping[str, TemplateValue],
+        tools: list[ToolSpec] | None,
     ) -> list[int]:
         """encode_chat for contents that hold control-token strings.
 
@@ -177,11 +207,8 @@ class TextProcessor:
             originals[name] = match.group()
             return name
 
-        marked = [
-            {"role": turn["role"], "content": self._control_text.sub(stand_in, turn["content"])}
-            for turn in conversation
-        ]
-        rendered = self._render_chat(marked, add_generation_prompt, variables)
+        marked = [{**turn, "content": self._control_text.sub(stand_in, turn["content"])} for turn in conversation]
+        rendered = self._render_chat(marked, add_generation_prompt, variables, tools)
         stand_ins = re.compile(f"{key}\\d+{key}")
         found = stand_ins.findall(rendered)
         if rendered.count(key) != 2 * len(found) or not originals.keys() >= set(found):
@@ -217,12 +244,13 @@ class TextProcessor:
 
     def _render_chat(
         self,
-        conversation: list[dict[str, str]],
+        conversation: list[dict[str, Any]],
         add_generation_prompt: bool,
         variables: Mapping[str, TemplateValue],
+        tools: list[ToolSpec] | None,
     ) -> str:
         rendered = self._tokenizer.apply_chat_template(
-            conversation, add_generation_prompt=add_generation_prompt, tokenize=False, **variables
+            conversation, tools=tools, add_generation_prompt=add_generation_prompt, tokenize=False, **variables
         )
         if not isinstance(rendered, str):
             raise TypeError(f"chat template rendered {type(rendered).__name__}, expected str")
@@ -240,11 +268,24 @@ def _control_token(found: re.Match[str]) -> str:
     return f"{found.group()!r}, a special token or added token of the tokenizer"
 
 
-def _as_dict(turn: ChatTurn) -> dict[str, str]:
+def _as_dict(turn: ChatTurn) -> dict[str, Any]:
     if isinstance(turn, tuple):
         role, content = turn
         return {"role": role, "content": content}
-    return {"role": turn["role"], "content": turn["content"]}
+    return dict(turn)
+
+
+def _strings(value: Any) -> Iterator[str]:
+    """Every string in a JSON-like value, keys included."""
+    if isinstance(value, str):
+        yield value
+    elif isinstance(value, Mapping):
+        for key, item in value.items():
+            yield from _strings(key)
+            yield from _strings(item)
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _strings(item)
 
 
 def _plain_text_backend(tokenizer: PreTrainedTokenizerBase) -> Tokenizer | None:

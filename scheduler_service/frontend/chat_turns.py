@@ -1,0 +1,94 @@
+"""A request's Chat as the tokenizer renders it: the turns (with their tool calls, results and
+names) and the tools, in the shapes transformers' chat templates read, checked on the way. What
+is wrong ends the request with INVALID naming the field."""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from typing import Any, NoReturn
+
+from protos.splitserve.v1 import generation_pb2 as pb
+from scheduler_service.core.errors import ErrorKind, RequestRejected
+from scheduler_service.frontend.json_schema_shape import schema_problem
+
+# OpenAI's rule for a function's name.
+FUNCTION_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+
+
+@dataclass(slots=True, frozen=True)
+class ChatInput:
+    # {"role", "content"} and, where set, "tool_calls", "tool_call_id" and "name".
+    turns: list[dict[str, Any]]
+    # {"type": "function", "function": {"name", "description"?, "parameters"?}}.
+    tools: list[dict[str, Any]]
+
+
+def chat_input(chat: pb.Chat) -> ChatInput:
+    tools = [_tool(index, tool) for index, tool in enumerate(chat.tools)]
+    names = [tool["function"]["name"] for tool in tools]
+    repeated = sorted({name for name in names if names.count(name) > 1})
+    if repeated:
+        _reject(f"chat.tools name {repeated[0]!r} more than once; a tool's name must be unique")
+    return ChatInput([_turn(index, message) for index, message in enumerate(chat.messages)], tools)
+
+
+def _tool(index: int, tool: pb.Tool) -> dict[str, Any]:
+    where = f"chat.tools[{index}]"
+    function: dict[str, Any] = {"name": _function_name(tool.name, f"{where}.name")}
+    if tool.description:
+        function["description"] = tool.description
+    if tool.parameters:
+        parameters = _json(tool.parameters, f"{where}.parameters")
+        problem = schema_problem(parameters)
+        if problem is not None:
+            _reject(f"{where}.parameters is not a JSON schema: {problem}")
+        function["parameters"] = parameters
+    return {"type": "function", "function": function}
+
+
+def _turn(index: int, message: pb.ChatMessage) -> dict[str, Any]:
+    turn: dict[str, Any] = {"role": message.role, "content": message.content}
+    if message.tool_calls:
+        turn["tool_calls"] = [
+            _call(call, f"chat.messages[{index}].tool_calls[{number}]")
+            for number, call in enumerate(message.tool_calls)
+        ]
+    if message.tool_call_id:
+        turn["tool_call_id"] = message.tool_call_id
+    if message.name:
+        turn["name"] = message.name
+    return turn
+
+
+def _call(call: pb.ToolCall, where: str) -> dict[str, Any]:
+    # No arguments written is a call with none.
+    arguments = _json(call.arguments, f"{where}.arguments") if call.arguments else {}
+    if not isinstance(arguments, dict):
+        _reject(f"{where}.arguments must be a JSON object")
+    function = {"name": _function_name(call.name, f"{where}.name"), "arguments": arguments}
+    record: dict[str, Any] = {"type": "function", "function": function}
+    if call.id:
+        record["id"] = call.id
+    return record
+
+
+def _function_name(name: str, where: str) -> str:
+    if FUNCTION_NAME.fullmatch(name) is None:
+        shown = name if len(name) <= 64 else name[:64] + "..."
+        _reject(f"{where} {shown!r} is not a function name (1 to 64 letters, digits, underscores or dashes)")
+    return name
+
+
+def _json(text: str, where: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as error:
+        _reject(f"{where} is not JSON: {error}")
+    except RecursionError:
+        _reject(f"{where} is nested too deeply")
+
+
+def _reject(message: str) -> NoReturn:
+    raise RequestRejected(ErrorKind.INVALID, message)
