@@ -16,6 +16,7 @@ from typing import Any, Concatenate, Generic, ParamSpec, TypeVar, Unpack
 from google.protobuf.message import Message
 from grpc_health.v1 import health_pb2
 
+from clients.chat_tools import ToolSpec
 from clients.request_builder import (
     ChatMessage,
     GenerateOptions,
@@ -203,11 +204,12 @@ def tokenize(
     *,
     add_generation_prompt: bool = True,
     chat_template_kwargs: Mapping[str, TemplateValue] | None = None,
+    tools: Sequence[ToolSpec] | None = None,
     api_key: str | None = None,
 ) -> UnaryCall[TokenizeResult]:
     """The token ids Generate would use for text or a chat (rendered with the template, given
-    chat_template_kwargs as extra variables)."""
-    request = build_tokenize_request(text, messages, add_generation_prompt, chat_template_kwargs)
+    chat_template_kwargs as extra variables and tools as Generate renders them)."""
+    request = build_tokenize_request(text, messages, add_generation_prompt, chat_template_kwargs, tools)
     return UnaryCall("Tokenize", request, tokenize_result, api_key)
 
 

@@ -64,6 +64,13 @@ def build_parser(prog: str = "python -m clients") -> argparse.ArgumentParser:
     generate.add_argument("--top-k", type=at_least(0), help=sampling)
     generate.add_argument("--seed", type=int, help="same seed, same tokens (default: random)")
     generate.add_argument("--stop", action="append", help="stop string (repeatable)")
+    generate.add_argument(
+        "--tools",
+        type=json_list,
+        metavar="JSON",
+        help="with --chat: functions the model may call, as OpenAI's tools list (JSON text); "
+        "the answer is the model's own call text",
+    )
     grammar = generate.add_mutually_exclusive_group()
     grammar.add_argument("--json-schema", metavar="SCHEMA", help="answer in JSON following this schema (JSON text)")
     grammar.add_argument("--json-object", action="store_true", help="answer with a JSON object")
@@ -89,6 +96,17 @@ def build_parser(prog: str = "python -m clients") -> argparse.ArgumentParser:
     )
     _add_server(status)
     return parser
+
+
+def json_list(text: str) -> list[object]:
+    """An argparse type: JSON text of a list, or argparse's one-line error."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise argparse.ArgumentTypeError(f"not JSON: {error}") from None
+    if not isinstance(value, list):
+        raise argparse.ArgumentTypeError("must be a JSON list")
+    return value
 
 
 def at_least(minimum: int) -> Callable[[str], int]:
@@ -191,6 +209,7 @@ def _generate(client: Client, args: argparse.Namespace) -> int:
         "seed": args.seed,
         "stop": args.stop,
         "structured_output": _structured_output(args),
+        "tools": args.tools,
     }
     if args.chat:
         deltas = client.stream(messages=[("user", args.prompt)], **options)

@@ -6,12 +6,14 @@ import json
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypedDict, TypeVar
 
+from clients.chat_tools import ToolSpec, tool_call_messages, tool_messages
 from protos.splitserve.v1 import generation_pb2 as pb
 
 T = TypeVar("T")
 R = TypeVar("R")
-# A chat turn as (role, content) or {"role": ..., "content": ...}.
-ChatMessage = tuple[str, str] | Mapping[str, str]
+# A chat turn as (role, content) or {"role": ..., "content": ...}; the mapping may carry OpenAI's
+# "tool_calls" (an assistant's), "tool_call_id" (a tool result's) and "name".
+ChatMessage = tuple[str, str] | Mapping[str, Any]
 # A chat template variable's value (the scheduler takes plain values only).
 TemplateValue = bool | int | float | str
 
@@ -47,6 +49,7 @@ class GenerateOptions(TypedDict, total=False):
     include_stop_str_in_output: bool | None
     add_generation_prompt: bool
     chat_template_kwargs: Mapping[str, TemplateValue] | None
+    tools: Sequence[ToolSpec] | None
     priority: int
     request_id: str | None
     cache_salt: str | None
@@ -81,6 +84,7 @@ def build_generate_request(
     include_stop_str_in_output: bool | None = None,
     add_generation_prompt: bool = True,
     chat_template_kwargs: Mapping[str, TemplateValue] | None = None,
+    tools: Sequence[ToolSpec] | None = None,
     priority: int = 0,
     request_id: str | None = None,
     cache_salt: str | None = None,
@@ -99,6 +103,9 @@ def build_generate_request(
     the n most likely. structured_output constrains the output to a grammar, spelled
     as vLLM's structured_outputs with one key: {"json": schema (a dict or JSON text)},
     {"json_object": True}, {"regex": pattern}, {"choice": [strings]} or {"grammar": EBNF}.
+    tools (OpenAI's: [{"type": "function", "function": {"name", "description", "parameters"}}])
+    are rendered into a chat's prompt; the answer is text (the model's own call format), which a
+    structured_output can constrain to a call.
     """
     prompts = {"prompt": prompt, "prompt_token_ids": prompt_token_ids, "messages": messages}
     given = [name for name, value in prompts.items() if value is not None]
@@ -116,9 +123,10 @@ def build_generate_request(
     elif prompt_token_ids is not None:
         _checked("prompt_token_ids", request.token_ids.ids.extend, list(prompt_token_ids))
     elif messages is not None:
-        request.chat.CopyFrom(chat(messages, add_generation_prompt, chat_template_kwargs))
-    elif chat_template_kwargs is not None:
-        raise ValueError("chat_template_kwargs needs messages (a chat prompt)")
+        request.chat.CopyFrom(chat(messages, add_generation_prompt, chat_template_kwargs, tools))
+    if messages is None:
+        # A text or token-id prompt has no chat to hold them.
+        _chat_only(chat_template_kwargs=chat_template_kwargs, tools=tools)
 
     params = request.sampling
     scalars = {
@@ -193,14 +201,21 @@ def build_tokenize_request(
     messages: Sequence[ChatMessage] | None = None,
     add_generation_prompt: bool = True,
     chat_template_kwargs: Mapping[str, TemplateValue] | None = None,
+    tools: Sequence[ToolSpec] | None = None,
 ) -> pb.TokenizeRequest:
     if (text is None) == (messages is None):
         raise ValueError("exactly one of text and messages must be given")
     if messages is not None:
-        return pb.TokenizeRequest(chat=chat(messages, add_generation_prompt, chat_template_kwargs))
-    if chat_template_kwargs is not None:
-        raise ValueError("chat_template_kwargs needs messages (a chat prompt)")
+        return pb.TokenizeRequest(chat=chat(messages, add_generation_prompt, chat_template_kwargs, tools))
+    _chat_only(chat_template_kwargs=chat_template_kwargs, tools=tools)
     return pb.TokenizeRequest(text=text)
+
+
+def _chat_only(**options: object) -> None:
+    """ValueError for a chat option given without a chat."""
+    for name, value in options.items():
+        if value is not None:
+            raise ValueError(f"{name} needs messages (a chat prompt)")
 
 
 def build_detokenize_request(token_ids: Sequence[int], skip_special_tokens: bool) -> pb.DetokenizeRequest:
@@ -213,13 +228,15 @@ def chat(
     messages: Sequence[ChatMessage],
     add_generation_prompt: bool,
     template_kwargs: Mapping[str, TemplateValue] | None = None,
+    tools: Sequence[ToolSpec] | None = None,
 ) -> pb.Chat:
     if isinstance(messages, (str, bytes)) or not messages:
         raise ValueError("messages must be a non-empty list of chat turns")
     return pb.Chat(
-        messages=[_chat_message(turn) for turn in messages],
+        messages=[_chat_message(index, turn) for index, turn in enumerate(messages)],
         add_generation_prompt=add_generation_prompt,
         template_kwargs={name: template_value(name, value) for name, value in (template_kwargs or {}).items()},
+        tools=tool_messages(tools or []),
     )
 
 
@@ -240,12 +257,18 @@ def template_value(name: str, value: TemplateValue) -> pb.TemplateValue:
     )
 
 
-def _chat_message(turn: ChatMessage) -> pb.ChatMessage:
+def _chat_message(index: int, turn: ChatMessage) -> pb.ChatMessage:
     if isinstance(turn, tuple):
         role, content = turn
-    else:
-        role, content = turn["role"], turn["content"]
-    return pb.ChatMessage(role=role, content=content)
+        return pb.ChatMessage(role=role, content=content)
+    # An assistant turn that only calls tools has no content (OpenAI sends null).
+    message = pb.ChatMessage(role=turn["role"], content=turn.get("content") or "")
+    calls = turn.get("tool_calls")
+    if calls:
+        message.tool_calls.extend(tool_call_messages(calls, f"messages[{index}].tool_calls"))
+    _checked(f"messages[{index}].tool_call_id", lambda v: setattr(message, "tool_call_id", v), turn.get("tool_call_id") or "")
+    _checked(f"messages[{index}].name", lambda v: setattr(message, "name", v), turn.get("name") or "")
+    return message
 
 
 def _checked(name: str, apply: Callable[[T], R], value: T) -> R:
