@@ -42,6 +42,7 @@ from clients.openai_gateway.streaming import (
     first_delta,
 )
 from clients.openai_gateway.tokenization import router as tokenization_router
+from clients.openai_gateway.tool_calls import parser_for
 from clients.openai_gateway.translate import GenerateCall, chat_call, completion_call
 from clients.results import TokenLogprob
 from protos.splitserve.v1 import generation_pb2 as pb
@@ -97,7 +98,8 @@ async def chat_completions(
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     call = chat_call(body, request_id)
     context = await _context(gateway, body, api_key, request_id, bool(body.logprobs))
-    return await _respond(request, gateway, call, api_key, ChatShaper(context), bool(body.stream))
+    shaper = ChatShaper(context, parser_for(call.tool_plan))
+    return await _respond(request, gateway, call, api_key, shaper, bool(body.stream))
 
 
 @router.get("/v1/models")

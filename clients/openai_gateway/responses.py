@@ -13,6 +13,7 @@ from typing import Any, Protocol
 
 from clients.openai_gateway.errors import GatewayError
 from clients.openai_gateway.logprobs import CompletionLogprobs, chat_logprobs
+from clients.openai_gateway.tool_calls import ToolCallParser, call_bodies, read_answer
 from clients.results import GenerationDelta, GenerationResult, ResultAssembler, Usage
 
 
@@ -132,14 +133,25 @@ class CompletionShaper:
 
 @dataclass(slots=True)
 class ChatShaper:
+    """tool_calls: reads the calls out of the answer when it may make some (tool_calls.py); the
+    finish reason of an answer that made one and stopped is "tool_calls"."""
+
     context: ResponseContext
+    tool_calls: ToolCallParser | None = None
 
     def whole(self, deltas: Sequence[GenerationDelta]) -> dict[str, Any]:
         result = assemble(deltas, self.context.want_logprobs)
         reason = finish_reason(deltas[-1])
+        message: dict[str, Any] = {"role": "assistant", "content": result.text, "refusal": None}
+        if self.tool_calls is not None:
+            answer = read_answer(self.tool_calls, result.text)
+            message["content"] = answer.content
+            if answer.tool_calls:
+                message["tool_calls"] = answer.tool_calls
+            reason = self._with_calls(reason)
         choice = {
             "index": 0,
-            "message": {"role": "assistant", "content": result.text, "refusal": None},
+            "message": message,
             "logprobs": chat_logprobs(result.logprobs) if result.logprobs is not None else None,
             "finish_reason": reason,
         }
@@ -162,15 +174,28 @@ class ChatShaper:
     def chunks(self, delta: GenerationDelta) -> list[dict[str, Any]]:
         reason = finish_reason(delta)
         with_logprobs = self.context.want_logprobs and bool(delta.logprobs)
-        if not delta.text and reason is None and not with_logprobs:
+        body: dict[str, Any] = {"content": delta.text} if delta.text else {}
+        if self.tool_calls is not None:
+            events = self.tool_calls.feed(delta.text)
+            if reason is not None:
+                events += self.tool_calls.finish()
+                reason = self._with_calls(reason)
+            content = "".join(event for event in events if isinstance(event, str))
+            calls = call_bodies(events)
+            body = ({"content": content} if content else {}) | ({"tool_calls": calls} if calls else {})
+        if not body and reason is None and not with_logprobs:
             return []
         choice = {
             "index": 0,
-            "delta": {"content": delta.text} if delta.text else {},
+            "delta": body,
             "logprobs": chat_logprobs(delta.logprobs) if with_logprobs else None,
             "finish_reason": reason,
         }
         return [_stream_chunk(self.context, "chat.completion.chunk", choice)]
+
+    def _with_calls(self, reason: str | None) -> str | None:
+        assert self.tool_calls is not None
+        return "tool_calls" if reason == "stop" and self.tool_calls.made_calls else reason
 
     def closing(self, usage: Usage | None) -> list[dict[str, Any]]:
         return _usage_chunk(self.context, "chat.completion.chunk", usage)

@@ -4,9 +4,9 @@ the way to the scheduler, which then applies the model's own defaults.
 
 Fields outside these models are refused (extra="forbid"): a feature this server does not have
 must fail loudly rather than be dropped. Fields OpenAI defines but that only some values of are
-supported (n, best_of, tools, ...) are declared here and checked in translate.py, which can say why.
-Fields that change nothing a server returns (user, store, metadata, service_tier, a message's
-name) are taken and ignored, as OpenAI's clients send them routinely.
+supported (n, best_of, tool_choice, ...) are declared here and checked in translate.py, which can say
+why. Fields that change nothing a server returns (user, store, metadata, service_tier) are taken
+and ignored, as OpenAI's clients send them routinely.
 """
 
 from __future__ import annotations
@@ -36,8 +36,13 @@ class ContentPart(BaseModel):
 class ChatMessage(Body):
     role: str
     content: str | list[ContentPart] | None = None
-    # A participant's name; the chat templates served here have no place for it.
+    # A tool result's: the function's name, given to the chat template. Another turn's: a
+    # participant's, which the templates served here have no place for (ignored).
     name: str | None = None
+    # An assistant turn's calls: [{"id", "type": "function", "function": {"name", "arguments"}}].
+    tool_calls: list[dict[str, Any]] | None = None
+    # A tool result's: the id of the call it answers.
+    tool_call_id: str | None = None
 
 
 class JsonSchemaFormat(BaseModel):

@@ -2,8 +2,9 @@
 scheduler's Tokenize and Detokenize calls (the same tokenizer and chat template Generate uses).
 
 Options vLLM takes that this server cannot honour are refused by name: a caller's own chat
-template, tools, continuing the final message, and adding special tokens other than as Generate
-does (to a prompt, yes; on top of a chat template, no).
+template, continuing the final message, and adding special tokens other than as Generate does (to a
+prompt, yes; on top of a chat template, no). Tools are rendered as a chat completion with
+tool_choice auto renders them.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ async def tokenize(body: TokenizeRequest, gateway: GatewayDep, api_key: ApiKey) 
                 messages=chat_messages(body.messages),
                 add_generation_prompt=body.add_generation_prompt,
                 chat_template_kwargs=None if variables is None else template_kwargs(variables),
+                tools=body.tools,
                 api_key=api_key,
             )
         else:
@@ -89,7 +91,5 @@ def _check_tokenize(body: TokenizeRequest) -> None:
                 raise bad_request(f"{name} needs messages", name)
     if body.chat_template is not None:
         raise unsupported("chat_template", "a caller's own chat_template is not supported")
-    if body.tools:
-        raise unsupported("tools", "tool calling is not supported")
     if body.continue_final_message:
         raise unsupported("continue_final_message", "continue_final_message is not supported")

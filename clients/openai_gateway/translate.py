@@ -19,6 +19,7 @@ from clients.openai_gateway.schemas import (
     ResponseFormat,
     SamplingFields,
 )
+from clients.openai_gateway.tool_choice import ToolMode, ToolPlan, tool_plan
 from clients.request_builder import (
     GenerateOptions,
     TemplateValue,
@@ -31,12 +32,14 @@ ROLE_ALIASES = {"developer": "system"}
 
 @dataclass(slots=True, frozen=True)
 class GenerateCall:
-    """One Generate call: exactly one of the three prompt forms, and the options."""
+    """One Generate call: exactly one of the three prompt forms, and the options; for a chat that
+    offers tools, how its answer is read (tool_choice.py)."""
 
     prompt: str | None
     prompt_token_ids: list[int] | None
-    messages: list[dict[str, str]] | None
+    messages: list[dict[str, Any]] | None
     options: GenerateOptions
+    tool_plan: ToolPlan | None = None
 
     @property
     def request_id(self) -> str:
@@ -62,11 +65,11 @@ def completion_call(body: CompletionRequest, request_id: str) -> GenerateCall:
 
 def chat_call(body: ChatCompletionRequest, request_id: str) -> GenerateCall:
     _check_common(body)
-    if body.tools or body.functions:
-        raise unsupported("tools" if body.tools else "functions", "tool calling is not supported")
-    for name, choice in (("tool_choice", body.tool_choice), ("function_call", body.function_call)):
-        if choice not in (None, "none"):
-            raise unsupported(name, "tool calling is not supported")
+    # OpenAI's deprecated spelling of tools.
+    if body.functions or body.function_call not in (None, "none"):
+        name = "functions" if body.functions else "function_call"
+        raise unsupported(name, f"{name} is not supported; use tools and tool_choice")
+    plan = tool_plan(body.tools, body.tool_choice, body.parallel_tool_calls)
     if body.top_logprobs is not None and not body.logprobs:
         raise bad_request("top_logprobs needs logprobs set to true", "top_logprobs")
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
@@ -78,15 +81,28 @@ def chat_call(body: ChatCompletionRequest, request_id: str) -> GenerateCall:
         if body.structured_outputs is not None:
             raise bad_request("give response_format or structured_outputs, not both", "response_format")
         options["structured_output"] = formatted
+    if plan is not None and plan.constraint is not None:
+        if options.get("structured_output") is not None:
+            raise bad_request(
+                f"tool_choice {plan.mode.value} constrains the answer to a call; leave out response_format "
+                "and structured_outputs",
+                "tool_choice",
+            )
+        options["structured_output"] = plan.constraint
+    if plan is not None and plan.mode is not ToolMode.NONE:
+        # tool_choice none leaves the tools out of the prompt: the model is not invited to call.
+        options["tools"] = body.tools
     if body.add_generation_prompt is not None:
         options["add_generation_prompt"] = body.add_generation_prompt
     if body.chat_template_kwargs is not None:
         options["chat_template_kwargs"] = template_kwargs(body.chat_template_kwargs)
-    return GenerateCall(None, None, chat_messages(body.messages), options)
+    return GenerateCall(None, None, chat_messages(body.messages), options, plan)
 
 
-def chat_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
-    """The turns as the scheduler takes them: text content, OpenAI's role aliases resolved."""
+def chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """The turns as the scheduler takes them: text content, OpenAI's role aliases resolved, an
+    assistant's calls and a tool result's call id and name as they came (the client library
+    checks their shape)."""
     return [_chat_turn(index, message) for index, message in enumerate(messages)]
 
 
@@ -199,13 +215,29 @@ def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
     return ids
 
 
-def _chat_turn(index: int, message: ChatMessage) -> dict[str, str]:
-    content = message.content
+def _chat_turn(index: int, message: ChatMessage) -> dict[str, Any]:
     role = ROLE_ALIASES.get(message.role, message.role)
+    turn: dict[str, Any] = {"role": role, "content": _text_content(index, message)}
+    if message.tool_calls:
+        turn["tool_calls"] = message.tool_calls
+    if message.tool_call_id:
+        turn["tool_call_id"] = message.tool_call_id
+    # A tool result's name is the function's, which some templates print; another turn's is a
+    # participant's, which the templates served here have no place for.
+    if message.name and role == "tool":
+        turn["name"] = message.name
+    return turn
+
+
+def _text_content(index: int, message: ChatMessage) -> str:
+    content = message.content
     if content is None:
+        # An assistant turn that only calls tools has none.
+        if message.tool_calls:
+            return ""
         raise bad_request(f"messages[{index}].content is required", f"messages.{index}.content")
     if isinstance(content, str):
-        return {"role": role, "content": content}
+        return content
     texts: list[str] = []
     for part_index, part in enumerate(content):
         param = f"messages.{index}.content.{part_index}"
@@ -215,4 +247,4 @@ def _chat_turn(index: int, message: ChatMessage) -> dict[str, str]:
             raise bad_request(f"{param}: a text part needs its text", param)
         texts.append(part.text)
     # Parts joined by newlines, as vLLM renders a multi-part text message.
-    return {"role": role, "content": "\n".join(texts)}
+    return "\n".join(texts)

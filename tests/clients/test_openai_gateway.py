@@ -607,7 +607,7 @@ def test_bad_completion_requests_get_400(oai: openai.OpenAI, arguments: dict[str
 @pytest.mark.parametrize(
     ("arguments", "message"),
     [
-        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tool calling"),
+        ({"functions": [{"name": "f", "parameters": {}}]}, "functions is not supported; use tools"),
         ({"response_format": {"type": "yaml"}}, "response_format 'yaml' is not supported"),
         ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, "image_url"),
         ({"top_logprobs": 2}, "logprobs"),
