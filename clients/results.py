@@ -159,9 +159,9 @@ class ResultAssembler:
         parts.last = delta
 
     def result(self) -> GenerationResult:
-        results = [self._choice(index) for index in sorted(self.choices)]
-        if not results or [r.index for r in results] != list(range(len(results))):
+        if not self.choices:
             raise SplitserveError(grpc.StatusCode.UNKNOWN, "the stream ended without a finish reason")
+        results = [self._choice(index) for index in sorted(self.choices)]
         first = results[0]
         if len(results) == 1:
             return first

@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -23,6 +23,7 @@ from clients.openai_gateway.errors import (
 )
 from clients.openai_gateway.responses import (
     ChatShaper,
+    ChoiceShapers,
     CompletionShaper,
     ResponseContext,
     Shaper,
@@ -85,10 +86,13 @@ async def completions(
     request_id = f"cmpl-{uuid.uuid4().hex}"
     call = completion_call(body, request_id)
     context = await _context(gateway, body, api_key, request_id, body.logprobs is not None)
-    shaper = CompletionShaper(context)
     if body.echo:
-        await _echo(gateway, call, api_key, shaper)
-    return await _respond(request, gateway, call, api_key, shaper, bool(body.stream))
+        # One choice (translate.py refuses echo beside n > 1).
+        echoing = CompletionShaper(context)
+        await _echo(gateway, call, api_key, echoing)
+        return await _respond(request, gateway, call, api_key, echoing, bool(body.stream))
+    shaper = _per_choice(lambda: CompletionShaper(context), body.n)
+    return await _respond(request, gateway, call, api_key, shaper, bool(body.stream), body.n or 1)
 
 
 @router.post("/v1/chat/completions")
@@ -98,8 +102,8 @@ async def chat_completions(
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     call = chat_call(body, request_id)
     context = await _context(gateway, body, api_key, request_id, bool(body.logprobs))
-    shaper = ChatShaper(context, parser_for(call.tool_plan))
-    return await _respond(request, gateway, call, api_key, shaper, bool(body.stream))
+    shaper = _per_choice(lambda: ChatShaper(context, parser_for(call.tool_plan)), body.n)
+    return await _respond(request, gateway, call, api_key, shaper, bool(body.stream), body.n or 1)
 
 
 @router.get("/v1/models")
@@ -176,6 +180,11 @@ async def _context(
     )
 
 
+def _per_choice(make: Callable[[], Shaper], n: int | None) -> Shaper:
+    """One choice's shaper, or with n > 1 one per choice."""
+    return make() if (n or 1) == 1 else ChoiceShapers(make, n or 1)
+
+
 async def _respond(
     request: Request,
     gateway: Gateway,
@@ -183,6 +192,7 @@ async def _respond(
     api_key: str | None,
     shaper: Shaper,
     streaming: bool,
+    num_choices: int = 1,
 ) -> Response:
     request_id = call.request_id
     try:
@@ -199,7 +209,7 @@ async def _respond(
     try:
         if streaming:
             first = await first_delta(request, stream)
-            return EventStreamResponse(event_stream(stream, first, shaper, request_id))
+            return EventStreamResponse(event_stream(stream, first, shaper, request_id, num_choices))
         payload = shaper.whole(await collect(request, stream))
     except ClientDisconnected:
         logger.info(

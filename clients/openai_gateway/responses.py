@@ -2,12 +2,13 @@
 
 A shaper turns one request's deltas into either the whole response (`whole`) or the chunks of
 its event stream (`opening`, `chunks`, `closing`); the completions and chat shapers differ only
-in the shapes.
+in the shapes. Each shapes one choice; with n > 1 a ChoiceShapers gives every choice its own (a
+choice's text, logprob offsets and tool calls are its own) and joins them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -58,6 +59,15 @@ def usage_body(usage: Usage | None) -> dict[str, Any] | None:
     }
 
 
+def total_usage(usages: Sequence[Usage | None]) -> Usage | None:
+    """The usage of a response with several choices: the prompt once, every choice's tokens."""
+    known = [usage for usage in usages if usage is not None]
+    if not known:
+        return None
+    first = known[0]
+    return Usage(first.prompt_tokens, sum(u.completion_tokens for u in known), first.cached_prompt_tokens)
+
+
 def finish_reason(delta: GenerationDelta) -> str | None:
     """OpenAI's finish reason; a request the server aborted (shutdown, an operator's Abort) has
     none there, so it ends as an error the client may retry."""
@@ -100,7 +110,7 @@ class CompletionShaper:
         result = assemble(deltas, self.context.want_logprobs)
         reason = finish_reason(deltas[-1])
         choice = {
-            "index": 0,
+            "index": deltas[-1].index,
             "text": (self.echo or "") + result.text,
             "logprobs": self.logprobs.whole(list(deltas)) if self.context.want_logprobs else None,
             "finish_reason": reason,
@@ -120,7 +130,7 @@ class CompletionShaper:
         if not (echo or delta.text) and reason is None and not (self.context.want_logprobs and delta.logprobs):
             return []
         choice = {
-            "index": 0,
+            "index": delta.index,
             "text": echo + delta.text,
             "logprobs": self.logprobs.fragment(delta) if self.context.want_logprobs else None,
             "finish_reason": reason,
@@ -150,7 +160,7 @@ class ChatShaper:
                 message["tool_calls"] = answer.tool_calls
             reason = self._with_calls(reason)
         choice = {
-            "index": 0,
+            "index": deltas[-1].index,
             "message": message,
             "logprobs": chat_logprobs(result.logprobs) if result.logprobs is not None else None,
             "finish_reason": reason,
@@ -186,7 +196,7 @@ class ChatShaper:
         if not body and reason is None and not with_logprobs:
             return []
         choice = {
-            "index": 0,
+            "index": delta.index,
             "delta": body,
             "logprobs": chat_logprobs(delta.logprobs) if with_logprobs else None,
             "finish_reason": reason,
@@ -199,3 +209,42 @@ class ChatShaper:
 
     def closing(self, usage: Usage | None) -> list[dict[str, Any]]:
         return _usage_chunk(self.context, "chat.completion.chunk", usage)
+
+
+@dataclass(slots=True)
+class ChoiceShapers:
+    """Several choices (n > 1): each choice's deltas (by their index) go to a shaper of its own,
+    made by `make`; whole bodies join the choices, in index order, under one usage (the prompt
+    once, every choice's tokens)."""
+
+    make: Callable[[], Shaper]
+    num_choices: int
+    _shapers: dict[int, Shaper] = field(default_factory=dict)
+
+    def whole(self, deltas: Sequence[GenerationDelta]) -> dict[str, Any]:
+        by_choice: dict[int, list[GenerationDelta]] = {}
+        for delta in deltas:
+            by_choice.setdefault(delta.index, []).append(delta)
+        bodies = [self._shaper(index).whole(by_choice[index]) for index in sorted(by_choice)]
+        usages = [assemble(by_choice[index], False).usage for index in sorted(by_choice)]
+        return {**bodies[0], "choices": [body["choices"][0] for body in bodies], "usage": usage_body(total_usage(usages))}
+
+    def opening(self) -> list[dict[str, Any]]:
+        chunks = []
+        for index in range(self.num_choices):
+            for chunk in self._shaper(index).opening():
+                chunk["choices"][0]["index"] = index
+                chunks.append(chunk)
+        return chunks
+
+    def chunks(self, delta: GenerationDelta) -> list[dict[str, Any]]:
+        return self._shaper(delta.index).chunks(delta)
+
+    def closing(self, usage: Usage | None) -> list[dict[str, Any]]:
+        return self._shaper(0).closing(usage)
+
+    def _shaper(self, index: int) -> Shaper:
+        shaper = self._shapers.get(index)
+        if shaper is None:
+            shaper = self._shapers[index] = self.make()
+        return shaper

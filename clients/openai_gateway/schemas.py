@@ -4,7 +4,7 @@ the way to the scheduler, which then applies the model's own defaults.
 
 Fields outside these models are refused (extra="forbid"): a feature this server does not have
 must fail loudly rather than be dropped. Fields OpenAI defines but that only some values of are
-supported (n, best_of, tool_choice, ...) are declared here and checked in translate.py, which can say
+supported (echo beside n > 1, tool_choice, ...) are declared here and checked in translate.py, which can say
 why. Fields that change nothing a server returns (user, store, metadata, service_tier) are taken
 and ignored, as OpenAI's clients send them routinely.
 """

@@ -16,8 +16,8 @@ from starlette.types import Receive, Scope, Send
 from clients.async_client import AsyncDeltaStream
 from clients.errors import SplitserveError
 from clients.openai_gateway.errors import GatewayError, from_splitserve
-from clients.openai_gateway.responses import Shaper
-from clients.results import GenerationDelta
+from clients.openai_gateway.responses import Shaper, total_usage
+from clients.results import GenerationDelta, Usage
 
 logger = logging.getLogger(__name__)
 
@@ -105,12 +105,15 @@ async def collect(request: Request, stream: AsyncDeltaStream) -> list[Generation
 
 
 async def event_stream(
-    stream: AsyncDeltaStream, first: GenerationDelta, shaper: Shaper, request_id: str
+    stream: AsyncDeltaStream, first: GenerationDelta, shaper: Shaper, request_id: str, num_choices: int = 1
 ) -> AsyncGenerator[str, None]:
     """The response's events: chunks, the usage chunk when asked, then [DONE]; an error after
-    the response started becomes one error event, which ends the stream."""
+    the response started becomes one error event, which ends the stream. The stream is over
+    once each of its num_choices choices has had its finish reason."""
     async with stream:
         delta: GenerationDelta | None = first
+        # Each finished choice's usage, by index.
+        finished: dict[int, Usage | None] = {}
         try:
             for chunk in shaper.opening():
                 yield sse_event(chunk)
@@ -118,11 +121,14 @@ async def event_stream(
                 for chunk in shaper.chunks(delta):
                     yield sse_event(chunk)
                 if delta.finish_reason is not None:
-                    break
+                    finished[delta.index] = delta.usage
+                    if len(finished) == num_choices:
+                        break
                 delta = await anext(stream, None)
             if delta is None:
                 raise GatewayError(502, "the scheduler ended the stream without a finish reason")
-            for chunk in shaper.closing(delta.usage):
+            usage = total_usage([finished[index] for index in sorted(finished)])
+            for chunk in shaper.closing(usage):
                 yield sse_event(chunk)
         except (SplitserveError, GatewayError) as failure:
             error = from_splitserve(failure) if isinstance(failure, SplitserveError) else failure
@@ -135,7 +141,6 @@ async def event_stream(
         except (GeneratorExit, asyncio.CancelledError):
             logger.info("event=client_disconnected request_id=%s streaming=true", request_id)
             raise
-    usage = delta.usage
     logger.info(
         "event=request_finished request_id=%s streaming=true finish_reason=%s prompt_tokens=%s "
         "completion_tokens=%s",

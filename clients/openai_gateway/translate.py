@@ -48,11 +48,13 @@ class GenerateCall:
 
 def completion_call(body: CompletionRequest, request_id: str) -> GenerateCall:
     _check_common(body)
-    if body.best_of not in (None, 1):
-        raise unsupported("best_of", "best_of is not supported (only 1)")
+    if body.echo and (body.n or 1) > 1:
+        raise unsupported("echo", "echo is supported with one choice only (n=1)")
     if body.suffix is not None:
         raise unsupported("suffix", "suffix (insertion) is not supported")
     options = _sampling(body, request_id, max_tokens=body.max_tokens, logprobs=body.logprobs)
+    if body.best_of is not None:
+        options["best_of"] = body.best_of
     if body.echo and (body.logprobs is not None or body.max_tokens == 0):
         # The echoed prompt's tokens are scored as the completion's are; with max_tokens 0 the
         # prompt is all there is (how evaluation harnesses score text).
@@ -135,8 +137,6 @@ def _single_prompt(prompt: str | list[int] | list[str] | list[list[int]]) -> str
 
 
 def _check_common(body: SamplingFields) -> None:
-    if body.n not in (None, 1):
-        raise unsupported("n", "only n=1 is supported; send one request per completion")
     if body.stream_options is not None and not body.stream:
         raise bad_request("stream_options is only allowed with stream=true", "stream_options")
 
@@ -163,6 +163,7 @@ def _sampling(
         ignore_eos=body.ignore_eos,
         include_stop_str_in_output=body.include_stop_str_in_output,
         logprobs=logprobs,
+        n=body.n,
         min_tokens=body.min_tokens,
         skip_special_tokens=body.skip_special_tokens,
         cache_salt=body.cache_salt,

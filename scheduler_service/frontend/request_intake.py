@@ -221,7 +221,7 @@ def sampling_from_proto(message: pb.SamplingParams, defaults: SamplingDefaults) 
         allowed_token_ids=tuple(message.allowed_token_ids),
         structured_output=spec_from_proto(message),
         prompt_logprobs=optional("prompt_logprobs", None),
-        n=message.n or 1,
+        n=optional("n", 1),
         best_of=optional("best_of", None),
     )
 

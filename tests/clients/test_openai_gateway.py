@@ -304,6 +304,42 @@ def test_completion_stream_ends_with_a_usage_chunk(oai: openai.OpenAI, grpc_clie
     assert all(chunk.choices and chunk.usage is None for chunk in without_usage)
 
 
+def test_n_choices_and_best_of_answer_as_the_grpc_api_does(oai: openai.OpenAI, grpc_client: Client) -> None:
+    expected = grpc_client.generate(prompt=PROMPT, max_tokens=5, temperature=1.0, seed=3, ignore_eos=True, n=3)
+    texts = [choice.text for choice in expected.choices]
+    arguments: dict[str, Any] = dict(model=MODEL_NAME, prompt=PROMPT, max_tokens=5, temperature=1.0, seed=3, n=3, extra_body=IGNORE_EOS)
+    completion = oai.completions.create(**arguments)
+    assert [(c.index, c.text, c.finish_reason) for c in completion.choices] == [(i, t, "length") for i, t in enumerate(texts)]
+    assert (completion.usage.prompt_tokens, completion.usage.completion_tokens) == (expected.usage.prompt_tokens, 15)
+    chunks = list(oai.completions.create(**arguments, stream=True, stream_options={"include_usage": True}))
+    streamed: dict[int, str] = {}
+    for chunk in chunks[:-1]:
+        for choice in chunk.choices:
+            streamed[choice.index] = streamed.get(choice.index, "") + choice.text
+    assert streamed == dict(enumerate(texts)) and chunks[-1].usage.completion_tokens == 15
+
+    best = grpc_client.generate(prompt=PROMPT, max_tokens=5, temperature=1.0, seed=3, ignore_eos=True, n=2, best_of=3)
+    ranked = oai.completions.create(**{**arguments, "n": 2}, best_of=3)
+    assert [c.text for c in ranked.choices] == [c.text for c in best.choices]
+
+    chat_expected = grpc_client.generate(messages=MESSAGES, max_tokens=4, temperature=1.0, seed=8, ignore_eos=True, n=2)
+    chat = oai.chat.completions.create(
+        model=MODEL_NAME, messages=MESSAGES, max_tokens=4, temperature=1.0, seed=8, n=2, extra_body=IGNORE_EOS
+    )
+    assert [c.message.content for c in chat.choices] == [c.text for c in chat_expected.choices]
+    chunks = list(
+        oai.chat.completions.create(
+            model=MODEL_NAME, messages=MESSAGES, max_tokens=4, temperature=1.0, seed=8, n=2, stream=True, extra_body=IGNORE_EOS
+        )
+    )
+    roles = [choice.index for chunk in chunks for choice in chunk.choices if choice.delta.role == "assistant"]
+    contents: dict[int, str] = {}
+    for chunk in chunks:
+        for choice in chunk.choices:
+            contents[choice.index] = contents.get(choice.index, "") + (choice.delta.content or "")
+    assert roles == [0, 1] and contents == {0: chat.choices[0].message.content, 1: chat.choices[1].message.content}
+
+
 # --- chat -------------------------------------------------------------------------------------
 
 
@@ -585,7 +621,9 @@ def test_version_is_the_installed_packages(stack: Stack) -> None:
     ("arguments", "message"),
     [
         ({"temperature": -1}, "temperature"),  # the scheduler's own message
-        ({"n": 2}, "n=1"),
+        ({"n": 2, "echo": True}, "echo is supported with one choice only"),
+        ({"n": 0}, "n must be at least 1"),
+        ({"n": 3, "best_of": 2}, "best_of must be at least n (3)"),
         ({"max_tokens": 0}, "0 only with prompt_logprobs"),  # echo with logprobs scores the prompt alone
         ({"prompt": ["one", "two"]}, "several prompts"),
         ({"extra_body": {"best_guess": 1}}, "best_guess: unsupported field"),

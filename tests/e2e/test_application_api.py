@@ -2,7 +2,8 @@
 and the official `openai` package against the gateway. Structured outputs: every answer follows
 its grammar and ends with finish reason stop; a grammar the compiler refuses is a 400 naming the
 problem; constrained streams whose executor or planner is killed mid-generation end as they
-would have undisturbed. Prompt scoring: echo with logprobs equals transformers'."""
+would have undisturbed. n = 4: four choices, each what its seed alone gives, from one prompt
+computation. Prompt scoring: echo with logprobs equals transformers'."""
 
 from __future__ import annotations
 
@@ -125,6 +126,24 @@ def test_a_grammar_that_cannot_compile_is_a_400_naming_the_problem(
 
 
 CITIES = ["Paris", "Rome", "Oslo", "Lima", "Cairo", "Tokyo", "Quito", "Dakar", "Hanoi", "Perth", "Sofia", "Bern", "Riga", "Doha", "Baku", "Accra"]
+
+
+def test_n_4_gives_four_choices_from_one_prompt_computation(oai: openai.OpenAI, service: tuple[str, str]) -> None:
+    """Choice i is what a lone request seeded seed + i answers; over gRPC each later choice
+    reports all of the prompt but its last token as served without computing it."""
+    model = oai.models.list().data[0].id
+    asked = dict(model=model, messages=ASK_WEATHER, max_tokens=24, temperature=0.8)
+    four = oai.chat.completions.create(**asked, seed=40, n=4)
+    alone = [oai.chat.completions.create(**asked, seed=40 + i) for i in range(4)]
+    assert [choice.index for choice in four.choices] == [0, 1, 2, 3]
+    assert [choice.message.content for choice in four.choices] == [one.choices[0].message.content for one in alone]
+    assert len({choice.message.content for choice in four.choices}) > 1
+    assert four.usage.prompt_tokens == alone[0].usage.prompt_tokens
+    assert four.usage.completion_tokens == sum(one.usage.completion_tokens for one in alone)
+    with Client(service[0]) as client:
+        result = client.generate(messages=[{"role": "user", "content": "Name a colour, then a fruit."}], max_tokens=8, temperature=0.8, n=4)
+    prompt_tokens = result.usage.prompt_tokens if result.usage else 0
+    assert [c.usage.cached_prompt_tokens for c in result.choices if c.usage][1:] == [prompt_tokens - 1] * 3
 
 
 async def _weather_streams(address: str, fault: Callable[[], None] | None = None, after_steps: int = 0) -> list[tuple[str, str]]:
