@@ -5,7 +5,13 @@ executor owns the memory the block ids point into.
 """
 
 from kv_manager.block_pool import BlockPool, KVBlock
-from kv_manager.kv_cache_manager import BlockCopy, CacheStats, KVCacheManager, PrefixHit
+from kv_manager.kv_cache_manager import (
+    BlockCopy,
+    CacheStats,
+    KVCacheManager,
+    PoolExhausted,
+    PrefixHit,
+)
 from kv_manager.prefix_hash import BlockHash, hash_block_tokens
 
 __all__ = [
@@ -15,6 +21,7 @@ __all__ = [
     "CacheStats",
     "KVBlock",
     "KVCacheManager",
+    "PoolExhausted",
     "PrefixHit",
     "hash_block_tokens",
 ]

@@ -16,6 +16,10 @@ class PrefixHit:
     num_tokens: int = 0
 
 
+class PoolExhausted(Exception):
+    """No free block for what was asked; nothing was changed."""
+
+
 @dataclass(slots=True, frozen=True)
 class BlockCopy:
     """Copy-on-write of a shared partial block: the executor copies block `source` into
@@ -47,8 +51,8 @@ class _RequestBlocks:
     hashes: list[BlockHash] = field(default_factory=list)
     num_registered: int = 0
     extra_key: bytes = b""
-    # Leading tokens whose K/V the executor has written (reported by cache_computed): what a
-    # fork may share.
+    # Leading tokens whose K/V the executor has written (reported by cache_computed; a fork's
+    # from the start, as its copy runs before any plan made after it): what a fork may share.
     num_written: int = 0
 
 
@@ -157,7 +161,7 @@ class KVCacheManager:
         executor). The child then computes on from num_tokens like any request.
 
         Raises ValueError when the parent has not written that far or the child holds blocks;
-        MemoryError, changing nothing, when the copy needs a block and none is free."""
+        PoolExhausted, changing nothing, when the copy needs a block and none is free."""
         parent = self._requests.get(parent_id)
         if parent is None or parent.num_written < num_tokens:
             written = parent.num_written if parent else 0
@@ -166,7 +170,7 @@ class KVCacheManager:
             raise ValueError(f"request {child_id} already holds blocks")
         num_full, partial = divmod(num_tokens, self.block_size)
         if partial and self.pool.num_free == 0:
-            raise MemoryError("no free block for the copy of the shared partial block")
+            raise PoolExhausted("no free block for the copy of the shared partial block")
         shared = parent.blocks[:num_full]
         self.pool.acquire(shared)
         child = self._requests[child_id] = _RequestBlocks(

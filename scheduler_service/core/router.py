@@ -18,7 +18,8 @@ the fewest blocks (so unrelated prefixes spread out), then the first listed. An 
 KV cache could never hold the request is not a candidate.
 
 A sibling choice of a prompt (Request.fork_of) goes where its first choice is, whatever the
-scores: there it forks from that prompt's computation instead of repeating it.
+scores, when it would fork there from that prompt's computation instead of repeating it
+(Scheduler.may_fork); else, as after its executor was lost, it is routed like any request.
 """
 
 from collections.abc import Sequence
@@ -50,7 +51,7 @@ def route(
     for index, scheduler in enumerate(candidates):
         if request.num_tokens >= scheduler.config.max_seq_len:
             continue
-        if request.fork_of and request.fork_of in scheduler.requests:
+        if request.fork_of and scheduler.may_fork(request):
             affinity = scheduler.affinity(request)
             return RouteChoice(index, affinity, affinity - tokens_per_request * scheduler.load)
         affinity = scheduler.affinity(request)

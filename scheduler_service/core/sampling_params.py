@@ -85,6 +85,8 @@ class SamplingParams:
             found.append(f"n must be at least 1, got {self.n}")
         if self.best_of is not None and self.best_of < self.n:
             found.append(f"best_of must be at least n ({self.n}), got {self.best_of}")
+        if self.num_choices > 1 and self.max_tokens == 0:
+            found.append("n and best_of above 1 cannot be combined with max_tokens 0 (the prompt is scored once)")
         if self.top_k < 0:
             found.append(f"top_k must be >= 0, got {self.top_k}")
         if self.logprobs is not None and self.logprobs > max_logprobs:

@@ -6,7 +6,14 @@ import time
 from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field
 
-from kv_manager import BlockCopy, BlockHash, KVCacheManager, PrefixHit, prefix_hash
+from kv_manager import (
+    BlockCopy,
+    BlockHash,
+    KVCacheManager,
+    PoolExhausted,
+    PrefixHit,
+    prefix_hash,
+)
 from scheduler_service.core.config import SchedulerConfig, SchedulingKnobs
 from scheduler_service.core.decode_set import BulkStep, DecodeSet
 from scheduler_service.core.errors import ErrorKind, RequestError, RequestRejected
@@ -522,27 +529,40 @@ class Scheduler:
         self.running.append(request)
         admitted.append(request)
 
+    def may_fork(self, request: Request) -> bool:
+        """Whether the request would fork here from its first choice's prompt (see _fork_source)
+        rather than compute its own: what the router places sibling choices together for."""
+        return self._fork_source(request) is not None
+
     def _fork_source(self, request: Request) -> Request | _AwaitFork | None:
         """The sibling whose prompt K/V the request takes (request.fork_of) when it is running
         here and has written all but the prompt's last token, which the request computes itself
         for its own first logits; _AWAIT_FORK while that sibling is queued or computing its
-        prompt here; None when no fork applies (the request computes its prompt like any)."""
+        prompt here; None when no fork applies (the request computes its prompt like any; a
+        request retried after a failed step, which runs alone, among them)."""
         config = self.config
-        if not config.block_copies or request.num_output_tokens or request.sampling.prompt_logprobs is not None:
+        sampling = request.sampling
+        if not config.block_copies or request.num_output_tokens or sampling.prompt_logprobs is not None or request.retry_alone:
             return None
         source = self.requests.get(request.fork_of)
         shared = request.num_prompt_tokens - 1
-        if (
-            source is None
-            or source is request
-            or shared == 0
-            or source.cache_salt != request.cache_salt
-            or source.token_ids[:shared] != request.prompt_token_ids[:shared]
-        ):
+        if source is None or source is request or shared == 0 or not self._same_prompt(source, request, shared):
             return None
         if source.status is RequestStatus.RUNNING and self.kv.num_written(source.request_id) >= shared:
             return source
         return _AWAIT_FORK
+
+    def _same_prompt(self, source: Request, request: Request, shared: int) -> bool:
+        """Whether both begin with the same `shared` tokens under the same salt: their chained
+        block hashes agree up to the request's last full block, and the tokens after it do."""
+        if source.cache_salt != request.cache_salt or source.num_tokens < shared:
+            return False
+        mine, theirs = self.prefix_hashes(request), self.prefix_hashes(source)
+        hashed = min(len(mine), shared // self.config.block_size)
+        if hashed and (len(theirs) < hashed or theirs[hashed - 1] != mine[hashed - 1]):
+            return False
+        start = hashed * self.config.block_size
+        return source.token_ids[start:shared] == request.prompt_token_ids[start:shared]
 
     def _fork(self, request: Request, source: Request) -> bool:
         """Gives the request the source's K/V of all but the prompt's last token, and a block
@@ -550,7 +570,7 @@ class Scheduler:
         shared = request.num_prompt_tokens - 1
         try:
             copy = self.kv.fork(source.request_id, request.request_id, shared)
-        except MemoryError:
+        except PoolExhausted:
             return False
         if self.kv.allocate_slots(request.request_id, request.token_ids, shared, 1) is None:
             self.kv.free(request.request_id)

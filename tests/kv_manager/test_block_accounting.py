@@ -2,7 +2,7 @@
 
 import pytest
 
-from kv_manager import KVCacheManager
+from kv_manager import KVCacheManager, PoolExhausted
 
 
 def admit(kv: KVCacheManager, request_id: str, tokens: list[int], salt: bytes = b"") -> int:
@@ -115,6 +115,6 @@ def test_fork_refuses_what_the_parent_has_not_written_and_a_full_pool() -> None:
         kv.fork("a", "b", 9)
     kv.cache_computed("a", list(range(10)), 10)
     free = kv.num_free_blocks
-    with pytest.raises(MemoryError):
+    with pytest.raises(PoolExhausted):
         kv.fork("a", "b", 9)
     assert not kv.holds("b") and kv.num_free_blocks == free

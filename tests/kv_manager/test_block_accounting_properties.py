@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from kv_manager import KVCacheManager
+from kv_manager import KVCacheManager, PoolExhausted
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 12
@@ -96,7 +96,7 @@ class KVManagerMachine(RuleBasedStateMachine):
         free_before = self.kv.num_free_blocks
         try:
             copy = self.kv.fork(parent_id, child_id, num_tokens)
-        except MemoryError:
+        except PoolExhausted:
             assert num_tokens % BLOCK_SIZE and free_before == 0 and not self.kv.holds(child_id)
             return
         if copy is not None:

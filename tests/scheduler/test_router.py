@@ -13,8 +13,8 @@ from scheduler_service.core.sim_executor import SimulatedExecutor, default_next_
 BLOCK = 4
 
 
-def scheduler(num_blocks: int = 64) -> Scheduler:
-    return Scheduler(SchedulerConfig(num_kv_blocks=num_blocks, block_size=BLOCK, max_model_len=512))
+def scheduler(num_blocks: int = 64, block_copies: bool = False) -> Scheduler:
+    return Scheduler(SchedulerConfig(num_kv_blocks=num_blocks, block_size=BLOCK, max_model_len=512, block_copies=block_copies))
 
 
 def request(request_id: str, prompt: list[int], max_tokens: int = 4) -> Request:
@@ -98,10 +98,18 @@ def test_released_requests_leave_with_their_placement() -> None:
     assert lane.affinity(request("probe", SHARED + [1])) == 2 * BLOCK
 
 
-def test_a_sibling_choice_goes_where_its_first_choice_is_whatever_the_load() -> None:
-    lanes = [scheduler(), scheduler()]
+def test_a_sibling_choice_goes_where_its_first_choice_is_whatever_the_load_when_it_would_fork_there() -> None:
+    lanes = [scheduler(block_copies=True), scheduler(block_copies=True)]
     lanes[1].add_request(request("busy", [7, 8, 9]))
     lanes[1].add_request(request("a", [1, 2, 3, 4, 5]))
     sibling = Request("a#1", [1, 2, 3, 4, 5], SamplingParams(max_tokens=4), fork_of="a")
     assert route(sibling, lanes, tokens_per_request=1000).index == 1
     assert route(request("other", [1, 2, 3, 4, 5]), lanes, tokens_per_request=1000).index == 0
+    # With output of its own (its executor was lost), it computes its prompt wherever it goes.
+    resumed = Request("a#1", [1, 2, 3, 4, 5], SamplingParams(max_tokens=4), fork_of="a", token_ids=[1, 2, 3, 4, 5, 9])
+    assert route(resumed, lanes, tokens_per_request=1000).index == 0
+    # So does one whose first choice's executor copies no blocks.
+    plain = [scheduler(), scheduler()]
+    plain[1].add_request(request("busy", [7, 8, 9]))
+    plain[1].add_request(request("a", [1, 2, 3, 4, 5]))
+    assert route(sibling, plain, tokens_per_request=1000).index == 0
