@@ -304,7 +304,8 @@ class ModelRunner:
 
     def _copy_blocks(self, plan: executor_pb2.StepPlan) -> str | None:
         """Makes the plan's block copies; says what is wrong with them instead, when anything is
-        (then the plan's new requests, which would read the copies, are refused)."""
+        (then the plan's new requests that would read a copy are refused: a scheduler's bug,
+        INTERNAL)."""
         if not plan.copy_block_sources and not plan.copy_block_destinations:
             return None
         problem = copies_problem(plan, self.limits)
@@ -312,13 +313,14 @@ class ModelRunner:
             self.kv_cache.copy_blocks(list(plan.copy_block_sources), list(plan.copy_block_destinations))
         return problem
 
-    def _admit(self, plan: executor_pb2.StepPlan, copies_refused: str | None = None) -> _Admitted:
+    def _admit(self, plan: executor_pb2.StepPlan, copies_refused: str | None) -> _Admitted:
         admitted = _Admitted(work=[], rejected=[], decodes=[])
         scheduled: set[str] = set()
         entries = [*plan.new_requests, *plan.continuing_requests]
+        copied = set(plan.copy_block_destinations)
         for entry in entries:
-            if copies_refused is not None and isinstance(entry, executor_pb2.NewRequest):
-                self._reject(admitted, entry.request_id, rpc_codes.INVALID_ARGUMENT, f"the plan's block copies: {copies_refused}")
+            if copies_refused is not None and isinstance(entry, executor_pb2.NewRequest) and not copied.isdisjoint(entry.block_ids):
+                self._reject(admitted, entry.request_id, rpc_codes.INTERNAL, f"the plan's block copies: {copies_refused}")
                 continue
             try:
                 problem = self._admit_entry(entry, admitted, scheduled)

@@ -84,18 +84,6 @@ def _new(**fields: object) -> Callable[[str, str], pb.StepPlan]:
     return make
 
 
-def _copies(sources: list[int], destinations: list[int]) -> Callable[[str, str], pb.StepPlan]:
-    """A plan whose block copies are bad: its new request, which would read them, is refused."""
-
-    def make(bad_id: str, victim_id: str) -> pb.StepPlan:
-        plan = _new()(bad_id, victim_id)
-        plan.copy_block_sources.extend(sources)
-        plan.copy_block_destinations.extend(destinations)
-        return plan
-
-    return make
-
-
 def _sampling(**fields: object) -> Callable[[str, str], pb.StepPlan]:
     return _new(sampling=pb.SamplerConfig(**fields))
 
@@ -121,10 +109,6 @@ BAD_ENTRIES: dict[str, tuple[Callable[[str, str], pb.StepPlan], str]] = {
     "new-prompt-longer-than-tokens": (_new(num_prompt_tokens=11), "num_prompt_tokens 11 exceeds"),
     "new-zero-scheduled": (_new(num_scheduled_tokens=0), "num_scheduled_tokens"),
     "new-scheduled-past-known": (_new(num_scheduled_tokens=11), "only 10 tokens are known"),
-    "copies-lengths-differ": (_copies([30, 31], [32]), "differ in length"),
-    "copy-outside-pool": (_copies([30], [NUM_BLOCKS]), "outside the pool"),
-    "copy-into-a-source": (_copies([30, 31], [31, 32]), "both copied and copied into"),
-    "copy-into-one-block-twice": (_copies([30, 31], [32, 32]), "repeats a block"),
     "new-repeated-block": (
         _new(token_ids=list(range(300, 320)), block_ids=[10, 10], num_scheduled_tokens=20),
         "repeats",
@@ -363,3 +347,27 @@ def test_a_request_forked_from_a_copied_partial_block_continues_as_the_original(
     assert tokens[original][:GOOD_STEPS] == clean_tokens
     assert tokens[fork] == clean_tokens
     stream.step(pb.StepPlan(step_id=GOOD_STEPS + 2, dropped_request_ids=[original, fork]))
+
+
+BAD_COPIES = {
+    "lengths-differ": ([30, 31], [32], "differ in length"),
+    "outside-pool": ([NUM_BLOCKS], [32], "outside the pool"),
+    "into-a-source": ([30, 32], [32, 33], "both copied and copied into"),
+    "into-one-block-twice": ([30, 31], [32, 32], "repeats a block"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_COPIES)
+def test_bad_block_copies_refuse_only_the_new_request_reading_them(stream: PlanStream, clean_tokens: list[int], case: str) -> None:
+    """A scheduler's bug (INTERNAL): the request whose table holds a copy's destination is
+    refused, the plan's other new request runs as it would have."""
+    sources, destinations, problem = BAD_COPIES[case]
+    n = next(_ids)
+    good, reader = f"good{n}", f"reader{n}"
+    reading = pb.NewRequest(request_id=reader, token_ids=GOOD_PROMPT, block_ids=[destinations[0], 41], num_computed_tokens=19, num_scheduled_tokens=1)
+    plan = pb.StepPlan(step_id=1, new_requests=[good_new(good), reading], copy_block_sources=sources, copy_block_destinations=destinations)
+    result = stream.step(plan)
+    assert [(r.request_id, r.code) for r in result.rejected] == [(reader, 13)]
+    assert problem in result.rejected[0].message
+    assert [list(o.token_ids) for o in result.outputs if o.request_id == good] == [clean_tokens[:1]]
+    stream.step(pb.StepPlan(step_id=2, dropped_request_ids=[good, reader]))
