@@ -97,16 +97,51 @@ def _named(tool_choice: str | dict[str, Any]) -> str:
 
 
 def _calls_schema(functions: dict[str, Any], parallel: bool) -> dict[str, Any]:
-    """A JSON array of calls, each {"name": one of the functions, "arguments": its schema}."""
-    calls = [
-        {
-            "type": "object",
-            "properties": {"name": {"const": name}, "arguments": parameters},
-            "required": ["name", "arguments"],
-        }
-        for name, parameters in functions.items()
-    ]
+    """A JSON array of calls, each {"name": one of the functions, "arguments": its schema}.
+
+    A parameters schema with references ($ref, as pydantic writes nested models into $defs)
+    means them from its own root: nested under a call they would resolve against the array's.
+    Such a schema moves whole to the root's $defs under its function's name, its references
+    repointed there, and the call's arguments refer to it."""
+    definitions: dict[str, Any] = {}
+    calls = []
+    for name, parameters in functions.items():
+        arguments = parameters
+        if _has_references(parameters):
+            definitions[name] = _repointed(parameters, f"#/$defs/{name}")
+            arguments = {"$ref": f"#/$defs/{name}"}
+        calls.append(
+            {"type": "object", "properties": {"name": {"const": name}, "arguments": arguments}, "required": ["name", "arguments"]}
+        )
     schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": calls[0] if len(calls) == 1 else {"anyOf": calls}}
     if not parallel:
         schema["maxItems"] = 1
+    if definitions:
+        schema["$defs"] = definitions
     return schema
+
+
+def _has_references(schema: Any) -> bool:
+    pending = [schema]
+    while pending:
+        item = pending.pop()
+        if isinstance(item, dict):
+            if isinstance(item.get("$ref"), str):
+                return True
+            pending.extend(item.values())
+        elif isinstance(item, list):
+            pending.extend(item)
+    return False
+
+
+def _repointed(schema: Any, root: str) -> Any:
+    """The schema with each local reference ("#...") made to start at `root` instead."""
+    if isinstance(schema, list):
+        return [_repointed(item, root) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    moved = {key: _repointed(value, root) for key, value in schema.items()}
+    reference = schema.get("$ref")
+    if isinstance(reference, str) and reference.startswith("#"):
+        moved["$ref"] = root + reference[1:]
+    return moved

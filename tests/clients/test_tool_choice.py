@@ -59,6 +59,23 @@ def test_required_constrains_the_answer_to_an_array_of_calls() -> None:
     assert single.options["structured_output"]["json"]["maxItems"] == 1
 
 
+def test_required_keeps_a_parameters_schemas_references_resolving_against_its_own_root() -> None:
+    """As pydantic writes a nested model: "#/$defs/Place" must not resolve against the array of
+    calls that the required choice nests the parameters in."""
+    parameters = {
+        "type": "object",
+        "properties": {"place": {"$ref": "#/$defs/Place"}},
+        "required": ["place"],
+        "$defs": {"Place": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}},
+    }
+    nested = {"type": "function", "function": {"name": "get_weather", "parameters": parameters}}
+    schema = call(tools=[nested], tool_choice="required").options["structured_output"]["json"]
+    assert schema["items"]["properties"]["arguments"] == {"$ref": "#/$defs/get_weather"}
+    moved = schema["$defs"]["get_weather"]
+    assert moved["properties"]["place"] == {"$ref": "#/$defs/get_weather/$defs/Place"}
+    assert moved["$defs"] == parameters["$defs"]
+
+
 def test_a_named_function_constrains_the_answer_to_its_arguments() -> None:
     made = call(tools=[WEATHER, TIME], tool_choice={"type": "function", "function": {"name": "get_weather"}})
     assert made.tool_plan is not None and made.tool_plan.forced == "get_weather"

@@ -137,6 +137,29 @@ def test_required_among_two_tools_calls_one_of_them_with_its_schema(oai: openai.
             jsonschema.validate(json.loads(call.function.arguments), schema)
 
 
+def test_required_follows_a_schema_whose_nested_model_is_a_reference(oai: openai.OpenAI) -> None:
+    """Parameters as pydantic writes a nested model ($defs and $ref) constrain a required call."""
+    parameters = {
+        "type": "object",
+        "properties": {"place": {"$ref": "#/$defs/Place"}, "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+        "required": ["place", "unit"],
+        "$defs": {
+            "Place": {
+                "type": "object",
+                "properties": {"city": {"type": "string", "maxLength": 24}},
+                "required": ["city"],
+                "additionalProperties": False,
+            }
+        },
+        "additionalProperties": False,
+    }
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": parameters}}
+    (choice,) = ask(oai, tools=[tool], tool_choice="required", temperature=0.0).choices
+    assert choice.finish_reason == "tool_calls" and choice.message.tool_calls
+    for call in choice.message.tool_calls:
+        jsonschema.validate(json.loads(call.function.arguments), parameters)
+
+
 @pytest.mark.parametrize(("tool_choice", "tools"), [(NAMED, [GET_WEATHER, GET_TIME]), ("required", [GET_WEATHER])])
 def test_a_streamed_call_reassembles_to_the_whole_answers(oai: openai.OpenAI, tool_choice: Any, tools: list[Any]) -> None:
     (whole,) = ask(oai, tools=tools, tool_choice=tool_choice, temperature=0.0).choices
