@@ -15,6 +15,9 @@ from scheduler_service.frontend.json_schema_shape import schema_problem
 
 # OpenAI's rule for a function's name.
 FUNCTION_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+# Arrays and objects nested in a tool's parameters or a call's arguments: far past any real schema, well
+# short of the recursion the template's rendering could take.
+MAX_JSON_DEPTH = 64
 
 
 @dataclass(slots=True, frozen=True)
@@ -83,11 +86,28 @@ def _function_name(name: str, where: str) -> str:
 
 def _json(text: str, where: str) -> Any:
     try:
-        return json.loads(text)
+        value = json.loads(text)
     except json.JSONDecodeError as error:
         _reject(f"{where} is not JSON: {error}")
     except RecursionError:
         _reject(f"{where} is nested too deeply")
+    if _depth(value) > MAX_JSON_DEPTH:
+        # The template renders it with recursive code (tojson, the schema walk) that a deep
+        # enough value would overflow: refused here, by name, instead.
+        _reject(f"{where} is nested more than {MAX_JSON_DEPTH} levels deep")
+    return value
+
+
+def _depth(value: Any) -> int:
+    """How deeply arrays and objects nest in a JSON value (a scalar: 0), without recursion."""
+    deepest, pending = 0, [(value, 1)]
+    while pending:
+        item, level = pending.pop()
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else None
+        if children is not None:
+            deepest = max(deepest, level)
+            pending.extend((child, level + 1) for child in children)
+    return deepest
 
 
 def _reject(message: str) -> NoReturn:

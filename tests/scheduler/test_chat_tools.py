@@ -144,6 +144,10 @@ def test_consecutive_results_share_one_turn(smollm2: TextProcessor) -> None:
         (pb.Tool(name="f", parameters='{"properties": ["city"]}'), "properties must be an object of schemas"),
         (pb.Tool(name="f", parameters='{"required": "city"}'), "required must be a list of property names"),
         (pb.Tool(name="f", parameters='{"anyOf": [{"maxLength": -1}]}'), "anyOf[0].maxLength must be a non-negative integer"),
+        (
+            pb.Tool(name="f", parameters='{"default": ' + "[" * 900 + "]" * 900 + "}"),
+            "chat.tools[0].parameters is nested more than 64 levels deep",
+        ),
     ],
 )
 def test_a_malformed_tool_is_refused_naming_the_problem(smollm2: TextProcessor, tool: pb.Tool, problem: str) -> None:
@@ -156,7 +160,11 @@ def test_two_tools_of_one_name_are_refused(smollm2: TextProcessor) -> None:
 
 @pytest.mark.parametrize(
     ("arguments", "problem"),
-    [("[1]", "tool_calls[0].arguments must be a JSON object"), ("{", "tool_calls[0].arguments is not JSON")],
+    [
+        ("[1]", "tool_calls[0].arguments must be a JSON object"),
+        ("{", "tool_calls[0].arguments is not JSON"),
+        ('{"a": ' + "[" * 900 + "]" * 900 + "}", "tool_calls[0].arguments is nested more than 64 levels deep"),
+    ],
 )
 def test_a_call_whose_arguments_are_not_an_object_is_refused(smollm2: TextProcessor, arguments: str, problem: str) -> None:
     call = pb.ChatMessage(role="assistant", tool_calls=[pb.ToolCall(name="get_weather", arguments=arguments)])
