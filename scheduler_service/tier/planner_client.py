@@ -149,12 +149,12 @@ class PlannerClient:
     async def abort_request(self, request_id: str) -> bool:
         """A request of this front-end ends here, with its other choices (SamplingParams.n);
         another's, through the planner."""
-        if request_id in self._handles_by_id:
-            family = [
-                handle
-                for handle in list(self._handles_by_id.values())
-                if (request := self._in_flight[handle].stream.request).request_id == request_id or request.fork_of == request_id
-            ]
+        family = [
+            handle
+            for handle in list(self._handles_by_id.values())
+            if (request := self._in_flight[handle].stream.request).request_id == request_id or request.fork_of == request_id
+        ]
+        if family:
             for handle in family:
                 self._end(handle, FinishReason.ABORT)
             return True

@@ -30,6 +30,8 @@ def test_choices_get_their_own_ids_seeds_and_fork_from_the_first() -> None:
 def test_n_and_best_of_are_checked() -> None:
     assert "n must be at least 1, got 0" in SamplingParams(n=0, best_of=1).problems(100, 5)
     assert "best_of must be at least n (3), got 2" in SamplingParams(n=3, best_of=2).problems(100, 5)
+    scored_once = SamplingParams(n=2, max_tokens=0, prompt_logprobs=0).problems(100, 5)
+    assert "n and best_of above 1 cannot be combined with max_tokens 0 (the prompt is scored once)" in scored_once
 
 
 def _record(token: int, logprob: float) -> executor_pb2.TokenLogprob:

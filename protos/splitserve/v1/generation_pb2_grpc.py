@@ -86,8 +86,8 @@ class GenerationServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Abort(self, request, context):
-        """Aborts a request by id, whoever started it. The Generate stream of that request ends with
-        finish_reason ABORT.
+        """Aborts a request by id, whoever started it, with every choice of it (SamplingParams.n). The
+        Generate stream of that request ends with finish_reason ABORT (for each choice).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
