@@ -128,6 +128,19 @@ def test_a_grammar_that_cannot_compile_is_a_400_naming_the_problem(
 CITIES = ["Paris", "Rome", "Oslo", "Lima", "Cairo", "Tokyo", "Quito", "Dakar", "Hanoi", "Perth", "Sofia", "Bern", "Riga", "Doha", "Baku", "Accra"]
 
 
+def test_logit_bias_changes_the_answer(oai: openai.OpenAI, prepared_model: Path) -> None:
+    """A strong bias makes its token the greedy answer; a ban keeps the plain answer's first
+    token out of it."""
+    tokenizer = AutoTokenizer.from_pretrained(prepared_model)
+    plain, _ = chat(oai, max_tokens=8, temperature=0.0)
+    first = tokenizer.encode(plain, add_special_tokens=False)[0]
+    banned, _ = chat(oai, max_tokens=8, temperature=0.0, logit_bias={str(first): -100})
+    assert banned != plain and tokenizer.encode(banned, add_special_tokens=False)[0] != first
+    favoured = tokenizer.encode(" banana", add_special_tokens=False)[0]
+    forced, _ = chat(oai, max_tokens=3, temperature=0.0, logit_bias={str(favoured): 100})
+    assert tokenizer.encode(forced, add_special_tokens=False) == [favoured] * 3, forced
+
+
 def test_n_4_gives_four_choices_from_one_prompt_computation(oai: openai.OpenAI, service: tuple[str, str]) -> None:
     """Choice i is what a lone request seeded seed + i answers; over gRPC each later choice
     reports all of the prompt but its last token as served without computing it."""
