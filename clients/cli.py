@@ -19,6 +19,7 @@ from google.protobuf.message import Message
 
 from clients.errors import SplitserveError
 from clients.request_builder import GenerateOptions
+from clients.results import GenerationResult
 from clients.sync_client import Client
 from service_support.cli_help import DefaultsHelpFormatter
 from service_support.default_ports import DEFAULT_SCHEDULER_ADDRESS
@@ -64,6 +65,12 @@ def build_parser(prog: str = "python -m clients") -> argparse.ArgumentParser:
     generate.add_argument("--top-k", type=at_least(0), help=sampling)
     generate.add_argument("--seed", type=int, help="same seed, same tokens (default: random)")
     generate.add_argument("--stop", action="append", help="stop string (repeatable)")
+    generate.add_argument(
+        "-n",
+        type=at_least(1),
+        default=1,
+        help="choices to generate from the one prompt (each printed whole, on lines of its own, once all have ended)",
+    )
     generate.add_argument(
         "--tools",
         type=json_list,
@@ -200,6 +207,16 @@ def _structured_output(args: argparse.Namespace) -> dict[str, object] | None:
     return next(({key: value} for key, value in given.items() if value is not None), None)
 
 
+def _print_choices(result: GenerationResult) -> int:
+    """Several choices, each under a line naming it: their streams interleave, so each is
+    printed once whole."""
+    for choice in result.choices:
+        sys.stdout.write(f"[choice {choice.index}] finish_reason={choice.finish_reason}\n{choice.text}\n")
+    sys.stdout.flush()
+    logger.info("event=generated choices=%d usage=%s", len(result.choices), [choice.usage for choice in result.choices])
+    return 0
+
+
 def _generate(client: Client, args: argparse.Namespace) -> int:
     options: GenerateOptions = {
         "max_tokens": args.max_tokens or None,
@@ -211,10 +228,10 @@ def _generate(client: Client, args: argparse.Namespace) -> int:
         "structured_output": _structured_output(args),
         "tools": args.tools,
     }
-    if args.chat:
-        deltas = client.stream(messages=[("user", args.prompt)], **options)
-    else:
-        deltas = client.stream(args.prompt, **options)
+    prompt = {"messages": [("user", args.prompt)]} if args.chat else {"prompt": args.prompt}
+    if args.n > 1:
+        return _print_choices(client.generate(**prompt, n=args.n, **options))
+    deltas = client.stream(**prompt, **options)
     last = None
     for delta in deltas:
         sys.stdout.write(delta.text)

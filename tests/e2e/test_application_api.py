@@ -106,6 +106,11 @@ def test_the_cli_answers_with_one_of_its_choices(service: tuple[str, str], capsy
     choices = ["--choice", "north", "--choice", "south"]
     assert cli_main(["generate", "--server", service[0], "--chat", "Which way?", "--temperature", "0", *choices]) == 0
     assert capsys.readouterr().out.strip() in ("north", "south")
+    # Several choices, each printed whole under its own line.
+    assert cli_main(["generate", "--server", service[0], "--chat", "Which way?", "-n", "3", "--seed", "5", *choices]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [line for line in lines if line.startswith("[choice")] == [f"[choice {i}] finish_reason=stop" for i in range(3)]
+    assert {line for line in lines if not line.startswith("[choice")} <= {"north", "south"}
 
 
 @pytest.mark.parametrize(
