@@ -13,8 +13,8 @@ import numpy as np
 from protos.splitserve.planner.v1 import planner_pb2, planner_pb2_grpc
 from protos.splitserve.v1 import generation_pb2 as pb
 from scheduler_service.core.errors import ErrorKind, RequestError, RequestRejected
+from scheduler_service.core.request import Request
 from scheduler_service.planner.engine import Engine
-from scheduler_service.structured.spec_codec import spec_from_proto
 from scheduler_service.tier.frontend_link import FrontendLink, RemoteSink
 from scheduler_service.tier.request_codec import request_of
 
@@ -63,7 +63,7 @@ class PlannerServicer(planner_pb2_grpc.PlannerServicer):
         self.links[link.index] = link
         logger.info("event=frontend_connected frontend=%s peer=%s", link.frontend_id, link.peer)
         link.status(self.status())
-        self._apply(link, first)
+        await self._take(link, first)
         reader = asyncio.create_task(self._read(link, request_iterator))
         try:
             while (batch := await link.outbox.get()) is not None:
@@ -106,35 +106,43 @@ class PlannerServicer(planner_pb2_grpc.PlannerServicer):
     async def _read(self, link: FrontendLink, batches: AsyncIterator[planner_pb2.FrontendBatch]) -> None:
         try:
             async for batch in batches:
-                await self._compile_grammars(batch)
-                self._apply(link, batch)
+                await self._take(link, batch)
         except grpc.RpcError as error:
             logger.info("event=frontend_stream_broken frontend=%s error=%r", link.frontend_id, error)
         finally:
             # The front-end closed its side (or broke it): the stream ends here too.
             link.close()
 
-    async def _compile_grammars(self, batch: planner_pb2.FrontendBatch) -> None:
+    async def _take(self, link: FrontendLink, batch: planner_pb2.FrontendBatch) -> None:
+        """Submits the batch's requests (their grammars compiled first) and ends its ended ones."""
+        built = [_built(submitted) for submitted in batch.submitted]
+        await self._compile_grammars(built)
+        self._apply(link, batch, built)
+
+    async def _compile_grammars(self, built: list[Request | RequestRejected]) -> None:
         """Compiles the batch's grammars off the event loop, so that submitting the requests
         finds them cached; a grammar that fails is refused when its request is submitted."""
         info = self.engine.info
         if info is None:
             return
-        for submitted in batch.submitted:
-            with contextlib.suppress(RequestRejected):
-                spec = spec_from_proto(submitted.sampling)
-                if spec is not None:
+        for request in built:
+            spec = request.sampling.structured_output if isinstance(request, Request) else None
+            if spec is not None:
+                with contextlib.suppress(RequestRejected):
                     await self.engine.grammars.compile(spec, info.vocab_size)
 
-    def _apply(self, link: FrontendLink, batch: planner_pb2.FrontendBatch) -> None:
+    def _apply(self, link: FrontendLink, batch: planner_pb2.FrontendBatch, built: list[Request | RequestRejected]) -> None:
+        """built: the planner's request for each of the batch's submitted ones, or why there is none."""
         engine = self.engine
-        for submitted in batch.submitted:
+        for submitted, request in zip(batch.submitted, built, strict=True):
             handle = submitted.handle
             if handle in link.requests or handle == 0:
                 link.failed(handle, RequestError(ErrorKind.INVALID, f"handle {handle} is 0 or already in flight on this stream"))
                 continue
+            if isinstance(request, RequestRejected):
+                link.failed(handle, RequestError(request.kind, str(request)))
+                continue
             try:
-                request = request_of(submitted)
                 request.delivery_key = link.index << _HANDLE_BITS | handle
                 sink = engine.submit(
                     request, dict(submitted.trace_context), lambda r, h=handle: RemoteSink(r, link, h)
@@ -152,3 +160,11 @@ class PlannerServicer(planner_pb2_grpc.PlannerServicer):
                 engine.stop_at_string(sink, ended.stop_string)
             else:
                 engine.cancel(sink)
+
+
+def _built(submitted: planner_pb2.SubmittedRequest) -> Request | RequestRejected:
+    """The planner's request for a submitted one (its grammar parsed once, here), or why not."""
+    try:
+        return request_of(submitted)
+    except RequestRejected as rejected:
+        return rejected
