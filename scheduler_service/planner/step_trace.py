@@ -66,6 +66,7 @@ class StepTrace:
             "max_num_batched_tokens": config.max_num_batched_tokens, "policy": config.policy.value,
             "mode": config.mode.value, "enable_chunked_prefill": config.enable_chunked_prefill,
             "enable_prefix_caching": config.enable_prefix_caching, "bulk_decodes": config.bulk_decodes,
+            "block_copies": config.block_copies,
             "pipeline_depth": pipeline_depth,
         })
         track = self._tracks.setdefault(address, len(self._tracks) + 1)
@@ -78,6 +79,7 @@ class StepTrace:
             "add", address, id=request.request_id, prompt=request.num_prompt_tokens,
             outputs=request.num_tokens - request.num_prompt_tokens, blocks=digests,
             priority=request.priority, max_tokens=sampling.max_tokens, ignore_eos=sampling.ignore_eos,
+            fork_of=request.fork_of,
         )
 
     def plan_sent(self, address: str, plan: StepPlan, decoded: Iterable[Request], planned_at: float) -> None:

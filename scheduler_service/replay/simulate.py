@@ -107,6 +107,7 @@ def config_of(timeline: Timeline) -> SchedulerConfig:
         max_num_batched_tokens=recorded["max_num_batched_tokens"], policy=Policy(recorded["policy"]),
         mode=StepMode(recorded["mode"]), enable_chunked_prefill=recorded["enable_chunked_prefill"],
         enable_prefix_caching=recorded["enable_prefix_caching"], bulk_decodes=recorded["bulk_decodes"],
+        block_copies=recorded.get("block_copies", False),
     )
 
 
@@ -203,6 +204,7 @@ def rebuild_requests(traced: Sequence[TracedRequest], block_size: int) -> list[R
     blocks: dict[str, list[int]] = {}
     next_id = _FIRST_TOKEN
     rebuilt = []
+    prompts: dict[str, list[int]] = {}
     for order, original in enumerate(traced):
         prompt: list[int] = []
         for digest in original.block_digests:
@@ -211,12 +213,18 @@ def rebuild_requests(traced: Sequence[TracedRequest], block_size: int) -> list[R
                 next_id += block_size
             prompt += blocks[digest]
         length = original.prompt_tokens + original.prior_outputs
-        own = length - len(prompt)
-        prompt += list(range(next_id, next_id + own))
-        next_id += own
+        first = prompts.get(original.fork_of)
+        if first is not None and not original.prior_outputs and len(first) == length:
+            # A later choice: its whole prompt is its first choice's, so that it forks as it did.
+            prompt = list(first)
+        else:
+            own = length - len(prompt)
+            prompt += list(range(next_id, next_id + own))
+            next_id += own
+        prompts[original.request_id] = prompt
         stops = original.finish == "stop" and original.outputs > 0
         sampling = SamplingParams(max_tokens=original.max_tokens, ignore_eos=not stops, temperature=0.0)
-        request = Request(original.request_id, prompt, sampling, priority=original.priority)
+        request = Request(original.request_id, prompt, sampling, priority=original.priority, fork_of=original.fork_of)
         request.arrival_index = order
         rebuilt.append(request)
     return rebuilt

@@ -30,6 +30,8 @@ class TracedRequest:
     outputs: int = 0
     # When its client aborted it.
     aborted_s: float | None = None
+    # The first choice it forks from (Request.fork_of), or "".
+    fork_of: str = ""
 
 
 @dataclass(slots=True)
@@ -81,6 +83,8 @@ def read_trace(directory: Path) -> list[Timeline]:
                 timeline.requests[event["id"]] = TracedRequest(
                     event["id"], t, event["prompt"], event["outputs"], event["blocks"],
                     event["priority"], event["max_tokens"], event["ignore_eos"],
+                    # Traces from before forks have none.
+                    fork_of=event.get("fork_of", ""),
                 )
             elif kind == "plan":
                 if event["new"] or event["cont"] or event["dec"] or event["drop"]:

@@ -34,9 +34,10 @@ async def workload(address: str) -> None:
 
         async def one(index: int) -> None:
             prompt = prefixes[index % 3] + [rng.randrange(3, 1000) for _ in range(rng.randrange(1, 30))]
+            # One request asks for three choices, which fork from its prompt's computation.
             await client.generate(
                 prompt_token_ids=prompt, max_tokens=rng.randrange(8, 60), temperature=0,
-                ignore_eos=index % 2 == 0, priority=index % 3,
+                ignore_eos=index % 2 == 0, priority=index % 3, n=3 if index == 4 else 1,
             )
 
         async def abandoned() -> None:
@@ -78,12 +79,17 @@ def test_an_unchanged_configuration_replays_the_recorded_schedule_step_for_step(
     assert results[-1]["blocks_allocated"] > 24 and results[-1]["kv_used"] == 0
     assert all(a["blocks_allocated"] <= b["blocks_allocated"] for a, b in zip(results, results[1:]))
     assert any(e["e"] == "abort" for e in events)
-    assert len(timeline.requests) == 25
+    assert len(timeline.requests) == 27
+    forks = [r for r in timeline.requests.values() if r.fork_of]
+    assert len(forks) == 2 and forks[0].fork_of == forks[1].fork_of in timeline.requests
     cost = fit_step_cost(timeline.plans)
     replayed = replay_timeline(timeline, None, cost)
     assert replayed.num_recorded_steps == len(timeline.plans) > 20
     assert replayed.matched_steps == replayed.num_recorded_steps
     assert [s.signature for s in replayed.steps] == [p.signature for p in timeline.plans]
+    # Token for token too: the later choices fork from the first's prompt as they did.
+    replayed_tokens = [(s.prefill_tokens, s.decode_tokens) for s in replayed.steps]
+    assert replayed_tokens == [(p.prefill_tokens, p.decode_tokens) for p in timeline.plans]
     recorded_outputs = {r.request_id: r.outputs for r in timeline.requests.values()}
     assert replayed.outputs == {i: n for i, n in recorded_outputs.items() if timeline.requests[i].finish != "abort"}
 
@@ -113,7 +119,7 @@ def test_other_configurations_replay_to_a_table_json_and_a_picture(
         "priority/mixed/tokens=64/seqs=12", "priority/mixed/tokens=256/seqs=12",
     ]
     for configuration in document["configurations"]:
-        assert configuration["requests"] == 25 and configuration["output_tokens_per_s"] > 0
+        assert configuration["requests"] == 27 and configuration["output_tokens_per_s"] > 0
     assert document["step_cost"]["num_steps"] > 20
     assert png.stat().st_size > 20_000
     printed = capsys.readouterr().out
