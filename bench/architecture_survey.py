@@ -1,7 +1,10 @@
 """Which of transformers' causal-LM architectures the executor serves, and why it refuses the
 others: for every registered model type, a tiny random-weight model is built from the type's own
-default config shrunk to test sizes, and the executor starts on it as it would in production
-(load, K/V geometry probe, start-up self-check against the model's own eager forward).
+default config shrunk to test sizes (its nested configs too: a multimodal model's text and vision
+configs), saved as the checkpoint people download (a type whose causal-LM class takes only its
+text config as its ...ForConditionalGeneration model), and the executor starts on it as it would
+in production (load, K/V geometry probe, start-up self-check against the model's own eager
+forward).
 
     python -m bench.architecture_survey [--types llama,gemma2] [--timeout 120] [--out FILE]
 
@@ -57,14 +60,74 @@ _SMALL: dict[str, Any] = {
     "eos_token_id": 2,
     "pad_token_id": 0,
     "tie_word_embeddings": False,
+    # A multimodal checkpoint's vision tower: built, never run (requests are text).
+    "image_size": 32,
+    "patch_size": 8,
 }
 SHORT_WINDOW = 64
+
+
+def tiny_config(config_class: Any) -> Any:
+    """The type's default config shrunk to test sizes, its nested configs (a multimodal model's
+    text and vision configs, ...) too, each built by its own class from its shrunk fields."""
+    default = config_class()
+    fields = _small_fields(default)
+    for name in getattr(default, "sub_configs", {}):
+        sub = getattr(default, name, None)
+        if sub is not None and hasattr(sub, "to_dict"):
+            fields[name] = {**sub.to_dict(), **_small_fields(sub, nested=True)}
+    return config_class(**fields)
+
+
+def _small_fields(config: Any, nested: bool = False) -> dict[str, Any]:
+    fields = {k: v for k, v in _SMALL.items() if _has(config, k)}
+    if _has(config, "sliding_window") and config.sliding_window:
+        fields["sliding_window"] = SHORT_WINDOW
+    # A nested config is rebuilt from all its fields, so its per-layer lists (attention kinds)
+    # are cut to the layers kept, keeping the type's pattern; a top-level class derives its own.
+    layers = fields.get("num_hidden_layers")
+    if nested and layers is not None:
+        # Layers that differ from the rest (gemma4's global ones) are kept: as many layers as
+        # reach the first of them.
+        overrides = config.to_dict().get("per_layer_config")
+        if isinstance(overrides, dict) and overrides:
+            layers = fields["num_hidden_layers"] = max(layers, min(int(k) for k in overrides) + 1)
+        for name, value in config.to_dict().items():
+            if name.endswith("layer_types") and isinstance(value, list):
+                fields[name] = value[:layers]
+            elif name == "per_layer_config" and isinstance(value, dict):
+                fields[name] = {k: v for k, v in value.items() if int(k) < layers}
+    return fields
+
+
+def _has(config: Any, name: str) -> bool:
+    """Whether the config sets this field; a field some configs hold per layer (and refuse to
+    read whole) counts as unset."""
+    try:
+        return hasattr(config, name)
+    except Exception:
+        return False
+
+
+def published_class(config: Any) -> Any:
+    """What a checkpoint of this type is saved as: its causal-LM class, or, where that class
+    takes only the text half of the config (mllama, emu3), the image-text-to-text model whose
+    folder people download (the executor serves that folder's text model)."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING,
+        MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING,
+    )
+
+    causal = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config), None)
+    if causal is not None and not isinstance(config, causal.config_class) and type(config) in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING:
+        return AutoModelForImageTextToText
+    return AutoModelForCausalLM
 
 
 def survey_one(model_type: str, folder: Path) -> dict[str, Any]:
     """Builds the tiny model and starts the executor on it, in this process."""
     import torch
-    from transformers import AutoModelForCausalLM
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     from executor_service.model.model_support import UnsupportedModel
@@ -73,21 +136,19 @@ def survey_one(model_type: str, folder: Path) -> dict[str, Any]:
 
     torch.set_num_threads(1)
     try:
-        config_class = CONFIG_MAPPING[model_type]
-        default = config_class()
-        fields = {k: v for k, v in _SMALL.items() if hasattr(default, k)}
-        if getattr(default, "sliding_window", None):
-            fields["sliding_window"] = SHORT_WINDOW
+        config = tiny_config(CONFIG_MAPPING[model_type])
         torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_config(
-            config_class(**fields), dtype=torch.float32, attn_implementation="eager"
-        )
+        model_class = published_class(config)
+        model = model_class.from_config(config, dtype=torch.float32, attn_implementation="eager")
         with torch.no_grad():
             for parameter in model.parameters():
                 if parameter.dim() >= 2:
                     parameter.normal_(0.0, 0.2)
-            # The shrunk config must run in the model's own code before ours is judged on it.
-            model(input_ids=torch.arange(3, 11)[None, :], use_cache=False)
+            # The shrunk config must run in the model's own code before ours is judged on it;
+            # a multimodal model's text path is judged by the executor's self-check alone (some
+            # of their forwards fail on text without images in transformers' own code).
+            if model_class.__name__ == "AutoModelForCausalLM":
+                model(input_ids=torch.arange(3, 11)[None, :], use_cache=False)
         model.save_pretrained(folder)
     except Exception as error:
         return {"status": "unbuilt", "reason": f"{type(error).__name__}: {error}"[:300]}
