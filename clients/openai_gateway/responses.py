@@ -226,7 +226,8 @@ class ChoiceShapers:
         for delta in deltas:
             by_choice.setdefault(delta.index, []).append(delta)
         bodies = [self._shaper(index).whole(by_choice[index]) for index in sorted(by_choice)]
-        usages = [assemble(by_choice[index], False).usage for index in sorted(by_choice)]
+        # Each choice's usage comes with its last delta, as assemble takes it.
+        usages = [by_choice[index][-1].usage for index in sorted(by_choice)]
         return {**bodies[0], "choices": [body["choices"][0] for body in bodies], "usage": usage_body(total_usage(usages))}
 
     def opening(self) -> list[dict[str, Any]]:

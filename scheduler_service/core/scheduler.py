@@ -492,7 +492,7 @@ class Scheduler:
             if isinstance(source, Request):
                 if not self._fork(request, source):
                     break
-                self._admitted(request, request.num_computed_tokens, hashes, admitted)
+                self._admitted(request, request.num_prompt_tokens - 1, hashes, admitted)
                 scheduled[request] = 1
                 budget -= 1
                 continue
@@ -577,7 +577,6 @@ class Scheduler:
             return False
         if copy is not None:
             self._copies.append(copy)
-        request.num_computed_tokens = shared
         return True
 
     def _allocate(self, request: Request, num_new: int, hit: PrefixHit | None = None) -> list[int] | None:
