@@ -87,12 +87,13 @@ def _small_fields(config: Any, nested: bool = False) -> dict[str, Any]:
     # are cut to the layers kept, keeping the type's pattern; a top-level class derives its own.
     layers = fields.get("num_hidden_layers")
     if nested and layers is not None:
+        whole = config.to_dict()
         # Layers that differ from the rest (gemma4's global ones) are kept: as many layers as
         # reach the first of them.
-        overrides = config.to_dict().get("per_layer_config")
+        overrides = whole.get("per_layer_config")
         if isinstance(overrides, dict) and overrides:
             layers = fields["num_hidden_layers"] = max(layers, min(int(k) for k in overrides) + 1)
-        for name, value in config.to_dict().items():
+        for name, value in whole.items():
             if name.endswith("layer_types") and isinstance(value, list):
                 fields[name] = value[:layers]
             elif name == "per_layer_config" and isinstance(value, dict):

@@ -101,7 +101,11 @@ class Answer:
 
 
 def read_answer(parser: ToolCallParser, text: str) -> Answer:
-    events = parser.feed(text) + parser.finish()
+    return answer_of(parser.feed(text) + parser.finish())
+
+
+def answer_of(events: Sequence[Event]) -> Answer:
+    """The answer a parser's events make, as a client reassembles a stream of them."""
     content = "".join(event for event in events if isinstance(event, str))
     calls: list[dict[str, Any]] = []
     for event in events:

@@ -17,6 +17,7 @@ from clients.openai_gateway.tool_calls import (
     Answer,
     ToolCallDelta,
     ToolCallParser,
+    answer_of,
     parser_for,
     read_answer,
 )
@@ -60,16 +61,14 @@ def streamed(make: Any, text: str, size: int) -> Answer:
     reading = make()
     events = [event for start in range(0, len(text), size) for event in reading.feed(text[start : start + size])]
     events += reading.finish()
-    content = "".join(event for event in events if isinstance(event, str))
-    calls: list[dict[str, Any]] = []
+    started: set[int] = set()
     for event in events:
         if isinstance(event, ToolCallDelta):
-            if event.index == len(calls):
-                calls.append({"id": event.id, "type": "function", "function": {"name": event.name, "arguments": ""}})
-            else:
+            # A call's id and name come with its first delta only.
+            if event.index in started:
                 assert event.id is None and event.name is None
-            calls[event.index]["function"]["arguments"] += event.arguments
-    return Answer(None if calls and not content.strip() else content, calls)
+            started.add(event.index)
+    return answer_of(events)
 
 
 def read(text: str, tool_choice: Any = "auto", parallel: bool | None = None) -> Answer:
