@@ -11,7 +11,7 @@ class DescribeRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ExecutorInfo(_message.Message):
-    __slots__ = ("model_id", "vocab_size", "eos_token_ids", "max_model_len", "block_size", "num_kv_blocks", "dtype", "device", "incarnation_id", "max_logprobs", "attention_backend", "lease_timeout_s", "supports_decode_handles", "tensor_parallel_size", "kv_cache_bytes", "access", "supports_late_bitmasks", "supports_block_copies")
+    __slots__ = ("model_id", "vocab_size", "eos_token_ids", "max_model_len", "block_size", "num_kv_blocks", "dtype", "device", "incarnation_id", "max_logprobs", "attention_backend", "lease_timeout_s", "supports_decode_handles", "tensor_parallel_size", "kv_cache_bytes", "access", "supports_late_bitmasks", "supports_block_copies", "num_state_slots", "state_slot_bytes")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -30,6 +30,8 @@ class ExecutorInfo(_message.Message):
     ACCESS_FIELD_NUMBER: _ClassVar[int]
     SUPPORTS_LATE_BITMASKS_FIELD_NUMBER: _ClassVar[int]
     SUPPORTS_BLOCK_COPIES_FIELD_NUMBER: _ClassVar[int]
+    NUM_STATE_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    STATE_SLOT_BYTES_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     vocab_size: int
     eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -48,7 +50,9 @@ class ExecutorInfo(_message.Message):
     access: str
     supports_late_bitmasks: bool
     supports_block_copies: bool
-    def __init__(self, model_id: _Optional[str] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., incarnation_id: _Optional[str] = ..., max_logprobs: _Optional[int] = ..., attention_backend: _Optional[str] = ..., lease_timeout_s: _Optional[float] = ..., supports_decode_handles: _Optional[bool] = ..., tensor_parallel_size: _Optional[int] = ..., kv_cache_bytes: _Optional[int] = ..., access: _Optional[str] = ..., supports_late_bitmasks: _Optional[bool] = ..., supports_block_copies: _Optional[bool] = ...) -> None: ...
+    num_state_slots: int
+    state_slot_bytes: int
+    def __init__(self, model_id: _Optional[str] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., incarnation_id: _Optional[str] = ..., max_logprobs: _Optional[int] = ..., attention_backend: _Optional[str] = ..., lease_timeout_s: _Optional[float] = ..., supports_decode_handles: _Optional[bool] = ..., tensor_parallel_size: _Optional[int] = ..., kv_cache_bytes: _Optional[int] = ..., access: _Optional[str] = ..., supports_late_bitmasks: _Optional[bool] = ..., supports_block_copies: _Optional[bool] = ..., num_state_slots: _Optional[int] = ..., state_slot_bytes: _Optional[int] = ...) -> None: ...
 
 class SamplerConfig(_message.Message):
     __slots__ = ("temperature", "top_k", "top_p", "min_p", "has_seed", "seed", "repetition_penalty", "presence_penalty", "frequency_penalty", "num_logprobs", "want_logprobs", "min_tokens", "min_tokens_stop_ids", "logit_bias_token_ids", "logit_bias_values", "allowed_token_ids", "want_prompt_logprobs", "num_prompt_logprobs")
@@ -227,11 +231,13 @@ class StepResult(_message.Message):
     def __init__(self, step_id: _Optional[int] = ..., outputs: _Optional[_Iterable[_Union[RequestOutput, _Mapping]]] = ..., rejected: _Optional[_Iterable[_Union[RejectedRequest, _Mapping]]] = ..., forward_time_s: _Optional[float] = ..., step_time_s: _Optional[float] = ..., failure: _Optional[_Union[StepFailure, _Mapping]] = ..., decode_token_ids: _Optional[_Iterable[int]] = ..., draining: _Optional[bool] = ..., held_requests: _Optional[_Iterable[_Union[HeldRequest, _Mapping]]] = ...) -> None: ...
 
 class HeldRequest(_message.Message):
-    __slots__ = ("request_id", "block_ids", "num_computed_tokens")
+    __slots__ = ("request_id", "block_ids", "num_computed_tokens", "state_slot")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    STATE_SLOT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     block_ids: _containers.RepeatedScalarFieldContainer[int]
     num_computed_tokens: int
-    def __init__(self, request_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[int] = ...) -> None: ...
+    state_slot: int
+    def __init__(self, request_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[int] = ..., state_slot: _Optional[int] = ...) -> None: ...
