@@ -1,4 +1,5 @@
-"""Logical KV-cache bookkeeping: which blocks a request holds, which blocks hold a cached prefix.
+"""Logical KV-cache bookkeeping: which blocks a request holds, which blocks hold a cached prefix,
+and for a hybrid model which recurrent-state slot a request holds.
 
 Pure Python (no torch, no gRPC): the scheduler owns one KVCacheManager per executor, and the
 executor owns the memory the block ids point into.
@@ -13,6 +14,7 @@ from kv_manager.kv_cache_manager import (
     PrefixHit,
 )
 from kv_manager.prefix_hash import BlockHash, hash_block_tokens
+from kv_manager.state_slots import SlotsExhausted, StateSlotPool
 
 __all__ = [
     "BlockCopy",
@@ -23,5 +25,7 @@ __all__ = [
     "KVCacheManager",
     "PoolExhausted",
     "PrefixHit",
+    "SlotsExhausted",
+    "StateSlotPool",
     "hash_block_tokens",
 ]

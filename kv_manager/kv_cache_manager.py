@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from kv_manager import prefix_hash
 from kv_manager.block_pool import BlockPool, KVBlock
 from kv_manager.prefix_hash import BlockHash, extend_chain
+from kv_manager.state_slots import StateSlotPool
 
 
 @dataclass(slots=True)
@@ -57,14 +58,23 @@ class _RequestBlocks:
 
 
 class KVCacheManager:
-    """Hands out block ids for requests' tokens and reuses blocks whose content is cached."""
+    """Hands out block ids for requests' tokens and reuses blocks whose content is cached; for
+    a hybrid model (num_state_slots > 0), also the recurrent-state slots its requests hold
+    beside their blocks (state_slots: taken on admission, released with the blocks)."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, num_state_slots: int = 0
+    ) -> None:
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
+        if num_state_slots and enable_prefix_caching:
+            # A prefix hit skips computing the cached tokens, but the recurrent state after
+            # them would have to be kept too, and is not.
+            raise ValueError("prefix caching needs the recurrent state at a cached prefix's end, which is not kept")
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks)
+        self.state_slots = StateSlotPool(num_state_slots)
         self._requests: dict[str, _RequestBlocks] = {}
         self._queried_tokens = 0
         self._hit_tokens = 0
@@ -160,8 +170,11 @@ class KVCacheManager:
         into, is copied on that write into a block of its own (the returned BlockCopy, for the
         executor). The child then computes on from num_tokens like any request.
 
-        Raises ValueError when the parent has not written that far or the child holds blocks;
+        Raises ValueError when the parent has not written that far or the child holds blocks,
+        or the model keeps recurrent state (the parent's after num_tokens is not kept to copy);
         PoolExhausted, changing nothing, when the copy needs a block and none is free."""
+        if self.state_slots.num_slots:
+            raise ValueError("a hybrid model's request cannot fork: the recurrent state to share is not kept")
         parent = self._requests.get(parent_id)
         if parent is None or parent.num_written < num_tokens:
             written = parent.num_written if parent else 0
@@ -187,10 +200,12 @@ class KVCacheManager:
         return BlockCopy(parent.blocks[num_full].block_id, copy.block_id)
 
     def free(self, request_id: str) -> None:
-        """Releases every block of the request (finished, aborted or preempted). Idempotent."""
+        """Releases every block of the request, and its state slot (finished, aborted or
+        preempted: whenever it leaves the executor, its state there goes). Idempotent."""
         entry = self._requests.pop(request_id, None)
         if entry is not None:
             self.pool.release(reversed(entry.blocks))
+        self.state_slots.free(request_id)
 
     def block_ids(self, request_id: str) -> list[int]:
         entry = self._requests.get(request_id)
