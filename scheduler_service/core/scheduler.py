@@ -525,7 +525,10 @@ class Scheduler:
         request.status = RequestStatus.RUNNING
         request.num_computed_tokens = num_computed
         request.prefill_target = request.num_tokens
-        self._prefixes.computing.add(request, hashes[num_computed // self.config.block_size :])
+        # Without a prefix cache its blocks are never found by another request: one sharing
+        # them must not be held back to wait for them (see _admit_waiting).
+        if self.config.enable_prefix_caching:
+            self._prefixes.computing.add(request, hashes[num_computed // self.config.block_size :])
         self.running.append(request)
         admitted.append(request)
 

@@ -338,6 +338,18 @@ def test_a_request_waits_for_a_shared_prefix_being_computed_instead_of_computing
     assert second.num_cached_tokens == len(shared)
 
 
+def test_without_a_prefix_cache_a_request_sharing_a_prefix_is_not_held_back() -> None:
+    """Nothing it waited for would ever be cached: it is admitted beside the first, chunked
+    into the step's remaining budget."""
+    shared = list(range(50, 62))
+    first = Request("first", shared + [1, 2], SamplingParams(max_tokens=3, ignore_eos=True))
+    second = Request("second", shared + [3], SamplingParams(max_tokens=3, ignore_eos=True))
+    result = run(config(max_num_batched_tokens=20, enable_prefix_caching=False), {1: [first, second]})
+    assert result.lines[0] == "first:14 second:6 | W: | R: first second"
+    for request in (first, second):
+        assert result.outputs[request.request_id] == expected_output(request.prompt_token_ids, 3)
+
+
 def test_steady_decodes_travel_as_handles_and_requests_needing_care_stay_listed() -> None:
     scheduler = Scheduler(config())
     executor = SimulatedExecutor(64, 4)
