@@ -1,6 +1,7 @@
 """The audit of one executor's block accounting, end to end: the scheduler's pool is
 consistent in itself (kv_manager/audit.py), and the executor holds exactly the requests the
-scheduler placed there, with the same block tables and computed tokens.
+scheduler placed there, with the same block tables, computed tokens and recurrent-state slots
+(a hybrid model's running requests each holding one).
 
 Run only when no plan is on the wire (the lane waits for that), so both sides have seen the
 same plans.
@@ -16,6 +17,11 @@ from scheduler_service.core.step_plan import HeldState
 def audit_executor(scheduler: Scheduler, held: Mapping[str, HeldState]) -> list[str]:
     """Mismatches, one line each; empty when the books agree."""
     found = pool_mismatches(scheduler.kv)
+    slots = scheduler.kv.state_slots
+    if slots.num_slots:
+        for request in scheduler.running:
+            if not slots.slot_of(request.request_id):
+                found.append(f"request {request.request_id}: running without a state slot")
     placed = scheduler.on_executor
     for request_id in sorted(placed):
         state = held.get(request_id)
@@ -28,6 +34,9 @@ def audit_executor(scheduler: Scheduler, held: Mapping[str, HeldState]) -> list[
                 f"request {request_id}: block table {list(state.block_ids)} on the executor, "
                 f"{blocks} in the scheduler"
             )
+        slot = slots.slot_of(request_id)
+        if state.state_slot != slot:
+            found.append(f"request {request_id}: state slot {state.state_slot} on the executor, {slot} in the scheduler")
         request = scheduler.requests.get(request_id)
         computed = request.num_computed_tokens if request is not None else None
         if state.num_computed_tokens != computed:

@@ -33,6 +33,11 @@ class SchedulerConfig:
     # The executor copies blocks for a plan (StepPlan.block_copies), so sibling choices fork
     # from one prompt computation; off for one that does not, where each computes its own.
     block_copies: bool = False
+    # Recurrent-state slots of a hybrid model's executor (Mamba, Gated DeltaNet, short
+    # convolutions): each running request holds one, so at most this many run at once; 0 for a
+    # model without recurrent layers. A hybrid model runs without a prefix cache and without
+    # forks (see __post_init__).
+    num_state_slots: int = 0
 
     @property
     def max_seq_len(self) -> int:
@@ -44,6 +49,17 @@ class SchedulerConfig:
         for name in ("num_kv_blocks", "block_size", "max_model_len", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.num_state_slots < 0:
+            raise ValueError(f"num_state_slots must not be negative, got {self.num_state_slots}")
+        if self.num_state_slots:
+            # A prefix hit starts a request after its cached tokens, and a fork after its
+            # sibling's prompt: both need the recurrent state at that point, which the executor
+            # does not keep (a slot holds only a running request's latest state). So every
+            # request of a hybrid model computes its whole sequence from an empty state. Set
+            # here, whatever the caller asked, so every way a config is built (the lane, a
+            # replay, a test, reconfigure's replace) gets it.
+            object.__setattr__(self, "enable_prefix_caching", False)
+            object.__setattr__(self, "block_copies", False)
 
 
 @dataclass(slots=True, frozen=True)

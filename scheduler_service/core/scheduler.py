@@ -88,7 +88,7 @@ class Scheduler:
         self.config = config
         self.eos_token_ids = frozenset(eos_token_ids)
         self.clock = clock
-        self.kv = KVCacheManager(config.num_kv_blocks, config.block_size, config.enable_prefix_caching)
+        self.kv = self._new_kv_cache()
         self.waiting = WaitingQueue(config.policy)
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -203,8 +203,15 @@ class Scheduler:
         self._in_flight.clear()
         self._late.clear()
         self._retrying.clear()
-        self.kv = KVCacheManager(self.config.num_kv_blocks, self.config.block_size, self.config.enable_prefix_caching)
+        self.kv = self._new_kv_cache()
         return evicted
+
+    def _new_kv_cache(self) -> KVCacheManager:
+        """Empty books: every block and state slot free."""
+        config = self.config
+        return KVCacheManager(
+            config.num_kv_blocks, config.block_size, config.enable_prefix_caching, config.num_state_slots
+        )
 
     def release_waiting(self, requests: Iterable[Request]) -> list[Request]:
         """Lets go of these waiting requests, for another executor to run them (work
@@ -484,6 +491,10 @@ class Scheduler:
             # beside other requests, nor beside the step's bulk decodes.
             if request.retry_alone and (scheduled or bulk.step is not None):
                 break
+            # A hybrid model's request needs a recurrent-state slot as well as blocks, and
+            # waits for one as it would for blocks.
+            if self.kv.state_slots.exhausted:
+                break
             hashes = self.prefix_hashes(request)
             source = self._fork_source(request) if request.fork_of else None
             if source is _AWAIT_FORK:
@@ -525,6 +536,8 @@ class Scheduler:
         request.status = RequestStatus.RUNNING
         request.num_computed_tokens = num_computed
         request.prefill_target = request.num_tokens
+        # Free: _admit_waiting checked. Released with its blocks whenever it stops running.
+        self.kv.state_slots.allocate(request.request_id)
         # Without a prefix cache its blocks are never found by another request: one sharing
         # them must not be held back to wait for them (see _admit_waiting).
         if self.config.enable_prefix_caching:
@@ -649,6 +662,7 @@ class Scheduler:
                         request.num_prompt_tokens,
                         request.handle,
                         mask,
+                        self.kv.state_slots.slot_of(request.request_id),
                     )
                 )
                 self._on_executor.add(request.request_id)

@@ -4,6 +4,8 @@ model, so the scheduler runs end to end in tests and policy benchmarks without t
 It keeps a shadow KV cache (which token sits in which slot) and checks every plan against it the
 way the attention would depend on it: a request's cached slots must hold exactly its tokens. A
 scheduler that hands out a wrong block, a stale prefix hit or too few slots fails loudly here.
+For a hybrid model (num_state_slots) it checks each new request's recurrent-state slot as the
+real executor would: one it has, that no request it holds has, with an empty state to start from.
 """
 
 from collections.abc import Callable, Sequence
@@ -11,7 +13,12 @@ from dataclasses import dataclass, field
 
 from protos.limits import UNHELD_DECODE_TOKEN
 from scheduler_service.core.errors import ErrorKind, RequestError
-from scheduler_service.core.step_plan import HeldState, StepOutput, StepPlan
+from scheduler_service.core.step_plan import (
+    HeldState,
+    NewRequestPlan,
+    StepOutput,
+    StepPlan,
+)
 
 TokenFn = Callable[[str, Sequence[int]], int]
 # Says why a plan's forward fails, or None when it runs, given the plan and the ids of the
@@ -46,6 +53,7 @@ class _SimRequest:
     block_ids: list[int]
     num_computed: int
     handle: int = 0
+    state_slot: int = 0
 
 
 @dataclass(slots=True)
@@ -68,12 +76,14 @@ class SimulatedExecutor:
     dropped_by_failure: set[str] = field(default_factory=set)
     # Decode handle -> request id, for the requests held.
     handles: dict[int, str] = field(default_factory=dict)
+    # Recurrent-state slots of the modelled hybrid model, 1..num_state_slots; 0: none.
+    num_state_slots: int = 0
 
     def execute(self, plan: StepPlan) -> StepOutput:
         output = self._run(plan)
         if plan.want_held_requests:
             output.held_requests = {
-                request_id: HeldState(tuple(state.block_ids), state.num_computed)
+                request_id: HeldState(tuple(state.block_ids), state.num_computed, state.state_slot)
                 for request_id, state in self.requests.items()
             }
         return output
@@ -105,7 +115,10 @@ class SimulatedExecutor:
             self.dropped_by_failure.discard(new.request_id)
             if new.request_id in self.requests:
                 raise PlanMismatch(f"{new.request_id} is new but already held")
-            state = _SimRequest(list(new.token_ids), list(new.block_ids), new.num_computed_tokens, new.handle)
+            self._check_state_slot(new)
+            state = _SimRequest(
+                list(new.token_ids), list(new.block_ids), new.num_computed_tokens, new.handle, new.state_slot
+            )
             self.requests[new.request_id] = state
             if new.handle:
                 self.handles[new.handle] = new.request_id
@@ -175,6 +188,24 @@ class SimulatedExecutor:
         output.forward_time_s = self.step_overhead_s + self.per_token_s * plan.num_scheduled_tokens
         self.elapsed_s += output.forward_time_s
         return output
+
+    def _check_state_slot(self, new: NewRequestPlan) -> None:
+        """A hybrid model's request needs a slot of its own, and (its state starting empty) to
+        compute from its first token; any other model's names none."""
+        slot = new.state_slot
+        if not self.num_state_slots:
+            if slot:
+                raise PlanMismatch(f"{new.request_id} names state slot {slot}, but the model keeps no state")
+            return
+        if not 1 <= slot <= self.num_state_slots:
+            raise PlanMismatch(f"{new.request_id} names state slot {slot}, outside 1..{self.num_state_slots}")
+        holder = next((rid for rid, held in self.requests.items() if held.state_slot == slot), None)
+        if holder is not None:
+            raise PlanMismatch(f"{new.request_id} names state slot {slot}, which {holder} holds")
+        if new.num_computed_tokens:
+            raise PlanMismatch(
+                f"{new.request_id} starts at token {new.num_computed_tokens}, but its recurrent state starts empty"
+            )
 
     def _forget(self, request_id: str) -> None:
         state = self.requests.pop(request_id, None)

@@ -40,6 +40,9 @@ class NewRequestPlan:
     # The tokens this step may sample (TokenConstraint.allowed_token_bitmask), for a request
     # with a grammar whose step samples; empty otherwise.
     allowed_token_bitmask: bytes = b""
+    # Its recurrent-state slot, for a hybrid model (SchedulerConfig.num_state_slots): free
+    # until now, its state empty, so num_computed_tokens is 0. 0: the model keeps no state.
+    state_slot: int = 0
 
 
 @dataclass(slots=True)
@@ -113,6 +116,8 @@ class HeldState:
 
     block_ids: tuple[int, ...]
     num_computed_tokens: int
+    # Its recurrent-state slot (0: none).
+    state_slot: int = 0
 
 
 @dataclass(slots=True)

@@ -227,6 +227,16 @@ class ExecutorLane:
                 )
             eos = frozenset(info.eos_token_ids) | self.extra_eos_token_ids
             self.scheduler = Scheduler(self._config(info), eos)
+            if info.num_state_slots:
+                # Said once per connection: an operator wondering why this executor gets no
+                # prefix hits, or runs fewer requests than max_num_seqs, finds it here.
+                logger.info(
+                    "event=executor_recurrent_state address=%s state_slots=%d state_slot_bytes=%d "
+                    "prefix_caching=off forks=off",
+                    self.address,
+                    info.num_state_slots,
+                    info.state_slot_bytes,
+                )
             self._step_times.clear()
             self._set_state(LaneState.UP, "")
             self.hooks.lane_up(self)
@@ -309,6 +319,7 @@ class ExecutorLane:
             bulk_decodes=info.supports_decode_handles,
             late_bitmasks=info.supports_late_bitmasks,
             block_copies=info.supports_block_copies,
+            num_state_slots=info.num_state_slots,
         )
 
     def _set_state(self, state: LaneState, reason: str) -> None:

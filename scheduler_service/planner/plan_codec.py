@@ -64,6 +64,7 @@ def plan_to_proto(plan: StepPlan, eos_token_ids: Collection[int] = ()) -> pb.Ste
                 num_prompt_tokens=new.num_prompt_tokens,
                 handle=new.handle,
                 allowed_token_bitmask=new.allowed_token_bitmask,
+                state_slot=new.state_slot,
             )
         )
     for cont in plan.continuing_requests:
@@ -116,7 +117,7 @@ def output_from_proto(result: pb.StepResult) -> StepOutput:
         output.failure = result.failure.message
     if result.held_requests:
         output.held_requests = {
-            held.request_id: HeldState(tuple(held.block_ids), held.num_computed_tokens)
+            held.request_id: HeldState(tuple(held.block_ids), held.num_computed_tokens, held.state_slot)
             for held in result.held_requests
         }
     return output

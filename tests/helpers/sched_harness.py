@@ -80,7 +80,9 @@ def run(
 ) -> Run:
     """Adds arrivals[n] before planning step n (1-based) and runs until every request finished.
     before_step(n, scheduler) runs after step n's arrivals, before it is planned."""
-    executor = SimulatedExecutor(config.num_kv_blocks, config.block_size, next_token, fail_step=fail_step)
+    executor = SimulatedExecutor(
+        config.num_kv_blocks, config.block_size, next_token, fail_step=fail_step, num_state_slots=config.num_state_slots
+    )
     result = Run(Scheduler(config), executor)
     book = HandleBook()
     step = 0

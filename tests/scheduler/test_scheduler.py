@@ -187,6 +187,8 @@ def test_pipelined_planning_gives_the_same_tokens() -> None:
     aborts=st.sets(st.integers(0, 11), max_size=3),
     stopped=st.sets(st.integers(0, 11), max_size=3),
     failing=st.sets(st.integers(1, 40), max_size=4),
+    # A hybrid model's recurrent-state slots (0: none), which cap the requests running at once.
+    num_state_slots=st.integers(0, 3),
 )
 # A request retried alone after a failed step that had to preempt itself for blocks was admitted
 # straight back each step, while the decode that would free those blocks never ran.
@@ -194,6 +196,7 @@ def test_pipelined_planning_gives_the_same_tokens() -> None:
     specs=[(1, 1, 0, 1), (1, 1, 0, 1), (6, 3, 0, 2), (1, 1, 0, 1), (8, 2, 0, 1)],
     num_blocks=8, block_size=2, budget=7, max_num_seqs=2, policy=Policy.FCFS,
     mode=StepMode.PREFILL_FIRST, pipelined=True, aborts={0, 1, 3}, stopped=set(), failing={1, 4},
+    num_state_slots=0,
 )
 # A retried request was admitted beside the step's bulk decodes, which the check for "others in
 # this step" did not count.
@@ -201,18 +204,22 @@ def test_pipelined_planning_gives_the_same_tokens() -> None:
     specs=[(1, 1, 0, 1), (3, 1, 0, 1), (1, 2, 0, 1)],
     num_blocks=8, block_size=2, budget=4, max_num_seqs=3, policy=Policy.FCFS,
     mode=StepMode.MIXED, pipelined=True, aborts=set(), stopped=set(), failing={1},
+    num_state_slots=0,
 )
 def test_random_workloads_finish_with_the_right_tokens_and_free_every_block(
-    specs, num_blocks, block_size, budget, max_num_seqs, policy, mode, pipelined, aborts, stopped, failing
+    specs, num_blocks, block_size, budget, max_num_seqs, policy, mode, pipelined, aborts, stopped, failing,
+    num_state_slots,
 ) -> None:
     cfg = SchedulerConfig(
         num_kv_blocks=num_blocks, block_size=block_size, max_model_len=256,
         max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, policy=policy, mode=mode,
+        num_state_slots=num_state_slots,
     )
     scheduler = Scheduler(cfg)
     # The executor's forward raises at the steps in `failing`, whatever they hold.
     executor = SimulatedExecutor(
-        num_blocks, block_size, fail_step=lambda plan, ids: "boom" if plan.step_id in failing else None
+        num_blocks, block_size, fail_step=lambda plan, ids: "boom" if plan.step_id in failing else None,
+        num_state_slots=num_state_slots,
     )
     requests: list[Request] = []
     errors: dict[str, RequestError] = {}
@@ -248,6 +255,7 @@ def test_random_workloads_finish_with_the_right_tokens_and_free_every_block(
         plan = scheduler.schedule()
         assert plan.num_scheduled_tokens <= budget
         assert len(scheduler.running) <= max_num_seqs
+        assert not num_state_slots or len(scheduler.running) <= num_state_slots
         ids = scheduled_ids(plan, book)
         retried = [i for i in ids if scheduler.requests[i].retry_alone]
         assert not retried or ids == retried, "a retry shares its step"
@@ -271,6 +279,7 @@ def test_random_workloads_finish_with_the_right_tokens_and_free_every_block(
         else:
             assert request.output_token_ids == reference[: request.num_output_tokens]
     assert scheduler.kv.num_free_blocks == num_blocks
+    assert scheduler.kv.state_slots.num_free == num_state_slots
 
 
 def test_a_failed_step_is_retried_alone_and_only_the_request_that_fails_again_ends() -> None:
