@@ -66,7 +66,7 @@ class StepTrace:
             "max_num_batched_tokens": config.max_num_batched_tokens, "policy": config.policy.value,
             "mode": config.mode.value, "enable_chunked_prefill": config.enable_chunked_prefill,
             "enable_prefix_caching": config.enable_prefix_caching, "bulk_decodes": config.bulk_decodes,
-            "block_copies": config.block_copies,
+            "block_copies": config.block_copies, "num_state_slots": config.num_state_slots,
             "pipeline_depth": pipeline_depth,
         })
         track = self._tracks.setdefault(address, len(self._tracks) + 1)

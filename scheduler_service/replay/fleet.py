@@ -48,7 +48,10 @@ def replay_fleet(
     lanes = [
         _Lane(
             Scheduler(config, eos_token_ids=(REPLAY_EOS,), clock=lambda: clock),
-            SimulatedExecutor(config.num_kv_blocks, config.block_size, next_token=model.next_token, verify_kv=False),
+            SimulatedExecutor(
+                config.num_kv_blocks, config.block_size, next_token=model.next_token, verify_kv=False,
+                num_state_slots=config.num_state_slots,
+            ),
             Replayed(f"executor {index}", config),
         )
         for index in range(executors)

@@ -59,7 +59,7 @@ def run_scenario(scenario: Scenario, max_steps: int = 500) -> Replayed:
     """Steps in lockstep until every request finished; step n is planned at time n."""
     config = scenario.config
     scheduler = Scheduler(config)
-    executor = SimulatedExecutor(config.num_kv_blocks, config.block_size)
+    executor = SimulatedExecutor(config.num_kv_blocks, config.block_size, num_state_slots=config.num_state_slots)
     replayed = Replayed(scenario.name, config)
     step = 0
     while scheduler.has_unfinished() or any(s > step for s in scenario.arrivals):

@@ -108,6 +108,8 @@ def config_of(timeline: Timeline) -> SchedulerConfig:
         mode=StepMode(recorded["mode"]), enable_chunked_prefill=recorded["enable_chunked_prefill"],
         enable_prefix_caching=recorded["enable_prefix_caching"], bulk_decodes=recorded["bulk_decodes"],
         block_copies=recorded.get("block_copies", False),
+        # Traces from before hybrid models were served record none.
+        num_state_slots=recorded.get("num_state_slots", 0),
     )
 
 
@@ -129,7 +131,7 @@ class _Simulation:
         self.executor = SimulatedExecutor(
             config.num_kv_blocks, config.block_size,
             next_token=SyntheticModel(list(timeline.requests.values()), self.requests).next_token,
-            verify_kv=False,
+            verify_kv=False, num_state_slots=config.num_state_slots,
         )
         # (time, order, kind, request): arrivals and aborts, in time order.
         self._events: list[tuple[float, int, str, Request]] = []

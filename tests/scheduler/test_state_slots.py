@@ -5,6 +5,7 @@ another request holds or a request that would not compute from its first token, 
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import cast
 
 import pytest
@@ -25,6 +26,10 @@ from scheduler_service.core.step_plan import NewRequestPlan, StepPlan
 from scheduler_service.planner.executor_link import ExecutorLink
 from scheduler_service.planner.lane import ExecutorLane, LaneHooks, LaneOptions
 from scheduler_service.planner.plan_codec import output_from_proto, plan_to_proto
+from scheduler_service.planner.step_trace import StepTrace
+from scheduler_service.replay.simulate import config_of, replay_timeline
+from scheduler_service.replay.step_cost import StepCost
+from scheduler_service.replay.trace_reader import read_trace
 
 HYBRID = SchedulerConfig(num_kv_blocks=64, block_size=4, max_model_len=256, max_num_batched_tokens=64, num_state_slots=3)
 
@@ -245,6 +250,34 @@ def test_the_audit_names_a_slot_the_executor_disagrees_on() -> None:
     assert audit_executor(scheduler, held) == ["request a: state slot 2 on the executor, 1 in the scheduler"]
     scheduler.kv.state_slots.free("a")
     assert "request a: running without a state slot" in audit_executor(scheduler, output.held_requests)
+
+
+def test_the_step_trace_records_the_slots_and_an_unchanged_replay_follows_the_recorded_schedule(tmp_path: Path) -> None:
+    now = [0.0]
+    trace = StepTrace(tmp_path, clock=lambda: now[0])
+    scheduler = Scheduler(HYBRID)
+    executor = SimulatedExecutor(HYBRID.num_kv_blocks, HYBRID.block_size, num_state_slots=3)
+    trace.executor_up("x", HYBRID, pipeline_depth=1)
+    for i in range(6):
+        added = request(f"r{i}", prompt(i, 5 + i), 4)
+        scheduler.add_request(added)
+        trace.request_added("x", added, scheduler)
+    while scheduler.has_unfinished():
+        now[0] += 0.1
+        plan = scheduler.schedule()
+        trace.plan_sent("x", plan, scheduler.decoded_in(plan), now[0])
+        output = executor.execute(plan)
+        now[0] += 0.5
+        trace.result_applied("x", output, scheduler.update(output), scheduler)
+    trace.close()
+    (timeline,) = read_trace(tmp_path)
+    assert config_of(timeline) == HYBRID
+    replayed = replay_timeline(timeline, None, StepCost(0.5, 0.0, 0.0, 0.0, 1.0, 0))
+    assert replayed.matched_steps == replayed.num_recorded_steps == scheduler.num_steps
+    assert max(step.running for step in replayed.steps) == 3
+    # A trace from before state slots were recorded replays as a model without them.
+    del timeline.config["num_state_slots"]
+    assert config_of(timeline).num_state_slots == 0
 
 
 def test_the_lane_configures_from_the_executor_and_the_wire_carries_the_slots() -> None:
