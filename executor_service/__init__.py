@@ -7,9 +7,11 @@ tests/executor/test_executor_rooms.py keeps it so):
   that are not attention's;
 - attention: the paged KV cache, each step's attention metadata, and our attention function
   with its C decode and prefill kernels;
+- recurrent: recurrent, state-space and convolution layers' per-request state in slots, and the
+  model's own mixers run against those slots, split by sequence;
 - cpu_forward: the fast CPU forward: packed GEMMs, fused layers, packed experts and routers,
   the lean Llama loop, the one-call decode program and the greedy head's int8 screen;
-- model: loading a checkpoint with our attention plugged in, its K/V geometry, per-sequence
+- model: loading a checkpoint with our attention plugged in, what its layers keep, per-sequence
   RoPE, and why a model cannot be served;
 - sampling: the sampler and the sampling settings it reads from a plan;
 - runner: request state, plan validation, step inputs, the forward, CUDA graphs of decode steps

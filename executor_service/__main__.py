@@ -116,6 +116,13 @@ def parse_args(argv: list[str] | None, prog: str = "python -m executor_service")
     budget.add_argument(
         "--kv-cache-memory", type=kv_cache_size, default=None, help="KV cache size in bytes, e.g. 512MiB, 2GiB"
     )
+    parser.add_argument(
+        "--state-slots",
+        type=positive_int,
+        default=None,
+        help="for a model with recurrent layers (Mamba, Gated DeltaNet, short convolutions): how many "
+        "requests may hold recurrent state at once (default: up to 256, within half the memory budget)",
+    )
     parser.add_argument("--max-model-len", type=positive_int, default=None, help="cap below the model's own")
     parser.add_argument(
         "--max-logprobs", type=non_negative_int, default=DEFAULT_MAX_LOGPROBS, help="most top logprobs a request may ask for"
@@ -257,6 +264,7 @@ def parse_args(argv: list[str] | None, prog: str = "python -m executor_service")
         block_size=args.block_size,
         num_kv_blocks=args.num_kv_blocks,
         kv_cache_bytes=args.kv_cache_memory,
+        state_slots=args.state_slots,
         max_model_len=args.max_model_len,
         max_logprobs=args.max_logprobs,
         threads=args.threads,

@@ -22,21 +22,37 @@ class KVCacheShape:
     dtype: torch.dtype
 
     def bytes_per_block(self) -> int:
+        """0 for a model without attention layers (a pure state-space model), whose blocks only
+        count tokens for the scheduler."""
         element = torch.empty((), dtype=self.dtype).element_size()
         per_token = self.num_kv_heads * (self.key_dim + self.value_dim) * element
         return self.num_layers * self.block_size * per_token
 
-    def blocks_for_budget(self, budget_bytes: int) -> int:
+    def blocks_for_budget(self, budget_bytes: int, without_layers: int) -> int:
+        """without_layers: the count for a model without attention layers, whose blocks cost
+        nothing."""
+        if self.num_layers == 0:
+            return without_layers
         return max(0, budget_bytes // self.bytes_per_block())
 
 
 class PagedKVCache:
-    """Slot s of a layer holds the K/V of token s % block_size of block s // block_size."""
+    """Slot s of a layer holds the K/V of token s % block_size of block s // block_size.
 
-    def __init__(self, shape: KVCacheShape, num_blocks: int, device: torch.device) -> None:
+    layer_ids: the model's indices of its attention layers, in order (shape.num_layers of them;
+    0..num_layers-1 where None): a hybrid model's recurrent layers keep no K/V here."""
+
+    def __init__(
+        self, shape: KVCacheShape, num_blocks: int, device: torch.device, layer_ids: tuple[int, ...] | None = None
+    ) -> None:
         if num_blocks <= 0:
             raise ValueError(f"the KV cache needs at least one block, got {num_blocks}")
+        layer_ids = tuple(range(shape.num_layers)) if layer_ids is None else layer_ids
+        if len(layer_ids) != shape.num_layers:
+            raise ValueError(f"{len(layer_ids)} attention layer ids for a cache of {shape.num_layers} layers")
+        self._position = {layer_id: position for position, layer_id in enumerate(layer_ids)}
         self.shape = shape
+        self.device = device
         self.num_blocks = num_blocks
         slots = num_blocks * shape.block_size
         # One slot past the last block, in no block: the padded rows of a decode replayed from a
@@ -52,7 +68,7 @@ class PagedKVCache:
             torch.zeros(slots + 1, shape.num_kv_heads, shape.value_dim, dtype=shape.dtype, device=device)
             for _ in range(shape.num_layers)
         ]
-        self._gather = GatherScratch(shape.dtype, device, headroom_limit=self.keys[0].numel())
+        self._gather = GatherScratch(shape.dtype, device, headroom_limit=self.keys[0].numel() if self.keys else 0)
         logger.info(
             "event=kv_cache_allocated blocks=%d block_size=%d bytes=%d device=%s",
             num_blocks,
@@ -73,14 +89,16 @@ class PagedKVCache:
     def copy_blocks(self, sources: list[int], destinations: list[int]) -> None:
         """Copies every slot of each source block into its destination block, in every layer
         (forks' copy-on-write; validation.copies_problem checked the ids)."""
-        offsets = torch.arange(self.block_size, device=self.keys[0].device)
+        offsets = torch.arange(self.block_size, device=self.device)
         source_slots = (torch.tensor(sources, device=offsets.device)[:, None] * self.block_size + offsets).flatten()
         destination_slots = (torch.tensor(destinations, device=offsets.device)[:, None] * self.block_size + offsets).flatten()
         for tensor in (*self.keys, *self.values):
             tensor[destination_slots] = tensor[source_slots]
 
     def layer(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.keys[layer_idx], self.values[layer_idx]
+        """The K and V of the model's layer layer_idx."""
+        position = self._position[layer_idx]
+        return self.keys[position], self.values[position]
 
     def gather_buffers(
         self, key_shape: tuple[int, ...], value_shape: tuple[int, ...]

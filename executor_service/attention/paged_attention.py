@@ -56,6 +56,9 @@ class ProbedLayer:
     geometry: LayerGeometry
     # transformers marks bidirectional attention (encoders) with is_causal = False.
     causal: bool
+    # id() of the attention module, so that other modules of its layer (a recurrent mixer
+    # beside it) are told apart from it.
+    module_id: int
 
 
 _ACTIVE_STEP: ContextVar[StepAttention | None] = ContextVar("splitserve_active_step", default=None)
@@ -152,7 +155,7 @@ def paged_attention_forward(
         if probe is None:
             raise RuntimeError(f"{ATTENTION_NAME} attention was called outside a step")
         geometry = LayerGeometry(key.shape[1], key.shape[3], value.shape[3])
-        probe[layer_idx] = ProbedLayer(geometry, bool(getattr(module, "is_causal", True)))
+        probe[layer_idx] = ProbedLayer(geometry, bool(getattr(module, "is_causal", True)), id(module))
         attended = explicit_attention(query[0], key[0], value[0], None, scaling, softcap, sinks)
         return attended.transpose(0, 1).contiguous().unsqueeze(0), None
     key_cache, value_cache = step.kv_cache.layer(layer_idx)

@@ -114,9 +114,10 @@ def replace_with_meta(module: nn.Module, name: str) -> None:
     setattr(module, name, torch.empty(tensor.shape, dtype=tensor.dtype, device="meta"))
 
 
-def pack_linears(model: nn.Module, panels: PanelKernel | None = None) -> int:
+def pack_linears(model: nn.Module, panels: PanelKernel | None = None, keep: frozenset[int] = frozenset()) -> int:
     """Replaces every plain nn.Linear (and transformers' Conv1D) of the model in place; returns
-    how many. panels: the panel kernel, or None for oneDNN.
+    how many. panels: the panel kernel, or None for oneDNN. keep: id()s of linears to leave as
+    they are (their weight is read by code other than their forward: PackedLinear has none).
 
     Subclasses of nn.Linear are left alone: they may change what forward computes.
     """
@@ -124,7 +125,7 @@ def pack_linears(model: nn.Module, panels: PanelKernel | None = None) -> int:
         (parent, name, child)
         for parent in model.modules()
         for name, child in parent.named_children()
-        if type(child) in (nn.Linear, Conv1D) and child.weight.dtype in PACKABLE_DTYPES
+        if type(child) in (nn.Linear, Conv1D) and child.weight.dtype in PACKABLE_DTYPES and id(child) not in keep
     ]
     packed: dict[int, PackedLinear] = {}
     for parent, name, child in targets:

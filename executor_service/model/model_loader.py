@@ -23,9 +23,18 @@ from executor_service.attention.paged_attention import (
     ATTENTION_NAME,
     register_paged_attention,
 )
-from executor_service.model.kv_geometry import probe_kv_geometry
+from executor_service.model.kv_geometry import (
+    PROBE_TOKENS,
+    check_layers_kept,
+    probe_attention,
+    stateless_layers,
+)
 from executor_service.model.model_support import UnsupportedModel, check_config
 from executor_service.model.sequence_rope import install_sequence_rope
+from executor_service.recurrent.slot_mixers import (
+    RecurrentLayers,
+    probe_recurrent_layers,
+)
 from service_support.local_folder import FolderError, require_folder
 
 if TYPE_CHECKING:
@@ -53,9 +62,14 @@ class LoadedModel:
     max_model_len: int
     num_layers: int
     num_heads: int
+    # The attention layers' K/V geometry (0s for a model without attention layers).
     num_kv_heads: int
     key_dim: int
     value_dim: int
+    # The model's layers that keep K/V in the paged cache, by index.
+    attention_layers: tuple[int, ...]
+    # Its recurrent, state-space or convolution layers, which keep state slots; None: none.
+    recurrent: RecurrentLayers | None = None
     # Set at start-up once fuse_layers has replaced every layer (lean_forward.py): the step's
     # forward runs it instead of the model's own.
     lean: LeanLlama | None = None
@@ -118,7 +132,16 @@ def load_model(
     model.eval()
     vocab_size = int(model.get_output_embeddings().weight.shape[0])
     num_layers = int(text_config.num_hidden_layers)
-    geometry = probe_kv_geometry(model, config.model_type, num_layers, torch_device)
+    attention = probe_attention(model, config.model_type, num_layers, torch_device)
+    recurrent = _probe_recurrent(model, config.model_type, set(attention.module_ids), torch_device)
+    check_layers_kept(
+        config.model_type,
+        num_layers,
+        attention.layers,
+        recurrent.layers if recurrent else (),
+        stateless_layers(text_config),
+    )
+    geometry = attention.geometry
     loaded = LoadedModel(
         model=model,
         model_id=str(model_dir),
@@ -129,15 +152,19 @@ def load_model(
         eos_token_ids=_eos_token_ids(model, vocab_size),
         max_model_len=_max_model_len(config.model_type, text_config, max_model_len),
         num_layers=num_layers,
-        num_heads=int(text_config.num_attention_heads),
-        num_kv_heads=geometry.num_kv_heads,
-        key_dim=geometry.key_dim,
-        value_dim=geometry.value_dim,
+        # A state-space model (Mamba) has no attention heads.
+        num_heads=int(getattr(text_config, "num_attention_heads", 0) or 0),
+        num_kv_heads=geometry.num_kv_heads if geometry else 0,
+        key_dim=geometry.key_dim if geometry else 0,
+        value_dim=geometry.value_dim if geometry else 0,
+        attention_layers=attention.layers,
+        recurrent=recurrent,
         sequence_rope=install_sequence_rope(model),
     )
     logger.info(
         "event=model_loaded model=%s model_type=%s arch=%s device=%s dtype=%s vocab_size=%d "
-        "layers=%d kv_heads=%d key_dim=%d value_dim=%d max_model_len=%d eos=%s",
+        "layers=%d attention_layers=%d recurrent_layers=%d kv_heads=%d key_dim=%d value_dim=%d "
+        "max_model_len=%d eos=%s",
         loaded.model_id,
         loaded.model_type,
         type(model).__name__,
@@ -145,6 +172,8 @@ def load_model(
         dtype_name(torch_dtype),
         vocab_size,
         loaded.num_layers,
+        len(loaded.attention_layers),
+        len(recurrent.layers) if recurrent else 0,
         loaded.num_kv_heads,
         loaded.key_dim,
         loaded.value_dim,
@@ -152,6 +181,17 @@ def load_model(
         loaded.eos_token_ids,
     )
     return loaded
+
+
+def _probe_recurrent(
+    model: PreTrainedModel, model_type: str, attention_modules: set[int], device: torch.device
+) -> RecurrentLayers | None:
+    try:
+        return probe_recurrent_layers(model, attention_modules, device, PROBE_TOKENS)
+    except Exception as error:
+        raise UnsupportedModel(
+            model_type, f"a forward of its recurrent layers against state slots raised {error!r}"
+        ) from error
 
 
 def check_model_folder(model_dir: Path, trust_remote_code: bool = False) -> None:

@@ -11,6 +11,7 @@ from executor_service.attention.paged_attention import STEP_KWARG, active_step
 from executor_service.cpu_forward.greedy_head import ScreenedHead
 from executor_service.model.model_loader import LoadedModel
 from executor_service.model.sequence_rope import sequence_lengths
+from executor_service.recurrent.recurrent_step import active_recurrent
 from executor_service.runner.plan_inputs import StepInputs
 
 
@@ -38,7 +39,7 @@ def compute_logits(
         "use_cache": False,
         STEP_KWARG: inputs.attention,
     }
-    with active_step(inputs.attention), sequence_lengths(inputs.rope_lengths):
+    with active_step(inputs.attention), sequence_lengths(inputs.rope_lengths), active_recurrent(inputs.recurrent):
         if use_logits_to_keep:
             with _argmax_only_rows(loaded, inputs):
                 return loaded.model(**common, logits_to_keep=inputs.logits_indices).logits[0]

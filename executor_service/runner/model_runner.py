@@ -104,6 +104,8 @@ class ModelRunner:
         self.backend = backend
         self.requests: dict[str, RequestState] = {}
         self.handles: dict[int, RequestState] = {}
+        # Who holds each recurrent-state slot (models with recurrent layers only).
+        self.slot_holders: dict[int, RequestState] = {}
         self.rows = RequestRows(limits.vocab_size, loaded.device, row_kernels)
         self._use_logits_to_keep = accepts_logits_to_keep(loaded)
         self._steady = SteadyDecodes()
@@ -135,6 +137,7 @@ class ModelRunner:
                     request_id=state.request_id,
                     block_ids=state.block_ids,
                     num_computed_tokens=state.num_computed_tokens,
+                    state_slot=state.state_slot,
                 )
                 for state in self.requests.values()
             )
@@ -159,9 +162,12 @@ class ModelRunner:
         logger.info("event=requests_dropped count=%d wipe_kv=%s", len(self.requests), wipe_kv)
         self.requests.clear()
         self.handles.clear()
+        self.slot_holders.clear()
         self.rows.clear()
         if wipe_kv:
             self.kv_cache.wipe()
+            if self.loaded.recurrent is not None and self.loaded.recurrent.states is not None:
+                self.loaded.recurrent.states.wipe()
 
     def graphed_steps(self) -> int:
         """Steps so far whose logits came from a CUDA graph."""
@@ -172,8 +178,11 @@ class ModelRunner:
 
     def _gathers_decodes(self) -> bool:
         """Whether steady decodes take their inputs from the rows' tables: where a decode graph
-        or the cpu_paged backend's attention metadata is built that way."""
-        return not self.loaded.sequence_rope and (self.graphs is not None or self.backend == "cpu_paged")
+        or the cpu_paged backend's attention metadata is built that way. Not for a model with
+        recurrent layers, whose mixers take each step split by sequence (build_step_inputs)."""
+        if self.loaded.sequence_rope or self.loaded.recurrent is not None:
+            return False
+        return self.graphs is not None or self.backend == "cpu_paged"
 
     def _forget(self, request_id: str) -> None:
         state = self.requests.pop(request_id, None)
@@ -181,6 +190,8 @@ class ModelRunner:
             return
         if self.handles.get(state.handle) is state:
             del self.handles[state.handle]
+        if self.slot_holders.get(state.state_slot) is state:
+            del self.slot_holders[state.state_slot]
         self.rows.release(state)
 
     def _run(self, admitted: _Admitted, result: executor_pb2.StepResult, late: LateBitmasks | None) -> None:
@@ -263,7 +274,9 @@ class ModelRunner:
             # A graphed step is all decodes, every one sampled, in work order.
             states = [item.state for item in work]
             return logits, states, np.array([state.row for state in states], dtype=np.int64), []
-        inputs = build_step_inputs(work, self.kv_cache, self.backend, self.loaded.device, self.loaded.sequence_rope)
+        inputs = build_step_inputs(
+            work, self.kv_cache, self.backend, self.loaded.device, self.loaded.sequence_rope, self.loaded.recurrent is not None
+        )
         logits = compute_logits(self.loaded, inputs, self._use_logits_to_keep)
         return logits, inputs.sampled, inputs.sampled_rows, inputs.prompt_spans
 
@@ -408,10 +421,14 @@ class ModelRunner:
             self._forget(entry.request_id)
             if entry.handle and entry.handle in self.handles:
                 return f"handle {entry.handle} names request {self.handles[entry.handle].request_id!r}"
+            if entry.state_slot and entry.state_slot in self.slot_holders:
+                return f"state_slot {entry.state_slot} is held by request {self.slot_holders[entry.state_slot].request_id!r}"
             state = _new_state(self.rows, entry, sampling, self.loaded.device)
             self.requests[entry.request_id] = state
             if entry.handle:
                 self.handles[entry.handle] = state
+            if entry.state_slot:
+                self.slot_holders[entry.state_slot] = state
         else:
             assert state is not None  # check_continuing refuses an unknown id
             self.rows.add_blocks(state, entry.new_block_ids)
@@ -492,4 +509,5 @@ def _new_state(
         sampling=params,
         generator=make_generator(params.seed, device),
         handle=entry.handle,
+        state_slot=entry.state_slot,
     )

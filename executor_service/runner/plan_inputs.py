@@ -15,6 +15,11 @@ from executor_service.attention.attention_metadata import (
 )
 from executor_service.attention.kv_cache import PagedKVCache
 from executor_service.model.sequence_rope import token_lengths
+from executor_service.recurrent.recurrent_step import (
+    RecurrentStep,
+    SequenceWork,
+    build_recurrent_step,
+)
 from executor_service.runner.request_rows import (
     RequestRows,
     RequestState,
@@ -63,6 +68,8 @@ class StepInputs:
     rope_lengths: torch.Tensor | None = None
     # Prompts scored this step: their rows follow the sampled ones in logits_indices.
     prompt_spans: list[PromptSpan] = field(default_factory=list)
+    # How the step's tokens split into recurrent mixers' calls; None for a model without them.
+    recurrent: RecurrentStep | None = None
 
 
 def build_step_inputs(
@@ -71,7 +78,9 @@ def build_step_inputs(
     backend: str,
     device: torch.device,
     rope_lengths: bool = False,
+    recurrent: bool = False,
 ) -> StepInputs:
+    """recurrent: the model has recurrent layers, which need the step split by sequence."""
     token_ids: list[int] = []
     lengths: list[int] = []
     positions: list[int] = []
@@ -124,7 +133,18 @@ def build_step_inputs(
         argmax_only=argmax_only,
         rope_lengths=torch.tensor(lengths, dtype=torch.long, device=device) if rope_lengths else None,
         prompt_spans=prompt_spans,
+        recurrent=_recurrent_step(work, spans, len(token_ids), device) if recurrent else None,
     )
+
+
+def _recurrent_step(
+    work: list[ScheduledWork], spans: list[SequenceSpan], num_tokens: int, device: torch.device
+) -> RecurrentStep:
+    sequences = [
+        SequenceWork(span.token_start, span.num_new, span.num_cached, item.state.state_slot)
+        for item, span in zip(work, spans, strict=True)
+    ]
+    return build_recurrent_step(sequences, num_tokens, device)
 
 
 def build_decode_inputs(rows: RequestRows, step: SteadyStep, kv_cache: PagedKVCache) -> StepInputs:

@@ -55,6 +55,8 @@ class RequestState:
     handle: int
     row: int
     rows: RequestRows
+    # Where its recurrent layers keep their state (NewRequest.state_slot); 0: none.
+    state_slot: int = 0
     # Records of the prompt tokens scored so far (want_prompt_logprobs), until the step that
     # samples after the prompt reports them.
     prompt_logprobs: list[executor_pb2.TokenLogprob] = field(default_factory=list)
@@ -132,6 +134,7 @@ class RequestRows:
         sampling: SamplerSettings,
         generator: torch.Generator | None = None,
         handle: int = 0,
+        state_slot: int = 0,
     ) -> RequestState:
         """A row for a request that starts with these tokens and blocks."""
         if not self._free:
@@ -146,6 +149,7 @@ class RequestRows:
             handle=handle,
             row=row,
             rows=self,
+            state_slot=state_slot,
         )
         self.states[row] = state
         self.ints[row] = 0

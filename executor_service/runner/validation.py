@@ -22,6 +22,8 @@ class Limits:
     block_size: int
     max_model_len: int
     max_logprobs: int
+    # Recurrent-state slots (1..num_state_slots); 0: the model has no recurrent layers.
+    num_state_slots: int = 0
 
 
 def check_new(entry: executor_pb2.NewRequest, sampling: SamplerSettings, limits: Limits) -> str | None:
@@ -50,7 +52,25 @@ def check_new(entry: executor_pb2.NewRequest, sampling: SamplerSettings, limits:
         return "num_scheduled_tokens must be > 0"
     if end > num_tokens:
         return f"computing up to token {end} but only {num_tokens} tokens are known"
-    return _capacity_problem(end, len(entry.block_ids), limits) or bitmask_problem(entry.allowed_token_bitmask, limits)
+    return (
+        _state_slot_problem(entry, limits)
+        or _capacity_problem(end, len(entry.block_ids), limits)
+        or bitmask_problem(entry.allowed_token_bitmask, limits)
+    )
+
+
+def _state_slot_problem(entry: executor_pb2.NewRequest, limits: Limits) -> str | None:
+    """A model with recurrent layers needs a slot for each request, and starts its state empty."""
+    if not limits.num_state_slots:
+        return f"state_slot {entry.state_slot} named, but the model has no recurrent layers" if entry.state_slot else None
+    if not 1 <= entry.state_slot <= limits.num_state_slots:
+        return f"state_slot {entry.state_slot} outside [1, {limits.num_state_slots}] (the model has recurrent layers)"
+    if entry.num_computed_tokens:
+        return (
+            f"num_computed_tokens {entry.num_computed_tokens}: a request of a model with recurrent "
+            "layers starts from empty state, so it computes every token"
+        )
+    return None
 
 
 def check_continuing(

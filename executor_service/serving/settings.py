@@ -55,6 +55,9 @@ class ExecutorSettings:
     block_size: int = DEFAULT_BLOCK_SIZE
     num_kv_blocks: int | None = None
     kv_cache_bytes: int | None = None
+    # Recurrent-state slots for a model with recurrent layers (state_budget.py); None: decided
+    # from the memory budget.
+    state_slots: int | None = None
     max_model_len: int | None = None
     max_logprobs: int = DEFAULT_MAX_LOGPROBS
     threads: int | None = None

@@ -66,35 +66,49 @@ def gather_bytes_per_block(
     into their own memory pool, at most one layer's share of every block (decode_graphs.py), so
     they add one more layer's worth.
     """
+    if shape.num_layers == 0:
+        return 0
     one_layer = shape.bytes_per_block() // shape.num_layers
     copies = 1 if backend == "flash_attn" else 1 + num_heads // shape.num_kv_heads
     return one_layer * (copies + int(decode_graphs))
 
 
+# Most blocks a model without attention layers gets: its blocks cost no memory, and only count
+# tokens for the scheduler.
+MAX_COUNTING_BLOCKS = 1 << 20
+
+
 def decide_num_blocks(
-    loaded: LoadedModel, shape: KVCacheShape, settings: ExecutorSettings, backend: str
+    loaded: LoadedModel, shape: KVCacheShape, settings: ExecutorSettings, backend: str, num_slots: int = 0
 ) -> int:
+    """num_slots: the state slots already allocated for a model with recurrent layers (their
+    memory comes out of the same budget)."""
     if settings.num_kv_blocks is not None:
         return settings.num_kv_blocks
+    state_bytes = num_slots * loaded.recurrent.layout.bytes_per_slot() if loaded.recurrent else 0
+    # Enough blocks for every slot's request at full length, where blocks cost nothing.
+    counting = min(MAX_COUNTING_BLOCKS, max(1, num_slots) * -(-loaded.max_model_len // shape.block_size))
     if settings.kv_cache_bytes is not None:
-        blocks = shape.blocks_for_budget(settings.kv_cache_bytes)
+        blocks = shape.blocks_for_budget(settings.kv_cache_bytes - state_bytes, counting)
+    elif shape.num_layers == 0:
+        blocks = counting
     elif loaded.device.type == "cuda":
-        blocks = _cuda_blocks(loaded, shape, settings, backend)
+        blocks = _cuda_blocks(loaded, shape, settings, backend, num_slots)
     else:
-        blocks = shape.blocks_for_budget(DEFAULT_CPU_KV_BYTES)
+        blocks = shape.blocks_for_budget(DEFAULT_CPU_KV_BYTES - state_bytes, counting)
     logger.info("event=kv_budget bytes=%d blocks=%d", blocks * shape.bytes_per_block(), blocks)
     return blocks
 
 
 def _cuda_blocks(
-    loaded: LoadedModel, shape: KVCacheShape, settings: ExecutorSettings, backend: str
+    loaded: LoadedModel, shape: KVCacheShape, settings: ExecutorSettings, backend: str, num_slots: int
 ) -> int:
     device = loaded.device
     num_tokens = min(settings.profile_tokens, loaded.max_model_len)
     sampling = replace(
         _PROFILE_SAMPLING, num_logprobs=min(settings.max_logprobs, loaded.vocab_size)
     )
-    peak = _profile_peak(loaded, shape, num_tokens, sampling, backend)
+    peak = _profile_peak(loaded, shape, num_tokens, sampling, backend, num_slots)
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(device)
     memory = CudaMemory(
@@ -131,25 +145,29 @@ def _profile_peak(
     num_tokens: int,
     sampling: SamplerSettings,
     backend: str,
+    num_slots: int,
 ) -> int:
     """The larger transient peak of a num_tokens prefill and of a PROFILE_DECODE_SEQS decode
-    over num_tokens of context in all, sampled with every filter on."""
+    over num_tokens of context in all, sampled with every filter on; a model with recurrent
+    layers decodes as many sequences as it has slots, if fewer."""
     block_size = shape.block_size
-    context = max(1, num_tokens // PROFILE_DECODE_SEQS)
+    num_seqs = min(PROFILE_DECODE_SEQS, num_slots) if loaded.recurrent else PROFILE_DECODE_SEQS
+    context = max(1, num_tokens // num_seqs)
     blocks_per_seq = -(-context // block_size)
     prefill_blocks = -(-num_tokens // block_size)
     cache = PagedKVCache(
-        shape, max(prefill_blocks, PROFILE_DECODE_SEQS * blocks_per_seq), loaded.device
+        shape, max(prefill_blocks, num_seqs * blocks_per_seq), loaded.device, loaded.attention_layers
     )
     rows = RequestRows(loaded.vocab_size, loaded.device)
+    slot = 1 if loaded.recurrent else 0
     prefill = [
-        _profile_work(rows, "prefill", num_tokens, range(prefill_blocks), num_tokens, sampling)
+        _profile_work(rows, "prefill", num_tokens, range(prefill_blocks), num_tokens, sampling, slot)
     ]
     decode = [
         _profile_work(
-            rows, f"decode{i}", context, range(i * blocks_per_seq, (i + 1) * blocks_per_seq), 1, sampling
+            rows, f"decode{i}", context, range(i * blocks_per_seq, (i + 1) * blocks_per_seq), 1, sampling, slot and i + 1
         )
-        for i in range(PROFILE_DECODE_SEQS)
+        for i in range(num_seqs)
     ]
     peak = max(_step_peak(loaded, cache, work, backend) for work in (prefill, decode))
     del cache
@@ -163,6 +181,7 @@ def _profile_work(
     block_ids: range,
     num_scheduled: int,
     sampling: SamplerSettings,
+    state_slot: int,
 ) -> ScheduledWork:
     state = rows.admit(
         request_id=request_id,
@@ -171,6 +190,7 @@ def _profile_work(
         block_ids=block_ids,
         num_computed_tokens=num_tokens - num_scheduled,
         sampling=sampling,
+        state_slot=state_slot,
     )
     return ScheduledWork(state, num_scheduled)
 
@@ -182,7 +202,7 @@ def _step_peak(
     torch.cuda.synchronize(device)
     start = torch.cuda.memory_allocated(device)
     torch.cuda.reset_peak_memory_stats(device)
-    inputs = build_step_inputs(work, cache, backend, device, loaded.sequence_rope)
+    inputs = build_step_inputs(work, cache, backend, device, loaded.sequence_rope, loaded.recurrent is not None)
     logits = compute_logits(loaded, inputs, accepts_logits_to_keep(loaded))
     request_rows = work[0].state.rows
     sample_batch(logits, request_rows.sampling(inputs.sampled_rows), torch.Generator(device=device))

@@ -112,6 +112,8 @@ def self_check_reference(loaded: LoadedModel, block_size: int, num_blocks: int) 
     except Exception as error:
         raise UnsupportedModel(model_type, f"the model's own forward raised {error!r}") from error
     floor = 0.0 if loaded.dtype == torch.float32 else _noise_floor(loaded, sequences, (len_a, len_b), eager)
+    if loaded.recurrent is not None:
+        floor = max(floor, _incremental_floor(loaded, sequences[1], len_b, eager[1]))
     return SelfCheckReference(sequences, (len_a, len_b), eager, floor)
 
 
@@ -125,8 +127,10 @@ def run_self_check(
     blocks_a = -(-len(tokens_a) // block_size)
     blocks_b = -(-len(tokens_b) // block_size)
     rows = RequestRows(loaded.vocab_size, loaded.device)
-    a = _sequence(rows, "a", tokens_a, len_a, list(range(blocks_a)))
-    b = _sequence(rows, "b", tokens_b, len_b, list(range(blocks_a, blocks_a + blocks_b)))
+    # A model with recurrent layers keeps each sequence's state in a slot of its own.
+    slots = (1, 2) if loaded.recurrent is not None else (0, 0)
+    a = _sequence(rows, "a", tokens_a, len_a, list(range(blocks_a)), slots[0])
+    b = _sequence(rows, "b", tokens_b, len_b, list(range(blocks_a, blocks_a + blocks_b)), slots[1])
     half = len_b // 2
     steps = [[(a, len_a), (b, half)], [(a, 1), (b, len_b - half)]]
     steps += [[(a, 1), (b, 1)] for _ in range(DECODE_STEPS - 1)]
@@ -158,7 +162,7 @@ def run_self_check(
 
 
 def _sequence(
-    rows: RequestRows, name: str, token_ids: list[int], prompt_len: int, block_ids: list[int]
+    rows: RequestRows, name: str, token_ids: list[int], prompt_len: int, block_ids: list[int], state_slot: int
 ) -> _Sequence:
     state = rows.admit(
         request_id=f"self-check-{name}",
@@ -168,6 +172,7 @@ def _sequence(
         num_computed_tokens=0,
         # Reads every logit, so a ScreenedHead (greedy_head.py) computes them all.
         sampling=SamplerSettings(want_logprobs=True),
+        state_slot=state_slot,
     )
     return _Sequence(name, token_ids, prompt_len, state, [], [])
 
@@ -179,7 +184,7 @@ def _paged_step(
     step: list[tuple[_Sequence, int]],
 ) -> None:
     work = [ScheduledWork(seq.state, count) for seq, count in step]
-    inputs = build_step_inputs(work, kv_cache, backend, loaded.device, loaded.sequence_rope)
+    inputs = build_step_inputs(work, kv_cache, backend, loaded.device, loaded.sequence_rope, loaded.recurrent is not None)
     logits = compute_logits(loaded, inputs, accepts_logits_to_keep(loaded))
     sampled = {id(state): row for state, row in zip(inputs.sampled, logits, strict=True)}
     for seq, count in step:
@@ -221,6 +226,41 @@ def _noise_floor(
         _relative_error(other[start - 1 :], own[start - 1 :])
         for other, own, start in zip(sdpa, eager, prompt_lens, strict=True)
     )
+
+
+@torch.inference_mode()
+def _incremental_floor(loaded: LoadedModel, token_ids: list[int], prompt_len: int, whole: torch.Tensor) -> float:
+    """How far the model's own cached path (its prompt at once, then one token at a time, as
+    generate runs it) is from its forward over the whole sequence. A recurrent layer has two
+    forms, a chunked scan and a one-step update, that transformers' code does not always keep
+    equal (Nemotron-H's Mamba-2 differs by ~1e-2 of the largest logit on a random model); the
+    executor runs both forms too, so it is held to what the model's own two agree to."""
+    model = loaded.model
+    model.set_attn_implementation("eager")
+    try:
+        device = loaded.device
+        # Positions given, as generate gives them: a hybrid cache's length is not always its
+        # first layer's.
+        out = model(
+            input_ids=torch.tensor([token_ids[:prompt_len]], device=device),
+            position_ids=torch.arange(prompt_len, device=device)[None, :],
+            use_cache=True,
+        )
+        rows = [out.logits[0, -1].float()]
+        for position in range(prompt_len, len(token_ids)):
+            out = model(
+                input_ids=torch.tensor([[token_ids[position]]], device=device),
+                position_ids=torch.tensor([[position]], device=device),
+                cache=out.past_key_values,
+                use_cache=True,
+            )
+            rows.append(out.logits[0, -1].float())
+    except Exception as error:
+        logger.info("event=self_check_floor available=false reason=%r", repr(error))
+        return 0.0
+    finally:
+        model.set_attn_implementation(ATTENTION_NAME)
+    return _relative_error(torch.stack(rows), whole[prompt_len - 1 :])
 
 
 @torch.inference_mode()

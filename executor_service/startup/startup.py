@@ -25,9 +25,11 @@ from executor_service.kernels.cpu_kernels import KernelUnavailable
 from executor_service.kernels.layer_kernels import LayerKernels, load_layer_kernels
 from executor_service.kernels.panel_linear import PanelKernel, load_panel_kernel
 from executor_service.kernels.row_kernels import RowKernels, load_row_kernels
-from executor_service.model.model_loader import dtype_name, load_model
+from executor_service.model.model_loader import LoadedModel, dtype_name, load_model
+from executor_service.model.model_support import UnsupportedModel
 from executor_service.parallel.tp_group import agree_on_min
 from executor_service.parallel.tp_steps import rank0_tokens
+from executor_service.recurrent.state_slots import StateSlots
 from executor_service.runner.decode_graphs import (
     CudaGraphRecorder,
     DecodeGraphs,
@@ -37,7 +39,12 @@ from executor_service.runner.model_runner import ModelRunner
 from executor_service.runner.validation import Limits
 from executor_service.serving.settings import ExecutorSettings
 from executor_service.startup.kv_budget import decide_num_blocks
-from executor_service.startup.self_check import run_self_check, self_check_reference
+from executor_service.startup.self_check import (
+    SelfCheckReference,
+    run_self_check,
+    self_check_reference,
+)
+from executor_service.startup.state_budget import decide_num_slots, memory_budget
 from protos.splitserve.executor.v1 import executor_pb2
 
 logger = logging.getLogger(__name__)
@@ -96,6 +103,21 @@ def _row_kernels() -> RowKernels | None:
         return None
 
 
+def _self_check(loaded: LoadedModel, kv_cache: PagedKVCache, backend: str, reference: SelfCheckReference) -> None:
+    """The self-check; for a model with recurrent layers whose multi-token form ignores the state
+    it is handed (transformers' Mamba-1 scan), a chunk that continues a sequence is then run one
+    token at a time, and the check must pass that way."""
+    try:
+        run_self_check(loaded, kv_cache, backend, reference)
+    except UnsupportedModel as error:
+        recurrent = loaded.recurrent
+        if recurrent is None or recurrent.one_token_continuations:
+            raise
+        recurrent.one_token_continuations = True
+        run_self_check(loaded, kv_cache, backend, reference)
+        logger.info("event=recurrent_continuations mode=one_token reason=%r", error.reason)
+
+
 def build_executor(settings: ExecutorSettings, device: str | None = None) -> ReadyExecutor:
     """device: this rank's device under tensor parallelism (every rank calls this together,
     in the initialized group); settings.device otherwise."""
@@ -112,14 +134,22 @@ def build_executor(settings: ExecutorSettings, device: str | None = None) -> Rea
     )
     backend = select_backend(loaded.device, loaded.dtype, settings.attention_backend)
     shape = KVCacheShape(
-        num_layers=loaded.num_layers,
+        num_layers=len(loaded.attention_layers),
         num_kv_heads=loaded.num_kv_heads,
         key_dim=loaded.key_dim,
         value_dim=loaded.value_dim,
         block_size=settings.block_size,
         dtype=loaded.dtype,
     )
-    num_blocks = decide_num_blocks(loaded, shape, settings, backend)
+    recurrent = loaded.recurrent
+    num_slots = 0
+    if recurrent is not None:
+        slot_bytes = recurrent.layout.bytes_per_slot()
+        num_slots = decide_num_slots(loaded.model_type, slot_bytes, settings, memory_budget(settings, loaded.device))
+        if parallel:
+            num_slots = agree_on_min(num_slots)
+        recurrent.states = StateSlots(recurrent.layout, num_slots, loaded.device)
+    num_blocks = decide_num_blocks(loaded, shape, settings, backend, num_slots)
     if parallel:
         num_blocks = agree_on_min(num_blocks)
     # Taken before fusing and packing, so that the self-check holds everything this executor
@@ -135,13 +165,13 @@ def build_executor(settings: ExecutorSettings, device: str | None = None) -> Rea
         head = screenable_head(loaded.model) if settings.greedy_screen else None
         pack_routers(loaded.model, panels)
         pack_experts(loaded.model, panels)
-        pack_linears(loaded.model, panels)
+        pack_linears(loaded.model, panels, keep=recurrent.weights_read() if recurrent else frozenset())
         if head is not None:
             install_greedy_screen(loaded.model, head.weight)
         loaded.lean = lean_llama(loaded.model)
         logger.info("event=forward impl=%s", "lean" if loaded.lean is not None else "transformers")
-    kv_cache = PagedKVCache(shape, num_blocks, loaded.device)
-    run_self_check(loaded, kv_cache, backend, reference)
+    kv_cache = PagedKVCache(shape, num_blocks, loaded.device, loaded.attention_layers)
+    _self_check(loaded, kv_cache, backend, reference)
     # A request longer than the whole cache could never be scheduled, so the cache bounds it too.
     limits_len = [loaded.max_model_len, num_blocks * settings.block_size]
     limits = Limits(
@@ -150,6 +180,7 @@ def build_executor(settings: ExecutorSettings, device: str | None = None) -> Rea
         block_size=settings.block_size,
         max_model_len=min(limits_len),
         max_logprobs=min(settings.max_logprobs, loaded.vocab_size),
+        num_state_slots=num_slots,
     )
     info = executor_pb2.ExecutorInfo(
         model_id=loaded.model_id,
@@ -166,12 +197,18 @@ def build_executor(settings: ExecutorSettings, device: str | None = None) -> Rea
         lease_timeout_s=settings.lease_timeout_s,
         supports_decode_handles=True,
         supports_late_bitmasks=True,
-        supports_block_copies=True,
+        # A fork would need its source's recurrent state too, which no block copy carries.
+        supports_block_copies=recurrent is None,
         tensor_parallel_size=settings.tensor_parallel_size,
         kv_cache_bytes=num_blocks * shape.bytes_per_block() * settings.tensor_parallel_size,
+        num_state_slots=num_slots,
+        state_slot_bytes=recurrent.layout.bytes_per_slot() if recurrent else 0,
     )
     graphs = None
-    if loaded.sequence_rope and loaded.device.type == "cuda":
+    if recurrent is not None and loaded.device.type == "cuda":
+        # A graph replays one batch's gathers; recurrent mixers take their steps split by sequence.
+        logger.info("event=decode_graphs enabled=false reason='the model has recurrent layers'")
+    elif loaded.sequence_rope and loaded.device.type == "cuda":
         # A captured graph replays one rotary table; these models pick theirs per sequence.
         logger.info("event=decode_graphs enabled=false reason='rotary frequencies depend on each sequence length'")
     elif decode_graphs_on(loaded.device, settings.cuda_graph_max_batch, settings.tensor_parallel_size):

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers.executor_process import executor_command
-from tests.helpers.model_factory import REFUSED_ARCHITECTURES, build_model
+from tests.helpers.model_factory import build_model
 from tests.helpers.service_process import REPO_ROOT
 
 # A Llama whose embedding mixes each token with the one before it: state that lives outside
@@ -37,6 +37,24 @@ class TokenShiftLlamaForCausalLM(LlamaForCausalLM):
         self.model.embed_tokens = TokenShiftEmbedding(
             embed.num_embeddings, embed.embedding_dim, embed.padding_idx
         )
+'''
+
+RUNNING_MEAN_MODEL_CODE = '''
+import torch
+from torch import nn
+from transformers import LlamaForCausalLM
+
+
+class RunningMean(nn.Module):
+    def forward(self, hidden_states, **kwargs):
+        counts = torch.arange(1, hidden_states.shape[1] + 1, device=hidden_states.device)
+        return hidden_states.cumsum(1) / counts[None, :, None], None
+
+
+class RunningMeanLlamaForCausalLM(LlamaForCausalLM):
+    def __init__(self, config):
+        super().__init__(config)
+        self.model.layers[1].self_attn = RunningMean()
 '''
 
 
@@ -76,18 +94,16 @@ def test_a_model_whose_forward_the_paged_path_cannot_reproduce_fails_the_self_ch
     _assert_refused(run, "llama", "does not reproduce the model's own forward")
 
 
-@pytest.mark.parametrize(
-    ("arch", "reason"),
-    [
-        ("minimax", "1 of its 2 layers (first: layer 1) keep no attention K/V"),
-        ("mamba", "none of its layers stores attention K/V"),
-    ],
-)
-def test_an_architecture_with_state_outside_attention_is_refused(
-    tmp_path: Path, arch: str, reason: str
-) -> None:
-    assert arch in REFUSED_ARCHITECTURES
-    _assert_refused(_start(build_model(arch, tmp_path / arch), tmp_path), arch, reason)
+def test_a_layer_that_mixes_tokens_outside_the_cache_interfaces_is_refused(tmp_path: Path) -> None:
+    """A layer that mixes tokens with code of its own (no attention through AttentionInterface, no
+    state through transformers' cache) keeps something per sequence that the executor cannot hold."""
+    model_dir = build_model("llama", tmp_path / "running_mean")
+    (model_dir / "running_mean.py").write_text(RUNNING_MEAN_MODEL_CODE)
+    config = json.loads((model_dir / "config.json").read_text())
+    config["auto_map"] = {"AutoModelForCausalLM": "running_mean.RunningMeanLlamaForCausalLM"}
+    (model_dir / "config.json").write_text(json.dumps(config))
+    run = _start(model_dir, tmp_path, trust_remote_code=True)
+    _assert_refused(run, "llama", "1 of its 2 layers (first: layer 1) keep neither attention K/V nor recurrent state")
 
 
 def test_a_backend_that_cannot_run_here_is_refused(tmp_path: Path) -> None:

@@ -18,6 +18,7 @@ PACKAGE = "executor_service"
 ROOMS = (
     "kernels",
     "attention",
+    "recurrent",
     "cpu_forward",
     "model",
     "sampling",

@@ -141,34 +141,6 @@ _CONFIGS: dict[str, Callable[..., PreTrainedConfig]] = {
 
 ARCHITECTURES = tuple(_CONFIGS)
 
-# Models the executor must refuse at start (README lists why).
-_REFUSED_CONFIGS: dict[str, Callable[..., PreTrainedConfig]] = {
-    # Lightning (linear) attention layers keep a recurrent state, not K/V.
-    "minimax": _decoder(
-        "minimax",
-        head_dim=16,
-        layer_types=["full_attention", "linear_attention"],
-        num_local_experts=4,
-        num_experts_per_tok=2,
-    ),
-    # A state-space model: no attention at all.
-    "mamba": lambda **kw: AutoConfig.for_model(
-        "mamba",
-        **{
-            "vocab_size": VOCAB_SIZE,
-            "hidden_size": 64,
-            "state_size": 8,
-            "num_hidden_layers": 2,
-            "bos_token_id": BOS_TOKEN_ID,
-            "eos_token_id": EOS_TOKEN_ID,
-            "pad_token_id": 0,
-            **kw,
-        },
-    ),
-}
-REFUSED_ARCHITECTURES = tuple(_REFUSED_CONFIGS)
-
-
 # Served, and checked by tests of their own rather than the parity suite: mixtures of experts
 # whose routers the executor packs (tests/executor/test_packed_experts.py).
 _OTHER_CONFIGS: dict[str, Callable[..., PreTrainedConfig]] = {
@@ -188,7 +160,7 @@ _OTHER_CONFIGS: dict[str, Callable[..., PreTrainedConfig]] = {
 
 
 def build_config(arch: str = "llama", **overrides: Any) -> PreTrainedConfig:
-    builders = {**_CONFIGS, **_REFUSED_CONFIGS, **_OTHER_CONFIGS}
+    builders = {**_CONFIGS, **_OTHER_CONFIGS}
     if arch not in builders:
         raise ValueError(f"unknown arch {arch!r}; choose one of {tuple(builders)}")
     return builders[arch](**overrides)

@@ -1,0 +1,99 @@
+"""How one step's flattened tokens split into the calls a recurrent mixer makes.
+
+Attention reads a flattened step as one sequence with per-sequence metadata; a recurrent mixer
+cannot, since its state would run from one request into the next. So each mixer is called once
+per group: every decode of the step together ([requests, 1, hidden], rows independent), and each
+prefill chunk on its own ([1, chunk, hidden]). Built once per step and shared by every layer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(slots=True, frozen=True)
+class MixerCall:
+    """One call of a mixer: `batch` sequences of `length` tokens each, whose tokens in the
+    flattened step are token_index (sequence-major), whose state lives in `slots`; continuing:
+    they have state from earlier tokens (else their state starts empty)."""
+
+    token_index: torch.Tensor
+    slots: torch.Tensor
+    batch: int
+    length: int
+    continuing: bool
+
+    def one_token_calls(self) -> list[MixerCall]:
+        """The same work as single-token calls, in order: for a mixer whose multi-token form
+        ignores the state it is given (transformers' Mamba-1 scan starts every chunk from zero)."""
+        return [
+            MixerCall(self.token_index[i : i + 1], self.slots, 1, 1, self.continuing or i > 0)
+            for i in range(self.length)
+        ]
+
+
+@dataclass(slots=True, frozen=True)
+class RecurrentStep:
+    num_tokens: int
+    calls: tuple[MixerCall, ...]
+
+
+@dataclass(slots=True, frozen=True)
+class SequenceWork:
+    """One sequence of the step as the split needs it."""
+
+    token_start: int
+    num_new: int
+    num_cached: int
+    slot: int
+
+
+def build_recurrent_step(sequences: list[SequenceWork], num_tokens: int, device: torch.device) -> RecurrentStep:
+    decodes = [s for s in sequences if s.num_new == 1 and s.num_cached > 0]
+    calls: list[MixerCall] = []
+    if decodes:
+        calls.append(
+            MixerCall(
+                token_index=torch.tensor([s.token_start for s in decodes], dtype=torch.long, device=device),
+                slots=torch.tensor([s.slot for s in decodes], dtype=torch.long, device=device),
+                batch=len(decodes),
+                length=1,
+                continuing=True,
+            )
+        )
+    for s in sequences:
+        if s.num_new == 1 and s.num_cached > 0:
+            continue
+        calls.append(
+            MixerCall(
+                token_index=torch.arange(s.token_start, s.token_start + s.num_new, device=device),
+                slots=torch.tensor([s.slot], dtype=torch.long, device=device),
+                batch=1,
+                length=s.num_new,
+                continuing=s.num_cached > 0,
+            )
+        )
+    return RecurrentStep(num_tokens, tuple(calls))
+
+
+_ACTIVE: ContextVar[RecurrentStep | None] = ContextVar("splitserve_recurrent_step", default=None)
+
+
+@contextmanager
+def active_recurrent(step: RecurrentStep | None) -> Iterator[None]:
+    """Makes `step` what every mixer called inside the block splits its input by; None leaves
+    the mixers running the model's own way (a whole sequence, no state)."""
+    token = _ACTIVE.set(step)
+    try:
+        yield
+    finally:
+        _ACTIVE.reset(token)
+
+
+def current_recurrent() -> RecurrentStep | None:
+    return _ACTIVE.get()
