@@ -81,6 +81,9 @@ def tiny_config(config_class: Any) -> Any:
 
 def _small_fields(config: Any, nested: bool = False) -> dict[str, Any]:
     fields = {k: v for k, v in _SMALL.items() if _has(config, k)}
+    if all(_has(config, k) for k in ("expand", "num_heads", "head_dim", "hidden_size")):
+        # Mamba-2 mixers split hidden_size * expand into num_heads heads of head_dim.
+        fields["num_heads"] = fields["hidden_size"] * config.expand // fields["head_dim"]
     if _has(config, "sliding_window") and config.sliding_window:
         fields["sliding_window"] = SHORT_WINDOW
     # A nested config is rebuilt from all its fields, so its per-layer lists (attention kinds)
@@ -154,7 +157,8 @@ def survey_one(model_type: str, folder: Path) -> dict[str, Any]:
     except Exception as error:
         return {"status": "unbuilt", "reason": f"{type(error).__name__}: {error}"[:300]}
     try:
-        settings = ExecutorSettings(model_dir=folder, device="cpu", dtype="float32", num_kv_blocks=256)
+        # max_model_len stands in where a config names none (Mamba's): a flag, not a refusal.
+        settings = ExecutorSettings(model_dir=folder, device="cpu", dtype="float32", num_kv_blocks=256, max_model_len=1024)
         build_executor(settings)
     except UnsupportedModel as refusal:
         return {"status": "refused", "reason": refusal.reason}

@@ -1,0 +1,120 @@
+"""Hybrid and state-space models (attention beside Mamba, Gated DeltaNet, short-convolution or
+lightning-attention layers) through a real scheduler and executor: each request's recurrent state
+lives in a state slot, carried across prefill chunks, updated by batched decodes, freed and
+recomputed on preemption and on an executor's death. Every output is transformers' own greedy
+`generate` of the same random model.
+
+The whole family list runs under make test-slow; make test runs three that cover the three kinds
+of recurrent layer the executor treats differently (a chunked Gated DeltaNet scan, a Mamba-1 scan
+continued one token at a time, a short convolution)."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+import torch
+
+from clients import AsyncClient, Client
+from protos.splitserve.v1.generation_pb2 import EXECUTOR_STATE_UP
+from tests.helpers.executor_process import ExecutorProcess, start_executor
+from tests.helpers.greedy_client import generate_greedy, stream_all
+from tests.helpers.greedy_reference import Reference
+from tests.helpers.hybrid_models import HYBRID_TYPES, save_hybrid
+from tests.helpers.scheduler_process import start_scheduler
+from tests.helpers.service_process import free_port
+
+torch.set_num_threads(1)
+
+# 8 prompts of 1 to 300 tokens; with 96 tokens a step the long ones are prefilled in chunks,
+# each continuing the state the last one left, beside the short ones' decodes.
+PROMPT_LENGTHS = (1, 3, 17, 40, 90, 160, 230, 300)
+PROMPTS = [[(37 * i + 11 * n) % 990 + 5 for i in range(n)] for n in PROMPT_LENGTHS]
+NEW_TOKENS = 8
+STEP_TOKENS = 96
+QUICK = ("qwen3_next", "jamba", "lfm2")
+
+
+def _parity(model_type: str, folder: Path) -> None:
+    save_hybrid(model_type, folder)
+    reference = Reference(folder)
+    expected = [reference(prompt, NEW_TOKENS) for prompt in PROMPTS]
+    with start_executor(folder, num_kv_blocks=256, max_model_len=1024) as (executor, _):
+        with start_scheduler(executor, max_num_batched_tokens=STEP_TOKENS) as scheduler:
+            assert generate_greedy(scheduler, PROMPTS, NEW_TOKENS) == expected
+            with Client(scheduler) as client:
+                status = client.server_status()
+    assert status.num_steps > len(PROMPTS)
+
+
+@pytest.mark.parametrize("model_type", QUICK)
+def test_a_hybrid_model_gives_transformers_greedy_tokens(model_type: str, tmp_path: Path) -> None:
+    _parity(model_type, tmp_path / model_type)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model_type", [t for t in HYBRID_TYPES if t not in QUICK])
+def test_every_hybrid_family_gives_transformers_greedy_tokens(model_type: str, tmp_path: Path) -> None:
+    _parity(model_type, tmp_path / model_type)
+
+
+def test_preempted_hybrid_requests_recompute_their_state_exactly(tmp_path: Path) -> None:
+    """24 streams over a 48-block pool: requests are preempted (their slots freed) and recomputed
+    from their tokens, and each still gets exactly the undisturbed tokens."""
+    folder = save_hybrid("qwen3_next", tmp_path / "qwen3_next")
+    reference = Reference(folder)
+    jobs = [([(13 * i + 7 * k) % 990 + 5 for i in range(20 + 9 * k)], 24) for k in range(24)]
+    with start_executor(folder, num_kv_blocks=48, block_size=16, max_model_len=1024) as (executor, _):
+        with start_scheduler(executor) as scheduler:
+            outputs = asyncio.run(stream_all(scheduler, jobs))
+            with Client(scheduler) as client:
+                status = client.server_status()
+    assert status.num_preemptions >= 1
+    for (prompt, max_tokens), output in zip(jobs, outputs, strict=True):
+        assert output == reference(prompt, max_tokens)
+
+
+def test_a_killed_hybrid_executor_loses_no_request_and_no_token(tmp_path: Path) -> None:
+    """SIGKILL a qwen3_next executor while 10 streams run and start a fresh one on its address:
+    the scheduler recomputes each request's state from the tokens already streamed."""
+    folder = save_hybrid("qwen3_next", tmp_path / "qwen3_next")
+    reference = Reference(folder)
+    jobs = [([(17 * i + 5 * k) % 990 + 5 for i in range(10 + 23 * k)], 40) for k in range(10)]
+    port = free_port()
+    flags = {"port": port, "num_kv_blocks": 256, "block_size": 16, "max_model_len": 1024}
+    first = ExecutorProcess(folder, **flags)
+    replacement: ExecutorProcess | None = None
+    try:
+        address = first.wait_ready()
+        with start_scheduler(address) as scheduler:
+
+            async def scenario() -> list[list[int]]:
+                streams = asyncio.create_task(stream_all(scheduler, jobs))
+                async with AsyncClient(scheduler) as client:
+                    while (await client.server_status()).num_steps < 10:
+                        await asyncio.sleep(0.02)
+                first.process.kill()
+                return await streams
+
+            async def restart_when_down() -> None:
+                nonlocal replacement
+                while first.process.poll() is None:
+                    await asyncio.sleep(0.05)
+                replacement = ExecutorProcess(folder, **flags)
+
+            async def both() -> list[list[int]]:
+                outputs, _ = await asyncio.gather(scenario(), restart_when_down())
+                return outputs
+
+            outputs = asyncio.run(both())
+            with Client(scheduler) as client:
+                status = client.server_status()
+    finally:
+        first.close()
+        if replacement is not None:
+            replacement.close()
+    for (prompt, max_tokens), output in zip(jobs, outputs, strict=True):
+        assert output == reference(prompt, max_tokens)
+    assert status.executors[0].state == EXECUTOR_STATE_UP
+    assert status.num_preemptions >= 1
