@@ -11,7 +11,7 @@ class DescribeRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ExecutorInfo(_message.Message):
-    __slots__ = ("model_id", "vocab_size", "eos_token_ids", "max_model_len", "block_size", "num_kv_blocks", "dtype", "device", "incarnation_id", "max_logprobs", "attention_backend", "lease_timeout_s", "supports_decode_handles", "tensor_parallel_size", "kv_cache_bytes", "access", "supports_late_bitmasks", "supports_block_copies", "num_state_slots", "state_slot_bytes")
+    __slots__ = ("model_id", "vocab_size", "eos_token_ids", "max_model_len", "block_size", "num_kv_blocks", "dtype", "device", "incarnation_id", "max_logprobs", "attention_backend", "lease_timeout_s", "supports_decode_handles", "tensor_parallel_size", "kv_cache_bytes", "access", "supports_late_bitmasks", "supports_block_copies", "num_state_slots", "state_slot_bytes", "supports_state_checkpoints")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -32,6 +32,7 @@ class ExecutorInfo(_message.Message):
     SUPPORTS_BLOCK_COPIES_FIELD_NUMBER: _ClassVar[int]
     NUM_STATE_SLOTS_FIELD_NUMBER: _ClassVar[int]
     STATE_SLOT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SUPPORTS_STATE_CHECKPOINTS_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     vocab_size: int
     eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -52,7 +53,8 @@ class ExecutorInfo(_message.Message):
     supports_block_copies: bool
     num_state_slots: int
     state_slot_bytes: int
-    def __init__(self, model_id: _Optional[str] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., incarnation_id: _Optional[str] = ..., max_logprobs: _Optional[int] = ..., attention_backend: _Optional[str] = ..., lease_timeout_s: _Optional[float] = ..., supports_decode_handles: _Optional[bool] = ..., tensor_parallel_size: _Optional[int] = ..., kv_cache_bytes: _Optional[int] = ..., access: _Optional[str] = ..., supports_late_bitmasks: _Optional[bool] = ..., supports_block_copies: _Optional[bool] = ..., num_state_slots: _Optional[int] = ..., state_slot_bytes: _Optional[int] = ...) -> None: ...
+    supports_state_checkpoints: bool
+    def __init__(self, model_id: _Optional[str] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., incarnation_id: _Optional[str] = ..., max_logprobs: _Optional[int] = ..., attention_backend: _Optional[str] = ..., lease_timeout_s: _Optional[float] = ..., supports_decode_handles: _Optional[bool] = ..., tensor_parallel_size: _Optional[int] = ..., kv_cache_bytes: _Optional[int] = ..., access: _Optional[str] = ..., supports_late_bitmasks: _Optional[bool] = ..., supports_block_copies: _Optional[bool] = ..., num_state_slots: _Optional[int] = ..., state_slot_bytes: _Optional[int] = ..., supports_state_checkpoints: _Optional[bool] = ...) -> None: ...
 
 class SamplerConfig(_message.Message):
     __slots__ = ("temperature", "top_k", "top_p", "min_p", "has_seed", "seed", "repetition_penalty", "presence_penalty", "frequency_penalty", "num_logprobs", "want_logprobs", "min_tokens", "min_tokens_stop_ids", "logit_bias_token_ids", "logit_bias_values", "allowed_token_ids", "want_prompt_logprobs", "num_prompt_logprobs")
@@ -95,7 +97,7 @@ class SamplerConfig(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., min_p: _Optional[float] = ..., has_seed: _Optional[bool] = ..., seed: _Optional[int] = ..., repetition_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., num_logprobs: _Optional[int] = ..., want_logprobs: _Optional[bool] = ..., min_tokens: _Optional[int] = ..., min_tokens_stop_ids: _Optional[_Iterable[int]] = ..., logit_bias_token_ids: _Optional[_Iterable[int]] = ..., logit_bias_values: _Optional[_Iterable[float]] = ..., allowed_token_ids: _Optional[_Iterable[int]] = ..., want_prompt_logprobs: _Optional[bool] = ..., num_prompt_logprobs: _Optional[int] = ...) -> None: ...
 
 class NewRequest(_message.Message):
-    __slots__ = ("request_id", "token_ids", "block_ids", "num_computed_tokens", "num_scheduled_tokens", "sampling", "num_prompt_tokens", "handle", "allowed_token_bitmask", "state_slot")
+    __slots__ = ("request_id", "token_ids", "block_ids", "num_computed_tokens", "num_scheduled_tokens", "sampling", "num_prompt_tokens", "handle", "allowed_token_bitmask", "state_slot", "state_source_slot")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -106,6 +108,7 @@ class NewRequest(_message.Message):
     HANDLE_FIELD_NUMBER: _ClassVar[int]
     ALLOWED_TOKEN_BITMASK_FIELD_NUMBER: _ClassVar[int]
     STATE_SLOT_FIELD_NUMBER: _ClassVar[int]
+    STATE_SOURCE_SLOT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     block_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -116,7 +119,8 @@ class NewRequest(_message.Message):
     handle: int
     allowed_token_bitmask: bytes
     state_slot: int
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[int] = ..., num_scheduled_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplerConfig, _Mapping]] = ..., num_prompt_tokens: _Optional[int] = ..., handle: _Optional[int] = ..., allowed_token_bitmask: _Optional[bytes] = ..., state_slot: _Optional[int] = ...) -> None: ...
+    state_source_slot: int
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[int] = ..., num_scheduled_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplerConfig, _Mapping]] = ..., num_prompt_tokens: _Optional[int] = ..., handle: _Optional[int] = ..., allowed_token_bitmask: _Optional[bytes] = ..., state_slot: _Optional[int] = ..., state_source_slot: _Optional[int] = ...) -> None: ...
 
 class ContinuingRequest(_message.Message):
     __slots__ = ("request_id", "num_scheduled_tokens", "new_block_ids", "allowed_token_bitmask", "bitmask_follows")
@@ -133,7 +137,7 @@ class ContinuingRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., num_scheduled_tokens: _Optional[int] = ..., new_block_ids: _Optional[_Iterable[int]] = ..., allowed_token_bitmask: _Optional[bytes] = ..., bitmask_follows: _Optional[bool] = ...) -> None: ...
 
 class StepPlan(_message.Message):
-    __slots__ = ("step_id", "new_requests", "continuing_requests", "dropped_request_ids", "decode_handles", "decode_block_handles", "decode_block_ids", "want_held_requests", "bitmasks_for_step", "late_bitmasks", "copy_block_sources", "copy_block_destinations")
+    __slots__ = ("step_id", "new_requests", "continuing_requests", "dropped_request_ids", "decode_handles", "decode_block_handles", "decode_block_ids", "want_held_requests", "bitmasks_for_step", "late_bitmasks", "copy_block_sources", "copy_block_destinations", "state_checkpoints")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     NEW_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     CONTINUING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
@@ -146,6 +150,7 @@ class StepPlan(_message.Message):
     LATE_BITMASKS_FIELD_NUMBER: _ClassVar[int]
     COPY_BLOCK_SOURCES_FIELD_NUMBER: _ClassVar[int]
     COPY_BLOCK_DESTINATIONS_FIELD_NUMBER: _ClassVar[int]
+    STATE_CHECKPOINTS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     new_requests: _containers.RepeatedCompositeFieldContainer[NewRequest]
     continuing_requests: _containers.RepeatedCompositeFieldContainer[ContinuingRequest]
@@ -158,7 +163,18 @@ class StepPlan(_message.Message):
     late_bitmasks: _containers.RepeatedCompositeFieldContainer[LateBitmask]
     copy_block_sources: _containers.RepeatedScalarFieldContainer[int]
     copy_block_destinations: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, step_id: _Optional[int] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., continuing_requests: _Optional[_Iterable[_Union[ContinuingRequest, _Mapping]]] = ..., dropped_request_ids: _Optional[_Iterable[str]] = ..., decode_handles: _Optional[_Iterable[int]] = ..., decode_block_handles: _Optional[_Iterable[int]] = ..., decode_block_ids: _Optional[_Iterable[int]] = ..., want_held_requests: _Optional[bool] = ..., bitmasks_for_step: _Optional[int] = ..., late_bitmasks: _Optional[_Iterable[_Union[LateBitmask, _Mapping]]] = ..., copy_block_sources: _Optional[_Iterable[int]] = ..., copy_block_destinations: _Optional[_Iterable[int]] = ...) -> None: ...
+    state_checkpoints: _containers.RepeatedCompositeFieldContainer[StateCheckpoint]
+    def __init__(self, step_id: _Optional[int] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., continuing_requests: _Optional[_Iterable[_Union[ContinuingRequest, _Mapping]]] = ..., dropped_request_ids: _Optional[_Iterable[str]] = ..., decode_handles: _Optional[_Iterable[int]] = ..., decode_block_handles: _Optional[_Iterable[int]] = ..., decode_block_ids: _Optional[_Iterable[int]] = ..., want_held_requests: _Optional[bool] = ..., bitmasks_for_step: _Optional[int] = ..., late_bitmasks: _Optional[_Iterable[_Union[LateBitmask, _Mapping]]] = ..., copy_block_sources: _Optional[_Iterable[int]] = ..., copy_block_destinations: _Optional[_Iterable[int]] = ..., state_checkpoints: _Optional[_Iterable[_Union[StateCheckpoint, _Mapping]]] = ...) -> None: ...
+
+class StateCheckpoint(_message.Message):
+    __slots__ = ("request_id", "num_tokens", "slot")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SLOT_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    num_tokens: int
+    slot: int
+    def __init__(self, request_id: _Optional[str] = ..., num_tokens: _Optional[int] = ..., slot: _Optional[int] = ...) -> None: ...
 
 class LateBitmask(_message.Message):
     __slots__ = ("request_id", "allowed_token_bitmask")
