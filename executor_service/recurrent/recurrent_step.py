@@ -3,7 +3,8 @@
 Attention reads a flattened step as one sequence with per-sequence metadata; a recurrent mixer
 cannot, since its state would run from one request into the next. So each mixer is called once
 per group: every decode of the step together ([requests, 1, hidden], rows independent), and each
-prefill chunk on its own ([1, chunk, hidden]). Built once per step and shared by every layer.
+prefill chunk on its own ([1, chunk, hidden]), cut where a checkpoint keeps the state at a point
+inside it. Built once per step and shared by every layer.
 """
 
 from __future__ import annotations
@@ -27,12 +28,16 @@ class MixerCall:
     batch: int
     length: int
     continuing: bool
+    # (state slot, checkpoint slot): once the call is done, the state of one of its sequences is
+    # copied from its slot into a checkpoint's.
+    keep: tuple[tuple[int, int], ...] = ()
 
     def one_token_calls(self) -> list[MixerCall]:
         """The same work as single-token calls, in order: for a mixer whose multi-token form
         ignores the state it is given (transformers' Mamba-1 scan starts every chunk from zero)."""
+        last = self.length - 1
         return [
-            MixerCall(self.token_index[i : i + 1], self.slots, 1, 1, self.continuing or i > 0)
+            MixerCall(self.token_index[i : i + 1], self.slots, 1, 1, self.continuing or i > 0, self.keep if i == last else ())
             for i in range(self.length)
         ]
 
@@ -45,12 +50,14 @@ class RecurrentStep:
 
 @dataclass(slots=True, frozen=True)
 class SequenceWork:
-    """One sequence of the step as the split needs it."""
+    """One sequence of the step as the split needs it; checkpoints: (n, slot) keeps the state
+    after its first num_cached + n tokens in slot (0 < n <= num_new)."""
 
     token_start: int
     num_new: int
     num_cached: int
     slot: int
+    checkpoints: tuple[tuple[int, int], ...] = ()
 
 
 def build_recurrent_step(sequences: list[SequenceWork], num_tokens: int, device: torch.device) -> RecurrentStep:
@@ -64,21 +71,35 @@ def build_recurrent_step(sequences: list[SequenceWork], num_tokens: int, device:
                 batch=len(decodes),
                 length=1,
                 continuing=True,
+                keep=tuple((s.slot, slot) for s in decodes for _, slot in s.checkpoints),
             )
         )
     for s in sequences:
         if s.num_new == 1 and s.num_cached > 0:
             continue
+        calls.extend(_chunk_calls(s, device))
+    return RecurrentStep(num_tokens, tuple(calls))
+
+
+def _chunk_calls(sequence: SequenceWork, device: torch.device) -> list[MixerCall]:
+    """A prefill chunk as calls cut at its checkpoints, each continuing the one before."""
+    slots = torch.tensor([sequence.slot], dtype=torch.long, device=device)
+    ends = sorted({n for n, _ in sequence.checkpoints} | {sequence.num_new})
+    calls: list[MixerCall] = []
+    start = 0
+    for end in ends:
         calls.append(
             MixerCall(
-                token_index=torch.arange(s.token_start, s.token_start + s.num_new, device=device),
-                slots=torch.tensor([s.slot], dtype=torch.long, device=device),
+                token_index=torch.arange(sequence.token_start + start, sequence.token_start + end, device=device),
+                slots=slots,
                 batch=1,
-                length=s.num_new,
-                continuing=s.num_cached > 0,
+                length=end - start,
+                continuing=sequence.num_cached > 0 or start > 0,
+                keep=tuple((sequence.slot, slot) for n, slot in sequence.checkpoints if n == end),
             )
         )
-    return RecurrentStep(num_tokens, tuple(calls))
+        start = end
+    return calls
 
 
 _ACTIVE: ContextVar[RecurrentStep | None] = ContextVar("splitserve_recurrent_step", default=None)

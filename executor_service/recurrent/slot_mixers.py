@@ -115,6 +115,8 @@ class SlotMixer:
                 sliced[self.cache_name] = cache
                 result = self.original(**sliced)
                 cache.commit()
+                for source, checkpoint in piece.keep:
+                    self.owner.states.copy_layer(self.module.layer_idx, source, checkpoint)
                 out = result[0] if isinstance(result, tuple) else result
                 if output is None:
                     output = out.new_empty((1, num_tokens, *out.shape[2:]))

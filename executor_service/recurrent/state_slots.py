@@ -62,6 +62,9 @@ class StateSlots:
             key: torch.zeros(num_slots + 1, *spec.shape, dtype=spec.dtype, device=device)
             for key, spec in layout.specs.items()
         }
+        self._by_layer: dict[int, list[StateKey]] = {}
+        for key in layout.specs:
+            self._by_layer.setdefault(key.layer_idx, []).append(key)
         logger.info(
             "event=state_slots_allocated slots=%d layers=%d bytes=%d device=%s",
             num_slots,
@@ -80,6 +83,19 @@ class StateSlots:
     def write(self, key: StateKey, slots: torch.Tensor, values: torch.Tensor) -> None:
         tensor = self.tensors[key]
         tensor.index_copy_(0, slots, values.to(tensor.dtype))
+
+    def copy_layer(self, layer_idx: int, source: int, destination: int) -> None:
+        """Copies one layer's state of slot source into slot destination (a checkpoint, made
+        layer by layer as the forward passes)."""
+        for key in self._by_layer[layer_idx]:
+            tensor = self.tensors[key]
+            tensor[destination].copy_(tensor[source])
+
+    def copy_slot(self, source: int, destination: int) -> None:
+        """Copies every layer's state of slot source into slot destination (a request that
+        resumes from a checkpoint)."""
+        for tensor in self.tensors.values():
+            tensor[destination].copy_(tensor[source])
 
     def wipe(self) -> None:
         for tensor in self.tensors.values():

@@ -34,6 +34,7 @@ from executor_service.runner.validation import (
     check_decode,
     check_decode_block,
     check_new,
+    checkpoint_problem,
     copies_problem,
 )
 from executor_service.sampling.position_seed import make_generator
@@ -106,6 +107,9 @@ class ModelRunner:
         self.handles: dict[int, RequestState] = {}
         # Who holds each recurrent-state slot (models with recurrent layers only).
         self.slot_holders: dict[int, RequestState] = {}
+        # Slots that hold a checkpoint a plan asked for (StepPlan.state_checkpoints), which a
+        # NewRequest may resume from until a request takes the slot.
+        self.checkpointed: set[int] = set()
         self.rows = RequestRows(limits.vocab_size, loaded.device, row_kernels)
         self._use_logits_to_keep = accepts_logits_to_keep(loaded)
         self._steady = SteadyDecodes()
@@ -129,6 +133,8 @@ class ModelRunner:
                 self._run(admitted, result, late)
             except Exception as error:
                 self._fail_step(plan.step_id, admitted.states(), error, result)
+            else:
+                self.checkpointed.update(slot for item in admitted.work for _, slot in item.checkpoints)
         elif admitted.decodes:
             result.decode_token_ids.extend([UNHELD_DECODE_TOKEN] * len(admitted.decodes))
         if plan.want_held_requests:
@@ -163,6 +169,7 @@ class ModelRunner:
         self.requests.clear()
         self.handles.clear()
         self.slot_holders.clear()
+        self.checkpointed.clear()
         self.rows.clear()
         if wipe_kv:
             self.kv_cache.wipe()
@@ -349,7 +356,32 @@ class ModelRunner:
                 self._reject(admitted, entry.request_id, rpc_codes.INVALID_ARGUMENT, problem)
         admitted.num_entries = len(admitted.work)
         self._admit_decodes(plan, admitted, scheduled)
+        if plan.state_checkpoints:
+            self._attach_checkpoints(plan, admitted)
         return admitted
+
+    def _attach_checkpoints(self, plan: executor_pb2.StepPlan, admitted: _Admitted) -> None:
+        """Gives each work item the checkpoints the plan asks of it. One that cannot be made
+        (a scheduler's bug) is logged and not made, so a request that later names its slot as
+        state_source_slot is refused rather than resumed from another state."""
+        index = {item.state.request_id: i for i, item in enumerate(admitted.work)}
+        for checkpoint in plan.state_checkpoints:
+            position = index.get(checkpoint.request_id)
+            if position is None:
+                problem = "the request computes nothing in this step"
+            else:
+                item = admitted.work[position]
+                start = item.state.num_computed_tokens
+                problem = checkpoint_problem(checkpoint, start, start + item.num_tokens, self.slot_holders, self.limits)
+            if problem is not None:
+                logger.error(
+                    "event=state_checkpoint_refused request_id=%s slot=%d problem=%r",
+                    checkpoint.request_id, checkpoint.slot, problem,
+                )
+                continue
+            self.checkpointed.discard(checkpoint.slot)
+            point = (checkpoint.num_tokens - start, checkpoint.slot)
+            admitted.work[position] = replace(item, checkpoints=(*item.checkpoints, point))
 
     def _admit_decodes(
         self, plan: executor_pb2.StepPlan, admitted: _Admitted, scheduled: set[str]
@@ -423,6 +455,13 @@ class ModelRunner:
                 return f"handle {entry.handle} names request {self.handles[entry.handle].request_id!r}"
             if entry.state_slot and entry.state_slot in self.slot_holders:
                 return f"state_slot {entry.state_slot} is held by request {self.slot_holders[entry.state_slot].request_id!r}"
+            source = entry.state_source_slot
+            if source and source not in self.checkpointed:
+                return f"state_source_slot {source} holds no checkpoint this executor made"
+            if source:
+                assert self.loaded.recurrent is not None and self.loaded.recurrent.states is not None
+                self.loaded.recurrent.states.copy_slot(source, entry.state_slot)
+            self.checkpointed.discard(entry.state_slot)
             state = _new_state(self.rows, entry, sampling, self.loaded.device)
             self.requests[entry.request_id] = state
             if entry.handle:

@@ -35,6 +35,9 @@ class ScheduledWork:
     allowed_token_bitmask: bytes = b""
     # They come after the plan (ContinuingRequest.bitmask_follows).
     bitmask_follows: bool = False
+    # (n, slot): keep the recurrent state after the first n of these tokens in slot
+    # (StepPlan.state_checkpoints).
+    checkpoints: tuple[tuple[int, int], ...] = ()
 
     @property
     def samples(self) -> bool:
@@ -141,7 +144,7 @@ def _recurrent_step(
     work: list[ScheduledWork], spans: list[SequenceSpan], num_tokens: int, device: torch.device
 ) -> RecurrentStep:
     sequences = [
-        SequenceWork(span.token_start, span.num_new, span.num_cached, item.state.state_slot)
+        SequenceWork(span.token_start, span.num_new, span.num_cached, item.state.state_slot, item.checkpoints)
         for item, span in zip(work, spans, strict=True)
     ]
     return build_recurrent_step(sequences, num_tokens, device)

@@ -65,11 +65,32 @@ def _state_slot_problem(entry: executor_pb2.NewRequest, limits: Limits) -> str |
         return f"state_slot {entry.state_slot} named, but the model has no recurrent layers" if entry.state_slot else None
     if not 1 <= entry.state_slot <= limits.num_state_slots:
         return f"state_slot {entry.state_slot} outside [1, {limits.num_state_slots}] (the model has recurrent layers)"
-    if entry.num_computed_tokens:
-        return (
-            f"num_computed_tokens {entry.num_computed_tokens}: a request of a model with recurrent "
-            "layers starts from empty state, so it computes every token"
-        )
+    source = entry.state_source_slot
+    if not source:
+        if entry.num_computed_tokens:
+            return (
+                f"num_computed_tokens {entry.num_computed_tokens} without a state_source_slot: a request "
+                "of a model with recurrent layers starts from empty state unless it names where its state is"
+            )
+        return None
+    if not 1 <= source <= limits.num_state_slots or source == entry.state_slot:
+        return f"state_source_slot {source} is outside [1, {limits.num_state_slots}] or the request's own slot"
+    if not entry.num_computed_tokens:
+        return f"state_source_slot {source} named for a request that computes from its first token"
+    return None
+
+
+def checkpoint_problem(
+    checkpoint: executor_pb2.StateCheckpoint, work_start: int, work_end: int, holders: Iterable[int], limits: Limits
+) -> str | None:
+    """A StepPlan.state_checkpoints entry for a request that computes tokens
+    [work_start, work_end) this step, while the slots `holders` are held by requests."""
+    if not 1 <= checkpoint.slot <= limits.num_state_slots:
+        return f"state checkpoint slot {checkpoint.slot} outside [1, {limits.num_state_slots}]"
+    if checkpoint.slot in set(holders):
+        return f"state checkpoint slot {checkpoint.slot} is held by a request"
+    if not work_start < checkpoint.num_tokens <= work_end:
+        return f"state checkpoint at {checkpoint.num_tokens} tokens, outside the ({work_start}, {work_end}] this step computes"
     return None
 
 

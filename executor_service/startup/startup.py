@@ -203,6 +203,7 @@ def build_executor(settings: ExecutorSettings, device: str | None = None) -> Rea
         kv_cache_bytes=num_blocks * shape.bytes_per_block() * settings.tensor_parallel_size,
         num_state_slots=num_slots,
         state_slot_bytes=recurrent.layout.bytes_per_slot() if recurrent else 0,
+        supports_state_checkpoints=recurrent is not None,
     )
     graphs = None
     if recurrent is not None and loaded.device.type == "cuda":
