@@ -180,6 +180,10 @@ class ModelRunner:
         """Steps so far whose logits came from a CUDA graph."""
         return self.graphs.graphed_steps if self.graphs is not None else 0
 
+    def state_slots_in_use(self) -> tuple[int, int]:
+        """Recurrent-state slots held by requests, and holding checkpoints."""
+        return len(self.slot_holders), len(self.checkpointed)
+
     def num_kv_blocks_in_use(self) -> int:
         return len({block for state in self.requests.values() for block in state.block_ids})
 

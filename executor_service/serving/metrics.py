@@ -27,12 +27,17 @@ class ExecutorMetrics:
         blocks_in_use: Callable[[], int],
         registry: CollectorRegistry | None = None,
         graphed_steps: Callable[[], int] = lambda: 0,
+        num_state_slots: int = 0,
+        slots_in_use: Callable[[], tuple[int, int]] = lambda: (0, 0),
     ) -> None:
-        """graphed_steps: how many steps so far replayed a CUDA graph (decode_graphs.py)."""
+        """graphed_steps: how many steps so far replayed a CUDA graph (decode_graphs.py).
+        num_state_slots, slots_in_use: a model with recurrent layers' state slots, and how many
+        requests and checkpoints hold one."""
         self.registry = registry or CollectorRegistry()
         r = self.registry
         self._blocks_in_use = blocks_in_use
         self._graphed_steps = graphed_steps
+        self._slots_in_use = slots_in_use
         self._graphed_seen = 0
         self._counted_at = 0.0
         self.forward_time = Histogram(
@@ -69,6 +74,18 @@ class ExecutorMetrics:
             registry=r,
         )
         self.kv_blocks_total.set(num_kv_blocks)
+        self.state_slots_total = Gauge(
+            "splitserve:executor_state_slots_total",
+            "Recurrent-state slots this executor holds (0: its model has no recurrent layers).",
+            registry=r,
+        )
+        self.state_slots_in_use = Gauge(
+            "splitserve:executor_state_slots_in_use",
+            "Recurrent-state slots holding a running request's state (held) or a prefix checkpoint.",
+            ["holder"],
+            registry=r,
+        )
+        self.state_slots_total.set(num_state_slots)
 
     def observe_step(self, plan: executor_pb2.StepPlan, result: executor_pb2.StepResult) -> None:
         """On the worker thread, after the plan ran."""
@@ -96,3 +113,6 @@ class ExecutorMetrics:
         if plan.new_requests or plan.dropped_request_ids or now - self._counted_at >= KV_COUNT_INTERVAL_S:
             self._counted_at = now
             self.kv_blocks_in_use.set(self._blocks_in_use())
+            held, checkpoints = self._slots_in_use()
+            self.state_slots_in_use.labels("request").set(held)
+            self.state_slots_in_use.labels("checkpoint").set(checkpoints)

@@ -359,7 +359,11 @@ async def serve(executor: ServedExecutor, options: ServeOptions, worker: ThreadP
     )
     runner = executor.runner
     metrics = ExecutorMetrics(
-        executor.info.num_kv_blocks, runner.num_kv_blocks_in_use, graphed_steps=runner.graphed_steps
+        executor.info.num_kv_blocks,
+        runner.num_kv_blocks_in_use,
+        graphed_steps=runner.graphed_steps,
+        num_state_slots=executor.info.num_state_slots,
+        slots_in_use=runner.state_slots_in_use,
     )
     # Describe tells schedulers (and their status) who may drive this executor.
     executor.info.access = options.access.mode

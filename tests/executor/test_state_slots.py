@@ -21,6 +21,7 @@ from executor_service.recurrent.state_slots import (
     StateSpec,
 )
 from executor_service.runner.model_runner import ModelRunner
+from executor_service.serving.metrics import ExecutorMetrics
 from executor_service.serving.settings import ExecutorSettings
 from executor_service.startup.startup import ReadyExecutor, build_executor
 from protos import rpc_codes
@@ -170,3 +171,19 @@ def test_slot_states_keep_the_conv_window_as_transformers_cache_does(lengths: tu
         expected = theirs.update_conv_state(chunk, 0, conv_kernel_size=width)
         assert torch.equal(got, expected)
         assert torch.equal(slots.tensors[key][2], theirs.layers[0].conv_states[0][0])
+
+
+def test_metrics_count_the_slots_held_by_requests_and_checkpoints(ready: ReadyExecutor, runner: ModelRunner) -> None:
+    metrics = ExecutorMetrics(
+        ready.info.num_kv_blocks,
+        runner.num_kv_blocks_in_use,
+        num_state_slots=ready.info.num_state_slots,
+        slots_in_use=runner.state_slots_in_use,
+    )
+    plan = pb.StepPlan(step_id=1, new_requests=[_new("a", SHARED, [0, 1, 2, 3], slot=1), _new("b", TAIL, [4, 5], slot=2)])
+    plan.state_checkpoints.add(request_id="a", num_tokens=32, slot=7)
+    metrics.observe_step(plan, runner.execute(plan))
+    value = metrics.registry.get_sample_value
+    assert value("splitserve:executor_state_slots_total") == 8
+    assert value("splitserve:executor_state_slots_in_use", {"holder": "request"}) == 2
+    assert value("splitserve:executor_state_slots_in_use", {"holder": "checkpoint"}) == 1
