@@ -4,6 +4,7 @@ the same random-weight Llama, prompts and CPU threads, measured in one run on on
     python -m bench.throughput [--requests 32] [--new-tokens 128] [--min-prompt 32]
         [--max-prompt 512] [--hidden 512] [--layers 8] [--heads 8] [--kv-heads 4]
         [--intermediate 1408] [--vocab 32000] [--threads 2] [--executors 1] [--seed 0] [--max-num-batched-tokens 2048]
+        [--arch llama|qwen3_next]
 
 Timings on shared machines are noisy: read the ratios, not the absolute speeds. Greedy outputs
 are compared too; a left-padded static batch may differ from unpadded runs on a rare near-tie.
@@ -35,13 +36,32 @@ class BenchResult:
     transformers: SystemResult
     # Requests whose splitserve output equals transformers' token for token.
     matching: int
+    arch: str = "llama"
 
 
-def build_bench_model(config: BenchConfig, directory: Path, max_positions: int | None = None) -> Path:
-    """The random Llama of config's dimensions, with room for max_positions tokens (default:
-    the longest request of config's workload)."""
+ARCHITECTURES = ("llama", "qwen3_next")
+
+
+def build_bench_model(
+    config: BenchConfig, directory: Path, max_positions: int | None = None, arch: str = "llama"
+) -> Path:
+    """The random model of config's dimensions, with room for max_positions tokens (default:
+    the longest request of config's workload). arch qwen3_next: Qwen3-Next's shape at these
+    dimensions (three Gated DeltaNet layers to one attention layer, its linear-attention heads
+    in the published model's proportions, a dense MLP in place of its experts)."""
+    shape = {}
+    if arch == "qwen3_next":
+        head_dim = config.hidden // config.heads
+        shape = {
+            "head_dim": head_dim,
+            "layer_types": ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(config.layers)],
+            "linear_num_key_heads": max(1, config.heads // 2),
+            "linear_num_value_heads": config.heads,
+            "linear_key_head_dim": head_dim,
+            "linear_value_head_dim": head_dim,
+        }
     return build_model(
-        "llama",
+        arch,
         directory,
         seed=config.seed,
         hidden_size=config.hidden,
@@ -51,26 +71,27 @@ def build_bench_model(config: BenchConfig, directory: Path, max_positions: int |
         num_key_value_heads=config.kv_heads,
         vocab_size=config.vocab,
         max_position_embeddings=max_positions or config.max_model_len,
+        **shape,
     )
 
 
-def run_benchmark(config: BenchConfig) -> BenchResult:
+def run_benchmark(config: BenchConfig, arch: str = "llama") -> BenchResult:
     """Builds the model, runs splitserve then transformers (never both at once: they share the
     CPUs), and compares their outputs."""
     prompts = make_prompts(config)
     with tempfile.TemporaryDirectory(prefix="bench-throughput-") as tmp:
-        model_dir = build_bench_model(config, Path(tmp) / "llama")
+        model_dir = build_bench_model(config, Path(tmp) / arch, arch=arch)
         ours = run_splitserve(model_dir, prompts, config)
         peer = run_transformers(model_dir, prompts, [config.new_tokens] * len(prompts), config.threads)
     matching = sum(a == b for a, b in zip(ours.outputs, peer.outputs))
-    return BenchResult(config, ours, peer, matching)
+    return BenchResult(config, ours, peer, matching, arch)
 
 
 def format_table(result: BenchResult) -> str:
     c = result.config
     lines = [
         f"{c.requests} requests, prompts {c.min_prompt}-{c.max_prompt} tokens, {c.new_tokens} new tokens; "
-        f"random Llama hidden {c.hidden} x {c.layers} layers, {c.heads}/{c.kv_heads} heads, "
+        f"random {result.arch} hidden {c.hidden} x {c.layers} layers, {c.heads}/{c.kv_heads} heads, "
         f"MLP {c.intermediate}, vocab {c.vocab}; fp32, {c.threads} threads",
         "| system | wall s | output tok/s | ratio to transformers | TTFT p50 s |",
         "|---|---:|---:|---:|---:|",
@@ -84,12 +105,15 @@ def format_table(result: BenchResult) -> str:
     return "\n".join(lines)
 
 
-def parse_args(argv: list[str] | None) -> BenchConfig:
+def parse_args(argv: list[str] | None) -> tuple[BenchConfig, str]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     for f in fields(BenchConfig):
         if f.name != "block_size":
             parser.add_argument(f"--{f.name.replace('_', '-')}", type=int, default=f.default)
-    return BenchConfig(**vars(parser.parse_args(argv)))
+    parser.add_argument("--arch", choices=ARCHITECTURES, default="llama", help="the random model's architecture")
+    args = vars(parser.parse_args(argv))
+    arch = args.pop("arch")
+    return BenchConfig(**args), arch
 
 
 def exit_on_sigterm(signum: int, frame: FrameType | None) -> None:
@@ -101,9 +125,9 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=logging.INFO, stream=sys.stderr, format="%(asctime)s level=%(levelname)s logger=%(name)s %(message)s"
     )
-    config = parse_args(argv)
+    config, arch = parse_args(argv)
     signal.signal(signal.SIGTERM, exit_on_sigterm)
-    result = run_benchmark(config)
+    result = run_benchmark(config, arch)
     print(format_table(result))
     return 0
 

@@ -142,8 +142,20 @@ _CONFIGS: dict[str, Callable[..., PreTrainedConfig]] = {
 ARCHITECTURES = tuple(_CONFIGS)
 
 # Served, and checked by tests of their own rather than the parity suite: mixtures of experts
-# whose routers the executor packs (tests/executor/test_packed_experts.py).
+# whose routers the executor packs (tests/executor/test_packed_experts.py), and a hybrid of Gated
+# DeltaNet and attention layers (three to one) with a dense MLP, the shape the throughput
+# benchmark times (tests/e2e/test_hybrid_models.py covers the hybrid families).
 _OTHER_CONFIGS: dict[str, Callable[..., PreTrainedConfig]] = {
+    "qwen3_next": _decoder(
+        "qwen3_next",
+        head_dim=16,
+        num_experts=0,
+        layer_types=["linear_attention", "full_attention"],
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+    ),
     # Top-k of a softmax, always renormalized.
     "mixtral": _decoder("mixtral", head_dim=16, num_local_experts=4, num_experts_per_tok=2),
     # Top-k of a softmax, renormalized as configured; a shared expert behind a sigmoid gate.
