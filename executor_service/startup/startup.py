@@ -143,6 +143,11 @@ def build_executor(settings: ExecutorSettings, device: str | None = None) -> Rea
     )
     recurrent = loaded.recurrent
     num_slots = 0
+    if recurrent is not None and parallel:
+        raise UnsupportedModel(
+            loaded.model_type,
+            "its recurrent layers are not sharded over tensor-parallel ranks yet; run it with --tensor-parallel-size 1",
+        )
     if recurrent is not None:
         slot_bytes = recurrent.layout.bytes_per_slot()
         num_slots = decide_num_slots(loaded.model_type, slot_bytes, settings, memory_budget(settings, loaded.device))
