@@ -59,6 +59,27 @@ def test_every_hybrid_family_gives_transformers_greedy_tokens(model_type: str, t
     _parity(model_type, tmp_path / model_type)
 
 
+@pytest.mark.parametrize("model_type", ["qwen3_next", "jamba"])
+def test_requests_sharing_a_prefix_resume_from_its_recurrent_state(model_type: str, tmp_path: Path) -> None:
+    """A 200-token prefix computed once: later requests that share it hit the prefix cache (its
+    K/V blocks and the recurrent state kept at the last checkpoint inside it, 192 tokens with the
+    default checkpoint every 4 blocks of 16) and still get exactly transformers' tokens."""
+    folder = save_hybrid(model_type, tmp_path / model_type)
+    reference = Reference(folder)
+    prefix = [(29 * i) % 990 + 5 for i in range(200)]
+    prompts = [prefix + [(41 * i + 97 * k) % 990 + 5 for i in range(5 + 7 * k)] for k in range(7)]
+    with start_executor(folder, num_kv_blocks=256, block_size=16, max_model_len=1024) as (executor, _):
+        with start_scheduler(executor) as scheduler:
+            first = generate_greedy(scheduler, prompts[:1], NEW_TOKENS)
+            rest = generate_greedy(scheduler, prompts[1:], NEW_TOKENS)
+            with Client(scheduler) as client:
+                status = client.server_status()
+    assert first + rest == [reference(prompt, NEW_TOKENS) for prompt in prompts]
+    looked_up = sum(len(prompt) for prompt in prompts)
+    # Six of the seven prompts resume after 192 tokens.
+    assert status.prefix_cache_hit_rate == pytest.approx(6 * 192 / looked_up, abs=0.02)
+
+
 def test_preempted_hybrid_requests_recompute_their_state_exactly(tmp_path: Path) -> None:
     """24 streams over a 48-block pool: requests are preempted (their slots freed) and recomputed
     from their tokens, and each still gets exactly the undisturbed tokens."""
