@@ -1,7 +1,7 @@
 """The pool of KV blocks: reference counts, the free queue and the prefix-cache index."""
 
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from kv_manager.prefix_hash import BlockHash
@@ -19,9 +19,11 @@ class KVBlock:
 class BlockPool:
     """Owns every KVBlock. Free blocks wait in eviction order: least recently freed first."""
 
-    def __init__(self, num_blocks: int) -> None:
+    def __init__(self, num_blocks: int, on_evict: Callable[[BlockHash], None] | None = None) -> None:
         if num_blocks <= 0:
             raise ValueError(f"num_blocks must be positive, got {num_blocks}")
+        # Told each hash that leaves the prefix cache (what was kept for that prefix goes too).
+        self._on_evict = on_evict
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         self._free: OrderedDict[int, KVBlock] = OrderedDict((b.block_id, b) for b in self.blocks)
         self._cached: dict[BlockHash, KVBlock] = {}
@@ -100,4 +102,6 @@ class BlockPool:
     def _evict(self, block: KVBlock) -> None:
         if block.block_hash is not None:
             del self._cached[block.block_hash]
+            if self._on_evict is not None:
+                self._on_evict(block.block_hash)
             block.block_hash = None

@@ -1,11 +1,12 @@
 """The scheduler's view of one executor's KV cache: per-request block tables and prefix reuse."""
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
 from kv_manager import prefix_hash
 from kv_manager.block_pool import BlockPool, KVBlock
 from kv_manager.prefix_hash import BlockHash, extend_chain
+from kv_manager.state_checkpoints import StateCheckpoints
 from kv_manager.state_slots import StateSlotPool
 
 
@@ -15,6 +16,9 @@ class PrefixHit:
 
     blocks: list[KVBlock] = field(default_factory=list)
     num_tokens: int = 0
+    # For a hybrid model: the slot of the checkpoint holding the recurrent state after those
+    # tokens (KVCacheManager.resumable); 0 for a model without recurrent layers, or no hit.
+    state_source_slot: int = 0
 
 
 class PoolExhausted(Exception):
@@ -36,6 +40,10 @@ class CacheStats:
     num_free_blocks: int
     queried_tokens: int
     hit_tokens: int
+    # Recurrent-state slots (a hybrid model), and those no running request holds: free, or
+    # keeping a checkpoint that a request may take, as free blocks include cached ones.
+    num_state_slots: int = 0
+    num_free_state_slots: int = 0
 
     @property
     def usage(self) -> float:
@@ -60,21 +68,21 @@ class _RequestBlocks:
 class KVCacheManager:
     """Hands out block ids for requests' tokens and reuses blocks whose content is cached; for
     a hybrid model (num_state_slots > 0), also the recurrent-state slots its requests hold
-    beside their blocks (state_slots: taken on admission, released with the blocks)."""
+    beside their blocks (state_slots: taken on admission, released with the blocks), and, with
+    prefix caching, the checkpoints of cached prefixes' recurrent states that a prefix hit
+    resumes from (checkpoints, in slots no request holds)."""
 
     def __init__(
         self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, num_state_slots: int = 0
     ) -> None:
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
-        if num_state_slots and enable_prefix_caching:
-            # A prefix hit skips computing the cached tokens, but the recurrent state after
-            # them would have to be kept too, and is not.
-            raise ValueError("prefix caching needs the recurrent state at a cached prefix's end, which is not kept")
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self.pool = BlockPool(num_blocks)
         self.state_slots = StateSlotPool(num_state_slots)
+        self.checkpoints = StateCheckpoints(self.state_slots)
+        # A checkpoint is worth its slot only while a hit can reach its block.
+        self.pool = BlockPool(num_blocks, on_evict=self.checkpoints.forget if num_state_slots else None)
         self._requests: dict[str, _RequestBlocks] = {}
         self._queried_tokens = 0
         self._hit_tokens = 0
@@ -102,6 +110,47 @@ class KVCacheManager:
             hit.blocks.append(block)
         hit.num_tokens = len(hit.blocks) * self.block_size
         return hit
+
+    def resumable(self, hit: PrefixHit) -> PrefixHit:
+        """The part of a prefix hit a request can resume from. A hybrid model's request needs
+        the recurrent state after the cached tokens too: the hit is cut back to its longest
+        run of blocks whose last has a ready checkpoint (none: no hit), which it names as
+        state_source_slot. Any other model's hit is whole."""
+        if not self.state_slots.num_slots:
+            return hit
+        for num_blocks in range(len(hit.blocks), 0, -1):
+            block_hash = hit.blocks[num_blocks - 1].block_hash
+            slot = self.checkpoints.slot(block_hash) if block_hash is not None else 0
+            if slot:
+                return PrefixHit(hit.blocks[:num_blocks], num_blocks * self.block_size, slot)
+        return PrefixHit()
+
+    def take_state_slot(self, request_id: str, keep: Collection[int] = ()) -> int:
+        """A recurrent-state slot for a request being admitted (0 for a model without recurrent
+        layers): a free one, else the least recently used checkpoint's outside keep (the slots
+        the plan being made reads). Raises SlotsExhausted, changing nothing, when neither is."""
+        return self.checkpoints.take_for_request(request_id, keep)
+
+    def may_take_state_slot(self, keep: Collection[int] = ()) -> bool:
+        """Whether take_state_slot would find a slot."""
+        return not self.state_slots.num_slots or self.checkpoints.can_take(keep)
+
+    def fill_checkpoint(self, slot: int, block_hash: BlockHash) -> bool:
+        """The pending checkpoint in slot was made, for the prefix ending in the block named
+        block_hash: ready, unless its block has left the prefix cache meanwhile or a checkpoint
+        by that name is ready already (then its slot is freed; False)."""
+        if self.pool.lookup(block_hash) is None:
+            self.checkpoints.cancel(slot)
+            return False
+        return self.checkpoints.fill(slot, block_hash)
+
+    def registered_hash(self, request_id: str, block_index: int) -> BlockHash | None:
+        """The prefix-cache hash under which the request's block at block_index was entered
+        (cache_computed), or None if it was not."""
+        entry = self._requests.get(request_id)
+        if entry is None or block_index >= entry.num_registered:
+            return None
+        return entry.hashes[block_index]
 
     def is_cached(self, block_hash: BlockHash) -> bool:
         return self.enable_prefix_caching and self.pool.lookup(block_hash) is not None
@@ -233,6 +282,8 @@ class KVCacheManager:
             num_free_blocks=self.pool.num_free,
             queried_tokens=self._queried_tokens,
             hit_tokens=self._hit_tokens,
+            num_state_slots=self.state_slots.num_slots,
+            num_free_state_slots=self.state_slots.num_slots - self.state_slots.num_held,
         )
 
     def _register_full_blocks(

@@ -1,7 +1,9 @@
 """Recurrent-state slots of a hybrid model's executor (Mamba, Gated DeltaNet, short
 convolutions): such a model keeps one fixed-size state per running request beside its K/V, in a
 slot the scheduler hands out like a block. Slots are numbered 1..num_slots; 0 names no slot, as
-on the wire (ExecutorInfo.num_state_slots, NewRequest.state_slot)."""
+on the wire (ExecutorInfo.num_state_slots, NewRequest.state_slot). A slot no request holds may
+be lent to a checkpoint (kv_manager/state_checkpoints.py), which keeps the state at the end of a
+cached prefix there."""
 
 from collections import deque
 
@@ -11,8 +13,8 @@ class SlotsExhausted(Exception):
 
 
 class StateSlotPool:
-    """Which request holds which slot. Free slots are reused least recently freed first, as
-    blocks are."""
+    """Which request holds which slot, and which slots are lent to checkpoints. Free slots are
+    reused least recently freed first, as blocks are."""
 
     def __init__(self, num_slots: int) -> None:
         if num_slots < 0:
@@ -20,15 +22,22 @@ class StateSlotPool:
         self.num_slots = num_slots
         self._free: deque[int] = deque(range(1, num_slots + 1))
         self._slot_of: dict[str, int] = {}
+        self._lent: set[int] = set()
 
     @property
     def num_free(self) -> int:
         return len(self._free)
 
     @property
+    def num_held(self) -> int:
+        """Slots held by requests."""
+        return len(self._slot_of)
+
+    @property
     def exhausted(self) -> bool:
-        """Whether a request admitted now would find no slot. Never for a model without
-        recurrent layers (num_slots 0), whose requests need none."""
+        """Whether no slot is free. Never for a model without recurrent layers (num_slots 0),
+        whose requests need none. A slot lent to a checkpoint may still be taken back for a
+        request (KVCacheManager.take_state_slot)."""
         return self.num_slots > 0 and not self._free
 
     def allocate(self, request_id: str) -> int:
@@ -51,6 +60,22 @@ class StateSlotPool:
             self._free.append(slot)
         return slot
 
+    def lend(self) -> int:
+        """Takes a free slot for a checkpoint and returns it. Raises SlotsExhausted, changing
+        nothing, when none is free."""
+        if not self._free:
+            raise SlotsExhausted(f"all {self.num_slots} state slots are held")
+        slot = self._free.popleft()
+        self._lent.add(slot)
+        return slot
+
+    def take_back(self, slot: int) -> None:
+        """Frees a slot lent to a checkpoint; ValueError when it is not lent."""
+        if slot not in self._lent:
+            raise ValueError(f"state slot {slot} is not lent to a checkpoint")
+        self._lent.remove(slot)
+        self._free.append(slot)
+
     def slot_of(self, request_id: str) -> int:
         """The request's slot, or 0 when it holds none."""
         return self._slot_of.get(request_id, 0)
@@ -62,3 +87,7 @@ class StateSlotPool:
     def free_slots(self) -> list[int]:
         """Free slots in reuse order (for the audit and tests)."""
         return list(self._free)
+
+    def lent_slots(self) -> set[int]:
+        """Slots lent to checkpoints (for the audit and tests)."""
+        return set(self._lent)

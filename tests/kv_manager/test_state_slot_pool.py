@@ -129,12 +129,12 @@ def test_the_audit_names_each_corruption() -> None:
     slots._slot_of["b"] = 1  # two requests in one slot, and slot 2 lost
     assert state_slot_mismatches(slots, ["a", "b"]) == [
         "state slot 1: held by 2 requests ['a', 'b']",
-        "state slot 2: neither held nor free",
+        "state slot 2: neither held, lent nor free",
     ]
     slots._slot_of["b"] = 3  # held and free at once
     assert state_slot_mismatches(slots, ["a", "b"]) == [
         "state slot 3: held by ['b'] yet free",
-        "state slot 2: neither held nor free",
+        "state slot 2: neither held, lent nor free",
     ]
     slots._slot_of["b"] = 2
     slots._free.extend([3, 7])  # free twice over, and a slot that does not exist
@@ -144,9 +144,7 @@ def test_the_audit_names_each_corruption() -> None:
     ]
 
 
-def test_a_hybrid_model_has_no_prefix_cache_and_no_forks() -> None:
-    with pytest.raises(ValueError, match="recurrent state"):
-        KVCacheManager(NUM_BLOCKS, BLOCK_SIZE, enable_prefix_caching=True, num_state_slots=2)
+def test_a_hybrid_model_has_no_forks() -> None:
     kv = KVCacheManager(NUM_BLOCKS, BLOCK_SIZE, enable_prefix_caching=False, num_state_slots=2)
     kv.allocate_slots("parent", list(range(6)), 0, 6)
     kv.cache_computed("parent", list(range(6)), 6)
