@@ -1,7 +1,8 @@
 """The audit of one executor's block accounting, end to end: the scheduler's pool is
 consistent in itself (kv_manager/audit.py), and the executor holds exactly the requests the
 scheduler placed there, with the same block tables, computed tokens and recurrent-state slots
-(a hybrid model's running requests each holding one).
+(a hybrid model's running requests each holding one, and none holding a slot the scheduler keeps
+a checkpoint in).
 
 Run only when no plan is on the wire (the lane waits for that), so both sides have seen the
 same plans.
@@ -47,4 +48,8 @@ def audit_executor(scheduler: Scheduler, held: Mapping[str, HeldState]) -> list[
     # A request the scheduler is about to drop may be held or not: its blocks are free already.
     for request_id in sorted(held.keys() - placed - scheduler.pending_drops):
         found.append(f"request {request_id}: held by the executor, which the scheduler never placed there")
+    lent = slots.lent_slots()
+    for request_id, state in sorted(held.items()):
+        if state.state_slot in lent:
+            found.append(f"request {request_id}: holds state slot {state.state_slot}, which keeps a checkpoint")
     return found

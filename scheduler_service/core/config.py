@@ -35,9 +35,14 @@ class SchedulerConfig:
     block_copies: bool = False
     # Recurrent-state slots of a hybrid model's executor (Mamba, Gated DeltaNet, short
     # convolutions): each running request holds one, so at most this many run at once; 0 for a
-    # model without recurrent layers. A hybrid model runs without a prefix cache and without
-    # forks (see __post_init__).
+    # model without recurrent layers. A hybrid model runs without forks, and without a prefix
+    # cache unless it keeps checkpoints (see __post_init__).
     num_state_slots: int = 0
+    # A hybrid model's checkpoints: a request's recurrent state is kept every this many full
+    # blocks of its tokens, in a slot no request holds, so that a prefix hit resumes from the
+    # last one it covers (core/checkpoint_policy.py). 0: none kept. The lane takes
+    # --state-checkpoint-blocks for an executor that supports_state_checkpoints, else 0.
+    state_checkpoint_blocks: int = 0
 
     @property
     def max_seq_len(self) -> int:
@@ -49,17 +54,28 @@ class SchedulerConfig:
         for name in ("num_kv_blocks", "block_size", "max_model_len", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
-        if self.num_state_slots < 0:
-            raise ValueError(f"num_state_slots must not be negative, got {self.num_state_slots}")
+        for name in ("num_state_slots", "state_checkpoint_blocks"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must not be negative, got {getattr(self, name)}")
         if self.num_state_slots:
             # A prefix hit starts a request after its cached tokens, and a fork after its
-            # sibling's prompt: both need the recurrent state at that point, which the executor
-            # does not keep (a slot holds only a running request's latest state). So every
-            # request of a hybrid model computes its whole sequence from an empty state. Set
-            # here, whatever the caller asked, so every way a config is built (the lane, a
-            # replay, a test, reconfigure's replace) gets it.
-            object.__setattr__(self, "enable_prefix_caching", False)
+            # sibling's prompt: both need the recurrent state at that point. A slot holds only a
+            # running request's latest state, so a hit resumes only from a checkpoint, and
+            # without checkpoints there is no prefix caching; a fork's point (its prompt's last
+            # token but one) is rarely a checkpoint's, so there are no forks. Set here, whatever
+            # the caller asked, so every way a config is built (the lane, a replay, a test,
+            # reconfigure's replace) gets it.
+            if not self.state_checkpoint_blocks:
+                object.__setattr__(self, "enable_prefix_caching", False)
             object.__setattr__(self, "block_copies", False)
+
+    @property
+    def state_checkpoint_tokens(self) -> int:
+        """Tokens between a hybrid model's checkpoints; 0 when none are kept (no recurrent
+        layers, no prefix cache, or state_checkpoint_blocks 0)."""
+        if self.num_state_slots and self.enable_prefix_caching:
+            return self.state_checkpoint_blocks * self.block_size
+        return 0
 
 
 @dataclass(slots=True, frozen=True)

@@ -152,6 +152,13 @@ class DecodeSet:
             handles=self.handle[slots].tolist(),
         )
 
+    def reaching(self, step: BulkStep, interval: int) -> list[tuple[Request, int]]:
+        """The step's requests still here whose computed tokens, once it has run, are a
+        multiple of interval, with that count (where a hybrid model keeps a checkpoint)."""
+        live = self.epoch[step.slots] == step.epochs
+        at = np.flatnonzero(live & (step.computed % interval == 0)).tolist()
+        return [(self._requests[step.slots[i]], int(step.computed[i])) for i in at]  # type: ignore[misc]
+
     def apply(self, step: BulkStep, token_ids: Sequence[int], now: float) -> BulkResult:
         """Appends each token to its request (received at now), and says who stops and whose
         blocks filled."""

@@ -14,6 +14,7 @@ from kv_manager import (
     PrefixHit,
     prefix_hash,
 )
+from scheduler_service.core.checkpoint_policy import CheckpointPolicy
 from scheduler_service.core.config import SchedulerConfig, SchedulingKnobs
 from scheduler_service.core.decode_set import BulkStep, DecodeSet
 from scheduler_service.core.errors import ErrorKind, RequestError, RequestRejected
@@ -88,7 +89,7 @@ class Scheduler:
         self.config = config
         self.eos_token_ids = frozenset(eos_token_ids)
         self.clock = clock
-        self.kv = self._new_kv_cache()
+        self.kv, self._checkpoints = self._new_books()
         self.waiting = WaitingQueue(config.policy)
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -203,15 +204,14 @@ class Scheduler:
         self._in_flight.clear()
         self._late.clear()
         self._retrying.clear()
-        self.kv = self._new_kv_cache()
+        self.kv, self._checkpoints = self._new_books()
         return evicted
 
-    def _new_kv_cache(self) -> KVCacheManager:
-        """Empty books: every block and state slot free."""
+    def _new_books(self) -> tuple[KVCacheManager, CheckpointPolicy]:
+        """Empty books: every block and state slot free, no checkpoint kept."""
         config = self.config
-        return KVCacheManager(
-            config.num_kv_blocks, config.block_size, config.enable_prefix_caching, config.num_state_slots
-        )
+        kv = KVCacheManager(config.num_kv_blocks, config.block_size, config.enable_prefix_caching, config.num_state_slots)
+        return kv, CheckpointPolicy(kv, config.state_checkpoint_tokens, self.prefix_hashes)
 
     def release_waiting(self, requests: Iterable[Request]) -> list[Request]:
         """Lets go of these waiting requests, for another executor to run them (work
@@ -491,9 +491,9 @@ class Scheduler:
             # beside other requests, nor beside the step's bulk decodes.
             if request.retry_alone and (scheduled or bulk.step is not None):
                 break
-            # A hybrid model's request needs a recurrent-state slot as well as blocks, and
-            # waits for one as it would for blocks.
-            if self.kv.state_slots.exhausted:
+            # A hybrid model's request needs a recurrent-state slot as well as blocks (a free
+            # one or a checkpoint's), and waits for one as it would for blocks.
+            if not self._checkpoints.may_admit():
                 break
             hashes = self.prefix_hashes(request)
             source = self._fork_source(request) if request.fork_of else None
@@ -513,22 +513,30 @@ class Scheduler:
             if not scores_prompt and len(hit.blocks) < len(hashes) and hashes[len(hit.blocks)] in self._prefixes.computing:
                 self._deferred.append(self.waiting.pop())
                 continue
+            # A hybrid model's hit reaches back to its last checkpoint (checkpoint_policy).
+            resumed = self._checkpoints.resume_point(hit, bool(self.running))
+            if resumed is None:
+                break
+            hit = resumed
             num_new = request.num_tokens - hit.num_tokens
             if num_new > budget and not self.config.enable_chunked_prefill:
                 break
             num_new = min(num_new, budget)
             if self._allocate(request, num_new, hit) is None:
                 break
-            self._admitted(request, hit.num_tokens, hashes, admitted)
+            self._admitted(request, hit.num_tokens, hashes, admitted, hit)
             scheduled[request] = num_new
             budget -= num_new
             if request.retry_alone:
                 break
         return budget
 
-    def _admitted(self, request: Request, num_computed: int, hashes: list[BlockHash], admitted: list[Request]) -> None:
+    def _admitted(
+        self, request: Request, num_computed: int, hashes: list[BlockHash], admitted: list[Request], hit: PrefixHit | None = None
+    ) -> None:
         """The head of the queue runs from here, its first num_computed tokens already in its
-        blocks (a prefix hit or a fork)."""
+        blocks (a prefix hit, resumed from hit.state_source_slot for a hybrid model; or a
+        fork)."""
         self.waiting.pop()
         if request.first_scheduled_time is None:
             request.first_scheduled_time = self.clock()
@@ -536,8 +544,9 @@ class Scheduler:
         request.status = RequestStatus.RUNNING
         request.num_computed_tokens = num_computed
         request.prefill_target = request.num_tokens
-        # Free: _admit_waiting checked. Released with its blocks whenever it stops running.
-        self.kv.state_slots.allocate(request.request_id)
+        # Free or a checkpoint's: _admit_waiting checked. Released with its blocks whenever it
+        # stops running.
+        self._checkpoints.admit(request.request_id, hit)
         # Without a prefix cache its blocks are never found by another request: one sharing
         # them must not be held back to wait for them (see _admit_waiting).
         if self.config.enable_prefix_caching:
@@ -642,6 +651,9 @@ class Scheduler:
         fresh = set(admitted)
         in_flight: dict[str, _InFlight] = {}
         late: list[tuple[Request, int]] = []
+        # (request, tokens computed before, after) for the checkpoints a hybrid model keeps.
+        spans: list[tuple[Request, int, int]] = []
+        checkpointing = self._checkpoints.interval > 0
         for request, num_new in scheduled.items():
             samples = request.num_computed_tokens + num_new == request.num_tokens + request.num_pending_outputs
             constrained = samples and request.grammar is not None
@@ -663,6 +675,7 @@ class Scheduler:
                         request.handle,
                         mask,
                         self.kv.state_slots.slot_of(request.request_id),
+                        self._checkpoints.source_of(request.request_id),
                     )
                 )
                 self._on_executor.add(request.request_id)
@@ -670,6 +683,8 @@ class Scheduler:
                 plan.continuing_requests.append(
                     ContinuingRequestPlan(request.request_id, num_new, new_blocks[request.request_id], mask, follows)
                 )
+            if checkpointing:
+                spans.append((request, request.num_computed_tokens, request.num_computed_tokens + num_new))
             request.num_computed_tokens += num_new
             if samples:
                 request.num_pending_outputs += 1
@@ -678,6 +693,9 @@ class Scheduler:
             in_flight[request.request_id] = _InFlight(
                 request, request.num_preemptions, request.num_computed_tokens, samples
             )
+        if checkpointing and bulk.step is not None:
+            spans += [(request, end - 1, end) for request, end in self.decodes.reaching(bulk.step, self._checkpoints.interval)]
+        plan.state_checkpoints = self._checkpoints.plan(plan.step_id, spans)
         if in_flight:
             self._in_flight[plan.step_id] = in_flight
         if late:
@@ -707,7 +725,8 @@ class Scheduler:
     def update(self, output: StepOutput) -> StepUpdates:
         """Appends the step's sampled tokens, finishes requests that hit a stop condition, and
         enters the blocks the step filled into the prefix cache (only now: a block whose step
-        was refused, failed or lost must never be found by another request)."""
+        was refused, failed or lost must never be found by another request), with a hybrid
+        model's checkpoints the step kept."""
         result = StepUpdates()
         updates = result.updates
         failed: list[Request] = []
@@ -735,6 +754,7 @@ class Scheduler:
                 updates.append(self._end_in_error(request, RequestError(ErrorKind.INTERNAL, message)))
             else:
                 self.kv.cache_computed(request_id, request.token_ids, sent.num_computed_tokens)
+                self._checkpoints.made(output.step_id, request_id)
                 if sent.num_computed_tokens >= request.prefill_target:
                     self._prefixes.computing.remove(request)
                 if sent.samples:
@@ -744,6 +764,7 @@ class Scheduler:
                     updates.append(self._append_tokens(request, output, now, result.inter_token_gaps))
         if output.failure is not None:
             updates += self._step_failed(failed, output.failure)
+        self._checkpoints.step_done(output.step_id)
         self._late.pop(output.step_id, None)
         if self._late:
             result.late_bitmasks = self._late_bitmasks()
@@ -793,6 +814,7 @@ class Scheduler:
             result.updates.append(self._end_in_error(request, error))
         for request, computed in applied.filled_blocks:
             self.kv.cache_computed(request.request_id, request.token_ids, computed)
+            self._checkpoints.made(output.step_id, request.request_id)
         for request, token in applied.stopped:
             self.finish(request, stop_reason_of_bulk_decode(request, token, self.eos_token_ids))
             result.updates.append(RequestUpdate(request, [token], [], True))

@@ -5,7 +5,11 @@ It keeps a shadow KV cache (which token sits in which slot) and checks every pla
 way the attention would depend on it: a request's cached slots must hold exactly its tokens. A
 scheduler that hands out a wrong block, a stale prefix hit or too few slots fails loudly here.
 For a hybrid model (num_state_slots) it checks each new request's recurrent-state slot as the
-real executor would: one it has, that no request it holds has, with an empty state to start from.
+real executor would: one it has, that no request it holds has, with an empty state to start from
+or the state a checkpoint of an earlier plan kept for exactly the tokens the request resumes
+after (state_source_slot); and each checkpoint a plan makes: in a slot no request it holds has,
+at a point the request computes in that step. A checkpoint's state is modelled as the tokens it
+follows.
 """
 
 from collections.abc import Callable, Sequence
@@ -16,6 +20,7 @@ from scheduler_service.core.errors import ErrorKind, RequestError
 from scheduler_service.core.step_plan import (
     HeldState,
     NewRequestPlan,
+    StateCheckpoint,
     StepOutput,
     StepPlan,
 )
@@ -78,6 +83,9 @@ class SimulatedExecutor:
     handles: dict[int, str] = field(default_factory=dict)
     # Recurrent-state slots of the modelled hybrid model, 1..num_state_slots; 0: none.
     num_state_slots: int = 0
+    # Slot -> the tokens whose recurrent state the checkpoint there keeps, for the checkpoints
+    # earlier plans made whose slot no request has taken since.
+    checkpoints: dict[int, list[int]] = field(default_factory=dict)
 
     def execute(self, plan: StepPlan) -> StepOutput:
         output = self._run(plan)
@@ -116,6 +124,8 @@ class SimulatedExecutor:
             if new.request_id in self.requests:
                 raise PlanMismatch(f"{new.request_id} is new but already held")
             self._check_state_slot(new)
+            # Its state lives in its slot now, whatever a checkpoint kept there.
+            self.checkpoints.pop(new.state_slot, None)
             state = _SimRequest(
                 list(new.token_ids), list(new.block_ids), new.num_computed_tokens, new.handle, new.state_slot
             )
@@ -146,6 +156,10 @@ class SimulatedExecutor:
                 raise PlanMismatch(f"{request_id} decodes by handle but is not in steady decode")
             decodes.append(request_id)
             work.append((request_id, 1))
+        checkpoints = self._check_checkpoints(plan.state_checkpoints, dict(work))
+        for checkpoint in plan.state_checkpoints:
+            # Written during the forward: what the slot kept is gone, made or not.
+            self.checkpoints.pop(checkpoint.slot, None)
         failure = (
             self.fail_step(plan, [request_id for request_id, _ in work])
             if self.fail_step is not None
@@ -170,6 +184,8 @@ class SimulatedExecutor:
             for position in range(state.num_computed, end):
                 self.slots[self._slot(state, position)] = state.token_ids[position]
             state.num_computed = end
+        for checkpoint in checkpoints:
+            self.checkpoints[checkpoint.slot] = self.requests[checkpoint.request_id].token_ids[: checkpoint.num_tokens]
         for request_id, _ in work:
             state = self.requests[request_id]
             if self.verify_kv:
@@ -190,22 +206,62 @@ class SimulatedExecutor:
         return output
 
     def _check_state_slot(self, new: NewRequestPlan) -> None:
-        """A hybrid model's request needs a slot of its own, and (its state starting empty) to
-        compute from its first token; any other model's names none."""
-        slot = new.state_slot
+        """A hybrid model's request needs a slot of its own, and to compute from its first token
+        (its state starting empty) or to resume from a checkpoint that an earlier plan made
+        after exactly the tokens it skips; any other model's names neither."""
+        slot, source = new.state_slot, new.state_source_slot
         if not self.num_state_slots:
-            if slot:
-                raise PlanMismatch(f"{new.request_id} names state slot {slot}, but the model keeps no state")
+            if slot or source:
+                raise PlanMismatch(f"{new.request_id} names state slot {slot or source}, but the model keeps no state")
             return
-        if not 1 <= slot <= self.num_state_slots:
-            raise PlanMismatch(f"{new.request_id} names state slot {slot}, outside 1..{self.num_state_slots}")
-        holder = next((rid for rid, held in self.requests.items() if held.state_slot == slot), None)
-        if holder is not None:
-            raise PlanMismatch(f"{new.request_id} names state slot {slot}, which {holder} holds")
-        if new.num_computed_tokens:
+        for named in (slot, source) if source else (slot,):
+            if not 1 <= named <= self.num_state_slots:
+                raise PlanMismatch(f"{new.request_id} names state slot {named}, outside 1..{self.num_state_slots}")
+            holder = next((rid for rid, held in self.requests.items() if held.state_slot == named), None)
+            if holder is not None:
+                raise PlanMismatch(f"{new.request_id} names state slot {named}, which {holder} holds")
+        if not source:
+            if new.num_computed_tokens:
+                raise PlanMismatch(
+                    f"{new.request_id} starts at token {new.num_computed_tokens}, but its recurrent state starts empty"
+                )
+            return
+        if source == slot:
+            raise PlanMismatch(f"{new.request_id} resumes from state slot {source}, its own")
+        kept = self.checkpoints.get(source)
+        if kept is None:
+            raise PlanMismatch(f"{new.request_id} resumes from state slot {source}, which no earlier checkpoint filled")
+        if kept != new.token_ids[: new.num_computed_tokens]:
             raise PlanMismatch(
-                f"{new.request_id} starts at token {new.num_computed_tokens}, but its recurrent state starts empty"
+                f"{new.request_id} resumes after {new.num_computed_tokens} tokens from state slot {source}, "
+                f"which keeps the state after {len(kept)} other tokens"
             )
+
+    def _check_checkpoints(self, checkpoints: list[StateCheckpoint], work: dict[str, int]) -> list[StateCheckpoint]:
+        """The checkpoints to make: each in a slot of the model that no request held has, at a
+        point its request computes in this step. One for a request whose earlier failed step
+        dropped it is not made, as the real executor skips a request it refuses as unknown."""
+        held = {state.state_slot for state in self.requests.values() if state.state_slot}
+        made: list[StateCheckpoint] = []
+        slots: set[int] = set()
+        for checkpoint in checkpoints:
+            name = f"checkpoint of {checkpoint.request_id} at {checkpoint.num_tokens} in state slot {checkpoint.slot}"
+            if not 1 <= checkpoint.slot <= self.num_state_slots:
+                raise PlanMismatch(f"{name}: outside 1..{self.num_state_slots}")
+            if checkpoint.slot in held:
+                raise PlanMismatch(f"{name}: a request holds that slot")
+            if checkpoint.slot in slots:
+                raise PlanMismatch(f"{name}: another checkpoint of the plan writes that slot")
+            slots.add(checkpoint.slot)
+            if checkpoint.request_id not in work and checkpoint.request_id in self.dropped_by_failure:
+                continue
+            if checkpoint.request_id not in work:
+                raise PlanMismatch(f"{name}: the request computes nothing in this step")
+            start = self.requests[checkpoint.request_id].num_computed
+            if not start < checkpoint.num_tokens <= start + work[checkpoint.request_id]:
+                raise PlanMismatch(f"{name}: the step computes its tokens {start} to {start + work[checkpoint.request_id]}")
+            made.append(checkpoint)
+        return made
 
     def _forget(self, request_id: str) -> None:
         state = self.requests.pop(request_id, None)

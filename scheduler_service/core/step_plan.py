@@ -28,7 +28,8 @@ class NewRequestPlan:
     # The request's whole block table: token i lives in block_ids[i // block_size].
     block_ids: list[int]
     # Leading tokens whose K/V are already in those blocks (a prefix-cache hit, a multiple of
-    # the block size; or a fork of a sibling's prompt); the executor computes from here.
+    # the block size; or a fork of a sibling's prompt); the executor computes from here. A
+    # hybrid model's hit also names the checkpoint of its recurrent state (state_source_slot).
     num_computed_tokens: int
     # Tokens to compute this step (a whole prefill, or one chunk of it).
     num_scheduled_tokens: int
@@ -41,8 +42,24 @@ class NewRequestPlan:
     # with a grammar whose step samples; empty otherwise.
     allowed_token_bitmask: bytes = b""
     # Its recurrent-state slot, for a hybrid model (SchedulerConfig.num_state_slots): free
-    # until now, its state empty, so num_computed_tokens is 0. 0: the model keeps no state.
+    # until now, its state empty (num_computed_tokens 0) unless state_source_slot names where
+    # it is. 0: the model keeps no state.
     state_slot: int = 0
+    # A checkpoint's slot holding the recurrent state after the first num_computed_tokens
+    # tokens (a cached prefix's, made by an earlier plan), copied into state_slot before the
+    # step computes. 0: none.
+    state_source_slot: int = 0
+
+
+@dataclass(slots=True, frozen=True)
+class StateCheckpoint:
+    """Keep a hybrid model's request's recurrent state after its first num_tokens tokens (a
+    point inside or at the end of what it computes in the plan) in slot, a slot no request
+    holds, for later requests that share the prefix."""
+
+    request_id: str
+    num_tokens: int
+    slot: int
 
 
 @dataclass(slots=True)
@@ -89,6 +106,8 @@ class StepPlan:
     want_held_requests: bool = False
     # Blocks to copy before the step runs (forks' copies of a shared partial block).
     block_copies: list[BlockCopy] = field(default_factory=list)
+    # Recurrent states to keep as the step computes (a hybrid model with prefix caching).
+    state_checkpoints: list[StateCheckpoint] = field(default_factory=list)
 
     @property
     def num_scheduled_tokens(self) -> int:

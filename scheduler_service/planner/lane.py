@@ -54,6 +54,9 @@ STEP_TIME_WINDOW = 32
 # covers the first steps (no history yet, CUDA warm-up, a long prefill).
 DEFAULT_STEP_TIMEOUT_FLOOR_S = 30.0
 DEFAULT_STEP_TIMEOUT_FACTOR = 10.0
+# A hybrid model's recurrent state is kept every this many full blocks of a request's tokens
+# (--state-checkpoint-blocks), for prefix hits to resume from.
+DEFAULT_STATE_CHECKPOINT_BLOCKS = 4
 # An idle lane sends an empty plan at least this often: it keeps this scheduler's hold (a third
 # of the lease would do), and its answer is how an idle executor that got SIGTERM says it is
 # draining, so the executor can stop within seconds instead of a third of its lease.
@@ -79,6 +82,8 @@ class LaneOptions:
     pipeline_depth: int = 2
     step_timeout_floor_s: float = DEFAULT_STEP_TIMEOUT_FLOOR_S
     step_timeout_factor: float = DEFAULT_STEP_TIMEOUT_FACTOR
+    # For an executor of a hybrid model that supports checkpoints (SchedulerConfig).
+    state_checkpoint_blocks: int = DEFAULT_STATE_CHECKPOINT_BLOCKS
 
 
 class LaneHooks(Protocol):
@@ -230,12 +235,16 @@ class ExecutorLane:
             if info.num_state_slots:
                 # Said once per connection: an operator wondering why this executor gets no
                 # prefix hits, or runs fewer requests than max_num_seqs, finds it here.
+                config = self.scheduler.config
                 logger.info(
                     "event=executor_recurrent_state address=%s state_slots=%d state_slot_bytes=%d "
-                    "prefix_caching=off forks=off",
+                    "supports_state_checkpoints=%s state_checkpoint_blocks=%d prefix_caching=%s forks=off",
                     self.address,
                     info.num_state_slots,
                     info.state_slot_bytes,
+                    info.supports_state_checkpoints,
+                    config.state_checkpoint_blocks,
+                    "on" if config.enable_prefix_caching else "off",
                 )
             self._step_times.clear()
             self._set_state(LaneState.UP, "")
@@ -320,6 +329,8 @@ class ExecutorLane:
             late_bitmasks=info.supports_late_bitmasks,
             block_copies=info.supports_block_copies,
             num_state_slots=info.num_state_slots,
+            # An older executor keeps no checkpoints: its hybrid model has no prefix caching.
+            state_checkpoint_blocks=options.state_checkpoint_blocks if info.supports_state_checkpoints else 0,
         )
 
     def _set_state(self, state: LaneState, reason: str) -> None:

@@ -65,6 +65,7 @@ def plan_to_proto(plan: StepPlan, eos_token_ids: Collection[int] = ()) -> pb.Ste
                 handle=new.handle,
                 allowed_token_bitmask=new.allowed_token_bitmask,
                 state_slot=new.state_slot,
+                state_source_slot=new.state_source_slot,
             )
         )
     for cont in plan.continuing_requests:
@@ -84,6 +85,10 @@ def plan_to_proto(plan: StepPlan, eos_token_ids: Collection[int] = ()) -> pb.Ste
     for copy in plan.block_copies:
         message.copy_block_sources.append(copy.source)
         message.copy_block_destinations.append(copy.destination)
+    for checkpoint in plan.state_checkpoints:
+        message.state_checkpoints.append(
+            pb.StateCheckpoint(request_id=checkpoint.request_id, num_tokens=checkpoint.num_tokens, slot=checkpoint.slot)
+        )
     return message
 
 

@@ -5,6 +5,7 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
+from scheduler_service.core.audit import audit_executor
 from scheduler_service.core.config import SchedulerConfig
 from scheduler_service.core.errors import ErrorKind, RequestError, RequestRejected
 from scheduler_service.core.policy import Policy, StepMode
@@ -187,8 +188,10 @@ def test_pipelined_planning_gives_the_same_tokens() -> None:
     aborts=st.sets(st.integers(0, 11), max_size=3),
     stopped=st.sets(st.integers(0, 11), max_size=3),
     failing=st.sets(st.integers(1, 40), max_size=4),
-    # A hybrid model's recurrent-state slots (0: none), which cap the requests running at once.
+    # A hybrid model's recurrent-state slots (0: none), which cap the requests running at once,
+    # and its checkpoints every so many blocks (0: none, and no prefix caching), which share them.
     num_state_slots=st.integers(0, 3),
+    state_checkpoint_blocks=st.integers(0, 2),
 )
 # A request retried alone after a failed step that had to preempt itself for blocks was admitted
 # straight back each step, while the decode that would free those blocks never ran.
@@ -196,7 +199,7 @@ def test_pipelined_planning_gives_the_same_tokens() -> None:
     specs=[(1, 1, 0, 1), (1, 1, 0, 1), (6, 3, 0, 2), (1, 1, 0, 1), (8, 2, 0, 1)],
     num_blocks=8, block_size=2, budget=7, max_num_seqs=2, policy=Policy.FCFS,
     mode=StepMode.PREFILL_FIRST, pipelined=True, aborts={0, 1, 3}, stopped=set(), failing={1, 4},
-    num_state_slots=0,
+    num_state_slots=0, state_checkpoint_blocks=0,
 )
 # A retried request was admitted beside the step's bulk decodes, which the check for "others in
 # this step" did not count.
@@ -204,16 +207,16 @@ def test_pipelined_planning_gives_the_same_tokens() -> None:
     specs=[(1, 1, 0, 1), (3, 1, 0, 1), (1, 2, 0, 1)],
     num_blocks=8, block_size=2, budget=4, max_num_seqs=3, policy=Policy.FCFS,
     mode=StepMode.MIXED, pipelined=True, aborts=set(), stopped=set(), failing={1},
-    num_state_slots=0,
+    num_state_slots=0, state_checkpoint_blocks=0,
 )
 def test_random_workloads_finish_with_the_right_tokens_and_free_every_block(
     specs, num_blocks, block_size, budget, max_num_seqs, policy, mode, pipelined, aborts, stopped, failing,
-    num_state_slots,
+    num_state_slots, state_checkpoint_blocks,
 ) -> None:
     cfg = SchedulerConfig(
         num_kv_blocks=num_blocks, block_size=block_size, max_model_len=256,
         max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, policy=policy, mode=mode,
-        num_state_slots=num_state_slots,
+        num_state_slots=num_state_slots, state_checkpoint_blocks=state_checkpoint_blocks,
     )
     scheduler = Scheduler(cfg)
     # The executor's forward raises at the steps in `failing`, whatever they hold.
@@ -259,11 +262,17 @@ def test_random_workloads_finish_with_the_right_tokens_and_free_every_block(
         ids = scheduled_ids(plan, book)
         retried = [i for i in ids if scheduler.requests[i].retry_alone]
         assert not retried or ids == retried, "a retry shares its step"
+        plan.want_held_requests = True
         in_flight.append(executor.execute(plan))
         if not pipelined or len(in_flight) == 2 or not plan.has_work:
-            for update in scheduler.update(in_flight.pop(0)):
+            output = in_flight.pop(0)
+            for update in scheduler.update(output):
                 if update.error is not None:
                     errors[update.request_id] = update.error
+            # The books (blocks, slots, checkpoints) against the executor's, with no plan out.
+            if not in_flight:
+                assert output.held_requests is not None
+                assert audit_executor(scheduler, output.held_requests) == [], f"step {step}"
     assert not scheduler.has_unfinished(), "a request starved"
     # Only a request whose retry failed too ends in error, and each failed step ends one at most.
     assert len(errors) <= len(failing)
@@ -279,7 +288,9 @@ def test_random_workloads_finish_with_the_right_tokens_and_free_every_block(
         else:
             assert request.output_token_ids == reference[: request.num_output_tokens]
     assert scheduler.kv.num_free_blocks == num_blocks
-    assert scheduler.kv.state_slots.num_free == num_state_slots
+    # Slots keeping checkpoints count as free, as cached blocks do.
+    assert scheduler.kv.state_slots.holders() == {}
+    assert scheduler.kv.stats().num_free_state_slots == num_state_slots
 
 
 def test_a_failed_step_is_retried_alone_and_only_the_request_that_fails_again_ends() -> None:
