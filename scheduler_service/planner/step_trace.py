@@ -14,7 +14,9 @@ Events (field "e"), each with "t" (seconds since the trace began) and "x" (execu
   add     a request placed on an executor: id, prompt length, block digests, priority,
           max_tokens, ignore_eos
   plan    a plan sent: step, new ids, continuing {id: tokens}, steady-decode ids, dropped ids,
-          prefill and decode tokens
+          prefill and decode tokens; for a hybrid model's prefix caching, when there are any,
+          the recurrent-state checkpoints it keeps ([id, tokens, slot] each) and the
+          checkpoint slots new requests resume from ({id: slot})
   result  its result applied: step, forward seconds, and after it waiting, running, KV blocks
           used and total; preemptions, prefix-hit tokens, blocks allocated and blocks released
           so far (a step's own are the differences from the previous result); and requests
@@ -67,7 +69,7 @@ class StepTrace:
             "mode": config.mode.value, "enable_chunked_prefill": config.enable_chunked_prefill,
             "enable_prefix_caching": config.enable_prefix_caching, "bulk_decodes": config.bulk_decodes,
             "block_copies": config.block_copies, "num_state_slots": config.num_state_slots,
-            "pipeline_depth": pipeline_depth,
+            "state_checkpoint_blocks": config.state_checkpoint_blocks, "pipeline_depth": pipeline_depth,
         })
         track = self._tracks.setdefault(address, len(self._tracks) + 1)
         self._chrome_event({"name": "thread_name", "ph": "M", "pid": _TRACKS_PID, "tid": track, "args": {"name": f"executor {address}"}})
@@ -90,9 +92,16 @@ class StepTrace:
         decodes = [r.request_id for r in decoded]
         prefill, decode = plan.prefill_and_decode_tokens()
         self._planned_at[(address, plan.step_id)] = t
+        # Only a hybrid model's plans have these: other traces stay as they were.
+        hybrid: dict[str, Any] = {}
+        if plan.state_checkpoints:
+            hybrid["ckpt"] = [[c.request_id, c.num_tokens, c.slot] for c in plan.state_checkpoints]
+        sources = {n.request_id: n.state_source_slot for n in plan.new_requests if n.state_source_slot}
+        if sources:
+            hybrid["src"] = sources
         self._write(
             "plan", address, t=t, step=plan.step_id, new=new, cont=continuing, dec=decodes,
-            drop=list(plan.dropped_request_ids), prefill_tokens=prefill, decode_tokens=decode,
+            drop=list(plan.dropped_request_ids), prefill_tokens=prefill, decode_tokens=decode, **hybrid,
         )
 
     def result_applied(self, address: str, output: StepOutput, updates: StepUpdates, scheduler: Scheduler) -> None:

@@ -76,7 +76,9 @@ def planned_step(scheduler: Scheduler, plan: StepPlan, planned_s: float, done_s:
     record_result once its result is applied."""
     decoded = [r.request_id for r in scheduler.decoded_in(plan)]
     continuing = {c.request_id: c.num_scheduled_tokens for c in plan.continuing_requests}
-    shape = signature([n.request_id for n in plan.new_requests], continuing, decoded)
+    checkpoints = [(c.request_id, c.num_tokens, c.slot) for c in plan.state_checkpoints]
+    sources = {n.request_id: n.state_source_slot for n in plan.new_requests if n.state_source_slot}
+    shape = signature([n.request_id for n in plan.new_requests], continuing, decoded, checkpoints, sources)
     prefill, decode = plan.prefill_and_decode_tokens()
     return StepRecord(planned_s, done_s, shape, prefill, decode, 0, 0, 0, 0)
 
@@ -108,8 +110,10 @@ def config_of(timeline: Timeline) -> SchedulerConfig:
         mode=StepMode(recorded["mode"]), enable_chunked_prefill=recorded["enable_chunked_prefill"],
         enable_prefix_caching=recorded["enable_prefix_caching"], bulk_decodes=recorded["bulk_decodes"],
         block_copies=recorded.get("block_copies", False),
-        # Traces from before hybrid models were served record none.
+        # Traces from before hybrid models were served record none, and from before their
+        # prefix caching no checkpoints.
         num_state_slots=recorded.get("num_state_slots", 0),
+        state_checkpoint_blocks=recorded.get("state_checkpoint_blocks", 0),
     )
 
 

@@ -5,13 +5,16 @@ their timings."""
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-# A plan's identity for comparing schedules: new ids, continuing ids with their tokens, and
-# steady-decode ids.
-Signature = tuple[frozenset[str], frozenset[tuple[str, int]], frozenset[str]]
+# A plan's identity for comparing schedules: new ids, continuing ids with their tokens,
+# steady-decode ids, and a hybrid model's checkpoints (id, tokens, slot) and resumes (id, slot).
+Signature = tuple[
+    frozenset[str], frozenset[tuple[str, int]], frozenset[str], frozenset[tuple[str, int, int]], frozenset[tuple[str, int]]
+]
 
 
 @dataclass(slots=True)
@@ -54,8 +57,17 @@ class Timeline:
     plans: list[TracedPlan] = field(default_factory=list)
 
 
-def signature(new: list[str], continuing: dict[str, int], decodes: list[str]) -> Signature:
-    return frozenset(new), frozenset(continuing.items()), frozenset(decodes)
+def signature(
+    new: list[str],
+    continuing: dict[str, int],
+    decodes: list[str],
+    checkpoints: Iterable[tuple[str, int, int]] = (),
+    sources: Mapping[str, int] | None = None,
+) -> Signature:
+    return (
+        frozenset(new), frozenset(continuing.items()), frozenset(decodes),
+        frozenset(checkpoints), frozenset((sources or {}).items()),
+    )
 
 
 def read_trace(directory: Path) -> list[Timeline]:
@@ -88,8 +100,10 @@ def read_trace(directory: Path) -> list[Timeline]:
                 )
             elif kind == "plan":
                 if event["new"] or event["cont"] or event["dec"] or event["drop"]:
+                    # Traces from before hybrid models' prefix caching have neither.
+                    checkpoints = [(rid, tokens, slot) for rid, tokens, slot in event.get("ckpt", ())]
                     plan = TracedPlan(
-                        t, signature(event["new"], event["cont"], event["dec"]),
+                        t, signature(event["new"], event["cont"], event["dec"], checkpoints, event.get("src")),
                         event["prefill_tokens"], event["decode_tokens"],
                     )
                     pending[(address, event["step"])] = plan

@@ -7,6 +7,7 @@ exactly those tokens; the audit (slots and checkpoints included) is clean after 
 
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import cast
 
 import pytest
@@ -32,6 +33,10 @@ from scheduler_service.core.step_plan import (
 from scheduler_service.planner.executor_link import ExecutorLink
 from scheduler_service.planner.lane import ExecutorLane, LaneHooks, LaneOptions
 from scheduler_service.planner.plan_codec import plan_to_proto
+from scheduler_service.planner.step_trace import StepTrace
+from scheduler_service.replay.simulate import config_of, replay_timeline
+from scheduler_service.replay.step_cost import StepCost
+from scheduler_service.replay.trace_reader import read_trace
 
 HYBRID = SchedulerConfig(
     num_kv_blocks=128, block_size=16, max_model_len=1024, max_num_batched_tokens=512,
@@ -296,6 +301,39 @@ def test_the_wire_carries_checkpoints_and_the_slot_a_request_resumes_from() -> N
     message = plan_to_proto(plan)
     assert (message.new_requests[0].state_slot, message.new_requests[0].state_source_slot) == (2, 3)
     assert [(c.request_id, c.num_tokens, c.slot) for c in message.state_checkpoints] == [("a", 64, 4), ("a", 128, 5)]
+
+
+def test_the_step_trace_records_checkpoints_and_resumes_and_an_unchanged_replay_makes_the_same(tmp_path: Path) -> None:
+    now = [0.0]
+    trace = StepTrace(tmp_path, clock=lambda: now[0])
+    rig = Rig.of(HYBRID)
+    trace.executor_up("x", HYBRID, pipeline_depth=1)
+    shared = tokens(1000, 200)
+    arrivals = {0: [request("a", shared + tokens(2000, 50), 4)], 2: [request("b", shared + [7], 3), request("c", tokens(5000, 90), 3)]}
+    while rig.scheduler.has_unfinished() or any(at >= len(rig.plans) for at in arrivals):
+        for added in arrivals.get(len(rig.plans), []):
+            rig.scheduler.add_request(added)
+            trace.request_added("x", added, rig.scheduler)
+        now[0] += 0.1
+        plan = rig.plan()
+        trace.plan_sent("x", plan, rig.scheduler.decoded_in(plan), now[0])
+        output = rig.executor.execute(plan)
+        now[0] += 0.5
+        trace.result_applied("x", output, rig.scheduler.update(output), rig.scheduler)
+    trace.close()
+    assert rig.new_request("b")[1].state_source_slot, "b was meant to resume from a's checkpoint"
+    (timeline,) = read_trace(tmp_path)
+    assert config_of(timeline) == HYBRID
+    recorded = [(plan.signature[3], plan.signature[4]) for plan in timeline.plans]
+    made = [(frozenset((c.request_id, c.num_tokens, c.slot) for c in plan.state_checkpoints),
+             frozenset((n.request_id, n.state_source_slot) for n in plan.new_requests if n.state_source_slot))
+            for plan in rig.plans if plan.has_work or plan.dropped_request_ids]
+    assert recorded == made and any(sources for _, sources in recorded)
+    replayed = replay_timeline(timeline, None, StepCost(0.5, 0.0, 0.0, 0.0, 1.0, 0))
+    assert replayed.matched_steps == replayed.num_recorded_steps == rig.scheduler.num_steps
+    # A trace from before hybrid models' prefix caching replays without checkpoints.
+    del timeline.config["state_checkpoint_blocks"]
+    assert config_of(timeline).state_checkpoint_blocks == 0 and not config_of(timeline).enable_prefix_caching
 
 
 def test_the_simulated_executor_refuses_what_a_real_one_would() -> None:
