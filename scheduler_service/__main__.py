@@ -29,6 +29,7 @@ from scheduler_service.planner.engine import (
     EngineOptions,
 )
 from scheduler_service.planner.lane import (
+    DEFAULT_STATE_CHECKPOINT_BLOCKS,
     DEFAULT_STEP_TIMEOUT_FACTOR,
     DEFAULT_STEP_TIMEOUT_FLOOR_S,
     LaneOptions,
@@ -145,6 +146,16 @@ def parse_args(argv: list[str] | None, prog: str = "python -m scheduler_service"
     )
     parser.add_argument("--max-num-seqs", type=positive_int, default=256, help="most requests running at once")
     parser.add_argument("--max-num-batched-tokens", type=positive_int, default=2048, help="most tokens computed per step")
+    parser.add_argument(
+        "--state-checkpoint-blocks",
+        type=non_negative_int,
+        default=DEFAULT_STATE_CHECKPOINT_BLOCKS,
+        metavar="N",
+        help="hybrid models (recurrent layers): keep a request's recurrent state every N full KV "
+        "blocks, each in a state slot no running request holds (the executor's, state_slot_bytes "
+        "each; running requests take them back first), so a prefix hit resumes from the last one "
+        "it covers; 0 turns their prefix caching off, as does an executor without checkpoints",
+    )
     parser.add_argument(
         "--policy",
         choices=[p.value for p in Policy],
@@ -359,6 +370,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m scheduler_service
                 mode=StepMode(args.mode),
                 step_timeout_floor_s=args.step_timeout_floor,
                 step_timeout_factor=args.step_timeout_factor,
+                state_checkpoint_blocks=args.state_checkpoint_blocks,
             ),
             max_waiting=args.max_waiting,
             route_tokens_per_request=args.route_tokens_per_request,

@@ -17,6 +17,7 @@ def test_without_flags_it_listens_on_50051_and_drives_the_local_executor() -> No
     assert (args.port, DEFAULT_SCHEDULER_PORT) == (50051, 50051)
     assert args.executor == [DEFAULT_EXECUTOR_ADDRESS] == ["127.0.0.1:50052"]
     assert not args.verbose
+    assert args.state_checkpoint_blocks == 4
 
 
 def test_executors_given_replace_the_default() -> None:
@@ -39,6 +40,7 @@ def test_executors_given_replace_the_default() -> None:
         ("--drain-timeout", "-1"),
         ("--route-tokens-per-request", "-1"),
         ("--max-num-seqs", "0"),
+        ("--state-checkpoint-blocks", "-1"),
         ("--executor", "no-port"),
         ("--executor", "host:0"),
         ("--executor", "dns:///no-port"),
@@ -54,7 +56,8 @@ def test_a_meaningless_value_is_argparses_error(
 
 
 @pytest.mark.parametrize(
-    ("flag", "value"), [("--port", "0"), ("--drain-timeout", "0"), ("--route-tokens-per-request", "0")]
+    ("flag", "value"),
+    [("--port", "0"), ("--drain-timeout", "0"), ("--route-tokens-per-request", "0"), ("--state-checkpoint-blocks", "0")],
 )
 def test_edge_values_that_mean_something_are_taken(flag: str, value: str) -> None:
     parse_args([flag, value])
