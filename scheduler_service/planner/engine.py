@@ -356,6 +356,8 @@ class Engine:
             status.executors.append(executor)
             status.kv_blocks_total += executor.kv_blocks_total
             status.kv_blocks_free += executor.kv_blocks_free
+            status.state_slots_total += executor.state_slots_total
+            status.state_slots_free += executor.state_slots_free
             if lane.scheduler is not None:
                 stats = lane.scheduler.kv.stats()
                 queried += stats.queried_tokens

@@ -31,6 +31,8 @@ def executor_status(lane: ExecutorLane) -> pb.ExecutorStatus:
         stats = scheduler.kv.stats()
         status.kv_blocks_total = stats.num_blocks
         status.kv_blocks_free = stats.num_free_blocks
+        status.state_slots_total = stats.num_state_slots
+        status.state_slots_free = stats.num_free_state_slots
         status.num_running = len(scheduler.running)
         status.num_waiting = scheduler.num_waiting
     return status

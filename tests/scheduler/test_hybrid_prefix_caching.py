@@ -5,6 +5,7 @@ scheduler against the simulated executor, which refuses a checkpoint in a held s
 point its request does not compute, and a resume from a slot no earlier checkpoint filled for
 exactly those tokens; the audit (slots and checkpoints included) is clean after every step."""
 
+import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -30,8 +31,11 @@ from scheduler_service.core.step_plan import (
     StepOutput,
     StepPlan,
 )
+from scheduler_service.planner.engine import Engine, EngineOptions
 from scheduler_service.planner.executor_link import ExecutorLink
+from scheduler_service.planner.executor_status import executor_status
 from scheduler_service.planner.lane import ExecutorLane, LaneHooks, LaneOptions
+from scheduler_service.planner.metrics import SchedulerMetrics
 from scheduler_service.planner.plan_codec import plan_to_proto
 from scheduler_service.planner.step_trace import StepTrace
 from scheduler_service.replay.simulate import config_of, replay_timeline
@@ -290,6 +294,27 @@ def test_the_lane_keeps_checkpoints_only_for_an_executor_that_supports_them(supp
     assert (config.state_checkpoint_blocks, config.enable_prefix_caching) == (blocks, supported)
     off = ExecutorLane("x", cast(ExecutorLink, None), LaneOptions(state_checkpoint_blocks=0), cast(LaneHooks, None))
     assert not off._config(info).enable_prefix_caching
+
+
+def test_the_status_counts_slots_keeping_only_checkpoints_as_free() -> None:
+    rig = Rig.of(HYBRID)
+    a_prompt = tokens(1000, 250)
+    rig.step((request("a", a_prompt, 1),))
+    rig.step((request("b", a_prompt[:200] + [7], 50),))
+    assert len(rig.scheduler.kv.checkpoints.ready()) == 3 and len(rig.scheduler.running) == 1
+    lanes = {}
+    for address, scheduler in (("hybrid:1", rig.scheduler), ("plain:2", Scheduler(replace(HYBRID, num_state_slots=0)))):
+        lanes[address] = ExecutorLane(address, cast(ExecutorLink, None), LaneOptions(), cast(LaneHooks, None))
+        lanes[address].scheduler = scheduler
+    hybrid = executor_status(lanes["hybrid:1"])
+    assert (hybrid.state_slots_total, hybrid.state_slots_free) == (8, 7)
+    plain = executor_status(lanes["plain:2"])
+    assert (plain.state_slots_total, plain.state_slots_free) == (0, 0)
+    engine = Engine("scheduler", None, EngineOptions(), SchedulerMetrics())
+    engine.lanes = lanes
+    status = asyncio.run(engine.server_status())
+    assert (status.state_slots_total, status.state_slots_free) == (8, 7)
+    assert status.kv_blocks_total == 2 * HYBRID.num_kv_blocks
 
 
 def test_the_wire_carries_checkpoints_and_the_slot_a_request_resumes_from() -> None:

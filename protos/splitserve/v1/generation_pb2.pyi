@@ -350,7 +350,7 @@ class GetServerStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ExecutorStatus(_message.Message):
-    __slots__ = ("address", "state", "incarnation_id", "kv_blocks_total", "kv_blocks_free", "num_running", "num_waiting", "reason", "num_steps", "tensor_parallel_size", "kv_cache_bytes", "access")
+    __slots__ = ("address", "state", "incarnation_id", "kv_blocks_total", "kv_blocks_free", "num_running", "num_waiting", "reason", "num_steps", "tensor_parallel_size", "kv_cache_bytes", "access", "state_slots_total", "state_slots_free")
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_ID_FIELD_NUMBER: _ClassVar[int]
@@ -363,6 +363,8 @@ class ExecutorStatus(_message.Message):
     TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_BYTES_FIELD_NUMBER: _ClassVar[int]
     ACCESS_FIELD_NUMBER: _ClassVar[int]
+    STATE_SLOTS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    STATE_SLOTS_FREE_FIELD_NUMBER: _ClassVar[int]
     address: str
     state: ExecutorState
     incarnation_id: str
@@ -375,10 +377,12 @@ class ExecutorStatus(_message.Message):
     tensor_parallel_size: int
     kv_cache_bytes: int
     access: str
-    def __init__(self, address: _Optional[str] = ..., state: _Optional[_Union[ExecutorState, str]] = ..., incarnation_id: _Optional[str] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., reason: _Optional[str] = ..., num_steps: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., kv_cache_bytes: _Optional[int] = ..., access: _Optional[str] = ...) -> None: ...
+    state_slots_total: int
+    state_slots_free: int
+    def __init__(self, address: _Optional[str] = ..., state: _Optional[_Union[ExecutorState, str]] = ..., incarnation_id: _Optional[str] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., reason: _Optional[str] = ..., num_steps: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., kv_cache_bytes: _Optional[int] = ..., access: _Optional[str] = ..., state_slots_total: _Optional[int] = ..., state_slots_free: _Optional[int] = ...) -> None: ...
 
 class ServerStatus(_message.Message):
-    __slots__ = ("num_waiting", "num_running", "kv_blocks_total", "kv_blocks_free", "prefix_cache_hit_rate", "num_preemptions", "num_steps", "executors", "policy", "mode")
+    __slots__ = ("num_waiting", "num_running", "kv_blocks_total", "kv_blocks_free", "prefix_cache_hit_rate", "num_preemptions", "num_steps", "executors", "policy", "mode", "state_slots_total", "state_slots_free")
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     KV_BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
@@ -389,6 +393,8 @@ class ServerStatus(_message.Message):
     EXECUTORS_FIELD_NUMBER: _ClassVar[int]
     POLICY_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
+    STATE_SLOTS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    STATE_SLOTS_FREE_FIELD_NUMBER: _ClassVar[int]
     num_waiting: int
     num_running: int
     kv_blocks_total: int
@@ -399,4 +405,6 @@ class ServerStatus(_message.Message):
     executors: _containers.RepeatedCompositeFieldContainer[ExecutorStatus]
     policy: str
     mode: str
-    def __init__(self, num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., prefix_cache_hit_rate: _Optional[float] = ..., num_preemptions: _Optional[int] = ..., num_steps: _Optional[int] = ..., executors: _Optional[_Iterable[_Union[ExecutorStatus, _Mapping]]] = ..., policy: _Optional[str] = ..., mode: _Optional[str] = ...) -> None: ...
+    state_slots_total: int
+    state_slots_free: int
+    def __init__(self, num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., prefix_cache_hit_rate: _Optional[float] = ..., num_preemptions: _Optional[int] = ..., num_steps: _Optional[int] = ..., executors: _Optional[_Iterable[_Union[ExecutorStatus, _Mapping]]] = ..., policy: _Optional[str] = ..., mode: _Optional[str] = ..., state_slots_total: _Optional[int] = ..., state_slots_free: _Optional[int] = ...) -> None: ...
