@@ -25,6 +25,9 @@ from scheduler_service.core.step_plan import StateCheckpoint
 
 
 class CheckpointPolicy:
+    """One scheduler's checkpoint decisions over its KV cache manager's books (replaced with
+    them when its executor is lost)."""
+
     def __init__(self, kv: KVCacheManager, interval: int, prefix_hashes: Callable[[Request], list[BlockHash]]) -> None:
         self.kv = kv
         # Tokens between checkpoints; 0: none are kept.
@@ -98,7 +101,10 @@ class CheckpointPolicy:
     def made(self, step_id: int, request_id: str) -> None:
         """The step computed the request and its blocks are cached: its checkpoints of that
         step are ready, named by the hashes their blocks were cached under."""
-        for point, slot in self._pending.get(step_id, {}).pop(request_id, ()):
+        pending = self._pending.get(step_id)
+        if not pending:
+            return
+        for point, slot in pending.pop(request_id, ()):
             name = self.kv.registered_hash(request_id, point // self.kv.block_size - 1)
             if name is None:
                 self.kv.checkpoints.cancel(slot)
