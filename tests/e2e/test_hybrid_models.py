@@ -70,14 +70,37 @@ def test_requests_sharing_a_prefix_resume_from_its_recurrent_state(model_type: s
     prompts = [prefix + [(41 * i + 97 * k) % 990 + 5 for i in range(5 + 7 * k)] for k in range(7)]
     with start_executor(folder, num_kv_blocks=256, block_size=16, max_model_len=1024) as (executor, _):
         with start_scheduler(executor) as scheduler:
-            first = generate_greedy(scheduler, prompts[:1], NEW_TOKENS)
-            rest = generate_greedy(scheduler, prompts[1:], NEW_TOKENS)
+            first = asyncio.run(_greedy_logprobs(scheduler, prompts[:1]))
+            rest = asyncio.run(_greedy_logprobs(scheduler, prompts[1:]))
             with Client(scheduler) as client:
                 status = client.server_status()
-    assert first + rest == [reference(prompt, NEW_TOKENS) for prompt in prompts]
+    # Tokens alone would hide a wrong state: a random model's recurrent layers forget fast, and
+    # its attention layers see the whole context. Each token's logprob does not.
+    for (tokens, logprobs), prompt in zip(first + rest, prompts, strict=True):
+        assert tokens == reference(prompt, NEW_TOKENS)
+        assert logprobs == pytest.approx(_reference_logprobs(reference, prompt, tokens), abs=2e-3)
     looked_up = sum(len(prompt) for prompt in prompts)
     # Six of the seven prompts resume after 192 tokens.
     assert status.prefix_cache_hit_rate == pytest.approx(6 * 192 / looked_up, abs=0.02)
+
+
+async def _greedy_logprobs(address: str, prompts: list[list[int]]) -> list[tuple[list[int], list[float]]]:
+    async with AsyncClient(address) as client:
+        results = await asyncio.gather(
+            *(
+                client.generate(prompt_token_ids=prompt, max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True, logprobs=0)
+                for prompt in prompts
+            )
+        )
+    return [(result.token_ids, [entry.logprob for entry in result.logprobs or []]) for result in results]
+
+
+def _reference_logprobs(reference: Reference, prompt: list[int], tokens: list[int]) -> list[float]:
+    """Each token's logprob under transformers' whole forward over the prompt and the tokens."""
+    with torch.inference_mode():
+        logits = reference.model(input_ids=torch.tensor([prompt + tokens]), use_cache=False).logits[0]
+    logprobs = torch.log_softmax(logits[len(prompt) - 1 : -1].float(), dim=-1)
+    return logprobs[torch.arange(len(tokens)), torch.tensor(tokens)].tolist()
 
 
 def test_preempted_hybrid_requests_recompute_their_state_exactly(tmp_path: Path) -> None:
