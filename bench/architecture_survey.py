@@ -86,6 +86,7 @@ def _small_fields(config: Any, nested: bool = False) -> dict[str, Any]:
         fields["num_heads"] = fields["hidden_size"] * config.expand // fields["head_dim"]
     if _has(config, "sliding_window") and config.sliding_window:
         fields["sliding_window"] = SHORT_WINDOW
+    fields.update(_consistent_fields(config, fields))
     # A nested config is rebuilt from all its fields, so its per-layer lists (attention kinds)
     # are cut to the layers kept, keeping the type's pattern; a top-level class derives its own.
     layers = fields.get("num_hidden_layers")
@@ -102,6 +103,45 @@ def _small_fields(config: Any, nested: bool = False) -> dict[str, Any]:
             elif name == "per_layer_config" and isinstance(value, dict):
                 fields[name] = {k: v for k, v in value.items() if int(k) < layers}
     return fields
+
+
+def _consistent_fields(config: Any, fields: dict[str, Any]) -> dict[str, Any]:
+    """Sizes that must agree with the shrunk ones: the default's values, kept, would not fit the
+    small heads, layers or experts."""
+    out: dict[str, Any] = {}
+
+    def value(name: str) -> Any:
+        return fields[name] if name in fields else (getattr(config, name, None) if _has(config, name) else None)
+
+    # Multi-head latent attention: compressed ranks and per-head widths, the rotary part of a
+    # query/key head among them (head_dim, where the config holds it, is that rotary width);
+    # keys and values are expanded per query head, so there are as many K/V heads as query heads.
+    if value("qk_rope_head_dim") is not None:
+        rope = 8
+        out.update(qk_rope_head_dim=rope, qk_nope_head_dim=16, kv_lora_rank=32)
+        if _has(config, "num_key_value_heads"):
+            out["num_key_value_heads"] = value("num_attention_heads")
+        if _has(config, "v_head_dim"):
+            out["v_head_dim"] = 16
+        if value("q_lora_rank") is not None:
+            out["q_lora_rank"] = 48
+        if _has(config, "qk_head_dim"):
+            out["qk_head_dim"] = rope + 16
+        if _has(config, "head_dim") and config.head_dim == config.qk_rope_head_dim:
+            out["head_dim"] = rope
+    # A rotary width of its own (GPT-J, CodeGen) within the shrunk head.
+    if value("rotary_dim") is not None:
+        out["rotary_dim"] = 8
+    # Grouped expert routing: groups that divide the experts, top-k groups among them.
+    experts = value("n_routed_experts") or value("num_experts") or value("num_local_experts")
+    if experts and (value("n_group") or 1) > 1:
+        out["n_group"] = 2
+        if value("topk_group") is not None:
+            out["topk_group"] = 1
+    # Leading dense layers: one, so the other layer is a mixture of experts.
+    if (value("first_k_dense_replace") or 0) > 1:
+        out["first_k_dense_replace"] = 1
+    return out
 
 
 def _has(config: Any, name: str) -> bool:
