@@ -300,6 +300,10 @@ def _consistent_fields(config: Any, fields: dict[str, Any]) -> dict[str, Any]:
         out["axial_pos_embds_dim"] = [w * fields["hidden_size"] // sum(widths) for w in widths]
     if isinstance(shape, (list, tuple)) and len(shape) == 2 and "max_position_embeddings" in fields:
         out["axial_pos_shape"] = [fields["max_position_embeddings"] // shape[1], shape[1]]
+    # A vocabulary stored padded to vocab_size (Inkling2's): the part in use shrinks in proportion.
+    unpadded, vocab = _default(config, "unpadded_vocab_size"), _default(config, "vocab_size")
+    if _is_int(unpadded) and _is_int(vocab) and vocab > 0 and "vocab_size" in fields:
+        out["unpadded_vocab_size"] = fields["vocab_size"] * unpadded // vocab
     # A model of language adapters (X-MOD) runs text of its first language unless told another.
     if has("default_language") and value("default_language") is None and value("languages"):
         out["default_language"] = value("languages")[0]
@@ -312,7 +316,7 @@ def _consistent_fields(config: Any, fields: dict[str, Any]) -> dict[str, Any]:
             out["attention_types"] = [[kinds, max(1, layers // len(kinds))]]
         # Layers that reuse an earlier layer's K/V (Gemma-3n's last ones): all of them where all
         # are (a drafter's), else half, so that some layers produce what the others reuse.
-        shared, whole = value("num_kv_shared_layers"), getattr(config, count, None)
+        shared, whole = _default(config, "num_kv_shared_layers"), _default(config, count)
         if _is_int(shared) and shared > 0:
             out["num_kv_shared_layers"] = layers if shared == whole else max(1, layers // 2)
     return out
