@@ -32,6 +32,8 @@ logger = logging.getLogger("bench.architecture_survey")
 # Test sizes, applied to whichever of these names a type's config has.
 _SMALL: dict[str, Any] = {
     "vocab_size": 1024,
+    # blt's hashed byte n-gram embeddings, one table of this many rows per n.
+    "encoder_hash_byte_group_vocab": 1024,
     "hidden_size": 64,
     "intermediate_size": 128,
     "num_hidden_layers": 2,
@@ -53,7 +55,6 @@ _SMALL: dict[str, Any] = {
     "num_experts_per_tok": 2,
     "shared_expert_intermediate_size": 32,
     "n_ctx": 1024,
-    "encoder_hash_byte_group_vocab": 1024,
     "num_layers": 2,
     "num_heads": 4,
     "decoder_layers": 2,
@@ -89,7 +90,7 @@ _TYPE_FIELDS: dict[str, Any] = {
     # defaults to None.
     "dots1": {"n_shared_experts": 1},
     # Its layers read layer_types, which defaults to None: short convolutions with an attention
-    # layer among them, as in LFM2-8B-A1B.
+    # layer every fourth, LFM2's kind of mix.
     "lfm2_moe": lambda config: {
         "layer_types": ["full_attention" if i % 4 == 2 else "conv" for i in range(config.num_hidden_layers)]
     },
