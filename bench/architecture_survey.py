@@ -60,6 +60,11 @@ _SMALL: dict[str, Any] = {
     "decoder_layers": 2,
     "decoder_attention_heads": 4,
     "decoder_ffn_dim": 128,
+    # ProphetNet's, whose num_hidden_layers it refuses to set.
+    "num_encoder_layers": 2,
+    "num_decoder_layers": 2,
+    "num_encoder_attention_heads": 4,
+    "num_decoder_attention_heads": 4,
     "bos_token_id": 1,
     "eos_token_id": 2,
     "pad_token_id": 0,
@@ -151,7 +156,7 @@ def _small_fields(config: Any, nested: bool = False, each_kind: bool = False) ->
         fields["sliding_window"] = SHORT_WINDOW
     # A nested config is rebuilt from all its fields, so its per-layer lists (attention kinds,
     # activation sparsity, ...) are cut to the layers kept, keeping the type's pattern; a
-    # top-level class derives its own.
+    # top-level class derives its own (where it does not, tiny_config cuts them too).
     if nested:
         fields.update(_layer_lists(config, fields, each_kind))
     fields.update(_consistent_fields(config, fields))
