@@ -131,7 +131,7 @@ def load_model(
         model.to(torch_device)
     model.eval()
     vocab_size = int(model.get_output_embeddings().weight.shape[0])
-    num_layers = int(text_config.num_hidden_layers)
+    num_layers = _num_layers(config.model_type, text_config)
     attention = probe_attention(model, config.model_type, num_layers, torch_device)
     recurrent = _probe_recurrent(model, config.model_type, set(attention.module_ids), torch_device)
     check_layers_kept(
@@ -181,6 +181,15 @@ def load_model(
         loaded.eos_token_ids,
     )
     return loaded
+
+
+def _num_layers(model_type: str, text_config: PretrainedConfig) -> int:
+    layers = getattr(text_config, "num_hidden_layers", None)
+    if not isinstance(layers, int) or layers < 1:
+        raise UnsupportedModel(
+            model_type, "its text config names no layer count (num_hidden_layers): its layers sit in sub-models of their own"
+        )
+    return layers
 
 
 def _probe_recurrent(

@@ -82,6 +82,9 @@ class SlotMixer:
         }
         self.cache_name = next(name for name in _CACHE_PARAMETERS if name in self.explicit)
         self.hidden_name = parameters[0].name
+        # Set by the probe when the module used its cache as something other than recurrent
+        # state (an attention module outside AttentionInterface calls cache.update).
+        self.not_recurrent = False
 
     def install(self) -> None:
         self.module.forward = self
@@ -101,8 +104,13 @@ class SlotMixer:
         if "attention_mask" in arguments:
             arguments["attention_mask"] = None
         if recorder is not None:
-            arguments[self.cache_name] = recorder
-            return self.original(**arguments)
+            try:
+                return self.original(**{**arguments, self.cache_name: recorder})
+            except AttributeError:
+                # It asked the cache for what recurrent state has not: not a recurrent mixer. It
+                # runs as the model called it, so the probe goes on.
+                self.not_recurrent = True
+                return self.original(*args, **kwargs)
         assert self.owner is not None and self.owner.states is not None
         hidden = arguments[self.hidden_name]
         num_tokens = hidden.shape[1]
@@ -189,7 +197,11 @@ def probe_recurrent_layers(
         for mixer in candidates:
             mixer.uninstall()
     stateful = {key.layer_idx for key in recorder.specs}
-    mixers = {mixer.module.layer_idx: mixer for mixer in candidates if mixer.module.layer_idx in stateful}
+    mixers = {
+        mixer.module.layer_idx: mixer
+        for mixer in candidates
+        if mixer.module.layer_idx in stateful and not mixer.not_recurrent
+    }
     if not mixers:
         return None
     layers = RecurrentLayers(
