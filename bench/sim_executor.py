@@ -84,6 +84,10 @@ class TimedRunner:
         # Simulated: no forward at all.
         return 0
 
+    def state_slots_in_use(self) -> tuple[int, int]:
+        # Simulated: no recurrent layers.
+        return 0, 0
+
     def execute(self, plan: executor_pb2.StepPlan, late: LateBitmasks | None = None) -> executor_pb2.StepResult:
         """late: unused; this executor does not say it takes bitmasks after their plans."""
         started = time.monotonic()

@@ -61,6 +61,9 @@ class PlanBroadcaster:
     def graphed_steps(self) -> int:
         return self.runner.graphed_steps()
 
+    def state_slots_in_use(self) -> tuple[int, int]:
+        return self.runner.state_slots_in_use()
+
     def stop(self) -> None:
         """Ends the followers' loops (on the thread that ran the plans)."""
         _send(_Command.STOP)

@@ -52,6 +52,10 @@ class StepRunner(Protocol):
         """Steps so far whose forward replayed a CUDA graph (worker thread only)."""
         ...
 
+    def state_slots_in_use(self) -> tuple[int, int]:
+        """Recurrent-state slots held by requests, and holding checkpoints (worker thread only)."""
+        ...
+
 
 class ServedExecutor(Protocol):
     """What the service serves: a runner and the ExecutorInfo that describes it (startup's
