@@ -18,12 +18,12 @@ import torch
 
 from clients import AsyncClient, Client
 from protos.splitserve.v1.generation_pb2 import EXECUTOR_STATE_UP
-from tests.helpers.executor_process import ExecutorProcess, start_executor
+from tests.helpers.executor_kill import stream_through_executor_kill
+from tests.helpers.executor_process import start_executor
 from tests.helpers.greedy_client import generate_greedy, stream_all
 from tests.helpers.greedy_reference import Reference
 from tests.helpers.hybrid_models import HYBRID_TYPES, save_hybrid
 from tests.helpers.scheduler_process import start_scheduler
-from tests.helpers.service_process import free_port
 
 torch.set_num_threads(1)
 
@@ -125,39 +125,7 @@ def test_a_killed_hybrid_executor_loses_no_request_and_no_token(tmp_path: Path) 
     folder = save_hybrid("qwen3_next", tmp_path / "qwen3_next")
     reference = Reference(folder)
     jobs = [([(17 * i + 5 * k) % 990 + 5 for i in range(10 + 23 * k)], 40) for k in range(10)]
-    port = free_port()
-    flags = {"port": port, "num_kv_blocks": 256, "block_size": 16, "max_model_len": 1024}
-    first = ExecutorProcess(folder, **flags)
-    replacement: ExecutorProcess | None = None
-    try:
-        address = first.wait_ready()
-        with start_scheduler(address) as scheduler:
-
-            async def scenario() -> list[list[int]]:
-                streams = asyncio.create_task(stream_all(scheduler, jobs))
-                async with AsyncClient(scheduler) as client:
-                    while (await client.server_status()).num_steps < 10:
-                        await asyncio.sleep(0.02)
-                first.process.kill()
-                return await streams
-
-            async def restart_when_down() -> None:
-                nonlocal replacement
-                while first.process.poll() is None:
-                    await asyncio.sleep(0.05)
-                replacement = ExecutorProcess(folder, **flags)
-
-            async def both() -> list[list[int]]:
-                outputs, _ = await asyncio.gather(scenario(), restart_when_down())
-                return outputs
-
-            outputs = asyncio.run(both())
-            with Client(scheduler) as client:
-                status = client.server_status()
-    finally:
-        first.close()
-        if replacement is not None:
-            replacement.close()
+    outputs, status = stream_through_executor_kill(folder, jobs, num_kv_blocks=256, block_size=16, max_model_len=1024)
     for (prompt, max_tokens), output in zip(jobs, outputs, strict=True):
         assert output == reference(prompt, max_tokens)
     assert status.executors[0].state == EXECUTOR_STATE_UP

@@ -14,12 +14,12 @@ import torch
 from clients import AsyncClient, Client
 from clients.errors import SplitserveError
 from protos.splitserve.v1.generation_pb2 import EXECUTOR_STATE_UP
-from tests.helpers.executor_process import ExecutorProcess, start_executor
-from tests.helpers.greedy_client import stream_all, workload
+from tests.helpers.executor_kill import stream_through_executor_kill
+from tests.helpers.executor_process import start_executor
+from tests.helpers.greedy_client import workload
 from tests.helpers.greedy_reference import Reference
 from tests.helpers.model_factory import VOCAB_SIZE, build_model
 from tests.helpers.scheduler_process import start_scheduler
-from tests.helpers.service_process import free_port
 
 torch.set_num_threads(1)
 
@@ -92,39 +92,8 @@ def test_an_executor_killed_mid_generation_loses_no_request_and_no_token(
     """SIGKILL the executor while 12 streams are running, start a fresh one on the same address:
     the scheduler recomputes from the tokens already streamed and every client gets exactly the
     tokens an undisturbed run would have given."""
-    port = free_port()
     jobs = [(prompt, 48) for prompt, _ in workload(12, seed=5)]
-    first = ExecutorProcess(model_dir, port=port, num_kv_blocks=256, block_size=16)
-    replacement: ExecutorProcess | None = None
-    try:
-        address = first.wait_ready()
-        with start_scheduler(address) as scheduler_address:
-
-            async def scenario() -> list[list[int]]:
-                streams = asyncio.create_task(stream_all(scheduler_address, jobs))
-                async with AsyncClient(scheduler_address) as client:
-                    while (await client.server_status()).num_steps < 10:
-                        await asyncio.sleep(0.02)
-                first.process.kill()
-                return await streams
-
-            async def restart_when_down() -> None:
-                nonlocal replacement
-                while first.process.poll() is None:
-                    await asyncio.sleep(0.05)
-                replacement = ExecutorProcess(model_dir, port=port, num_kv_blocks=256, block_size=16)
-
-            async def both() -> list[list[int]]:
-                outputs, _ = await asyncio.gather(scenario(), restart_when_down())
-                return outputs
-
-            outputs = asyncio.run(both())
-            with Client(scheduler_address) as client:
-                status = client.server_status()
-    finally:
-        first.close()
-        if replacement is not None:
-            replacement.close()
+    outputs, status = stream_through_executor_kill(model_dir, jobs, num_kv_blocks=256, block_size=16)
     for (prompt, max_tokens), output in zip(jobs, outputs, strict=True):
         assert output == reference(prompt, max_tokens)
     assert status.executors[0].state == EXECUTOR_STATE_UP
