@@ -233,11 +233,19 @@ class Scheduler:
         once the requests already placed on it are computed (exact: the scheduler hands out
         every block)."""
         matched = 0
+        # A hybrid model's request resumes only where recurrent state is kept: at a ready
+        # checkpoint, or at a checkpoint boundary of blocks still being computed (where one is
+        # kept as they are).
+        hybrid, interval = self.config.num_state_slots > 0, self.config.state_checkpoint_blocks
+        resumable = 0
         for block_hash in self.prefix_hashes(request):
-            if block_hash not in self._prefixes.placed and not self.kv.is_cached(block_hash):
+            placed = block_hash in self._prefixes.placed
+            if not placed and not self.kv.is_cached(block_hash):
                 break
             matched += 1
-        return matched * self.config.block_size
+            if hybrid and (self.kv.checkpoints.slot(block_hash) or (placed and interval and matched % interval == 0)):
+                resumable = matched
+        return (resumable if hybrid else matched) * self.config.block_size
 
     def prefix_hashes(self, request: Request) -> list[BlockHash]:
         """The request's prefix block hashes for this executor's block size, hashed once and

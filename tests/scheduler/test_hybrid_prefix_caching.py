@@ -400,3 +400,17 @@ def test_the_simulated_executor_refuses_what_a_real_one_would() -> None:
     executor.execute(StepPlan(6, new_requests=[new("c", 2)], dropped_request_ids=["b"]))
     with pytest.raises(PlanMismatch, match="which no earlier checkpoint filled"):
         executor.execute(StepPlan(7, new_requests=[new("d", 3, source=2, computed=8)], dropped_request_ids=["c"]))
+
+
+def test_affinity_counts_a_hybrid_prefix_only_up_to_where_its_state_is_kept() -> None:
+    """The router's measure of what an executor holds of a request: for a hybrid model, the
+    cached blocks up to the last checkpoint among them (192 tokens), not every cached block (240),
+    since a hit resumes only from there."""
+    a_prompt = tokens(1000, 250)
+    b = request("b", a_prompt[:240] + tokens(7000, 20), 5)
+    hybrid, plain = Rig.of(HYBRID), Rig.of(replace(HYBRID, num_state_slots=0, state_checkpoint_blocks=0, enable_prefix_caching=True))
+    for rig in (hybrid, plain):
+        rig.step((request("a", a_prompt, 10),))
+        rig.step()
+    assert hybrid.scheduler.affinity(b) == 192
+    assert plain.scheduler.affinity(b) == 240
