@@ -365,9 +365,10 @@ class ModelRunner:
         return admitted
 
     def _attach_checkpoints(self, plan: executor_pb2.StepPlan, admitted: _Admitted) -> None:
-        """Gives each work item the checkpoints the plan asks of it. One that cannot be made
-        (a scheduler's bug) is logged and not made, so a request that later names its slot as
-        state_source_slot is refused rather than resumed from another state."""
+        """Gives each work item the checkpoints the plan asks of it. One that cannot be made is
+        logged and not made, so a request that later names its slot as state_source_slot is
+        refused rather than resumed from another state: the scheduler's bug, or its request
+        refused earlier in this plan (the scheduler then drops the checkpoint itself)."""
         index = {item.state.request_id: i for i, item in enumerate(admitted.work)}
         for checkpoint in plan.state_checkpoints:
             position = index.get(checkpoint.request_id)
@@ -378,7 +379,7 @@ class ModelRunner:
                 start = item.state.num_computed_tokens
                 problem = checkpoint_problem(checkpoint, start, start + item.num_tokens, self.slot_holders, self.limits)
             if problem is not None:
-                logger.error(
+                logger.warning(
                     "event=state_checkpoint_refused request_id=%s slot=%d problem=%r",
                     checkpoint.request_id, checkpoint.slot, problem,
                 )
