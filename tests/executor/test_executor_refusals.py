@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers.executor_process import executor_command
+from tests.helpers.hybrid_models import save_hybrid
 from tests.helpers.model_factory import build_model
 from tests.helpers.service_process import REPO_ROOT
 
@@ -111,3 +112,14 @@ def test_a_backend_that_cannot_run_here_is_refused(tmp_path: Path) -> None:
     log = run.stdout + run.stderr
     assert run.returncode == 1 and "Traceback" not in log
     assert "event=executor_refused reason='flash_attn needs CUDA" in log
+
+
+def test_a_hybrid_model_under_tensor_parallelism_is_refused_with_why(tmp_path: Path) -> None:
+    """Its recurrent layers would run replicated on every rank, which nothing checks yet."""
+    run = _start(save_hybrid("qwen3_next", tmp_path / "qwen3_next"), tmp_path, tensor_parallel_size=2, threads=1, max_model_len=1024)
+    log = run.stdout + run.stderr
+    # 1, or 3 when the watcher of rank 1 sees it go before rank 0's refusal ends the process.
+    assert run.returncode in (1, 3) and "Traceback" not in log, log
+    refusals = [line for line in log.splitlines() if "event=executor_refused" in line]
+    assert refusals and all("model_type=qwen3_next" in line and "not sharded over tensor-parallel ranks" in line for line in refusals)
+    assert "event=executor_ready" not in log
