@@ -44,7 +44,6 @@ class MixerCall:
 
 @dataclass(slots=True, frozen=True)
 class RecurrentStep:
-    num_tokens: int
     calls: tuple[MixerCall, ...]
 
 
@@ -59,9 +58,14 @@ class SequenceWork:
     slot: int
     checkpoints: tuple[tuple[int, int], ...] = ()
 
+    @property
+    def decodes(self) -> bool:
+        """One token after earlier ones: it joins the step's batched decode call."""
+        return self.num_new == 1 and self.num_cached > 0
 
-def build_recurrent_step(sequences: list[SequenceWork], num_tokens: int, device: torch.device) -> RecurrentStep:
-    decodes = [s for s in sequences if s.num_new == 1 and s.num_cached > 0]
+
+def build_recurrent_step(sequences: list[SequenceWork], device: torch.device) -> RecurrentStep:
+    decodes = [s for s in sequences if s.decodes]
     calls: list[MixerCall] = []
     if decodes:
         calls.append(
@@ -75,10 +79,9 @@ def build_recurrent_step(sequences: list[SequenceWork], num_tokens: int, device:
             )
         )
     for s in sequences:
-        if s.num_new == 1 and s.num_cached > 0:
-            continue
-        calls.extend(_chunk_calls(s, device))
-    return RecurrentStep(num_tokens, tuple(calls))
+        if not s.decodes:
+            calls.extend(_chunk_calls(s, device))
+    return RecurrentStep(tuple(calls))
 
 
 def _chunk_calls(sequence: SequenceWork, device: torch.device) -> list[MixerCall]:

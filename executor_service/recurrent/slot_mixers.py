@@ -20,7 +20,7 @@ import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -48,8 +48,6 @@ class RecurrentLayers:
     # The model's multi-token form ignores the state it is handed (transformers' Mamba-1 scan),
     # so a chunk that continues a sequence runs one token at a time; the self-check decides.
     one_token_continuations: bool = False
-    # Names of layers' mixer classes, for logs and refusals.
-    classes: tuple[str, ...] = field(default=())
 
     @property
     def layers(self) -> tuple[int, ...]:
@@ -204,18 +202,14 @@ def probe_recurrent_layers(
     }
     if not mixers:
         return None
-    layers = RecurrentLayers(
-        mixers=mixers,
-        layout=StateLayout(dict(recorder.specs)),
-        classes=tuple(sorted({type(mixer.module).__name__ for mixer in mixers.values()})),
-    )
+    layers = RecurrentLayers(mixers=mixers, layout=StateLayout(dict(recorder.specs)))
     for mixer in mixers.values():
         mixer.owner = layers
         mixer.install()
     logger.info(
         "event=recurrent_layers layers=%d classes=%s state_bytes_per_sequence=%d",
         len(mixers),
-        ",".join(layers.classes),
+        ",".join(sorted({type(mixer.module).__name__ for mixer in mixers.values()})),
         layers.layout.bytes_per_slot(),
     )
     return layers

@@ -73,9 +73,6 @@ class StateSlots:
             device,
         )
 
-    def has(self, key: StateKey) -> bool:
-        return key in self.tensors
-
     def read(self, key: StateKey, slots: torch.Tensor) -> torch.Tensor:
         """A copy of these slots' state, [len(slots), *shape]."""
         return self.tensors[key].index_select(0, slots)

@@ -136,18 +136,16 @@ def build_step_inputs(
         argmax_only=argmax_only,
         rope_lengths=torch.tensor(lengths, dtype=torch.long, device=device) if rope_lengths else None,
         prompt_spans=prompt_spans,
-        recurrent=_recurrent_step(work, spans, len(token_ids), device) if recurrent else None,
+        recurrent=_recurrent_step(work, spans, device) if recurrent else None,
     )
 
 
-def _recurrent_step(
-    work: list[ScheduledWork], spans: list[SequenceSpan], num_tokens: int, device: torch.device
-) -> RecurrentStep:
+def _recurrent_step(work: list[ScheduledWork], spans: list[SequenceSpan], device: torch.device) -> RecurrentStep:
     sequences = [
         SequenceWork(span.token_start, span.num_new, span.num_cached, item.state.state_slot, item.checkpoints)
         for item, span in zip(work, spans, strict=True)
     ]
-    return build_recurrent_step(sequences, num_tokens, device)
+    return build_recurrent_step(sequences, device)
 
 
 def build_decode_inputs(rows: RequestRows, step: SteadyStep, kv_cache: PagedKVCache) -> StepInputs:

@@ -5,7 +5,7 @@ Each check returns a message naming the problem, or None when the entry can run.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 
 from executor_service.runner.request_rows import (
@@ -81,13 +81,13 @@ def _state_slot_problem(entry: executor_pb2.NewRequest, limits: Limits) -> str |
 
 
 def checkpoint_problem(
-    checkpoint: executor_pb2.StateCheckpoint, work_start: int, work_end: int, holders: Iterable[int], limits: Limits
+    checkpoint: executor_pb2.StateCheckpoint, work_start: int, work_end: int, holders: Collection[int], limits: Limits
 ) -> str | None:
     """A StepPlan.state_checkpoints entry for a request that computes tokens
     [work_start, work_end) this step, while the slots `holders` are held by requests."""
     if not 1 <= checkpoint.slot <= limits.num_state_slots:
         return f"state checkpoint slot {checkpoint.slot} outside [1, {limits.num_state_slots}]"
-    if checkpoint.slot in set(holders):
+    if checkpoint.slot in holders:
         return f"state checkpoint slot {checkpoint.slot} is held by a request"
     if not work_start < checkpoint.num_tokens <= work_end:
         return f"state checkpoint at {checkpoint.num_tokens} tokens, outside the ({work_start}, {work_end}] this step computes"

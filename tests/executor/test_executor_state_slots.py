@@ -143,7 +143,6 @@ def test_the_split_cuts_chunks_at_checkpoints_and_batches_decodes() -> None:
             SequenceWork(token_start=1, num_new=10, num_cached=0, slot=2, checkpoints=((4, 5), (10, 6))),
             SequenceWork(token_start=11, num_new=1, num_cached=3, slot=3),
         ],
-        num_tokens=12,
         device=torch.device("cpu"),
     )
     decodes, first, second = step.calls
