@@ -11,7 +11,7 @@ class DescribeRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ExecutorInfo(_message.Message):
-    __slots__ = ("model_id", "vocab_size", "eos_token_ids", "max_model_len", "block_size", "num_kv_blocks", "dtype", "device", "incarnation_id", "max_logprobs", "attention_backend", "lease_timeout_s", "supports_decode_handles", "tensor_parallel_size", "kv_cache_bytes", "access", "supports_late_bitmasks", "supports_block_copies", "num_state_slots", "state_slot_bytes", "supports_state_checkpoints")
+    __slots__ = ("model_id", "vocab_size", "eos_token_ids", "max_model_len", "block_size", "num_kv_blocks", "dtype", "device", "incarnation_id", "max_logprobs", "attention_backend", "lease_timeout_s", "supports_decode_handles", "tensor_parallel_size", "kv_cache_bytes", "access", "supports_late_bitmasks", "supports_block_copies", "num_state_slots", "state_slot_bytes", "supports_state_checkpoints", "supports_kv_transfer", "kv_layout", "role")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -33,6 +33,9 @@ class ExecutorInfo(_message.Message):
     NUM_STATE_SLOTS_FIELD_NUMBER: _ClassVar[int]
     STATE_SLOT_BYTES_FIELD_NUMBER: _ClassVar[int]
     SUPPORTS_STATE_CHECKPOINTS_FIELD_NUMBER: _ClassVar[int]
+    SUPPORTS_KV_TRANSFER_FIELD_NUMBER: _ClassVar[int]
+    KV_LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     vocab_size: int
     eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -54,7 +57,10 @@ class ExecutorInfo(_message.Message):
     num_state_slots: int
     state_slot_bytes: int
     supports_state_checkpoints: bool
-    def __init__(self, model_id: _Optional[str] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., incarnation_id: _Optional[str] = ..., max_logprobs: _Optional[int] = ..., attention_backend: _Optional[str] = ..., lease_timeout_s: _Optional[float] = ..., supports_decode_handles: _Optional[bool] = ..., tensor_parallel_size: _Optional[int] = ..., kv_cache_bytes: _Optional[int] = ..., access: _Optional[str] = ..., supports_late_bitmasks: _Optional[bool] = ..., supports_block_copies: _Optional[bool] = ..., num_state_slots: _Optional[int] = ..., state_slot_bytes: _Optional[int] = ..., supports_state_checkpoints: _Optional[bool] = ...) -> None: ...
+    supports_kv_transfer: bool
+    kv_layout: str
+    role: str
+    def __init__(self, model_id: _Optional[str] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., incarnation_id: _Optional[str] = ..., max_logprobs: _Optional[int] = ..., attention_backend: _Optional[str] = ..., lease_timeout_s: _Optional[float] = ..., supports_decode_handles: _Optional[bool] = ..., tensor_parallel_size: _Optional[int] = ..., kv_cache_bytes: _Optional[int] = ..., access: _Optional[str] = ..., supports_late_bitmasks: _Optional[bool] = ..., supports_block_copies: _Optional[bool] = ..., num_state_slots: _Optional[int] = ..., state_slot_bytes: _Optional[int] = ..., supports_state_checkpoints: _Optional[bool] = ..., supports_kv_transfer: _Optional[bool] = ..., kv_layout: _Optional[str] = ..., role: _Optional[str] = ...) -> None: ...
 
 class SamplerConfig(_message.Message):
     __slots__ = ("temperature", "top_k", "top_p", "min_p", "has_seed", "seed", "repetition_penalty", "presence_penalty", "frequency_penalty", "num_logprobs", "want_logprobs", "min_tokens", "min_tokens_stop_ids", "logit_bias_token_ids", "logit_bias_values", "allowed_token_ids", "want_prompt_logprobs", "num_prompt_logprobs")
@@ -137,7 +143,7 @@ class ContinuingRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., num_scheduled_tokens: _Optional[int] = ..., new_block_ids: _Optional[_Iterable[int]] = ..., allowed_token_bitmask: _Optional[bytes] = ..., bitmask_follows: _Optional[bool] = ...) -> None: ...
 
 class StepPlan(_message.Message):
-    __slots__ = ("step_id", "new_requests", "continuing_requests", "dropped_request_ids", "decode_handles", "decode_block_handles", "decode_block_ids", "want_held_requests", "bitmasks_for_step", "late_bitmasks", "copy_block_sources", "copy_block_destinations", "state_checkpoints")
+    __slots__ = ("step_id", "new_requests", "continuing_requests", "dropped_request_ids", "decode_handles", "decode_block_handles", "decode_block_ids", "want_held_requests", "bitmasks_for_step", "late_bitmasks", "copy_block_sources", "copy_block_destinations", "state_checkpoints", "kv_exports", "ended_exports", "kv_imports", "cancelled_imports")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     NEW_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     CONTINUING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
@@ -151,6 +157,10 @@ class StepPlan(_message.Message):
     COPY_BLOCK_SOURCES_FIELD_NUMBER: _ClassVar[int]
     COPY_BLOCK_DESTINATIONS_FIELD_NUMBER: _ClassVar[int]
     STATE_CHECKPOINTS_FIELD_NUMBER: _ClassVar[int]
+    KV_EXPORTS_FIELD_NUMBER: _ClassVar[int]
+    ENDED_EXPORTS_FIELD_NUMBER: _ClassVar[int]
+    KV_IMPORTS_FIELD_NUMBER: _ClassVar[int]
+    CANCELLED_IMPORTS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     new_requests: _containers.RepeatedCompositeFieldContainer[NewRequest]
     continuing_requests: _containers.RepeatedCompositeFieldContainer[ContinuingRequest]
@@ -164,7 +174,65 @@ class StepPlan(_message.Message):
     copy_block_sources: _containers.RepeatedScalarFieldContainer[int]
     copy_block_destinations: _containers.RepeatedScalarFieldContainer[int]
     state_checkpoints: _containers.RepeatedCompositeFieldContainer[StateCheckpoint]
-    def __init__(self, step_id: _Optional[int] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., continuing_requests: _Optional[_Iterable[_Union[ContinuingRequest, _Mapping]]] = ..., dropped_request_ids: _Optional[_Iterable[str]] = ..., decode_handles: _Optional[_Iterable[int]] = ..., decode_block_handles: _Optional[_Iterable[int]] = ..., decode_block_ids: _Optional[_Iterable[int]] = ..., want_held_requests: _Optional[bool] = ..., bitmasks_for_step: _Optional[int] = ..., late_bitmasks: _Optional[_Iterable[_Union[LateBitmask, _Mapping]]] = ..., copy_block_sources: _Optional[_Iterable[int]] = ..., copy_block_destinations: _Optional[_Iterable[int]] = ..., state_checkpoints: _Optional[_Iterable[_Union[StateCheckpoint, _Mapping]]] = ...) -> None: ...
+    kv_exports: _containers.RepeatedCompositeFieldContainer[KvExport]
+    ended_exports: _containers.RepeatedScalarFieldContainer[str]
+    kv_imports: _containers.RepeatedCompositeFieldContainer[KvImport]
+    cancelled_imports: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, step_id: _Optional[int] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., continuing_requests: _Optional[_Iterable[_Union[ContinuingRequest, _Mapping]]] = ..., dropped_request_ids: _Optional[_Iterable[str]] = ..., decode_handles: _Optional[_Iterable[int]] = ..., decode_block_handles: _Optional[_Iterable[int]] = ..., decode_block_ids: _Optional[_Iterable[int]] = ..., want_held_requests: _Optional[bool] = ..., bitmasks_for_step: _Optional[int] = ..., late_bitmasks: _Optional[_Iterable[_Union[LateBitmask, _Mapping]]] = ..., copy_block_sources: _Optional[_Iterable[int]] = ..., copy_block_destinations: _Optional[_Iterable[int]] = ..., state_checkpoints: _Optional[_Iterable[_Union[StateCheckpoint, _Mapping]]] = ..., kv_exports: _Optional[_Iterable[_Union[KvExport, _Mapping]]] = ..., ended_exports: _Optional[_Iterable[str]] = ..., kv_imports: _Optional[_Iterable[_Union[KvImport, _Mapping]]] = ..., cancelled_imports: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class KvExport(_message.Message):
+    __slots__ = ("transfer_id", "block_ids")
+    TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    transfer_id: str
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, transfer_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class KvImport(_message.Message):
+    __slots__ = ("transfer_id", "source_address", "first_block", "block_ids")
+    TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    transfer_id: str
+    source_address: str
+    first_block: int
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, transfer_id: _Optional[str] = ..., source_address: _Optional[str] = ..., first_block: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class KvImportResult(_message.Message):
+    __slots__ = ("transfer_id", "ok", "error", "bytes", "seconds")
+    TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    OK_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    transfer_id: str
+    ok: bool
+    error: str
+    bytes: int
+    seconds: float
+    def __init__(self, transfer_id: _Optional[str] = ..., ok: _Optional[bool] = ..., error: _Optional[str] = ..., bytes: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
+
+class FetchBlocksRequest(_message.Message):
+    __slots__ = ("transfer_id", "first_block")
+    TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    FIRST_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    transfer_id: str
+    first_block: int
+    def __init__(self, transfer_id: _Optional[str] = ..., first_block: _Optional[int] = ...) -> None: ...
+
+class KvBlockChunk(_message.Message):
+    __slots__ = ("first_block", "num_blocks", "kv_layout", "data")
+    FIRST_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    KV_LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    first_block: int
+    num_blocks: int
+    kv_layout: str
+    data: bytes
+    def __init__(self, first_block: _Optional[int] = ..., num_blocks: _Optional[int] = ..., kv_layout: _Optional[str] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class StateCheckpoint(_message.Message):
     __slots__ = ("request_id", "num_tokens", "slot")
@@ -227,7 +295,7 @@ class StepFailure(_message.Message):
     def __init__(self, message: _Optional[str] = ..., request_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class StepResult(_message.Message):
-    __slots__ = ("step_id", "outputs", "rejected", "forward_time_s", "step_time_s", "failure", "decode_token_ids", "draining", "held_requests")
+    __slots__ = ("step_id", "outputs", "rejected", "forward_time_s", "step_time_s", "failure", "decode_token_ids", "draining", "held_requests", "kv_imports_done")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     OUTPUTS_FIELD_NUMBER: _ClassVar[int]
     REJECTED_FIELD_NUMBER: _ClassVar[int]
@@ -237,6 +305,7 @@ class StepResult(_message.Message):
     DECODE_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
     HELD_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    KV_IMPORTS_DONE_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     outputs: _containers.RepeatedCompositeFieldContainer[RequestOutput]
     rejected: _containers.RepeatedCompositeFieldContainer[RejectedRequest]
@@ -246,7 +315,8 @@ class StepResult(_message.Message):
     decode_token_ids: _containers.RepeatedScalarFieldContainer[int]
     draining: bool
     held_requests: _containers.RepeatedCompositeFieldContainer[HeldRequest]
-    def __init__(self, step_id: _Optional[int] = ..., outputs: _Optional[_Iterable[_Union[RequestOutput, _Mapping]]] = ..., rejected: _Optional[_Iterable[_Union[RejectedRequest, _Mapping]]] = ..., forward_time_s: _Optional[float] = ..., step_time_s: _Optional[float] = ..., failure: _Optional[_Union[StepFailure, _Mapping]] = ..., decode_token_ids: _Optional[_Iterable[int]] = ..., draining: _Optional[bool] = ..., held_requests: _Optional[_Iterable[_Union[HeldRequest, _Mapping]]] = ...) -> None: ...
+    kv_imports_done: _containers.RepeatedCompositeFieldContainer[KvImportResult]
+    def __init__(self, step_id: _Optional[int] = ..., outputs: _Optional[_Iterable[_Union[RequestOutput, _Mapping]]] = ..., rejected: _Optional[_Iterable[_Union[RejectedRequest, _Mapping]]] = ..., forward_time_s: _Optional[float] = ..., step_time_s: _Optional[float] = ..., failure: _Optional[_Union[StepFailure, _Mapping]] = ..., decode_token_ids: _Optional[_Iterable[int]] = ..., draining: _Optional[bool] = ..., held_requests: _Optional[_Iterable[_Union[HeldRequest, _Mapping]]] = ..., kv_imports_done: _Optional[_Iterable[_Union[KvImportResult, _Mapping]]] = ...) -> None: ...
 
 class HeldRequest(_message.Message):
     __slots__ = ("request_id", "block_ids", "num_computed_tokens", "state_slot")

@@ -166,3 +166,99 @@ class Executor:
             timeout,
             metadata,
             _registered_method=True)
+
+
+class KvTransferStub:
+    """K/V moving between executors (live migration, prefill/decode disaggregation). The scheduler
+    that holds both executors plans a move in their step plans: the source offers a request's
+    blocks under a transfer id (StepPlan.kv_exports), the destination is told to fetch them into
+    blocks of its own (StepPlan.kv_imports) and does so here, from the source, while it goes on
+    stepping. Callers are admitted as on Execute, except that under mutual TLS any certificate the
+    executor's client CA signed is taken (executors present their own): the transfer id, a random
+    secret that only the holding scheduler and the destination know, is what names the blocks.
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.FetchBlocks = channel.unary_stream(
+                '/splitserve.executor.v1.KvTransfer/FetchBlocks',
+                request_serializer=protos_dot_splitserve_dot_executor_dot_v1_dot_executor__pb2.FetchBlocksRequest.SerializeToString,
+                response_deserializer=protos_dot_splitserve_dot_executor_dot_v1_dot_executor__pb2.KvBlockChunk.FromString,
+                _registered_method=True)
+
+
+class KvTransferServicer:
+    """K/V moving between executors (live migration, prefill/decode disaggregation). The scheduler
+    that holds both executors plans a move in their step plans: the source offers a request's
+    blocks under a transfer id (StepPlan.kv_exports), the destination is told to fetch them into
+    blocks of its own (StepPlan.kv_imports) and does so here, from the source, while it goes on
+    stepping. Callers are admitted as on Execute, except that under mutual TLS any certificate the
+    executor's client CA signed is taken (executors present their own): the transfer id, a random
+    secret that only the holding scheduler and the destination know, is what names the blocks.
+    """
+
+    def FetchBlocks(self, request, context):
+        """Streams the K/V of the blocks offered under transfer_id, from offer position first_block
+        on, in order, in chunks of whole blocks. NOT_FOUND when no offer of that id is open (never
+        made, already ended, or the executor restarted); the stream ends after the last block.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_KvTransferServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'FetchBlocks': grpc.unary_stream_rpc_method_handler(
+                    servicer.FetchBlocks,
+                    request_deserializer=protos_dot_splitserve_dot_executor_dot_v1_dot_executor__pb2.FetchBlocksRequest.FromString,
+                    response_serializer=protos_dot_splitserve_dot_executor_dot_v1_dot_executor__pb2.KvBlockChunk.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'splitserve.executor.v1.KvTransfer', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('splitserve.executor.v1.KvTransfer', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class KvTransfer:
+    """K/V moving between executors (live migration, prefill/decode disaggregation). The scheduler
+    that holds both executors plans a move in their step plans: the source offers a request's
+    blocks under a transfer id (StepPlan.kv_exports), the destination is told to fetch them into
+    blocks of its own (StepPlan.kv_imports) and does so here, from the source, while it goes on
+    stepping. Callers are admitted as on Execute, except that under mutual TLS any certificate the
+    executor's client CA signed is taken (executors present their own): the transfer id, a random
+    secret that only the holding scheduler and the destination know, is what names the blocks.
+    """
+
+    @staticmethod
+    def FetchBlocks(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/splitserve.executor.v1.KvTransfer/FetchBlocks',
+            protos_dot_splitserve_dot_executor_dot_v1_dot_executor__pb2.FetchBlocksRequest.SerializeToString,
+            protos_dot_splitserve_dot_executor_dot_v1_dot_executor__pb2.KvBlockChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
