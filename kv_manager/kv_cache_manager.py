@@ -256,6 +256,17 @@ class KVCacheManager:
             self.pool.release(reversed(entry.blocks))
         self.state_slots.free(request_id)
 
+    def rename(self, request_id: str, owner: str) -> None:
+        """Moves the request's blocks, as they are, under another owner's name (blocks offered
+        to another executor stay held under the move's name while the request leaves); its
+        state slot, if any, is freed."""
+        if owner in self._requests:
+            raise ValueError(f"{owner!r} already holds blocks")
+        entry = self._requests.pop(request_id, None)
+        if entry is not None:
+            self._requests[owner] = entry
+        self.state_slots.free(request_id)
+
     def block_ids(self, request_id: str) -> list[int]:
         entry = self._requests.get(request_id)
         return [b.block_id for b in entry.blocks] if entry else []

@@ -113,6 +113,11 @@ class DecodeSet:
         self.epoch[slot] += 1
         self._free.append(slot)
 
+    def pause(self, request: Request, paused: bool = True) -> None:
+        """Plans no more tokens for the request (or again, paused False); steps in flight still
+        apply."""
+        self.active[self._slot_of[request]] = not paused
+
     def clear(self) -> list[Request]:
         """Everyone leaves; returns who was here."""
         requests = list(self._slot_of)

@@ -109,6 +109,13 @@ class Request:
     # The sibling choice (same prompt, SamplingParams.n > 1) whose prompt K/V this request takes
     # instead of computing it (Scheduler: a fork), when both are on one executor; empty: none.
     fork_of: str = ""
+    # Set while it is to leave this executor with its K/V (planner/kv_moves.py): it is planned
+    # no more here, and goes once the tokens of the steps in flight are in.
+    moving: bool = False
+    # K/V it lost (a preemption, a lost executor, a failed transfer), and why: the tokens its
+    # next admission computes again, short of a prefix hit, count as recomputed for that reason.
+    num_lost_tokens: int = 0
+    lost_reason: str = ""
     # Where its progress lives while it decodes in bulk, and its slot there (see move_progress).
     _home: ProgressHome | None = field(default=None, init=False, repr=False)
     _slot: int = field(default=0, init=False, repr=False)
@@ -124,6 +131,12 @@ class Request:
         self.__class__ = Request if home is None else _InDecodeSet
         self._home, self._slot = home, slot
         self.num_computed_tokens, self.num_pending_outputs, self.last_token_at = computed, pending, last
+
+    def lose_kv(self, reason: str) -> None:
+        """Its computed K/V is gone (counted as recomputed for reason when computed again)."""
+        if self.num_computed_tokens > self.num_lost_tokens:
+            self.num_lost_tokens, self.lost_reason = self.num_computed_tokens, reason
+        self.num_computed_tokens = 0
 
     @property
     def num_prompt_tokens(self) -> int:

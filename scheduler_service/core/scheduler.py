@@ -3,6 +3,7 @@ they use; and the bookkeeping when the step's tokens come back."""
 
 import itertools
 import time
+from collections import Counter
 from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field
 
@@ -22,12 +23,20 @@ from scheduler_service.core.length_limits import (
     check_room_in_cache,
     check_room_under_model_length,
 )
+from scheduler_service.core.move_books import (
+    Departure,
+    MoveBooks,
+    export_owner,
+    new_transfer_id,
+)
 from scheduler_service.core.policy import StepMode, pick_victim
 from scheduler_service.core.prefix_tracker import PrefixTracker
 from scheduler_service.core.request import FinishReason, Request, RequestStatus
 from scheduler_service.core.request_queue import WaitingQueue
 from scheduler_service.core.step_plan import (
     ContinuingRequestPlan,
+    KvExport,
+    KvImport,
     LateBitmasks,
     NewRequestPlan,
     RequestUpdate,
@@ -120,6 +129,13 @@ class Scheduler:
         self._handles = itertools.count(1)
         # Block copies for the plan being made (forks' partial blocks).
         self._copies: list[BlockCopy] = []
+        # K/V moving to and from this executor (move_books).
+        self._moves = MoveBooks()
+        # Set on a prefill executor while a decode executor can take its requests: a request
+        # leaves once its first token is sampled.
+        self.hand_off_after_prefill = False
+        # Tokens computed again, by why their K/V was lost (Request.lose_kv), since start.
+        self.recomputed_tokens: Counter[str] = Counter()
 
     @property
     def on_executor(self) -> frozenset[str]:
@@ -193,7 +209,9 @@ class Scheduler:
                 request.num_executor_losses += 1
                 self.num_preemptions += 1
             request.status = RequestStatus.WAITING
-            request.num_computed_tokens = request.num_pending_outputs = 0
+            request.num_pending_outputs = 0
+            request.moving = False
+            request.lose_kv("executor_lost")
             self._unplace(request)
         self.running.clear()
         self.waiting = WaitingQueue(self.config.policy)
@@ -204,6 +222,7 @@ class Scheduler:
         self._in_flight.clear()
         self._late.clear()
         self._retrying.clear()
+        self._moves = MoveBooks()
         self.kv, self._checkpoints = self._new_books()
         return evicted
 
@@ -220,6 +239,9 @@ class Scheduler:
         for request in released:
             if request.status is not RequestStatus.WAITING or not self._unqueue(request):
                 raise ValueError(f"request {request.request_id} is not waiting here")
+            # One that arrived with its K/V leaves it behind.
+            self.kv.free(request.request_id)
+            request.lose_kv("released")
             self._unplace(request)
         return released
 
@@ -301,8 +323,10 @@ class Scheduler:
     def finish(self, request: Request, reason: FinishReason, stop_reason: str | None = None) -> None:
         """Ends a request: its blocks are freed and the executor is told to drop it."""
         if request.status is RequestStatus.WAITING:
-            self._unqueue(request)
+            if not self._unqueue(request):
+                self._cancel_import(request)
         elif request.status is RequestStatus.RUNNING:
+            self._stop_moving(request)
             if request in self.decodes:
                 self.decodes.leave(request)
             self.running.remove(request)
@@ -317,6 +341,146 @@ class Scheduler:
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)
+
+    # ---- K/V moves (planner/kv_moves.py) ---------------------------------------------------
+
+    def begin_move(self, request: Request) -> None:
+        """Plans no more work for a running request, which is to leave with its K/V once the
+        tokens of its steps in flight are in (ready_to_move)."""
+        if request.status is not RequestStatus.RUNNING or request.moving:
+            return
+        request.moving = True
+        self._moves.moving[request] = None
+        if request in self.decodes:
+            self.decodes.pause(request)
+
+    def ready_to_move(self) -> list[Request]:
+        """Moving requests with no token in flight: their tokens and K/V are final here."""
+        return [request for request in self._moves.moving if request.num_pending_outputs == 0]
+
+    def stay(self, request: Request) -> None:
+        """A moving request goes on here after all (nowhere could take it)."""
+        self._stop_moving(request)
+        if request in self.decodes:
+            self.decodes.pause(request, paused=False)
+
+    def depart(self, request: Request) -> Departure:
+        """Takes a request that is ready to move off these books. Its blocks holding computed
+        tokens stay held under the move's name and are offered to other executors in the next
+        plan (offers_ready says when that plan has run); end_export lets them go."""
+        self._stop_moving(request)
+        if request in self.decodes:
+            self.decodes.leave(request)
+        self.running.remove(request)
+        self._forget_on_executor(request.request_id)
+        self._retrying.pop(request, None)
+        computed = request.num_computed_tokens
+        transfer_id = new_transfer_id()
+        block_ids = self.kv.block_ids(request.request_id)[: -(-computed // self.config.block_size)]
+        self.kv.rename(request.request_id, export_owner(transfer_id))
+        self._unplace(request)
+        request.status = RequestStatus.WAITING
+        self._moves.exports.add(transfer_id)
+        self._moves.offers.append(KvExport(transfer_id, block_ids))
+        return Departure(request, transfer_id, block_ids, computed)
+
+    def end_export(self, transfer_id: str) -> None:
+        """The move is over (or given up): the offered blocks are freed. Idempotent."""
+        moves = self._moves
+        if transfer_id not in moves.exports:
+            return
+        moves.exports.discard(transfer_id)
+        self.kv.free(export_owner(transfer_id))
+        unsent = [offer for offer in moves.offers if offer.transfer_id != transfer_id]
+        if len(unsent) < len(moves.offers):
+            moves.offers = unsent
+        else:
+            moves.offer_steps.pop(transfer_id, None)
+            moves.ended.append(transfer_id)
+
+    @property
+    def num_exports(self) -> int:
+        """Offers whose blocks are still held here."""
+        return len(self._moves.exports)
+
+    @property
+    def num_importing(self) -> int:
+        """Requests whose K/V is being fetched into this executor."""
+        return len(self._moves.importing)
+
+    def import_request(
+        self, request: Request, departure: Departure, source_address: str
+    ) -> bool | None:
+        """Places a request that left another executor with its K/V: blocks for its computed
+        tokens are allocated here (those this cache already holds are kept, not fetched) and the
+        next plan fetches the rest from the source. Returns True while they are fetched (the
+        request runs once import_done says they are written), False when nothing needs fetching
+        (it is queued at once), None, changing nothing, when its blocks do not fit."""
+        computed = departure.num_computed_tokens
+        self._place(request)
+        hashes = self.prefix_hashes(request)
+        hit = self.kv.find_cached_prefix(request.token_ids, request.cache_salt, hashes)
+        usable = min(len(hit.blocks), computed // self.config.block_size)
+        hit = PrefixHit(hit.blocks[:usable], usable * self.config.block_size)
+        allocated = self.kv.allocate_slots(
+            request.request_id, request.token_ids, hit.num_tokens, computed - hit.num_tokens, hit, request.cache_salt
+        )
+        if allocated is None:
+            self._unplace(request)
+            return None
+        request.num_computed_tokens = computed
+        block_ids = self.kv.block_ids(request.request_id)
+        if usable >= len(departure.block_ids):
+            self.waiting.insert(request)
+            return False
+        self._moves.importing[departure.transfer_id] = request
+        self._moves.imports.append(
+            KvImport(departure.transfer_id, source_address, usable, block_ids[usable : len(departure.block_ids)])
+        )
+        return True
+
+    def _import_done(self, transfer_id: str, ok: bool) -> Request | None:
+        """An import ended: its request is queued, to compute on from its K/V, or (failed) to
+        recompute it. Returns the request, or None when it was cancelled meanwhile."""
+        request = self._moves.importing.pop(transfer_id, None)
+        if request is None:
+            return None
+        if ok:
+            self.kv.cache_computed(request.request_id, request.token_ids, request.num_computed_tokens)
+        else:
+            self.kv.free(request.request_id)
+            request.lose_kv("transfer_failed")
+        self.waiting.insert(request)
+        return request
+
+    def _cancel_import(self, request: Request) -> None:
+        transfer_id = self._moves.import_of(request)
+        if transfer_id is None:
+            return
+        del self._moves.importing[transfer_id]
+        unsent = [entry for entry in self._moves.imports if entry.transfer_id != transfer_id]
+        if len(unsent) == len(self._moves.imports):
+            self._moves.cancelled.append(transfer_id)
+        self._moves.imports = unsent
+
+    def _stop_moving(self, request: Request) -> None:
+        if request.moving:
+            request.moving = False
+            del self._moves.moving[request]
+
+    def _moves_into(self, plan: StepPlan) -> None:
+        """The plan carries the moves' changes since the last one."""
+        moves = self._moves
+        if moves.offers:
+            plan.kv_exports, moves.offers = moves.offers, []
+            for offer in plan.kv_exports:
+                moves.offer_steps[offer.transfer_id] = plan.step_id
+        if moves.ended:
+            plan.ended_exports, moves.ended = moves.ended, []
+        if moves.imports:
+            plan.kv_imports, moves.imports = moves.imports, []
+        if moves.cancelled:
+            plan.cancelled_imports, moves.cancelled = moves.cancelled, []
 
     # ---- planning ----------------------------------------------------------------------------
 
@@ -457,7 +621,7 @@ class Scheduler:
         for request in list(self.running) if only is None else [only]:
             if budget <= 0:
                 break
-            if request in decodes or request.status is not RequestStatus.RUNNING or request in scheduled:
+            if request in decodes or request.status is not RequestStatus.RUNNING or request in scheduled or request.moving:
                 continue
             if request.retry_alone and request is not only:
                 continue
@@ -504,6 +668,15 @@ class Scheduler:
             if not self._checkpoints.may_admit():
                 break
             hashes = self.prefix_hashes(request)
+            if self.kv.holds(request.request_id):
+                # It arrived with its K/V (import_request): it computes on from there.
+                num_new = min(request.num_uncomputed_tokens, budget)
+                if self._allocate(request, num_new) is None:
+                    break
+                self._admitted(request, request.num_computed_tokens, hashes, admitted)
+                scheduled[request] = num_new
+                budget -= num_new
+                continue
             source = self._fork_source(request) if request.fork_of else None
             if source is _AWAIT_FORK:
                 self._deferred.append(self.waiting.pop())
@@ -549,6 +722,9 @@ class Scheduler:
         if request.first_scheduled_time is None:
             request.first_scheduled_time = self.clock()
             request.num_cached_tokens = num_computed
+        if request.num_lost_tokens:
+            self.recomputed_tokens[request.lost_reason] += max(0, request.num_lost_tokens - num_computed)
+            request.num_lost_tokens, request.lost_reason = 0, ""
         request.status = RequestStatus.RUNNING
         request.num_computed_tokens = num_computed
         request.prefill_target = request.num_tokens
@@ -630,8 +806,9 @@ class Scheduler:
         self.kv.free(request.request_id)
         self._forget_on_executor(request.request_id)
         self._prefixes.computing.remove(request)
+        self._stop_moving(request)
         request.status = RequestStatus.WAITING
-        request.num_computed_tokens = 0
+        request.lose_kv("preempted")
         request.num_pending_outputs = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
@@ -651,11 +828,12 @@ class Scheduler:
     ) -> StepPlan:
         plan = StepPlan(step_id=next(self._step_ids), dropped_request_ids=self._to_drop, block_copies=self._copies)
         self._to_drop, self._copies = [], []
+        self._moves_into(plan)
         if bulk.step is not None:
             plan.decode_handles = bulk.step.handles
             plan.decode_block_handles, plan.decode_block_ids = bulk.block_handles, bulk.block_ids
             self._in_flight_bulk[plan.step_id] = bulk.step
-        joining = []
+        joining, handing = [], []
         fresh = set(admitted)
         in_flight: dict[str, _InFlight] = {}
         late: list[tuple[Request, int]] = []
@@ -696,7 +874,9 @@ class Scheduler:
             request.num_computed_tokens += num_new
             if samples:
                 request.num_pending_outputs += 1
-                if self._decodes_in_bulk(request):
+                if self.hand_off_after_prefill:
+                    handing.append(request)
+                elif self._decodes_in_bulk(request):
                     joining.append(request)
             in_flight[request.request_id] = _InFlight(
                 request, request.num_preemptions, request.num_computed_tokens, samples
@@ -711,6 +891,8 @@ class Scheduler:
         for request in joining:
             cover = len(self.kv.block_ids(request.request_id)) * self.config.block_size
             self.decodes.join(request, request.handle, cover, length_limit(request, self.config.max_seq_len))
+        for request in handing:
+            self.begin_move(request)
         if plan.has_work:
             self.num_steps += 1
         return plan
@@ -773,6 +955,9 @@ class Scheduler:
         if output.failure is not None:
             updates += self._step_failed(failed, output.failure)
         self._checkpoints.step_done(output.step_id)
+        result.offers_ready = self._moves.served(output.step_id)
+        for done in output.kv_imports_done:
+            result.imports_done.append((done, self._import_done(done.transfer_id, done.ok)))
         self._late.pop(output.step_id, None)
         if self._late:
             result.late_bitmasks = self._late_bitmasks()

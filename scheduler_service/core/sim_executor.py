@@ -9,7 +9,9 @@ real executor would: one it has, that no request it holds has, with an empty sta
 or the state a checkpoint of an earlier plan kept for exactly the tokens the request resumes
 after (state_source_slot); and each checkpoint a plan makes: in a slot no request it holds has,
 at a point the request computes in that step. A checkpoint's state is modelled as the tokens it
-follows.
+follows. K/V moves between simulated executors (peers, by address): an offer makes blocks
+readable, and an import copies the offered slots at the start of the next plan (as the real
+executor writes fetched blocks between plans) and reports it in that plan's result.
 """
 
 from collections.abc import Callable, Sequence
@@ -19,6 +21,8 @@ from protos.limits import UNHELD_DECODE_TOKEN
 from scheduler_service.core.errors import ErrorKind, RequestError
 from scheduler_service.core.step_plan import (
     HeldState,
+    ImportDone,
+    KvImport,
     NewRequestPlan,
     StateCheckpoint,
     StepOutput,
@@ -86,6 +90,11 @@ class SimulatedExecutor:
     # Slot -> the tokens whose recurrent state the checkpoint there keeps, for the checkpoints
     # earlier plans made whose slot no request has taken since.
     checkpoints: dict[int, list[int]] = field(default_factory=dict)
+    # Other simulated executors by address, whose offers imports read.
+    peers: dict[str, "SimulatedExecutor"] = field(default_factory=dict)
+    # Open offers by transfer id, and imports to complete at the next plan.
+    offers: dict[str, list[int]] = field(default_factory=dict)
+    imports: list[KvImport] = field(default_factory=list)
 
     def execute(self, plan: StepPlan) -> StepOutput:
         output = self._run(plan)
@@ -100,6 +109,14 @@ class SimulatedExecutor:
         if plan.step_id <= self.last_step_id:
             raise PlanMismatch(f"step {plan.step_id} after step {self.last_step_id}")
         self.last_step_id = plan.step_id
+        cancelled = set(plan.cancelled_imports)
+        done = [self._import(entry) for entry in self.imports if entry.transfer_id not in cancelled]
+        self.imports = list(plan.kv_imports)
+        for export in plan.kv_exports:
+            self.offers[export.transfer_id] = list(export.block_ids)
+        for transfer_id in plan.ended_exports:
+            if self.offers.pop(transfer_id, None) is None:
+                raise PlanMismatch(f"offer {transfer_id} ended but never made")
         for request_id in plan.dropped_request_ids:
             self._forget(request_id)
             self.dropped_by_failure.discard(request_id)
@@ -111,7 +128,7 @@ class SimulatedExecutor:
                     self.slots.pop(destination, None)
                 else:
                     self.slots[destination] = source
-        output = StepOutput(step_id=plan.step_id)
+        output = StepOutput(step_id=plan.step_id, kv_imports_done=done)
         work: list[tuple[str, int]] = []
         # The tokens each constrained request may sample this step (as the plan's bitmask).
         masks = {
@@ -204,6 +221,24 @@ class SimulatedExecutor:
         output.forward_time_s = self.step_overhead_s + self.per_token_s * plan.num_scheduled_tokens
         self.elapsed_s += output.forward_time_s
         return output
+
+    def _import(self, entry: KvImport) -> ImportDone:
+        """Copies an offer's slots from its peer into the import's blocks."""
+        peer = self.peers.get(entry.source_address)
+        offered = peer.offers.get(entry.transfer_id) if peer is not None else None
+        if peer is None or offered is None:
+            return ImportDone(entry.transfer_id, False, f"no offer {entry.transfer_id} at {entry.source_address}")
+        sources = offered[entry.first_block :]
+        if len(sources) != len(entry.block_ids):
+            raise PlanMismatch(f"import of {len(entry.block_ids)} blocks from an offer of {len(sources)}")
+        for source, destination in zip(sources, entry.block_ids, strict=True):
+            for offset in range(self.block_size):
+                token = peer.slots.get(source * self.block_size + offset)
+                if token is None:
+                    self.slots.pop(destination * self.block_size + offset, None)
+                else:
+                    self.slots[destination * self.block_size + offset] = token
+        return ImportDone(entry.transfer_id, True, num_bytes=len(sources) * self.block_size)
 
     def _check_state_slot(self, new: NewRequestPlan) -> None:
         """A hybrid model's request needs a slot of its own, and to compute from its first token

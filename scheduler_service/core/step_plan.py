@@ -87,6 +87,36 @@ class LateBitmasks:
     bitmasks: list[tuple[str, bytes]]
 
 
+@dataclass(slots=True, frozen=True)
+class KvExport:
+    """Blocks offered to another executor under a transfer id (the source side of a move)."""
+
+    transfer_id: str
+    block_ids: list[int]
+
+
+@dataclass(slots=True, frozen=True)
+class KvImport:
+    """Blocks to fill from another executor's offer (the destination side of a move): offer
+    positions first_block.. go into block_ids; those before are cached here already."""
+
+    transfer_id: str
+    source_address: str
+    first_block: int
+    block_ids: list[int]
+
+
+@dataclass(slots=True, frozen=True)
+class ImportDone:
+    """What an import came to, as the destination executor reports it."""
+
+    transfer_id: str
+    ok: bool
+    error: str = ""
+    num_bytes: int = 0
+    seconds: float = 0.0
+
+
 @dataclass(slots=True)
 class StepPlan:
     """The work of one forward pass."""
@@ -108,6 +138,12 @@ class StepPlan:
     block_copies: list[BlockCopy] = field(default_factory=list)
     # Recurrent states to keep as the step computes (a hybrid model with prefix caching).
     state_checkpoints: list[StateCheckpoint] = field(default_factory=list)
+    # K/V moving between executors (planner/kv_moves.py): offers made and ended here, imports
+    # started and abandoned here.
+    kv_exports: list[KvExport] = field(default_factory=list)
+    ended_exports: list[str] = field(default_factory=list)
+    kv_imports: list[KvImport] = field(default_factory=list)
+    cancelled_imports: list[str] = field(default_factory=list)
 
     @property
     def num_scheduled_tokens(self) -> int:
@@ -120,6 +156,11 @@ class StepPlan:
     @property
     def has_work(self) -> bool:
         return bool(self.new_requests or self.continuing_requests or self.decode_handles)
+
+    @property
+    def has_moves(self) -> bool:
+        """Whether it carries K/V transfer entries, which go even in a plan with no work."""
+        return bool(self.kv_exports or self.ended_exports or self.kv_imports or self.cancelled_imports)
 
     def prefill_and_decode_tokens(self) -> tuple[int, int]:
         """The step's batch composition: a one-token continuation counts as a decode (a
@@ -167,6 +208,8 @@ class StepOutput:
     failure: str | None = None
     # When the plan asked: request id -> its state on the executor after the plan ran.
     held_requests: dict[str, HeldState] | None = None
+    # Imports that ended since the executor's last answer.
+    kv_imports_done: list[ImportDone] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -205,6 +248,10 @@ class StepUpdates:
     inter_token_gaps: list[float] = field(default_factory=list)
     # Bitmasks of steps in flight that can go now: their requests' earlier tokens are all in.
     late_bitmasks: list[LateBitmasks] = field(default_factory=list)
+    # K/V moves: offers this step's executor now serves (the transfer can start), and imports
+    # that ended here, with the request each brought (None: it was cancelled meanwhile).
+    offers_ready: list[str] = field(default_factory=list)
+    imports_done: list[tuple[ImportDone, Request | None]] = field(default_factory=list)
 
     def __iter__(self) -> Iterator[RequestUpdate]:
         """Every update as a RequestUpdate (the bulk ones built on the way; for callers that
