@@ -26,6 +26,7 @@ from scheduler_service.planner.discovery import (
 )
 from scheduler_service.planner.engine import (
     DEFAULT_NO_EXECUTOR_TIMEOUT_S,
+    DEFAULT_PREFILL_MIN_TOKENS,
     EngineOptions,
 )
 from scheduler_service.planner.lane import (
@@ -199,6 +200,14 @@ def parse_args(argv: list[str] | None, prog: str = "python -m scheduler_service"
         default=DEFAULT_NO_EXECUTOR_TIMEOUT_S,
         help="seconds a request waits while no executor can take it (all down, drained or "
         "refused) before it fails with UNAVAILABLE saying why",
+    )
+    parser.add_argument(
+        "--prefill-min-tokens",
+        type=non_negative_int,
+        default=DEFAULT_PREFILL_MIN_TOKENS,
+        help="with executors started --role prefill: prompts with at least this many uncached "
+        "tokens are computed there and moved with their K/V to a decode executor after their "
+        "first token; shorter ones are computed where they decode",
     )
     parser.add_argument("--metrics-port", type=port_number, help="serve Prometheus metrics on this port")
     parser.add_argument(
@@ -377,6 +386,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m scheduler_service
             stream_interval=args.stream_interval,
             stream_backlog=BacklogLimits(args.max_stream_backlog_tokens, args.max_stream_backlog_bytes),
             no_executor_timeout_s=args.no_executor_timeout,
+            prefill_min_tokens=args.prefill_min_tokens,
         ),
     )
     logger.info(

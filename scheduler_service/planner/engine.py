@@ -39,6 +39,7 @@ from scheduler_service.frontend.stream_backlog import BacklogLimits
 from scheduler_service.frontend.tracing import NO_TRACING, Tracing
 from scheduler_service.planner.executor_link import ExecutorLink
 from scheduler_service.planner.executor_status import executor_status
+from scheduler_service.planner.kv_moves import DECODE_ROLE, PREFILL_ROLE, KvMoves
 from scheduler_service.planner.lane import ExecutorLane, LaneOptions, LaneState
 from scheduler_service.planner.lane_audit import ExecutorAudit
 from scheduler_service.planner.metrics import SchedulerMetrics
@@ -56,6 +57,9 @@ MAX_EXECUTOR_LOSSES = 3
 # it fails with UNAVAILABLE naming why: long enough for a killed executor to be restarted and
 # reload a small model, short enough that a client of a drained fleet is not left hanging.
 DEFAULT_NO_EXECUTOR_TIMEOUT_S = 30.0
+# With prefill executors: prompts with fewer uncached tokens than this skip them and are computed
+# where they will decode (a short prompt costs less to compute than to move).
+DEFAULT_PREFILL_MIN_TOKENS = 64
 
 
 @dataclass(slots=True, frozen=True)
@@ -72,6 +76,8 @@ class EngineOptions:
     stream_backlog: BacklogLimits = BacklogLimits()
     # Seconds a request may wait with no executor able to take it (see run()).
     no_executor_timeout_s: float = DEFAULT_NO_EXECUTOR_TIMEOUT_S
+    # Uncached prompt tokens from which a request goes to a prefill executor (--prefill-min-tokens).
+    prefill_min_tokens: int = DEFAULT_PREFILL_MIN_TOKENS
 
 
 class EngineUnavailable(RequestRejected):
@@ -130,6 +136,9 @@ class Engine:
         self.num_preemptions = 0
         self.num_steps = 0
         self._counts_seen: dict[str, tuple[int, int]] = {}
+        self._recomputed_seen: dict[str, dict[str, int]] = {}
+        # Requests moving between executors with their K/V (planner/kv_moves.py).
+        self.moves = KvMoves(lambda: self.lanes.values(), self._place, metrics)
 
     # ---- executors ---------------------------------------------------------------------------
 
@@ -162,6 +171,7 @@ class Engine:
             self._trace_left(lane, queued)
             self._place(queued)
             self._report_serving()
+            self.moves.evacuate(lane)
         return lane
 
     def resume(self, address: str) -> ExecutorLane:
@@ -305,7 +315,8 @@ class Engine:
         if self.tracing.enabled:
             self.tracing.request_started(stream, trace_carrier or {})
         if serving:
-            lane = serving[self._route(request, serving)]
+            intake = self._intake_lanes(request, serving)
+            lane = intake[self._route(request, intake) or 0]
             lane.scheduler.add_request(request)
             if self.step_trace is not None:
                 self.step_trace.request_added(lane.address, request, lane.scheduler)
@@ -332,12 +343,14 @@ class Engine:
         if self._find(request.request_id) is not request:
             return
         lane = self._lane_of(request)
+        in_transit = self.moves.request_ended(request)
         if lane is not None and lane.scheduler is not None:
             lane.scheduler.stop_at_string(request, stop_string)
             self._trace_ended(lane, request, "stop")
             lane.wake.set()
         else:
-            self.unplaced.remove(request)
+            if not in_transit:
+                self.unplaced.remove(request)
             request.finish_reason, request.stop_reason = FinishReason.STOP, stop_string
         self._close(request)
 
@@ -426,6 +439,7 @@ class Engine:
         if self.info is None:
             self.info = lane.info
         self._counts_seen[lane.address] = (0, 0)
+        self._recomputed_seen[lane.address] = {}
         self._first_up.set()
         placing, self.unplaced = self.unplaced, []
         self._unplaced_since.clear()
@@ -438,6 +452,7 @@ class Engine:
         if self.step_trace is not None:
             self.step_trace.executor_lost(lane.address)
         self._count(lane)
+        self.moves.lane_lost(lane, scheduler)
         self._report_serving()
         keep = []
         for request in evicted:
@@ -459,6 +474,9 @@ class Engine:
         request moves when what the donor has cached for it, beyond what this lane has, is
         worth less than the requests queued ahead of it there (the router's exchange rate)."""
         thief = lane.scheduler
+        if lane.info is not None and lane.info.role == DECODE_ROLE:
+            # A decode executor computes prompts only when they are short (_intake_lanes).
+            return
         donors = [
             other
             for other in self._serving_lanes()
@@ -473,7 +491,9 @@ class Engine:
         worth_moving = [
             request
             for ahead, request in enumerate(queued)
-            if donor.affinity(request) - thief.affinity(request) < rate * ahead
+            # One that arrived with its K/V runs where it is.
+            if not request.num_computed_tokens
+            and donor.affinity(request) - thief.affinity(request) < rate * ahead
         ][-(-len(queued) // 2) :]
         if not worth_moving:
             return
@@ -515,6 +535,9 @@ class Engine:
         for update in updates.updates:
             self._deliver(lane, update)
         self._deliver_decoded(lane, updates)
+        self.moves.after_step(lane, updates)
+        if lane.state is LaneState.DRAINING:
+            self._sweep_draining(lane)
         if self.tracing.enabled:
             requests = [update.request for update in updates.updates] + updates.decoded_requests
             self.tracing.step_done(lane.address, output, requests, received_ns)
@@ -580,14 +603,40 @@ class Engine:
                 except RequestRejected as rejected:
                     self._fail(request, RequestError(rejected.kind, str(rejected)))
                     continue
-            index = self._route(request, serving)
-            lane = serving[index if index is not None else 0]
+            intake = self._intake_lanes(request, serving)
+            lane = intake[self._route(request, intake) or 0]
             if not lane.scheduler.adopt(request):
                 self._close(request)
             elif self.step_trace is not None:
                 self.step_trace.request_added(lane.address, request, lane.scheduler)
             lane.wake.set()
         self.unplaced.sort(key=lambda r: r.arrival_index)
+
+    def _intake_lanes(self, request: Request, serving: list[ExecutorLane]) -> list[ExecutorLane]:
+        """Where a request with its prompt to compute may go. Beside prefill executors that hand
+        their requests on (a decode executor is up), a prompt with at least prefill_min_tokens
+        uncached tokens goes to a prefill executor, any other to the rest; else anywhere."""
+        prefill = [lane for lane in serving if lane.scheduler.hand_off_after_prefill]
+        if not prefill:
+            return serving
+        others = [lane for lane in serving if lane.info is not None and lane.info.role != PREFILL_ROLE]
+        if not others:
+            return prefill
+        cached = max(lane.scheduler.affinity(request) for lane in others)
+        return prefill if request.num_tokens - cached >= self.options.prefill_min_tokens else others
+
+    def _sweep_draining(self, lane: ExecutorLane) -> None:
+        """A draining executor's requests that went back to waiting since (preempted) go to the
+        others; running ones that stayed for want of room move when room comes."""
+        scheduler = lane.scheduler
+        if scheduler is None or not self._serving_lanes():
+            return
+        if scheduler.num_waiting:
+            queued = scheduler.release_waiting(scheduler.queued)
+            self._trace_left(lane, queued)
+            self._place(queued)
+        if any(not request.moving for request in scheduler.running):
+            self.moves.evacuate(lane)
 
     def _constrain(self, request: Request, info: executor_pb2.ExecutorInfo) -> None:
         """Gives a constrained request its place in its grammar, after the output it has."""
@@ -606,13 +655,15 @@ class Engine:
     def _abort(self, request: Request, error: RequestError | None = None) -> bool:
         """Ends a request now, freeing its blocks; its stream closes, or fails with error."""
         lane = self._lane_of(request)
+        in_transit = self.moves.request_ended(request)
         if lane is not None and lane.scheduler is not None:
             lane.scheduler.finish(request, FinishReason.ABORT)
             self._trace_ended(lane, request, "abort")
             lane.wake.set()
         else:
-            # Unplaced: no scheduler holds it, so nothing else is to free.
-            self.unplaced.remove(request)
+            # Unplaced or in transit: no scheduler holds it, so nothing else is to free.
+            if not in_transit:
+                self.unplaced.remove(request)
             request.finish_reason = FinishReason.ABORT
         if error is None:
             self._close(request)
@@ -644,13 +695,13 @@ class Engine:
 
     def _every_request(self) -> list[Request]:
         placed = [r for lane in self.lanes.values() if lane.scheduler is not None for r in lane.scheduler.requests.values()]
-        return [*placed, *self.unplaced]
+        return [*placed, *self.unplaced, *self.moves.in_transit]
 
     def _find(self, request_id: str) -> Request | None:
         for lane in self.lanes.values():
             if lane.scheduler is not None and request_id in lane.scheduler.requests:
                 return lane.scheduler.requests[request_id]
-        return next((r for r in self.unplaced if r.request_id == request_id), None)
+        return next((r for r in [*self.unplaced, *self.moves.in_transit] if r.request_id == request_id), None)
 
     def _lane_of(self, request: Request) -> ExecutorLane | None:
         for lane in self.lanes.values():
@@ -678,6 +729,9 @@ class Engine:
         logger.info("event=executor_removed address=%s", lane.address)
 
     def _report_serving(self) -> None:
+        for lane in self.lanes.values():
+            if lane.scheduler is not None and lane.info is not None and lane.info.role == PREFILL_ROLE:
+                lane.scheduler.hand_off_after_prefill = bool(self.moves.destinations(lane))
         serving = bool(self._serving_lanes())
         self.metrics.executors_up.set(len(self._serving_lanes()))
         if serving != self._serving:
@@ -696,6 +750,11 @@ class Engine:
         self.num_steps += scheduler.num_steps - steps
         self.metrics.preemptions.inc(new_preemptions)
         self._counts_seen[lane.address] = (scheduler.num_preemptions, scheduler.num_steps)
+        seen = self._recomputed_seen.setdefault(lane.address, {})
+        for reason, tokens in scheduler.recomputed_tokens.items():
+            if tokens != seen.get(reason, 0):
+                self.metrics.recomputed_tokens.labels(reason).inc(tokens - seen.get(reason, 0))
+                seen[reason] = tokens
 
     def _observe_queues(self, stepped: ExecutorLane) -> None:
         """After a lane's step: the totals, and that lane's own gauges (each lane's change as

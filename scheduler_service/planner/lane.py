@@ -61,6 +61,9 @@ DEFAULT_STATE_CHECKPOINT_BLOCKS = 4
 # of the lease would do), and its answer is how an idle executor that got SIGTERM says it is
 # draining, so the executor can stop within seconds instead of a third of its lease.
 HEARTBEAT_MAX_S = 2.0
+# While blocks are being fetched into its executor and nothing else is planned, a lane asks this
+# often (an empty plan) whether they are written: the answer comes only with a result.
+IMPORT_POLL_S = 0.005
 
 
 class LaneState(enum.Enum):
@@ -261,7 +264,7 @@ class ExecutorLane:
         in_flight: deque[tuple[float, bool]] = deque()
         heartbeat_s = min(HEARTBEAT_MAX_S, (self.info.lease_timeout_s or 30.0) / 3)
         while True:
-            if self.state is LaneState.DRAINING and scheduler.load == 0 and not in_flight:
+            if self.state is LaneState.DRAINING and scheduler.load == 0 and not scheduler.num_exports and not in_flight:
                 self.link.close_stream()
                 self.audits.abandon("the executor drained before it answered")
                 self._set_state(LaneState.DRAINED, "drained")
@@ -273,7 +276,7 @@ class ExecutorLane:
             while len(in_flight) < self.options.pipeline_depth and not self.audits.wanted:
                 planned_at = time.monotonic()
                 plan = scheduler.schedule()
-                if not plan.has_work and not plan.dropped_request_ids:
+                if not plan.has_work and not plan.dropped_request_ids and not plan.has_moves:
                     break
                 await self._send(plan, planned_at, in_flight)
             if self.audits.wanted and not in_flight:
@@ -287,7 +290,7 @@ class ExecutorLane:
             if not in_flight:
                 self.wake.clear()
                 try:
-                    await asyncio.wait_for(self.wake.wait(), heartbeat_s)
+                    await asyncio.wait_for(self.wake.wait(), IMPORT_POLL_S if scheduler.num_importing else heartbeat_s)
                 except TimeoutError:
                     # Nothing to do for a while: an empty plan keeps this scheduler's hold.
                     planned_at = time.monotonic()

@@ -55,6 +55,29 @@ class SchedulerMetrics:
             "splitserve:prefix_cache_hits", "Prompt tokens served from the prefix cache.", registry=r
         )
         self.preemptions = Counter("splitserve:num_preemptions", "Requests preempted (recomputed).", registry=r)
+        self.recomputed_tokens = Counter(
+            "splitserve:recomputed_tokens",
+            "Tokens computed again because their K/V was lost, by why (preempted, executor_lost, "
+            "transfer_failed, released), short of what a prefix hit spared.",
+            ["reason"],
+            registry=r,
+        )
+        self.kv_moves = Counter(
+            "splitserve:kv_moves", "Requests moved between executors with their K/V, by outcome (ok, failed).",
+            ["outcome"], registry=r,
+        )
+        self.kv_blocks_migrated = Counter(
+            "splitserve:kv_blocks_migrated", "KV blocks moved between executors (fetched, or found cached).", registry=r
+        )
+        self.kv_transfer_bytes = Counter(
+            "splitserve:kv_transfer_bytes", "Bytes of K/V fetched by one executor from another.", registry=r
+        )
+        self.kv_transfer_seconds = Histogram(
+            "splitserve:kv_transfer_seconds",
+            "Seconds from a destination being told to fetch a request's blocks to their being written.",
+            buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0),
+            registry=r,
+        )
         self.finished = Counter(
             "splitserve:request_success", "Finished requests by finish reason.", ["finished_reason"], registry=r
         )

@@ -8,6 +8,7 @@ from scheduler_service.core.errors import ErrorKind, RequestError
 from scheduler_service.core.sampling_params import SamplingParams
 from scheduler_service.core.step_plan import (
     HeldState,
+    ImportDone,
     LateBitmasks,
     StepOutput,
     StepPlan,
@@ -89,6 +90,19 @@ def plan_to_proto(plan: StepPlan, eos_token_ids: Collection[int] = ()) -> pb.Ste
         message.state_checkpoints.append(
             pb.StateCheckpoint(request_id=checkpoint.request_id, num_tokens=checkpoint.num_tokens, slot=checkpoint.slot)
         )
+    for export in plan.kv_exports:
+        message.kv_exports.append(pb.KvExport(transfer_id=export.transfer_id, block_ids=export.block_ids))
+    message.ended_exports.extend(plan.ended_exports)
+    for kv_import in plan.kv_imports:
+        message.kv_imports.append(
+            pb.KvImport(
+                transfer_id=kv_import.transfer_id,
+                source_address=kv_import.source_address,
+                first_block=kv_import.first_block,
+                block_ids=kv_import.block_ids,
+            )
+        )
+    message.cancelled_imports.extend(plan.cancelled_imports)
     return message
 
 
@@ -125,4 +139,7 @@ def output_from_proto(result: pb.StepResult) -> StepOutput:
             held.request_id: HeldState(tuple(held.block_ids), held.num_computed_tokens, held.state_slot)
             for held in result.held_requests
         }
+    output.kv_imports_done = [
+        ImportDone(done.transfer_id, done.ok, done.error, done.bytes, done.seconds) for done in result.kv_imports_done
+    ]
     return output
