@@ -138,7 +138,7 @@ class Engine:
         self._counts_seen: dict[str, tuple[int, int]] = {}
         self._recomputed_seen: dict[str, dict[str, int]] = {}
         # Requests moving between executors with their K/V (planner/kv_moves.py).
-        self.moves = KvMoves(lambda: self.lanes.values(), self._place, metrics)
+        self.moves = KvMoves(lambda: self.lanes.values(), self._place, metrics, step_trace)
 
     # ---- executors ---------------------------------------------------------------------------
 

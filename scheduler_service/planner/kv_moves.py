@@ -34,6 +34,7 @@ from scheduler_service.core.scheduler import Scheduler
 from scheduler_service.core.step_plan import StepUpdates
 from scheduler_service.planner.lane import ExecutorLane, LaneState
 from scheduler_service.planner.metrics import SchedulerMetrics
+from scheduler_service.planner.step_trace import StepTrace
 
 logger = logging.getLogger(__name__)
 
@@ -78,10 +79,12 @@ class KvMoves:
         lanes: Callable[[], Iterable[ExecutorLane]],
         place: Callable[[list[Request]], None],
         metrics: SchedulerMetrics,
+        trace: StepTrace | None = None,
     ) -> None:
         self._lanes = lanes
         self._place = place
         self._metrics = metrics
+        self._trace = trace
         self._moves: dict[str, Move] = {}
 
     @property
@@ -158,6 +161,8 @@ class KvMoves:
         for request in ready:
             departure = scheduler.depart(request)
             self._moves[departure.transfer_id] = Move(departure, lane, scheduler, now)
+            if self._trace is not None:
+                self._trace.request_ended(lane.address, request, "move")
         lane.wake.set()
 
     def _offer_served(self, transfer_id: str) -> None:
@@ -172,6 +177,8 @@ class KvMoves:
                 continue
             move.destination = lane
             lane.wake.set()
+            if self._trace is not None:
+                self._trace.request_added(lane.address, request, lane.scheduler)
             if not fetching:
                 # Everything it needs is cached there already.
                 del self._moves[transfer_id]

@@ -12,18 +12,23 @@ replaying its schedule needs.
 Events (field "e"), each with "t" (seconds since the trace began) and "x" (executor address):
   up      an executor (re)joined: its planner's config
   add     a request placed on an executor: id, prompt length, block digests, priority,
-          max_tokens, ignore_eos
+          max_tokens, ignore_eos; "computed" when it arrived with K/V (a move), its tokens
   plan    a plan sent: step, new ids, continuing {id: tokens}, steady-decode ids, dropped ids,
           prefill and decode tokens; for a hybrid model's prefix caching, when there are any,
           the recurrent-state checkpoints it keeps ([id, tokens, slot] each) and the
-          checkpoint slots new requests resume from ({id: slot})
+          checkpoint slots new requests resume from ({id: slot}); for K/V moves, when there are
+          any, "moves": offers made ("exp", [transfer, blocks] each) and ended ("end"), imports
+          started ("imp", [transfer, first block, blocks] each) and abandoned ("cancel"),
+          transfers named by their first 8 hex digits
   result  its result applied: step, forward seconds, and after it waiting, running, KV blocks
           used and total; preemptions, prefix-hit tokens, blocks allocated and blocks released
           so far (a step's own are the differences from the previous result); and requests
-          finished with reason and output length
+          finished with reason and output length; "imported" ([transfer, ok] each) when
+          imports ended
   abort   a request ended by its client
   stop    a request ended by a stop string (found in its text after a result)
   leave   a waiting request moved to another executor
+  move    a running request left with its K/V (its "add" on the destination follows)
   lost    the executor was lost: its requests leave with it
 """
 
@@ -81,7 +86,7 @@ class StepTrace:
             "add", address, id=request.request_id, prompt=request.num_prompt_tokens,
             outputs=request.num_tokens - request.num_prompt_tokens, blocks=digests,
             priority=request.priority, max_tokens=sampling.max_tokens, ignore_eos=sampling.ignore_eos,
-            fork_of=request.fork_of,
+            fork_of=request.fork_of, **({"computed": request.num_computed_tokens} if request.num_computed_tokens else {}),
         )
 
     def plan_sent(self, address: str, plan: StepPlan, decoded: Iterable[Request], planned_at: float) -> None:
@@ -99,6 +104,13 @@ class StepTrace:
         sources = {n.request_id: n.state_source_slot for n in plan.new_requests if n.state_source_slot}
         if sources:
             hybrid["src"] = sources
+        if plan.has_moves:
+            hybrid["moves"] = {
+                "exp": [[e.transfer_id[:8], len(e.block_ids)] for e in plan.kv_exports],
+                "end": [tid[:8] for tid in plan.ended_exports],
+                "imp": [[i.transfer_id[:8], i.first_block, len(i.block_ids)] for i in plan.kv_imports],
+                "cancel": [tid[:8] for tid in plan.cancelled_imports],
+            }
         self._write(
             "plan", address, t=t, step=plan.step_id, new=new, cont=continuing, dec=decodes,
             drop=list(plan.dropped_request_ids), prefill_tokens=prefill, decode_tokens=decode, **hybrid,
@@ -120,6 +132,7 @@ class StepTrace:
             preemptions=scheduler.num_preemptions, hit_tokens=stats.hit_tokens,
             blocks_allocated=scheduler.kv.pool.num_allocated, blocks_released=scheduler.kv.pool.num_released,
             finished=finished,
+            **({"imported": [[d.transfer_id[:8], d.ok] for d in output.kv_imports_done]} if output.kv_imports_done else {}),
         )
         track = self._tracks.get(address, 0)
         started = self._planned_at.pop((address, output.step_id), t)
@@ -134,7 +147,7 @@ class StepTrace:
         self._write("lost", address)
 
     def request_ended(self, address: str, request: Request, how: str) -> None:
-        """how: abort, stop or leave."""
+        """how: abort, stop, leave or move."""
         self._write(how, address, id=request.request_id, outputs=request.num_tokens - request.num_prompt_tokens)
 
     def close(self) -> None:

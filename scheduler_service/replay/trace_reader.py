@@ -116,11 +116,11 @@ def read_trace(directory: Path) -> list[Timeline]:
                 last_result[address] = t
                 for finished in event["finished"]:
                     _ended(timeline, finished["id"], finished["reason"], finished["outputs"])
-            elif kind in ("abort", "stop", "leave"):
+            elif kind in ("abort", "stop", "leave", "move"):
                 request = timeline.requests.get(event["id"])
                 if request is not None and kind == "abort":
                     request.aborted_s = t
-                _ended(timeline, event["id"], {"leave": "left"}.get(kind, kind), event["outputs"])
+                _ended(timeline, event["id"], {"leave": "left", "move": "left"}.get(kind, kind), event["outputs"])
             elif kind == "lost":
                 for request in timeline.requests.values():
                     if request.finish is None:
