@@ -27,6 +27,7 @@ from scheduler_service.planner.discovery import (
 from scheduler_service.planner.engine import (
     DEFAULT_NO_EXECUTOR_TIMEOUT_S,
     DEFAULT_PREFILL_MIN_TOKENS,
+    DEFAULT_REBALANCE_MIN_TOKENS_LEFT,
     EngineOptions,
 )
 from scheduler_service.planner.lane import (
@@ -209,6 +210,13 @@ def parse_args(argv: list[str] | None, prog: str = "python -m scheduler_service"
         "tokens are computed there and moved with their K/V to a decode executor after their "
         "first token; shorter ones are computed where they decode",
     )
+    parser.add_argument(
+        "--rebalance-min-tokens-left",
+        type=non_negative_int,
+        default=DEFAULT_REBALANCE_MIN_TOKENS_LEFT,
+        help="an idle executor takes running requests (with their K/V) from a busier one when "
+        "they have at least this many tokens left to generate; 0: only queued ones move",
+    )
     parser.add_argument("--metrics-port", type=port_number, help="serve Prometheus metrics on this port")
     parser.add_argument(
         "--drain-timeout",
@@ -387,6 +395,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m scheduler_service
             stream_backlog=BacklogLimits(args.max_stream_backlog_tokens, args.max_stream_backlog_bytes),
             no_executor_timeout_s=args.no_executor_timeout,
             prefill_min_tokens=args.prefill_min_tokens,
+            rebalance_min_tokens_left=args.rebalance_min_tokens_left,
         ),
     )
     logger.info(

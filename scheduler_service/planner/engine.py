@@ -60,6 +60,10 @@ DEFAULT_NO_EXECUTOR_TIMEOUT_S = 30.0
 # With prefill executors: prompts with fewer uncached tokens than this skip them and are computed
 # where they will decode (a short prompt costs less to compute than to move).
 DEFAULT_PREFILL_MIN_TOKENS = 64
+# A running request moves to an idle executor only with this many tokens left to generate: the
+# move costs about one step of the idle executor (it fetches while it steps), and a request that
+# ends sooner would not repay it.
+DEFAULT_REBALANCE_MIN_TOKENS_LEFT = 128
 
 
 @dataclass(slots=True, frozen=True)
@@ -78,6 +82,9 @@ class EngineOptions:
     no_executor_timeout_s: float = DEFAULT_NO_EXECUTOR_TIMEOUT_S
     # Uncached prompt tokens from which a request goes to a prefill executor (--prefill-min-tokens).
     prefill_min_tokens: int = DEFAULT_PREFILL_MIN_TOKENS
+    # An idle executor takes running requests with at least this many tokens left to generate
+    # from a busier one, with their K/V (kv_moves.rebalance); 0: never.
+    rebalance_min_tokens_left: int = DEFAULT_REBALANCE_MIN_TOKENS_LEFT
 
 
 class EngineUnavailable(RequestRejected):
@@ -470,20 +477,26 @@ class Engine:
         self._place(keep)
 
     def lane_idle(self, lane: ExecutorLane) -> None:
+        """Gives an executor with nothing to do queued requests of others, else running ones
+        (kv_moves.rebalance, --rebalance-min-tokens-left)."""
+        if not self._steal_queued(lane):
+            self.moves.rebalance(lane, self.options.rebalance_min_tokens_left)
+
+    def _steal_queued(self, lane: ExecutorLane) -> bool:
         """Takes queued requests from the busiest other lane for an executor with none: a
         request moves when what the donor has cached for it, beyond what this lane has, is
         worth less than the requests queued ahead of it there (the router's exchange rate)."""
         thief = lane.scheduler
         if lane.info is not None and lane.info.role == DECODE_ROLE:
             # A decode executor computes prompts only when they are short (_intake_lanes).
-            return
+            return False
         donors = [
             other
             for other in self._serving_lanes()
             if other is not lane and other.scheduler is not None and other.scheduler.num_waiting
         ]
         if not donors or thief is None:
-            return
+            return False
         donor_lane = max(donors, key=lambda other: other.scheduler.num_waiting)
         donor = donor_lane.scheduler
         rate = self.options.route_tokens_per_request
@@ -496,7 +509,7 @@ class Engine:
             and donor.affinity(request) - thief.affinity(request) < rate * ahead
         ][-(-len(queued) // 2) :]
         if not worth_moving:
-            return
+            return False
         taken = donor.release_waiting(worth_moving)
         self._trace_left(donor_lane, taken)
         moved = [request for request in taken if thief.adopt(request)]
@@ -509,6 +522,7 @@ class Engine:
         logger.info(
             "event=requests_moved to=%s count=%d", lane.address, len(moved)
         )
+        return True
 
     def lane_state_changed(self, lane: ExecutorLane) -> None:
         self.metrics.executor_changed(lane.address, lane.state.value)

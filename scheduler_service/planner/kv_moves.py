@@ -32,6 +32,7 @@ from scheduler_service.core.move_books import Departure
 from scheduler_service.core.request import Request
 from scheduler_service.core.scheduler import Scheduler
 from scheduler_service.core.step_plan import StepUpdates
+from scheduler_service.core.stop_checker import length_limit
 from scheduler_service.planner.lane import ExecutorLane, LaneState
 from scheduler_service.planner.metrics import SchedulerMetrics
 from scheduler_service.planner.step_trace import StepTrace
@@ -108,6 +109,40 @@ class KvMoves:
         if running:
             logger.info("event=requests_moving source=%s count=%d", lane.address, len(running))
         return len(running)
+
+    def rebalance(self, thief: ExecutorLane, min_tokens_left: int) -> int:
+        """An idle executor takes running requests from the busiest executor it can take moves
+        from that runs at least two: half of them, those with the most tokens left to generate
+        among those with at least min_tokens_left left. After it the two run about as many
+        each, so neither is idle and nothing moves back. 0 turns it off; returns how many move."""
+        if not min_tokens_left or thief.info is None or thief.info.role == PREFILL_ROLE:
+            return 0
+        donors = [
+            lane
+            for lane in self._lanes()
+            if lane.serving
+            and lane.scheduler is not None
+            and lane.info is not None
+            and lane.info.role != PREFILL_ROLE
+            and can_take_moves(thief, lane)
+            and not lane.scheduler.ready_to_move()
+            and not any(request.moving for request in lane.scheduler.running)
+        ]
+        if not donors:
+            return 0
+        donor = max(donors, key=lambda lane: len(lane.scheduler.running))  # type: ignore[union-attr]
+        scheduler = donor.scheduler
+        assert scheduler is not None
+        limit = scheduler.config.max_seq_len
+        left = {request: length_limit(request, limit) - request.num_tokens for request in scheduler.running}
+        candidates = sorted((r for r in scheduler.running if left[r] >= min_tokens_left), key=left.__getitem__, reverse=True)
+        chosen = candidates[: len(scheduler.running) // 2]
+        for request in chosen:
+            scheduler.begin_move(request)
+        if chosen:
+            logger.info("event=requests_rebalancing source=%s idle=%s count=%d", donor.address, thief.address, len(chosen))
+            self._depart_ready(donor)
+        return len(chosen)
 
     def after_step(self, lane: ExecutorLane, updates: StepUpdates) -> None:
         """After a lane's result: imports that ended there, offers now served there, and
