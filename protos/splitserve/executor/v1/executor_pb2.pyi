@@ -11,7 +11,7 @@ class DescribeRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ExecutorInfo(_message.Message):
-    __slots__ = ("model_id", "vocab_size", "eos_token_ids", "max_model_len", "block_size", "num_kv_blocks", "dtype", "device", "incarnation_id", "max_logprobs", "attention_backend", "lease_timeout_s", "supports_decode_handles", "tensor_parallel_size", "kv_cache_bytes", "access", "supports_late_bitmasks", "supports_block_copies", "num_state_slots", "state_slot_bytes", "supports_state_checkpoints", "supports_kv_transfer", "kv_layout", "role")
+    __slots__ = ("model_id", "vocab_size", "eos_token_ids", "max_model_len", "block_size", "num_kv_blocks", "dtype", "device", "incarnation_id", "max_logprobs", "attention_backend", "lease_timeout_s", "supports_decode_handles", "tensor_parallel_size", "kv_cache_bytes", "access", "supports_late_bitmasks", "supports_block_copies", "num_state_slots", "state_slot_bytes", "supports_state_checkpoints", "supports_kv_transfer", "kv_layout", "role", "num_host_blocks")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -36,6 +36,7 @@ class ExecutorInfo(_message.Message):
     SUPPORTS_KV_TRANSFER_FIELD_NUMBER: _ClassVar[int]
     KV_LAYOUT_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
+    NUM_HOST_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     vocab_size: int
     eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -60,7 +61,8 @@ class ExecutorInfo(_message.Message):
     supports_kv_transfer: bool
     kv_layout: str
     role: str
-    def __init__(self, model_id: _Optional[str] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., incarnation_id: _Optional[str] = ..., max_logprobs: _Optional[int] = ..., attention_backend: _Optional[str] = ..., lease_timeout_s: _Optional[float] = ..., supports_decode_handles: _Optional[bool] = ..., tensor_parallel_size: _Optional[int] = ..., kv_cache_bytes: _Optional[int] = ..., access: _Optional[str] = ..., supports_late_bitmasks: _Optional[bool] = ..., supports_block_copies: _Optional[bool] = ..., num_state_slots: _Optional[int] = ..., state_slot_bytes: _Optional[int] = ..., supports_state_checkpoints: _Optional[bool] = ..., supports_kv_transfer: _Optional[bool] = ..., kv_layout: _Optional[str] = ..., role: _Optional[str] = ...) -> None: ...
+    num_host_blocks: int
+    def __init__(self, model_id: _Optional[str] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., incarnation_id: _Optional[str] = ..., max_logprobs: _Optional[int] = ..., attention_backend: _Optional[str] = ..., lease_timeout_s: _Optional[float] = ..., supports_decode_handles: _Optional[bool] = ..., tensor_parallel_size: _Optional[int] = ..., kv_cache_bytes: _Optional[int] = ..., access: _Optional[str] = ..., supports_late_bitmasks: _Optional[bool] = ..., supports_block_copies: _Optional[bool] = ..., num_state_slots: _Optional[int] = ..., state_slot_bytes: _Optional[int] = ..., supports_state_checkpoints: _Optional[bool] = ..., supports_kv_transfer: _Optional[bool] = ..., kv_layout: _Optional[str] = ..., role: _Optional[str] = ..., num_host_blocks: _Optional[int] = ...) -> None: ...
 
 class SamplerConfig(_message.Message):
     __slots__ = ("temperature", "top_k", "top_p", "min_p", "has_seed", "seed", "repetition_penalty", "presence_penalty", "frequency_penalty", "num_logprobs", "want_logprobs", "min_tokens", "min_tokens_stop_ids", "logit_bias_token_ids", "logit_bias_values", "allowed_token_ids", "want_prompt_logprobs", "num_prompt_logprobs")
@@ -143,7 +145,7 @@ class ContinuingRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., num_scheduled_tokens: _Optional[int] = ..., new_block_ids: _Optional[_Iterable[int]] = ..., allowed_token_bitmask: _Optional[bytes] = ..., bitmask_follows: _Optional[bool] = ...) -> None: ...
 
 class StepPlan(_message.Message):
-    __slots__ = ("step_id", "new_requests", "continuing_requests", "dropped_request_ids", "decode_handles", "decode_block_handles", "decode_block_ids", "want_held_requests", "bitmasks_for_step", "late_bitmasks", "copy_block_sources", "copy_block_destinations", "state_checkpoints", "kv_exports", "ended_exports", "kv_imports", "cancelled_imports")
+    __slots__ = ("step_id", "new_requests", "continuing_requests", "dropped_request_ids", "decode_handles", "decode_block_handles", "decode_block_ids", "want_held_requests", "bitmasks_for_step", "late_bitmasks", "copy_block_sources", "copy_block_destinations", "state_checkpoints", "kv_exports", "ended_exports", "kv_imports", "cancelled_imports", "swap_out_device_blocks", "swap_out_host_blocks", "swap_in_host_blocks", "swap_in_device_blocks")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     NEW_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     CONTINUING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
@@ -161,6 +163,10 @@ class StepPlan(_message.Message):
     ENDED_EXPORTS_FIELD_NUMBER: _ClassVar[int]
     KV_IMPORTS_FIELD_NUMBER: _ClassVar[int]
     CANCELLED_IMPORTS_FIELD_NUMBER: _ClassVar[int]
+    SWAP_OUT_DEVICE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    SWAP_OUT_HOST_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    SWAP_IN_HOST_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    SWAP_IN_DEVICE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     new_requests: _containers.RepeatedCompositeFieldContainer[NewRequest]
     continuing_requests: _containers.RepeatedCompositeFieldContainer[ContinuingRequest]
@@ -178,7 +184,11 @@ class StepPlan(_message.Message):
     ended_exports: _containers.RepeatedScalarFieldContainer[str]
     kv_imports: _containers.RepeatedCompositeFieldContainer[KvImport]
     cancelled_imports: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, step_id: _Optional[int] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., continuing_requests: _Optional[_Iterable[_Union[ContinuingRequest, _Mapping]]] = ..., dropped_request_ids: _Optional[_Iterable[str]] = ..., decode_handles: _Optional[_Iterable[int]] = ..., decode_block_handles: _Optional[_Iterable[int]] = ..., decode_block_ids: _Optional[_Iterable[int]] = ..., want_held_requests: _Optional[bool] = ..., bitmasks_for_step: _Optional[int] = ..., late_bitmasks: _Optional[_Iterable[_Union[LateBitmask, _Mapping]]] = ..., copy_block_sources: _Optional[_Iterable[int]] = ..., copy_block_destinations: _Optional[_Iterable[int]] = ..., state_checkpoints: _Optional[_Iterable[_Union[StateCheckpoint, _Mapping]]] = ..., kv_exports: _Optional[_Iterable[_Union[KvExport, _Mapping]]] = ..., ended_exports: _Optional[_Iterable[str]] = ..., kv_imports: _Optional[_Iterable[_Union[KvImport, _Mapping]]] = ..., cancelled_imports: _Optional[_Iterable[str]] = ...) -> None: ...
+    swap_out_device_blocks: _containers.RepeatedScalarFieldContainer[int]
+    swap_out_host_blocks: _containers.RepeatedScalarFieldContainer[int]
+    swap_in_host_blocks: _containers.RepeatedScalarFieldContainer[int]
+    swap_in_device_blocks: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, step_id: _Optional[int] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., continuing_requests: _Optional[_Iterable[_Union[ContinuingRequest, _Mapping]]] = ..., dropped_request_ids: _Optional[_Iterable[str]] = ..., decode_handles: _Optional[_Iterable[int]] = ..., decode_block_handles: _Optional[_Iterable[int]] = ..., decode_block_ids: _Optional[_Iterable[int]] = ..., want_held_requests: _Optional[bool] = ..., bitmasks_for_step: _Optional[int] = ..., late_bitmasks: _Optional[_Iterable[_Union[LateBitmask, _Mapping]]] = ..., copy_block_sources: _Optional[_Iterable[int]] = ..., copy_block_destinations: _Optional[_Iterable[int]] = ..., state_checkpoints: _Optional[_Iterable[_Union[StateCheckpoint, _Mapping]]] = ..., kv_exports: _Optional[_Iterable[_Union[KvExport, _Mapping]]] = ..., ended_exports: _Optional[_Iterable[str]] = ..., kv_imports: _Optional[_Iterable[_Union[KvImport, _Mapping]]] = ..., cancelled_imports: _Optional[_Iterable[str]] = ..., swap_out_device_blocks: _Optional[_Iterable[int]] = ..., swap_out_host_blocks: _Optional[_Iterable[int]] = ..., swap_in_host_blocks: _Optional[_Iterable[int]] = ..., swap_in_device_blocks: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class KvExport(_message.Message):
     __slots__ = ("transfer_id", "block_ids")
