@@ -9,6 +9,8 @@ from dataclasses import dataclass
 
 import torch
 
+from executor_service.attention import block_transfer
+
 logger = logging.getLogger(__name__)
 
 
@@ -34,6 +36,15 @@ class KVCacheShape:
         if self.num_layers == 0:
             return without_layers
         return max(0, budget_bytes // self.bytes_per_block())
+
+    def layout(self) -> str:
+        """ExecutorInfo.kv_layout: everything the bytes of a block depend on (block_transfer.py)."""
+        # The dtype as ExecutorInfo.dtype names it.
+        dtype = str(self.dtype).removeprefix("torch.")
+        return (
+            f"{dtype} layers={self.num_layers} kv_heads={self.num_kv_heads} "
+            f"key_dim={self.key_dim} value_dim={self.value_dim} block_size={self.block_size}"
+        )
 
 
 class PagedKVCache:
@@ -94,6 +105,15 @@ class PagedKVCache:
         destination_slots = (torch.tensor(destinations, device=offsets.device)[:, None] * self.block_size + offsets).flatten()
         for tensor in (*self.keys, *self.values):
             tensor[destination_slots] = tensor[source_slots]
+
+    def read_blocks(self, block_ids: list[int]) -> bytes:
+        """These blocks' K/V as KvBlockChunk.data carries them."""
+        return block_transfer.read_blocks(self.keys, self.values, self.block_size, block_ids)
+
+    def write_blocks(self, block_ids: list[int], data: bytes) -> None:
+        """Writes read_blocks' bytes of as many blocks into these; ValueError when they are
+        not that many blocks' worth."""
+        block_transfer.write_blocks(self.keys, self.values, self.block_size, block_ids, data)
 
     def layer(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The K and V of the model's layer layer_idx."""
