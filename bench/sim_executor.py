@@ -88,6 +88,16 @@ class TimedRunner:
         # Simulated: no recurrent layers.
         return 0, 0
 
+    def computed_tokens(self) -> tuple[int, int]:
+        # Simulated: no forward computes anything.
+        return 0, 0
+
+    def read_blocks(self, block_ids: list[int]) -> bytes:
+        raise NotImplementedError("a simulated executor holds no K/V (supports_kv_transfer is off)")
+
+    def write_blocks(self, block_ids: list[int], data: bytes) -> None:
+        raise NotImplementedError("a simulated executor holds no K/V (supports_kv_transfer is off)")
+
     def execute(self, plan: executor_pb2.StepPlan, late: LateBitmasks | None = None) -> executor_pb2.StepResult:
         """late: unused; this executor does not say it takes bitmasks after their plans."""
         started = time.monotonic()

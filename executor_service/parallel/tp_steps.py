@@ -29,6 +29,8 @@ logger = logging.getLogger(__name__)
 # How long a failed step waits for a rank watcher to report a lost rank before ending the
 # executor itself: the watchers wake on the lost process's sentinel, well within this.
 RANK_LOSS_GRACE_S = 2.0
+# Why blocks are never read or written as bytes here (ExecutorInfo.supports_kv_transfer is off).
+_SHARDED_KV = "each rank holds only its own heads' K/V: a sharded executor moves no blocks"
 
 
 class _Command(enum.IntEnum):
@@ -63,6 +65,15 @@ class PlanBroadcaster:
 
     def state_slots_in_use(self) -> tuple[int, int]:
         return self.runner.state_slots_in_use()
+
+    def computed_tokens(self) -> tuple[int, int]:
+        return self.runner.computed_tokens()
+
+    def read_blocks(self, block_ids: list[int]) -> bytes:
+        raise NotImplementedError(_SHARDED_KV)
+
+    def write_blocks(self, block_ids: list[int], data: bytes) -> None:
+        raise NotImplementedError(_SHARDED_KV)
 
     def stop(self) -> None:
         """Ends the followers' loops (on the thread that ran the plans)."""

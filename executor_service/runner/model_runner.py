@@ -77,6 +77,17 @@ class _Admitted:
         """Tokens computed in the step."""
         return len(self.steady.states) if self.steady is not None else sum(w.num_tokens for w in self.work)
 
+    def prompt_tokens(self) -> int:
+        """How many of the step's tokens are prompt (positions below their request's
+        num_prompt_tokens); read before the step moves the requests' progress on."""
+        if self.steady is not None:
+            return 0
+        total = 0
+        for item in self.work:
+            start = item.state.num_computed_tokens
+            total += min(item.num_tokens, max(0, item.state.num_prompt_tokens - start))
+        return total
+
 
 class ModelRunner:
     """agree_on_tokens: under tensor parallelism, gives every rank rank 0's sampled tokens, so
@@ -113,6 +124,8 @@ class ModelRunner:
         self.rows = RequestRows(limits.vocab_size, loaded.device, row_kernels)
         self._use_logits_to_keep = accepts_logits_to_keep(loaded)
         self._steady = SteadyDecodes()
+        # Tokens computed so far by steps that did not fail: prompt, then decode.
+        self._computed = [0, 0]
         # Unseeded draws share this generator; seeded requests own theirs.
         self._generator = torch.Generator(device=loaded.device)
         self._generator.seed()
@@ -129,12 +142,15 @@ class ModelRunner:
         admitted = self._admit(plan, copies_refused)
         result = executor_pb2.StepResult(step_id=plan.step_id, rejected=admitted.rejected)
         if admitted.work or admitted.steady is not None:
+            prompt, total = admitted.prompt_tokens(), admitted.num_tokens()
             try:
                 self._run(admitted, result, late)
             except Exception as error:
                 self._fail_step(plan.step_id, admitted.states(), error, result)
             else:
                 self.checkpointed.update(slot for item in admitted.work for _, slot in item.checkpoints)
+                self._computed[0] += prompt
+                self._computed[1] += total - prompt
         elif admitted.decodes:
             result.decode_token_ids.extend([UNHELD_DECODE_TOKEN] * len(admitted.decodes))
         if plan.want_held_requests:
@@ -186,6 +202,18 @@ class ModelRunner:
 
     def num_kv_blocks_in_use(self) -> int:
         return len({block for state in self.requests.values() for block in state.block_ids})
+
+    def computed_tokens(self) -> tuple[int, int]:
+        """Prompt and decode tokens computed so far by steps that did not fail."""
+        return self._computed[0], self._computed[1]
+
+    def read_blocks(self, block_ids: list[int]) -> bytes:
+        """These blocks' K/V, for another executor (KvTransfer.FetchBlocks)."""
+        return self.kv_cache.read_blocks(block_ids)
+
+    def write_blocks(self, block_ids: list[int], data: bytes) -> None:
+        """Another executor's K/V of as many blocks, into these (an import)."""
+        self.kv_cache.write_blocks(block_ids, data)
 
     def _gathers_decodes(self) -> bool:
         """Whether steady decodes take their inputs from the rows' tables: where a decode graph

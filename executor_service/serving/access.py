@@ -1,6 +1,7 @@
 """Who may call this executor's API (ExecutorInfo.access): under mutual TLS, a certificate whose
 common name is allowed; with a token file, callers that send the token; with
---insecure-executor, anyone. Checked on Describe and Execute before anything else."""
+--insecure-executor, anyone. Checked on Describe and Execute before anything else, and on
+KvTransfer (whose callers are other executors) without the names."""
 
 from __future__ import annotations
 
@@ -73,13 +74,29 @@ class ExecutorAccess:
                 "this executor serves only schedulers whose certificate names it allows "
                 "(--allowed-scheduler-names); this certificate's name is not one",
             )
-        if self.token is not None:
-            sent = dict(context.invocation_metadata() or ()).get(EXECUTOR_TOKEN_METADATA, "")
-            # Compared in constant time over bytes, so timing tells nothing of a near miss.
-            if not hmac.compare_digest(str(sent).encode(), self.token.encode()):
-                return Refusal(
-                    grpc.StatusCode.UNAUTHENTICATED,
-                    "this executor takes plans only from schedulers that send its token: start the "
-                    "scheduler with --executor-token-file naming the executor's token file",
-                )
-        return None
+        return self._token_refusal(
+            context,
+            "this executor takes plans only from schedulers that send its token: start the "
+            "scheduler with --executor-token-file naming the executor's token file",
+        )
+
+    def peer_refusal(self, context: grpc.aio.ServicerContext) -> Refusal | None:
+        """refusal() for a call from another executor (KvTransfer.FetchBlocks): the token where
+        one is set, but not the allowed scheduler names, which executors' certificates do not
+        carry. Under mutual TLS the handshake has already required a certificate the client CA
+        signed; the transfer id, a secret only the holding scheduler and the destination know,
+        is what names the blocks."""
+        return self._token_refusal(
+            context,
+            "this executor sends K/V only to executors that send its token: give every executor "
+            "the same --executor-token-file",
+        )
+
+    def _token_refusal(self, context: grpc.aio.ServicerContext, message: str) -> Refusal | None:
+        if self.token is None:
+            return None
+        sent = dict(context.invocation_metadata() or ()).get(EXECUTOR_TOKEN_METADATA, "")
+        # Compared in constant time over bytes, so timing tells nothing of a near miss.
+        if hmac.compare_digest(str(sent).encode(), self.token.encode()):
+            return None
+        return Refusal(grpc.StatusCode.UNAUTHENTICATED, message)

@@ -29,15 +29,19 @@ class ExecutorMetrics:
         graphed_steps: Callable[[], int] = lambda: 0,
         num_state_slots: int = 0,
         slots_in_use: Callable[[], tuple[int, int]] = lambda: (0, 0),
+        computed_tokens: Callable[[], tuple[int, int]] = lambda: (0, 0),
     ) -> None:
         """graphed_steps: how many steps so far replayed a CUDA graph (decode_graphs.py).
         num_state_slots, slots_in_use: a model with recurrent layers' state slots, and how many
-        requests and checkpoints hold one."""
+        requests and checkpoints hold one. computed_tokens: prompt and decode tokens computed so
+        far (the runner counts them, as only it knows where each request's prompt ends)."""
         self.registry = registry or CollectorRegistry()
         r = self.registry
         self._blocks_in_use = blocks_in_use
         self._graphed_steps = graphed_steps
         self._slots_in_use = slots_in_use
+        self._computed_tokens = computed_tokens
+        self._computed_seen = (0, 0)
         self._graphed_seen = 0
         self._counted_at = 0.0
         self.forward_time = Histogram(
@@ -86,6 +90,41 @@ class ExecutorMetrics:
             registry=r,
         )
         self.state_slots_total.set(num_state_slots)
+        self.computed_tokens = Counter(
+            "splitserve:executor_computed_tokens",
+            "Tokens computed by steps that did not fail: prompt (positions inside the request's "
+            "prompt) or decode.",
+            ["kind"],
+            registry=r,
+        )
+        self.kv_transfer_bytes = Counter(
+            "splitserve:executor_kv_transfer_bytes",
+            "Bytes of K/V sent to other executors (KvTransfer.FetchBlocks) or received from them.",
+            ["direction"],
+            registry=r,
+        )
+        self.kv_transfer_seconds = Histogram(
+            "splitserve:executor_kv_transfer_seconds",
+            "Seconds from the plan that asked for an import to its blocks being written.",
+            buckets=TIME_BUCKETS,
+            registry=r,
+        )
+        self.kv_imports = Counter(
+            "splitserve:executor_kv_imports", "Imports of K/V blocks that ended, by outcome.", ["outcome"], registry=r
+        )
+        # Every series shows from the start, at 0, so a rate over a window reads it.
+        for kind in ("prompt", "decode"):
+            self.computed_tokens.labels(kind)
+        for direction in ("sent", "received"):
+            self.kv_transfer_bytes.labels(direction)
+        for outcome in ("ok", "failed"):
+            self.kv_imports.labels(outcome)
+
+    def observe_import(self, result: executor_pb2.KvImportResult) -> None:
+        """An import that ended (StepResult.kv_imports_done)."""
+        self.kv_imports.labels("ok" if result.ok else "failed").inc()
+        if result.ok:
+            self.kv_transfer_seconds.observe(result.seconds)
 
     def observe_step(self, plan: executor_pb2.StepPlan, result: executor_pb2.StepResult) -> None:
         """On the worker thread, after the plan ran."""
@@ -107,6 +146,11 @@ class ExecutorMetrics:
         graphed = self._graphed_steps()
         self.graphed.inc(graphed - self._graphed_seen)
         self._graphed_seen = graphed
+        computed = self._computed_tokens()
+        for kind, now_count, seen in zip(("prompt", "decode"), computed, self._computed_seen, strict=True):
+            if now_count > seen:
+                self.computed_tokens.labels(kind).inc(now_count - seen)
+        self._computed_seen = computed
         now = time.monotonic()
         # Counted when requests come or go, and at least once a second as they grow: a request
         # that comes and goes within a second still shows.

@@ -21,6 +21,9 @@ from prometheus_client import start_http_server
 
 from executor_service.runner.late_bitmasks import LateBitmasks
 from executor_service.serving.access import ExecutorAccess
+from executor_service.serving.kv_fetch import KvFetcher, peer_tls
+from executor_service.serving.kv_moves import BlockAccess, KvMoves
+from executor_service.serving.kv_transfer import KV_TRANSFER_SERVICE, KvTransferServicer
 from executor_service.serving.metrics import ExecutorMetrics
 from executor_service.serving.settings import DEFAULT_DRAIN_TIMEOUT_S
 from protos.limits import MAX_MESSAGE_BYTES
@@ -54,6 +57,20 @@ class StepRunner(Protocol):
 
     def state_slots_in_use(self) -> tuple[int, int]:
         """Recurrent-state slots held by requests, and holding checkpoints (worker thread only)."""
+        ...
+
+    def computed_tokens(self) -> tuple[int, int]:
+        """Prompt and decode tokens computed so far by steps that did not fail (worker thread only)."""
+        ...
+
+    def read_blocks(self, block_ids: list[int]) -> bytes:
+        """These blocks' K/V as KvBlockChunk.data carries them (worker thread only; called only
+        where ExecutorInfo.supports_kv_transfer is on)."""
+        ...
+
+    def write_blocks(self, block_ids: list[int], data: bytes) -> None:
+        """read_blocks' bytes of as many blocks, written into these (worker thread only; called
+        only where ExecutorInfo.supports_kv_transfer is on)."""
         ...
 
 
@@ -145,8 +162,10 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
         lease_timeout_s: float,
         metrics: ExecutorMetrics,
         access: ExecutorAccess,
+        moves: KvMoves,
     ) -> None:
         self._executor = executor
+        self._moves = moves
         self._worker = worker
         self._lease_timeout_s = lease_timeout_s
         self._metrics = metrics
@@ -262,8 +281,13 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
         self._last_holder = holder
         # Submitted before any plan of the new stream, so it runs after a superseded stream's
         # plan that may be mid-forward and before the new stream's first plan.
-        self._worker.submit(self._executor.runner.drop_all_requests, wipe)
+        self._worker.submit(self._start_over, wipe)
         return stream
+
+    def _start_over(self, wipe_kv: bool) -> None:
+        """On the worker thread: no request, offer or import of an earlier stream is kept."""
+        self._moves.drop_all()
+        self._executor.runner.drop_all_requests(wipe_kv)
 
     def _run_plan(
         self, stream: _Stream, plan: executor_pb2.StepPlan
@@ -271,7 +295,9 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
         """On the worker thread. None for a plan of a stream that ended while it was queued."""
         if stream.skip_plans.is_set():
             return None
+        imports_done = self._moves.before_plan(plan)
         result = self._executor.runner.execute(plan, stream.late)
+        result.kv_imports_done.extend(imports_done)
         self._metrics.observe_step(plan, result)
         return result
 
@@ -368,15 +394,25 @@ async def serve(executor: ServedExecutor, options: ServeOptions, worker: ThreadP
         graphed_steps=runner.graphed_steps,
         num_state_slots=executor.info.num_state_slots,
         slots_in_use=runner.state_slots_in_use,
+        computed_tokens=runner.computed_tokens,
     )
     # Describe tells schedulers (and their status) who may drive this executor.
     executor.info.access = options.access.mode
-    servicer = ExecutorServicer(executor, worker, options.lease_timeout_s, metrics, options.access)
+    info = executor.info
+    # One rank's whole cache (an executor that moves K/V is never sharded), over its blocks.
+    block_bytes = info.kv_cache_bytes // max(1, info.num_kv_blocks)
+    fetcher = _kv_fetcher(info, block_bytes, options, metrics)
+    blocks = BlockAccess(runner.read_blocks, runner.write_blocks, info.kv_layout, block_bytes, info.num_kv_blocks)
+    moves = KvMoves(blocks, fetcher, asyncio.get_running_loop(), metrics)
+    servicer = ExecutorServicer(executor, worker, options.lease_timeout_s, metrics, options.access, moves)
     executor_pb2_grpc.add_ExecutorServicer_to_server(servicer, server)
+    executor_pb2_grpc.add_KvTransferServicer_to_server(
+        KvTransferServicer(moves, worker, options.access, metrics), server
+    )
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
-        (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
+        (SERVICE_NAME, KV_TRANSFER_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server
     )
     address = f"{host}:{port}"
     if options.tls is None:
@@ -393,13 +429,12 @@ async def serve(executor: ServedExecutor, options: ServeOptions, worker: ThreadP
     if options.metrics_port is not None:
         start_http_server(options.metrics_port, addr=host, registry=metrics.registry)
         logger.info("event=metrics_listening address=%s:%d", host, options.metrics_port)
-    for service in ("", SERVICE_NAME):
+    for service in ("", SERVICE_NAME, KV_TRANSFER_SERVICE):
         await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
-    info = executor.info
     logger.info(
         "event=executor_ready address=%s:%d port=%d model=%s device=%s dtype=%s blocks=%d "
         "block_size=%d backend=%s incarnation=%s tls=%s access=%s",
@@ -428,8 +463,28 @@ async def serve(executor: ServedExecutor, options: ServeOptions, worker: ThreadP
     await server.stop(SHUTDOWN_GRACE_S)
     if health_server is not None:
         await health_server.stop(None)
+    # Imports still fetching are abandoned (their scheduler recomputes), before their channels close.
+    await loop.run_in_executor(worker, moves.drop_all)
+    if fetcher is not None:
+        await fetcher.close()
     worker.shutdown(wait=True, cancel_futures=True)
     logger.info("event=executor_stopped")
+
+
+def _kv_fetcher(
+    info: executor_pb2.ExecutorInfo, block_bytes: int, options: ServeOptions, metrics: ExecutorMetrics
+) -> KvFetcher | None:
+    """How this executor fetches other executors' blocks, with its own credentials; None where it
+    moves no K/V."""
+    if not info.supports_kv_transfer:
+        return None
+    return KvFetcher(
+        info.kv_layout,
+        block_bytes,
+        options.access.token,
+        peer_tls(options.tls),
+        metrics.kv_transfer_bytes.labels("received").inc,
+    )
 
 
 async def drain(servicer: ExecutorServicer, timeout_s: float) -> None:

@@ -1,0 +1,128 @@
+"""Fetching another executor's offered blocks (KvTransfer.FetchBlocks), on the event loop.
+
+The executor calls its peers with its own credentials: its token under the same metadata key a
+scheduler uses, and under mutual TLS its own certificate, checked against its client CA (the CA
+that signs the executors' certificates in a deployment of one CA). Chunks are only checked and
+kept here; the worker thread writes them (kv_moves.py)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import grpc
+
+from protos.executor_access import EXECUTOR_TOKEN_METADATA
+from protos.limits import MAX_MESSAGE_BYTES
+from protos.splitserve.executor.v1 import executor_pb2, executor_pb2_grpc
+from service_support.transport_security import ClientTls, ServerTls
+
+logger = logging.getLogger(__name__)
+
+# A fetch that has not finished in this long is failed (the scheduler recomputes instead): a
+# source that accepts the call and then stalls must not hold the destination's blocks forever.
+FETCH_DEADLINE_S = 120.0
+
+
+def peer_tls(server: ServerTls | None) -> ClientTls | None:
+    """How this executor calls its peers, from how it serves: plaintext without TLS; under mutual
+    TLS its own certificate and key, trusting its client CA; under server-only TLS, trusting the
+    system's roots (it holds no CA of its own then)."""
+    if server is None:
+        return None
+    if not server.mutual:
+        return ClientTls()
+    return ClientTls(ca_pem=server.client_ca_pem, cert_pem=server.cert_pem, key_pem=server.key_pem)
+
+
+class FetchFailed(Exception):
+    """Why an import's blocks cannot be written (the message goes to KvImportResult.error)."""
+
+
+@dataclass(slots=True)
+class FetchedBlocks:
+    """An import's K/V, checked and complete: for each chunk, the destination blocks and their bytes."""
+
+    chunks: list[tuple[list[int], bytes]] = field(default_factory=list)
+    num_bytes: int = 0
+
+
+class KvFetcher:
+    """kv_layout, block_bytes: this executor's, which every chunk must match. received: called
+    with the size of each chunk as it comes (metrics)."""
+
+    def __init__(
+        self,
+        kv_layout: str,
+        block_bytes: int,
+        token: str | None,
+        tls: ClientTls | None,
+        received: Callable[[int], None],
+    ) -> None:
+        self._layout = kv_layout
+        self._block_bytes = block_bytes
+        self._metadata = ((EXECUTOR_TOKEN_METADATA, token),) if token else ()
+        self._tls = tls
+        self._received = received
+        # One channel per source: an executor moves many requests from the same few peers.
+        self._channels: dict[str, grpc.aio.Channel] = {}
+
+    def _stub(self, address: str) -> executor_pb2_grpc.KvTransferStub:
+        channel = self._channels.get(address)
+        if channel is None:
+            options = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
+            if self._tls is None:
+                channel = grpc.aio.insecure_channel(address, options=options)
+            else:
+                options += self._tls.channel_options()
+                channel = grpc.aio.secure_channel(address, self._tls.credentials(), options=options)
+            self._channels[address] = channel
+        return executor_pb2_grpc.KvTransferStub(channel)
+
+    async def fetch(self, entry: executor_pb2.KvImport) -> FetchedBlocks:
+        """The offer's blocks from entry.first_block on, one per entry.block_ids; FetchFailed when
+        the source cannot give exactly those, in this executor's layout."""
+        request = executor_pb2.FetchBlocksRequest(transfer_id=entry.transfer_id, first_block=entry.first_block)
+        call = self._stub(entry.source_address).FetchBlocks(
+            request, metadata=self._metadata, timeout=FETCH_DEADLINE_S
+        )
+        fetched = FetchedBlocks()
+        destinations = list(entry.block_ids)
+        done = 0
+        try:
+            async for chunk in call:
+                self._received(len(chunk.data))
+                problem = self._chunk_problem(chunk, entry.first_block + done, len(destinations) - done)
+                if problem is not None:
+                    raise FetchFailed(f"from {entry.source_address}: {problem}")
+                fetched.chunks.append((destinations[done : done + chunk.num_blocks], chunk.data))
+                fetched.num_bytes += len(chunk.data)
+                done += chunk.num_blocks
+        except grpc.aio.AioRpcError as error:
+            raise FetchFailed(f"from {entry.source_address}: {error.code().name}: {error.details()}") from None
+        finally:
+            # Ends the stream on an early exit (a bad chunk, or the import cancelled).
+            call.cancel()
+        if done != len(destinations):
+            raise FetchFailed(
+                f"from {entry.source_address}: the offer has {done} blocks from position "
+                f"{entry.first_block}, the import names {len(destinations)}"
+            )
+        return fetched
+
+    def _chunk_problem(self, chunk: executor_pb2.KvBlockChunk, position: int, room: int) -> str | None:
+        if chunk.kv_layout != self._layout:
+            return f"its kv_layout {chunk.kv_layout!r} is not this executor's {self._layout!r}"
+        if chunk.first_block != position:
+            return f"a chunk starts at offer position {chunk.first_block}, expected {position}"
+        if chunk.num_blocks == 0 or chunk.num_blocks > room:
+            return f"a chunk of {chunk.num_blocks} blocks where {room} more are expected"
+        if len(chunk.data) != chunk.num_blocks * self._block_bytes:
+            return f"a chunk of {chunk.num_blocks} blocks carries {len(chunk.data)} bytes, not {chunk.num_blocks * self._block_bytes}"
+        return None
+
+    async def close(self) -> None:
+        for channel in self._channels.values():
+            await channel.close()
+        self._channels.clear()
