@@ -27,6 +27,7 @@ from executor_service.serving.settings import (
     DEFAULT_GPU_MEMORY_UTILIZATION,
     DEFAULT_LEASE_TIMEOUT_S,
     DEFAULT_MAX_LOGPROBS,
+    ROLES,
     ExecutorSettings,
     parse_size,
 )
@@ -234,6 +235,15 @@ def parse_args(argv: list[str] | None, prog: str = "python -m executor_service")
         "runs under torchrun --nproc-per-node N",
     )
     parser.add_argument(
+        "--role",
+        choices=ROLES,
+        default="both",
+        help="which part of requests the scheduler plans here (ExecutorInfo.role): prefill (prompts "
+        "up to their first token, then the request moves to a decode executor with its K/V), decode "
+        "(requests whose prompt was computed elsewhere, and short prompts) or both; the executor "
+        "itself runs any plan either way",
+    )
+    parser.add_argument(
         "--drain-timeout",
         type=non_negative_float,
         default=DEFAULT_DRAIN_TIMEOUT_S,
@@ -285,6 +295,7 @@ def parse_args(argv: list[str] | None, prog: str = "python -m executor_service")
         tensor_parallel_size=args.tensor_parallel_size,
         verbose=args.verbose,
         access=access,
+        role=args.role,
     )
 
 

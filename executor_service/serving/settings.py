@@ -29,6 +29,8 @@ DEFAULT_CUDA_GRAPH_MAX_BATCH = 256
 # Seconds the holder's stream gets after SIGTERM to finish its requests and end: under
 # Kubernetes' default 30 s termination grace, with room to stop after it.
 DEFAULT_DRAIN_TIMEOUT_S = 25.0
+# ExecutorInfo.role: which part of requests the scheduler plans on an executor.
+ROLES = ("prefill", "decode", "both")
 
 _SIZE_UNITS = {
     "": 1,
@@ -97,6 +99,8 @@ class ExecutorSettings:
     # Who may call the Executor API; the command line always decides it (None only for
     # executors built in process, which serve nobody).
     access: ExecutorAccess | None = None
+    # ExecutorInfo.role, for the scheduler; nothing else here depends on it.
+    role: str = "both"
 
 
 def parse_size(text: str) -> int:

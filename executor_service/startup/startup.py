@@ -187,6 +187,7 @@ def build_executor(settings: ExecutorSettings, device: str | None = None) -> Rea
         max_logprobs=min(settings.max_logprobs, loaded.vocab_size),
         num_state_slots=num_slots,
     )
+    moves_kv = recurrent is None and not parallel and shape.num_layers > 0
     info = executor_pb2.ExecutorInfo(
         model_id=loaded.model_id,
         vocab_size=loaded.vocab_size,
@@ -209,6 +210,11 @@ def build_executor(settings: ExecutorSettings, device: str | None = None) -> Rea
         num_state_slots=num_slots,
         state_slot_bytes=recurrent.layout.bytes_per_slot() if recurrent else 0,
         supports_state_checkpoints=recurrent is not None,
+        # Recurrent state does not travel with blocks, and each rank of a sharded executor holds
+        # only its own heads' K/V.
+        supports_kv_transfer=moves_kv,
+        kv_layout=shape.layout() if moves_kv else "",
+        role=settings.role,
     )
     graphs = None
     if recurrent is not None and loaded.device.type == "cuda":

@@ -51,6 +51,12 @@ def test_shortcuts_that_make_tokens_depend_on_the_batch_or_the_host_are_opt_in()
     assert not parse_args([*MODEL, "--no-greedy-screen"]).greedy_screen
 
 
+def test_the_role_is_both_unless_chosen() -> None:
+    assert parse_args([*MODEL]).role == "both"
+    assert parse_args([*MODEL, "--role", "prefill"]).role == "prefill"
+    assert parse_args([*MODEL, "--role", "decode"]).role == "decode"
+
+
 def test_block_budget_flags_are_exclusive() -> None:
     with pytest.raises(SystemExit):
         parse_args(
@@ -88,6 +94,7 @@ def test_the_port_has_a_default_the_scheduler_dials_by_default() -> None:
         ("--cuda-graph-max-batch", "-1"),
         ("--block-size", "sixteen"),
         ("--device", "gpu"),
+        ("--role", "verify"),
     ],
 )
 def test_a_meaningless_value_is_argparses_error(

@@ -64,11 +64,13 @@ def _new(request_id: str, tokens: list[int], blocks: list[int], slot: int, **fie
     )
 
 
-def test_describe_reports_the_slots_and_no_block_copies(ready: ReadyExecutor) -> None:
+def test_describe_reports_the_slots_no_block_copies_and_no_kv_transfer(ready: ReadyExecutor) -> None:
     info = ready.info
     assert info.num_state_slots == 8
     assert info.state_slot_bytes == ready.runner.loaded.recurrent.layout.bytes_per_slot() > 0
     assert info.supports_state_checkpoints and not info.supports_block_copies
+    # Recurrent state does not travel with blocks: a request that moves is recomputed.
+    assert not info.supports_kv_transfer and not info.kv_layout
 
 
 def test_a_request_resumed_from_a_checkpoint_samples_what_a_whole_prompt_does(runner: ModelRunner) -> None:
