@@ -67,11 +67,7 @@ class KvMoves:
         self._metrics = metrics
         self._offers: dict[str, list[int]] = {}
         self._imports: dict[str, _Import] = {}
-        self.chunk_blocks = max(1, CHUNK_BYTES // max(1, blocks.block_bytes))
-
-    @property
-    def kv_layout(self) -> str:
-        return self._blocks.kv_layout
+        self._chunk_blocks = max(1, CHUNK_BYTES // max(1, blocks.block_bytes))
 
     def before_plan(self, plan: executor_pb2.StepPlan) -> list[executor_pb2.KvImportResult]:
         """On the worker thread, before the plan's forward: its cancellations, then the writes of
@@ -122,7 +118,7 @@ class KvMoves:
         offer = self._offers.get(transfer_id)
         if offer is None:
             raise OfferClosed(transfer_id)
-        block_ids = offer[position : position + self.chunk_blocks]
+        block_ids = offer[position : position + self._chunk_blocks]
         if not block_ids:
             return None
         return executor_pb2.KvBlockChunk(

@@ -9,10 +9,14 @@ import torch
 from executor_service.attention.kv_cache import KVCacheShape, PagedKVCache
 
 CPU = torch.device("cpu")
+DEVICES = [
+    "cpu",
+    pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="torch sees no CUDA device")),
+]
 
 
-def _filled(shape: KVCacheShape, num_blocks: int, seed: int) -> PagedKVCache:
-    cache = PagedKVCache(shape, num_blocks, CPU)
+def _filled(shape: KVCacheShape, num_blocks: int, seed: int, device: torch.device = CPU) -> PagedKVCache:
+    cache = PagedKVCache(shape, num_blocks, device)
     generator = torch.Generator().manual_seed(seed)
     for tensor in (*cache.keys, *cache.values):
         tensor.copy_(torch.randn(tensor.shape, generator=generator).to(shape.dtype))
@@ -23,11 +27,13 @@ def _block(tensor: torch.Tensor, block: int, block_size: int) -> torch.Tensor:
     return tensor[block * block_size : (block + 1) * block_size]
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_blocks_read_from_one_cache_are_written_bit_for_bit_into_others(dtype: torch.dtype) -> None:
+def test_blocks_read_from_one_cache_are_written_bit_for_bit_into_others(dtype: torch.dtype, device: str) -> None:
     shape = KVCacheShape(num_layers=3, num_kv_heads=2, key_dim=8, value_dim=4, block_size=4, dtype=dtype)
-    source = _filled(shape, num_blocks=8, seed=1)
-    destination = _filled(shape, num_blocks=8, seed=2)
+    # Both caches on the device: the bytes between them pass through the host, as they travel.
+    source = _filled(shape, num_blocks=8, seed=1, device=torch.device(device))
+    destination = _filled(shape, num_blocks=8, seed=2, device=torch.device(device))
     untouched = [tensor.clone() for tensor in (*destination.keys, *destination.values)]
     data = source.read_blocks([5, 1, 6])
     assert len(data) == 3 * shape.bytes_per_block()
