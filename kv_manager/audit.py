@@ -7,6 +7,7 @@ checkpoint's block is in the prefix cache (it goes when its block does)."""
 from collections import Counter
 from collections.abc import Collection
 
+from kv_manager.block_pool import BlockPool
 from kv_manager.kv_cache_manager import KVCacheManager
 from kv_manager.prefix_hash import BlockHash
 from kv_manager.state_checkpoints import StateCheckpoints
@@ -37,9 +38,25 @@ def pool_mismatches(manager: KVCacheManager) -> list[str]:
         if pool.blocks[block_id].block_hash != block_hash:
             found.append(f"block {block_id}: indexed in the prefix cache under a hash it does not carry")
     found += state_slot_mismatches(manager.state_slots, tables.keys())
+    if manager.host is not None:
+        found += host_tier_mismatches(manager.host.pool, manager.host.swapped_tables())
     found += checkpoint_mismatches(manager.checkpoints, manager.state_slots, pool.cached_hashes().keys())
     if len(found) > MAX_LISTED:
         return found[:MAX_LISTED] + [f"... and {len(found) - MAX_LISTED} more"]
+    return found
+
+
+def host_tier_mismatches(pool: BlockPool, swapped: dict[str, list[int]]) -> list[str]:
+    """What is wrong with the host tier's accounting: between plans, a host block is held exactly
+    by the swapped-out requests that name it (a cached prefix block in the tier is free)."""
+    holders = Counter(block_id for blocks in swapped.values() for block_id in blocks)
+    free = set(pool.free_block_ids())
+    found = []
+    for block in pool.blocks:
+        if block.ref_count != holders.get(block.block_id, 0):
+            found.append(f"host block {block.block_id}: reference count {block.ref_count}, but {holders.get(block.block_id, 0)} swapped requests name it")
+        if (block.ref_count == 0) != (block.block_id in free):
+            found.append(f"host block {block.block_id}: reference count {block.ref_count} yet {'free' if block.block_id in free else 'not free'}")
     return found
 
 

@@ -19,10 +19,11 @@ class KVBlock:
 class BlockPool:
     """Owns every KVBlock. Free blocks wait in eviction order: least recently freed first."""
 
-    def __init__(self, num_blocks: int, on_evict: Callable[[BlockHash], None] | None = None) -> None:
+    def __init__(self, num_blocks: int, on_evict: Callable[[BlockHash, int], None] | None = None) -> None:
         if num_blocks <= 0:
             raise ValueError(f"num_blocks must be positive, got {num_blocks}")
-        # Told each hash that leaves the prefix cache (what was kept for that prefix goes too).
+        # Told each hash that leaves the prefix cache, with the block that held it (what was kept
+        # for that prefix goes too, or moves to a lower tier).
         self._on_evict = on_evict
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         self._free: OrderedDict[int, KVBlock] = OrderedDict((b.block_id, b) for b in self.blocks)
@@ -103,5 +104,5 @@ class BlockPool:
         if block.block_hash is not None:
             del self._cached[block.block_hash]
             if self._on_evict is not None:
-                self._on_evict(block.block_hash)
+                self._on_evict(block.block_hash, block.block_id)
             block.block_hash = None

@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 
 from kv_manager import prefix_hash
 from kv_manager.block_pool import BlockPool, KVBlock
+from kv_manager.host_tier import HostTier, TierCopies
 from kv_manager.prefix_hash import BlockHash, extend_chain
 from kv_manager.state_checkpoints import StateCheckpoints
 from kv_manager.state_slots import StateSlotPool
@@ -19,6 +20,9 @@ class PrefixHit:
     # For a hybrid model: the slot of the checkpoint holding the recurrent state after those
     # tokens (KVCacheManager.resumable); 0 for a model without recurrent layers, or no hit.
     state_source_slot: int = 0
+    # Cached blocks found in the host tier after `blocks` (their tokens are in num_tokens):
+    # copied back into new device blocks when the hit is allocated.
+    host_blocks: list[KVBlock] = field(default_factory=list)
 
 
 class PoolExhausted(Exception):
@@ -44,6 +48,10 @@ class CacheStats:
     # keeping a checkpoint that a request may take, as free blocks include cached ones.
     num_state_slots: int = 0
     num_free_state_slots: int = 0
+    # Of hit_tokens, those copied back from the host tier; and its size and free blocks.
+    host_hit_tokens: int = 0
+    num_host_blocks: int = 0
+    num_free_host_blocks: int = 0
 
     @property
     def usage(self) -> float:
@@ -73,7 +81,12 @@ class KVCacheManager:
     resumes from (checkpoints, in slots no request holds)."""
 
     def __init__(
-        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, num_state_slots: int = 0
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        num_state_slots: int = 0,
+        num_host_blocks: int = 0,
     ) -> None:
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
@@ -81,11 +94,23 @@ class KVCacheManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.state_slots = StateSlotPool(num_state_slots)
         self.checkpoints = StateCheckpoints(self.state_slots)
-        # A checkpoint is worth its slot only while a hit can reach its block.
-        self.pool = BlockPool(num_blocks, on_evict=self.checkpoints.forget if num_state_slots else None)
+        # The host tier below the device's blocks (a model without recurrent layers: a hybrid
+        # model's cached prefix needs its recurrent state too, which the tier does not keep).
+        self.host = HostTier(num_host_blocks) if num_host_blocks and not num_state_slots else None
+        # A checkpoint is worth its slot only while a hit can reach its block; a cached block
+        # leaving the device moves to the host tier.
+        on_evict = self._evicted if num_state_slots or self.host is not None else None
+        self.pool = BlockPool(num_blocks, on_evict=on_evict)
         self._requests: dict[str, _RequestBlocks] = {}
         self._queried_tokens = 0
         self._hit_tokens = 0
+        self._host_hit_tokens = 0
+
+    def _evicted(self, block_hash: BlockHash, block_id: int) -> None:
+        if self.state_slots.num_slots:
+            self.checkpoints.forget(block_hash)
+        if self.host is not None and self.enable_prefix_caching:
+            self.host.keep_evicted(block_hash, block_id)
 
     def prefix_hashes(self, token_ids: Sequence[int], extra_key: bytes = b"") -> list[BlockHash]:
         """Hashes of the leading full blocks a prefix hit may cover (prefix_hash.cacheable_blocks)."""
@@ -105,10 +130,15 @@ class KVCacheManager:
         hit = PrefixHit()
         for block_hash in self.prefix_hashes(token_ids, extra_key) if hashes is None else hashes:
             block = self.pool.lookup(block_hash)
-            if block is None:
+            if block is not None and not hit.host_blocks:
+                hit.blocks.append(block)
+                continue
+            # Past the device's run, only the host tier's (a run of either, in order).
+            host_block = self.host.lookup(block_hash) if self.host is not None else None
+            if host_block is None:
                 break
-            hit.blocks.append(block)
-        hit.num_tokens = len(hit.blocks) * self.block_size
+            hit.host_blocks.append(host_block)
+        hit.num_tokens = (len(hit.blocks) + len(hit.host_blocks)) * self.block_size
         return hit
 
     def resumable(self, hit: PrefixHit) -> PrefixHit:
@@ -153,7 +183,10 @@ class KVCacheManager:
         return entry.hashes[block_index]
 
     def is_cached(self, block_hash: BlockHash) -> bool:
-        return self.enable_prefix_caching and self.pool.lookup(block_hash) is not None
+        """Whether a prefix hit would find the block (on the device, or in the host tier)."""
+        if not self.enable_prefix_caching:
+            return False
+        return self.pool.lookup(block_hash) is not None or (self.host is not None and self.host.lookup(block_hash) is not None)
 
     def allocate_slots(
         self,
@@ -186,10 +219,19 @@ class KVCacheManager:
         if prefix_hit is not None:
             self._queried_tokens += len(token_ids)
             self._hit_tokens += hit.num_tokens
+            self._host_hit_tokens += len(hit.host_blocks) * self.block_size
         self.pool.acquire(hit.blocks)
         entry.blocks.extend(hit.blocks)
+        if hit.host_blocks:
+            assert self.host is not None
+            self.host.read_cached(hit.host_blocks)
         new_blocks = self.pool.allocate(num_new_blocks)
         entry.blocks.extend(new_blocks)
+        # Their content is copied in before the plan's step runs, so they are cached now.
+        for host_block, block in zip(hit.host_blocks, new_blocks, strict=False):
+            assert self.host is not None and host_block.block_hash is not None
+            self.host.copy_back(host_block, block.block_id)
+            self.pool.register(block, host_block.block_hash)
         return [b.block_id for b in new_blocks]
 
     def cache_computed(self, request_id: str, token_ids: Sequence[int], num_computed_tokens: int) -> None:
@@ -249,12 +291,53 @@ class KVCacheManager:
         return BlockCopy(parent.blocks[num_full].block_id, copy.block_id)
 
     def free(self, request_id: str) -> None:
-        """Releases every block of the request, and its state slot (finished, aborted or
-        preempted: whenever it leaves the executor, its state there goes). Idempotent."""
+        """Releases every block of the request (in the host tier too), and its state slot
+        (finished, aborted or preempted: whenever it leaves the executor, its state there
+        goes). Idempotent."""
+        self._release_device(request_id)
+        if self.host is not None:
+            self.host.drop(request_id)
+
+    def _release_device(self, request_id: str) -> None:
         entry = self._requests.pop(request_id, None)
         if entry is not None:
             self.pool.release(reversed(entry.blocks))
         self.state_slots.free(request_id)
+
+    def swap_out(self, request_id: str, num_tokens: int) -> bool:
+        """Preemption by swapping: the request's blocks holding its first num_tokens tokens are
+        copied into the host tier by the next plan, and its device blocks are freed (that plan
+        may reuse them). False, changing nothing, without a tier or room in it."""
+        entry = self._requests.get(request_id)
+        if self.host is None or entry is None or num_tokens <= 0:
+            return False
+        kept = [block.block_id for block in entry.blocks[: -(-num_tokens // self.block_size)]]
+        if not self.host.swap_out(request_id, kept):
+            return False
+        self._release_device(request_id)
+        return True
+
+    def is_swapped(self, request_id: str) -> bool:
+        return self.host is not None and self.host.num_swapped(request_id) > 0
+
+    def swap_in(self, request_id: str, extra_key: bytes = b"", num_tokens: int = 0) -> bool:
+        """Device blocks for a swapped-out request, its K/V copied back into them by the next
+        plan; False, changing nothing, when too few are free for them and for num_tokens
+        tokens in all (what it computes next, so it never waits holding blocks)."""
+        assert self.host is not None
+        count = self.host.num_swapped(request_id)
+        if request_id in self._requests:
+            raise ValueError(f"request {request_id} already holds blocks")
+        if max(count, -(-num_tokens // self.block_size)) > self.pool.num_free:
+            return False
+        blocks = self.pool.allocate(count)
+        self._requests[request_id] = _RequestBlocks(blocks=blocks, extra_key=extra_key)
+        self.host.swap_in(request_id, [block.block_id for block in blocks])
+        return True
+
+    def take_tier_copies(self) -> TierCopies:
+        """The host tier's copies for the plan being made (none without a tier)."""
+        return self.host.take_copies() if self.host is not None else TierCopies()
 
     def rename(self, request_id: str, owner: str) -> None:
         """Moves the request's blocks, as they are, under another owner's name (blocks offered
@@ -295,6 +378,9 @@ class KVCacheManager:
             hit_tokens=self._hit_tokens,
             num_state_slots=self.state_slots.num_slots,
             num_free_state_slots=self.state_slots.num_slots - self.state_slots.num_held,
+            host_hit_tokens=self._host_hit_tokens,
+            num_host_blocks=self.host.num_blocks if self.host is not None else 0,
+            num_free_host_blocks=self.host.pool.num_free if self.host is not None else 0,
         )
 
     def _register_full_blocks(

@@ -43,6 +43,10 @@ class SchedulerConfig:
     # last one it covers (core/checkpoint_policy.py). 0: none kept. The lane takes
     # --state-checkpoint-blocks for an executor that supports_state_checkpoints, else 0.
     state_checkpoint_blocks: int = 0
+    # Blocks of the executor's host tier (ExecutorInfo.num_host_blocks): preempted requests'
+    # K/V is swapped there instead of being recomputed, and cached prefix blocks leaving the
+    # device go there. 0: none.
+    num_host_blocks: int = 0
 
     @property
     def max_seq_len(self) -> int:

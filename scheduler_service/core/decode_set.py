@@ -113,6 +113,11 @@ class DecodeSet:
         self.epoch[slot] += 1
         self._free.append(slot)
 
+    def slot_of(self, request: Request) -> tuple[int, int]:
+        """The request's slot and that slot's epoch (what a BulkStep records)."""
+        slot = self._slot_of[request]
+        return slot, int(self.epoch[slot])
+
     def pause(self, request: Request, paused: bool = True) -> None:
         """Plans no more tokens for the request (or again, paused False); steps in flight still
         apply."""

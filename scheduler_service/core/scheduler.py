@@ -4,8 +4,10 @@ they use; and the bookkeeping when the step's tokens come back."""
 import itertools
 import time
 from collections import Counter
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from kv_manager import (
     BlockCopy,
@@ -15,6 +17,7 @@ from kv_manager import (
     PrefixHit,
     prefix_hash,
 )
+from protos.limits import UNHELD_DECODE_TOKEN
 from scheduler_service.core.checkpoint_policy import CheckpointPolicy
 from scheduler_service.core.config import SchedulerConfig, SchedulingKnobs
 from scheduler_service.core.decode_set import BulkStep, DecodeSet
@@ -136,6 +139,14 @@ class Scheduler:
         self.hand_off_after_prefill = False
         # Tokens computed again, by why their K/V was lost (Request.lose_kv), since start.
         self.recomputed_tokens: Counter[str] = Counter()
+        # Preemptions that swapped the request's K/V to the host tier, since start.
+        self.num_swapped_out = 0
+        # The bulk decodes of the plan being made, once planned (a request swapped out after
+        # that takes its part back).
+        self._planning_bulk: BulkStep | None = None
+        # step id -> (position in its decode_handles, request, epoch) of steady decodes swapped
+        # out while that step was in flight: their tokens still count.
+        self._kept_bulk: dict[int, list[tuple[int, Request, int]]] = {}
 
     @property
     def on_executor(self) -> frozenset[str]:
@@ -223,13 +234,16 @@ class Scheduler:
         self._late.clear()
         self._retrying.clear()
         self._moves = MoveBooks()
+        self._kept_bulk.clear()
         self.kv, self._checkpoints = self._new_books()
         return evicted
 
     def _new_books(self) -> tuple[KVCacheManager, CheckpointPolicy]:
         """Empty books: every block and state slot free, no checkpoint kept."""
         config = self.config
-        kv = KVCacheManager(config.num_kv_blocks, config.block_size, config.enable_prefix_caching, config.num_state_slots)
+        kv = KVCacheManager(
+            config.num_kv_blocks, config.block_size, config.enable_prefix_caching, config.num_state_slots, config.num_host_blocks
+        )
         return kv, CheckpointPolicy(kv, config.state_checkpoint_tokens, self.prefix_hashes)
 
     def release_waiting(self, requests: Iterable[Request]) -> list[Request]:
@@ -551,7 +565,7 @@ class Scheduler:
             computed = request.num_computed_tokens
             while (ids := self.kv.allocate_slots(request.request_id, request.token_ids, computed, 1)) is None:
                 victim = pick_victim(self.running, self.config.policy)
-                self._preempt(victim)
+                self._preempt(victim, swap=True)
                 plan.preempted = True
                 if victim is request:
                     break
@@ -559,7 +573,7 @@ class Scheduler:
                 self.decodes.add_cover(request, len(ids) * block_size)
                 plan.block_handles.extend([request.handle] * len(ids))
                 plan.block_ids.extend(ids)
-        plan.step = self.decodes.plan(budget)
+        plan.step = self._planning_bulk = self.decodes.plan(budget)
         if plan.step is not None:
             budget -= len(plan.step.handles)
         return plan, budget
@@ -640,7 +654,7 @@ class Scheduler:
                 victim = pick_victim(self.running, self.config.policy)
                 budget += scheduled.pop(victim, 0)
                 new_blocks.pop(victim.request_id, None)
-                self._preempt(victim)
+                self._preempt(victim, swap=True)
                 preempted = True
                 if victim is request:
                     break
@@ -668,10 +682,19 @@ class Scheduler:
             if not self._checkpoints.may_admit():
                 break
             hashes = self.prefix_hashes(request)
+            if self.kv.is_swapped(request.request_id) and (
+                # Swapped out: back once the tokens of its steps in flight are in, into fresh
+                # blocks that the plan fills from the host tier.
+                request.num_pending_outputs
+                or not self.kv.swap_in(
+                    request.request_id, request.cache_salt, request.num_computed_tokens + min(request.num_uncomputed_tokens, budget)
+                )
+            ):
+                break
             if self.kv.holds(request.request_id):
-                # It arrived with its K/V (import_request): it computes on from there.
+                # It arrived with its K/V (import_request, swap_in): it computes on from there.
                 num_new = min(request.num_uncomputed_tokens, budget)
-                if self._allocate(request, num_new) is None:
+                if self._allocate(request, num_new) is None and not self._unblock(request):
                     break
                 self._admitted(request, request.num_computed_tokens, hashes, admitted)
                 scheduled[request] = num_new
@@ -691,7 +714,8 @@ class Scheduler:
             # A scored prompt is computed whole: cached positions would have no logits.
             scores_prompt = request.sampling.prompt_logprobs is not None
             hit = PrefixHit() if scores_prompt else self.kv.find_cached_prefix(request.token_ids, request.cache_salt, hashes)
-            if not scores_prompt and len(hit.blocks) < len(hashes) and hashes[len(hit.blocks)] in self._prefixes.computing:
+            found = hit.num_tokens // self.config.block_size
+            if not scores_prompt and found < len(hashes) and hashes[found] in self._prefixes.computing:
                 self._deferred.append(self.waiting.pop())
                 continue
             # A hybrid model's hit reaches back to its last checkpoint (checkpoint_policy).
@@ -798,8 +822,20 @@ class Scheduler:
             extra_key=request.cache_salt,
         )
 
-    def _preempt(self, request: Request) -> None:
-        """Recompute preemption: the blocks go, the tokens stay, the request waits at the head."""
+    def _preempt(self, request: Request, swap: bool = False) -> None:
+        """Preemption: the blocks go, the tokens stay, the request waits at the head. For want
+        of blocks (swap) with a host tier that has room, its K/V goes there and comes back with
+        it; else it is recomputed."""
+        if swap and self._swap_out(request):
+            return
+        if request.status is RequestStatus.WAITING:
+            # Swapped out while a step of it was in flight, which failed: the K/V it kept lacks
+            # that step's.
+            self.kv.free(request.request_id)
+            request.lose_kv("preempted")
+            request.num_pending_outputs = 0
+            request.num_preemptions += 1
+            return
         if request in self.decodes:
             self.decodes.leave(request)
         self.running.remove(request)
@@ -813,6 +849,52 @@ class Scheduler:
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.push_front(request)
+
+    def _unblock(self, request: Request) -> bool:
+        """The head of the queue arrived with its K/V but finds no block for its next tokens:
+        with nothing running to free any, the other waiting requests holding blocks (arrived
+        with theirs) give them up, to the host tier or to be recomputed. Returns whether its
+        blocks were then found."""
+        if self.running:
+            return False
+        for waiting in self.queued:
+            if waiting is not request and self.kv.holds(waiting.request_id):
+                if not self.kv.swap_out(waiting.request_id, waiting.num_computed_tokens):
+                    self.kv.free(waiting.request_id)
+                    waiting.lose_kv("preempted")
+        return self._allocate(request, min(request.num_uncomputed_tokens, self.config.max_num_batched_tokens)) is not None
+
+    def _swap_out(self, request: Request) -> bool:
+        """Swaps a running request's K/V out to the host tier (False, changing nothing, when
+        there is none or no room). Steps in flight for it still deliver their tokens: its epoch
+        stays, and a steady decode's are kept (_kept_bulk); its part in the plan being made is
+        taken back (the executor drops it before that step runs)."""
+        if self.kv.host is None:
+            return False
+        in_bulk = request in self.decodes
+        slot, epoch = self.decodes.slot_of(request) if in_bulk else (-1, -1)
+        now = self._planning_bulk
+        planned_now = in_bulk and now is not None and bool(np.any((now.slots == slot) & (now.epochs == epoch)))
+        computed = request.num_computed_tokens - planned_now
+        if not self.kv.swap_out(request.request_id, computed):
+            return False
+        if in_bulk:
+            for step_id, step in self._in_flight_bulk.items():
+                for position in np.flatnonzero((step.slots == slot) & (step.epochs == epoch)).tolist():
+                    self._kept_bulk.setdefault(step_id, []).append((position, request, request.num_preemptions))
+            if planned_now:
+                request.num_pending_outputs -= 1
+            self.decodes.leave(request)
+        self.running.remove(request)
+        self._forget_on_executor(request.request_id)
+        self._prefixes.computing.remove(request)
+        self._stop_moving(request)
+        request.status = RequestStatus.WAITING
+        request.num_computed_tokens = computed
+        self.num_preemptions += 1
+        self.num_swapped_out += 1
+        self.waiting.push_front(request)
+        return True
 
     def _forget_on_executor(self, request_id: str) -> None:
         if request_id in self._on_executor:
@@ -829,6 +911,7 @@ class Scheduler:
         plan = StepPlan(step_id=next(self._step_ids), dropped_request_ids=self._to_drop, block_copies=self._copies)
         self._to_drop, self._copies = [], []
         self._moves_into(plan)
+        self._planning_bulk = None
         if bulk.step is not None:
             plan.decode_handles = bulk.step.handles
             plan.decode_block_handles, plan.decode_block_ids = bulk.block_handles, bulk.block_ids
@@ -884,6 +967,9 @@ class Scheduler:
         if checkpointing and bulk.step is not None:
             spans += [(request, end - 1, end) for request, end in self.decodes.reaching(bulk.step, self._checkpoints.interval)]
         plan.state_checkpoints = self._checkpoints.plan(plan.step_id, spans)
+        # Last: admissions and preemptions of this plan added to them.
+        copies = self.kv.take_tier_copies()
+        plan.swap_out, plan.swap_in = copies.swap_out, copies.swap_in
         if in_flight:
             self._in_flight[plan.step_id] = in_flight
         if late:
@@ -927,6 +1013,17 @@ class Scheduler:
                 failed.extend(self.decodes.live(bulk))
             else:
                 self._apply_bulk(bulk, output, result, now)
+        for position, request, epoch in self._kept_bulk.pop(output.step_id, ()):
+            if self.requests.get(request.request_id) is not request or request.num_preemptions != epoch:
+                continue
+            tokens = output.decode_token_ids
+            if output.failure is not None:
+                failed.append(request)
+            elif position >= len(tokens) or tokens[position] == UNHELD_DECODE_TOKEN:
+                message = f"the executor returned no token for request {request.request_id}"
+                updates.append(self._end_in_error(request, RequestError(ErrorKind.INTERNAL, message)))
+            else:
+                updates.append(self._append_tokens(request, output, now, result.inter_token_gaps, [tokens[position]]))
         for request_id, sent in self._in_flight.pop(output.step_id, {}).items():
             request = sent.request
             # The request may have finished, been preempted, or even been replaced by a new
@@ -1033,7 +1130,11 @@ class Scheduler:
         self.finish(request, FinishReason.ABORT)
         return RequestUpdate(request, [], [], True, error)
 
-    def _append_tokens(self, request: Request, output: StepOutput, now: float, gaps: list[float]) -> RequestUpdate:
+    def _append_tokens(
+        self, request: Request, output: StepOutput, now: float, gaps: list[float], sampled: Sequence[int] | None = None
+    ) -> RequestUpdate:
+        """sampled: the request's tokens, when not among the output's per-request ones (a
+        steady decode's, kept across its swap-out)."""
         request.num_pending_outputs -= 1
         update = RequestUpdate(request, [], output.logprobs.get(request.request_id, []), False)
         prompt_records = output.prompt_logprobs.get(request.request_id, ()) if request.num_output_tokens == 0 else ()
@@ -1045,7 +1146,8 @@ class Scheduler:
             return update
         if prompt_records:
             update.new_logprobs = [*prompt_records, *update.new_logprobs]
-        sampled = output.sampled[request.request_id]
+        if sampled is None:
+            sampled = output.sampled[request.request_id]
         if sampled:
             if request.last_token_at is not None:
                 gaps.append(now - request.last_token_at)

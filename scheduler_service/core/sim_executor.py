@@ -11,7 +11,8 @@ after (state_source_slot); and each checkpoint a plan makes: in a slot no reques
 at a point the request computes in that step. A checkpoint's state is modelled as the tokens it
 follows. K/V moves between simulated executors (peers, by address): an offer makes blocks
 readable, and an import copies the offered slots at the start of the next plan (as the real
-executor writes fetched blocks between plans) and reports it in that plan's result.
+executor writes fetched blocks between plans) and reports it in that plan's result. A host tier
+is a second map of slots, which the plan's swap-outs and swap-ins copy to and from.
 """
 
 from collections.abc import Callable, Sequence
@@ -95,6 +96,8 @@ class SimulatedExecutor:
     # Open offers by transfer id, and imports to complete at the next plan.
     offers: dict[str, list[int]] = field(default_factory=dict)
     imports: list[KvImport] = field(default_factory=list)
+    # The host tier's slots: host slot -> token.
+    host_slots: dict[int, int] = field(default_factory=dict)
 
     def execute(self, plan: StepPlan) -> StepOutput:
         output = self._run(plan)
@@ -120,6 +123,10 @@ class SimulatedExecutor:
         for request_id in plan.dropped_request_ids:
             self._forget(request_id)
             self.dropped_by_failure.discard(request_id)
+        for device_block, host_block in plan.swap_out:
+            self._copy_block(self.slots, device_block, self.host_slots, host_block)
+        for host_block, device_block in plan.swap_in:
+            self._copy_block(self.host_slots, host_block, self.slots, device_block)
         for copy in plan.block_copies:
             for offset in range(self.block_size):
                 source = self.slots.get(copy.source * self.block_size + offset)
@@ -221,6 +228,14 @@ class SimulatedExecutor:
         output.forward_time_s = self.step_overhead_s + self.per_token_s * plan.num_scheduled_tokens
         self.elapsed_s += output.forward_time_s
         return output
+
+    def _copy_block(self, source: dict[int, int], source_block: int, target: dict[int, int], target_block: int) -> None:
+        for offset in range(self.block_size):
+            token = source.get(source_block * self.block_size + offset)
+            if token is None:
+                target.pop(target_block * self.block_size + offset, None)
+            else:
+                target[target_block * self.block_size + offset] = token
 
     def _import(self, entry: KvImport) -> ImportDone:
         """Copies an offer's slots from its peer into the import's blocks."""

@@ -144,6 +144,10 @@ class StepPlan:
     ended_exports: list[str] = field(default_factory=list)
     kv_imports: list[KvImport] = field(default_factory=list)
     cancelled_imports: list[str] = field(default_factory=list)
+    # The host tier's copies before the step: (device block, host block) out, then (host block,
+    # device block) in.
+    swap_out: list[tuple[int, int]] = field(default_factory=list)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def num_scheduled_tokens(self) -> int:
@@ -159,8 +163,10 @@ class StepPlan:
 
     @property
     def has_moves(self) -> bool:
-        """Whether it carries K/V transfer entries, which go even in a plan with no work."""
-        return bool(self.kv_exports or self.ended_exports or self.kv_imports or self.cancelled_imports)
+        """Whether it carries K/V transfer or swap entries, which go even in a plan with no work."""
+        return bool(
+            self.kv_exports or self.ended_exports or self.kv_imports or self.cancelled_imports or self.swap_out or self.swap_in
+        )
 
     def prefill_and_decode_tokens(self) -> tuple[int, int]:
         """The step's batch composition: a one-token continuation counts as a decode (a

@@ -334,6 +334,7 @@ class ExecutorLane:
             num_state_slots=info.num_state_slots,
             # An older executor keeps no checkpoints: its hybrid model has no prefix caching.
             state_checkpoint_blocks=options.state_checkpoint_blocks if info.supports_state_checkpoints else 0,
+            num_host_blocks=info.num_host_blocks,
         )
 
     def _set_state(self, state: LaneState, reason: str) -> None:

@@ -103,6 +103,12 @@ def plan_to_proto(plan: StepPlan, eos_token_ids: Collection[int] = ()) -> pb.Ste
             )
         )
     message.cancelled_imports.extend(plan.cancelled_imports)
+    for device_block, host_block in plan.swap_out:
+        message.swap_out_device_blocks.append(device_block)
+        message.swap_out_host_blocks.append(host_block)
+    for host_block, device_block in plan.swap_in:
+        message.swap_in_host_blocks.append(host_block)
+        message.swap_in_device_blocks.append(device_block)
     return message
 
 
