@@ -7,12 +7,15 @@ strings are equal read each other's bytes the same way.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 
-def _slots(block_ids: list[int], block_size: int, device: torch.device) -> torch.Tensor:
+def block_slots(block_ids: Sequence[int], block_size: int, device: torch.device) -> torch.Tensor:
+    """The cache rows of these blocks, block by block (slot s is in block s // block_size)."""
     offsets = torch.arange(block_size, device=device)
-    return (torch.tensor(block_ids, device=device)[:, None] * block_size + offsets).flatten()
+    return (torch.tensor(list(block_ids), dtype=torch.int64, device=device)[:, None] * block_size + offsets).flatten()
 
 
 def read_blocks(
@@ -21,7 +24,7 @@ def read_blocks(
     """The bytes of these blocks, in this order."""
     if not keys:
         return b""
-    slots = _slots(block_ids, block_size, keys[0].device)
+    slots = block_slots(block_ids, block_size, keys[0].device)
     parts = [tensor[slots].reshape(-1) for layer in zip(keys, values) for tensor in layer]
     # uint8 views: numpy has no bfloat16, and bytes are all that travel.
     return torch.cat(parts).view(torch.uint8).cpu().numpy().tobytes()
@@ -43,6 +46,6 @@ def write_blocks(
     device, dtype = keys[0].device, keys[0].dtype
     # A writable copy: torch.frombuffer over immutable bytes warns, and the copy is the upload's anyway.
     flat = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(dtype).to(device)
-    slots = _slots(block_ids, block_size, device)
+    slots = block_slots(block_ids, block_size, device)
     for tensor, part in zip(tensors, flat.split(sizes), strict=True):
         tensor[slots] = part.view(num_slots, *tensor.shape[1:])
