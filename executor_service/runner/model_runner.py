@@ -13,9 +13,11 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
+from executor_service.attention.host_tier import HostBlocks
 from executor_service.attention.kv_cache import PagedKVCache
 from executor_service.kernels.row_kernels import RowKernels
 from executor_service.model.model_loader import LoadedModel
+from executor_service.runner.block_swaps import run_swaps
 from executor_service.runner.decode_graphs import DecodeGraphs
 from executor_service.runner.forward import accepts_logits_to_keep, compute_logits
 from executor_service.runner.late_bitmasks import LateBitmasks
@@ -94,7 +96,7 @@ class ModelRunner:
     the ranks' request states (the next step's inputs) never drift apart. argmax: what the
     sampler's greedy rows take, torch's when None. graphs: pure decode steps through captured
     CUDA graphs where a bucket holds them. row_kernels: a steady step's bookkeeping in C
-    (RequestRows), numpy's where None."""
+    (RequestRows), numpy's where None. host: the host tier of K/V blocks (--kv-host-gib), if any."""
 
     def __init__(
         self,
@@ -106,8 +108,10 @@ class ModelRunner:
         argmax: Argmax | None = None,
         graphs: DecodeGraphs | None = None,
         row_kernels: RowKernels | None = None,
+        host: HostBlocks | None = None,
     ) -> None:
         self.loaded = loaded
+        self.host = host
         self.graphs = graphs
         self._agree_on_tokens = agree_on_tokens
         self._argmax = argmax
@@ -138,8 +142,9 @@ class ModelRunner:
         for request_id in plan.dropped_request_ids:
             # Unknown ids are fine: the scheduler pipelines and may drop what is already gone.
             self._forget(request_id)
-        copies_refused = self._copy_blocks(plan)
-        admitted = self._admit(plan, copies_refused)
+        unfilled = run_swaps(plan, self.host, self.limits)
+        unfilled |= self._copy_blocks(plan, unfilled)
+        admitted = self._admit(plan, unfilled)
         result = executor_pb2.StepResult(step_id=plan.step_id, rejected=admitted.rejected)
         if admitted.work or admitted.steady is not None:
             prompt, total = admitted.prompt_tokens(), admitted.num_tokens()
@@ -189,6 +194,8 @@ class ModelRunner:
         self.rows.clear()
         if wipe_kv:
             self.kv_cache.wipe()
+            if self.host is not None:
+                self.host.forget_all()
             if self.loaded.recurrent is not None and self.loaded.recurrent.states is not None:
                 self.loaded.recurrent.states.wipe()
 
@@ -206,6 +213,10 @@ class ModelRunner:
     def computed_tokens(self) -> tuple[int, int]:
         """Prompt and decode tokens computed so far by steps that did not fail."""
         return self._computed[0], self._computed[1]
+
+    def swapped_blocks(self) -> tuple[int, int]:
+        """Blocks copied so far out of the device into the host tier, and back in."""
+        return (self.host.swapped[0], self.host.swapped[1]) if self.host is not None else (0, 0)
 
     def read_blocks(self, block_ids: list[int]) -> bytes:
         """These blocks' K/V, for another executor (KvTransfer.FetchBlocks)."""
@@ -354,26 +365,31 @@ class ModelRunner:
             executor_pb2.StepFailure(message=f"{type(error).__name__}: {error}", request_ids=failed)
         )
 
-    def _copy_blocks(self, plan: executor_pb2.StepPlan) -> str | None:
-        """Makes the plan's block copies; says what is wrong with them instead, when anything is
-        (then the plan's new requests that would read a copy are refused: a scheduler's bug,
-        INTERNAL)."""
-        if not plan.copy_block_sources and not plan.copy_block_destinations:
-            return None
+    def _copy_blocks(self, plan: executor_pb2.StepPlan, unfilled: dict[int, str]) -> dict[int, str]:
+        """Makes the plan's block copies. Returns the device blocks they should have filled but
+        did not, each with why: all their destinations when anything is wrong with them, else
+        those copied from a block that a refused swap-in (unfilled) should have filled."""
+        sources, destinations = plan.copy_block_sources, plan.copy_block_destinations
+        if not sources and not destinations:
+            return {}
         problem = copies_problem(plan, self.limits)
-        if problem is None:
-            self.kv_cache.copy_blocks(list(plan.copy_block_sources), list(plan.copy_block_destinations))
-        return problem
+        if problem is not None:
+            return dict.fromkeys(destinations, f"the plan's block copies: {problem}")
+        self.kv_cache.copy_blocks(list(sources), list(destinations))
+        return {target: unfilled[source] for source, target in zip(sources, destinations) if source in unfilled}
 
-    def _admit(self, plan: executor_pb2.StepPlan, copies_refused: str | None) -> _Admitted:
+    def _admit(self, plan: executor_pb2.StepPlan, unfilled: dict[int, str]) -> _Admitted:
+        """unfilled: device blocks the plan's swaps or copies should have filled but did not, with
+        why; a new request that reads one is refused (a scheduler's bug, INTERNAL)."""
         admitted = _Admitted(work=[], rejected=[], decodes=[])
         scheduled: set[str] = set()
         entries = [*plan.new_requests, *plan.continuing_requests]
-        copied = set(plan.copy_block_destinations)
         for entry in entries:
-            if copies_refused is not None and isinstance(entry, executor_pb2.NewRequest) and not copied.isdisjoint(entry.block_ids):
-                self._reject(admitted, entry.request_id, rpc_codes.INTERNAL, f"the plan's block copies: {copies_refused}")
-                continue
+            if unfilled and isinstance(entry, executor_pb2.NewRequest):
+                problem = next((unfilled[block] for block in entry.block_ids if block in unfilled), None)
+                if problem is not None:
+                    self._reject(admitted, entry.request_id, rpc_codes.INTERNAL, problem)
+                    continue
             try:
                 problem = self._admit_entry(entry, admitted, scheduled)
             except Exception as error:

@@ -24,6 +24,8 @@ class Limits:
     max_logprobs: int
     # Recurrent-state slots (1..num_state_slots); 0: the model has no recurrent layers.
     num_state_slots: int = 0
+    # Blocks of the host tier (--kv-host-gib); 0: no tier.
+    num_host_blocks: int = 0
 
 
 def check_new(entry: executor_pb2.NewRequest, sampling: SamplerSettings, limits: Limits) -> str | None:
@@ -131,6 +133,23 @@ def copies_problem(plan: executor_pb2.StepPlan, limits: Limits) -> str | None:
     return None
 
 
+def swaps_problem(plan: executor_pb2.StepPlan, limits: Limits) -> str | None:
+    """What is wrong with a plan's swaps between device and host blocks (swap_out_*, swap_in_*)."""
+    if not limits.num_host_blocks:
+        return "the plan swaps blocks, but this executor has no host tier (--kv-host-gib)"
+    pairs = (
+        ("swap_out_device_blocks and swap_out_host_blocks", plan.swap_out_device_blocks, plan.swap_out_host_blocks),
+        ("swap_in_host_blocks and swap_in_device_blocks", plan.swap_in_device_blocks, plan.swap_in_host_blocks),
+    )
+    for names, device, host in pairs:
+        if len(device) != len(host):
+            return f"{names} differ in length"
+        problem = _blocks_problem(device, limits) or _host_blocks_problem(host, limits)
+        if problem:
+            return problem
+    return None
+
+
 def check_decode_block(block_id: int, state: RequestState, limits: Limits) -> str | None:
     """A block appended to a steady decode."""
     problem = _blocks_problem((block_id,), limits)
@@ -167,6 +186,13 @@ def _blocks_problem(block_ids: Iterable[int], limits: Limits) -> str | None:
     bad = [b for b in block_ids if b >= limits.num_kv_blocks]
     if bad:
         return f"block id {bad[0]} outside the pool [0, {limits.num_kv_blocks})"
+    return None
+
+
+def _host_blocks_problem(block_ids: Iterable[int], limits: Limits) -> str | None:
+    bad = [b for b in block_ids if b >= limits.num_host_blocks]
+    if bad:
+        return f"host block id {bad[0]} outside the host tier [0, {limits.num_host_blocks})"
     return None
 
 
