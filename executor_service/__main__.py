@@ -244,6 +244,16 @@ def parse_args(argv: list[str] | None, prog: str = "python -m executor_service")
         "itself runs any plan either way",
     )
     parser.add_argument(
+        "--kv-host-gib",
+        type=non_negative_float,
+        default=0.0,
+        metavar="N",
+        help="a host tier of K/V blocks in N GiB of host memory (pinned on CUDA): the scheduler "
+        "swaps preempted requests' blocks and evicted cached prefixes there instead of dropping "
+        "them, and copies them back instead of recomputing; 0: no tier. Not with "
+        "--tensor-parallel-size above 1, nor for a model with recurrent layers (refused at start)",
+    )
+    parser.add_argument(
         "--drain-timeout",
         type=non_negative_float,
         default=DEFAULT_DRAIN_TIMEOUT_S,
@@ -257,6 +267,9 @@ def parse_args(argv: list[str] | None, prog: str = "python -m executor_service")
         help="on a start-up failure, log its traceback after the one-line reason",
     )
     args = parser.parse_args(argv)
+    if args.kv_host_gib and args.tensor_parallel_size > 1:
+        # Each rank holds only its own heads' K/V, and no rank keeps a host tier yet.
+        parser.error("--kv-host-gib needs --tensor-parallel-size 1: a sharded executor keeps no host tier")
     try:
         tls = server_tls(args.tls_cert, args.tls_key, args.tls_client_ca)
         token = read_token_file(args.executor_token_file) if args.executor_token_file else None
@@ -296,6 +309,7 @@ def parse_args(argv: list[str] | None, prog: str = "python -m executor_service")
         verbose=args.verbose,
         access=access,
         role=args.role,
+        kv_host_gib=args.kv_host_gib,
     )
 
 

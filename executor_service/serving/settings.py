@@ -101,6 +101,8 @@ class ExecutorSettings:
     access: ExecutorAccess | None = None
     # ExecutorInfo.role, for the scheduler; nothing else here depends on it.
     role: str = "both"
+    # GiB of host memory for the host tier of K/V blocks (host_tier.py); 0: no tier.
+    kv_host_gib: float = 0.0
 
 
 def parse_size(text: str) -> int:

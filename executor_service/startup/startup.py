@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
+from executor_service.attention.host_tier import HostBlocks
 from executor_service.attention.kv_cache import KVCacheShape, PagedKVCache
 from executor_service.attention.paged_attention import select_backend
 from executor_service.cpu_forward.fused_layers import fuse_layers
@@ -38,6 +39,7 @@ from executor_service.runner.decode_graphs import (
 from executor_service.runner.model_runner import ModelRunner
 from executor_service.runner.validation import Limits
 from executor_service.serving.settings import ExecutorSettings
+from executor_service.startup.host_budget import decide_host_blocks
 from executor_service.startup.kv_budget import decide_num_blocks
 from executor_service.startup.self_check import (
     SelfCheckReference,
@@ -148,6 +150,8 @@ def build_executor(settings: ExecutorSettings, device: str | None = None) -> Rea
             loaded.model_type,
             "its recurrent layers are not sharded over tensor-parallel ranks yet; run it with --tensor-parallel-size 1",
         )
+    # Before the long parts of the start (profiling, packing, the self-check).
+    num_host_blocks = decide_host_blocks(settings.kv_host_gib, loaded.model_type, recurrent is not None, shape)
     if recurrent is not None:
         slot_bytes = recurrent.layout.bytes_per_slot()
         num_slots = decide_num_slots(loaded.model_type, slot_bytes, settings, memory_budget(settings, loaded.device))
@@ -177,6 +181,7 @@ def build_executor(settings: ExecutorSettings, device: str | None = None) -> Rea
         logger.info("event=forward impl=%s", "lean" if loaded.lean is not None else "transformers")
     kv_cache = PagedKVCache(shape, num_blocks, loaded.device, loaded.attention_layers)
     _self_check(loaded, kv_cache, backend, reference)
+    host = HostBlocks(kv_cache, num_host_blocks) if num_host_blocks else None
     # A request longer than the whole cache could never be scheduled, so the cache bounds it too.
     limits_len = [loaded.max_model_len, num_blocks * settings.block_size]
     limits = Limits(
@@ -186,6 +191,7 @@ def build_executor(settings: ExecutorSettings, device: str | None = None) -> Rea
         max_model_len=min(limits_len),
         max_logprobs=min(settings.max_logprobs, loaded.vocab_size),
         num_state_slots=num_slots,
+        num_host_blocks=num_host_blocks,
     )
     moves_kv = recurrent is None and not parallel and shape.num_layers > 0
     info = executor_pb2.ExecutorInfo(
@@ -215,6 +221,7 @@ def build_executor(settings: ExecutorSettings, device: str | None = None) -> Rea
         supports_kv_transfer=moves_kv,
         kv_layout=shape.layout() if moves_kv else "",
         role=settings.role,
+        num_host_blocks=num_host_blocks,
     )
     graphs = None
     if recurrent is not None and loaded.device.type == "cuda":
@@ -241,5 +248,6 @@ def build_executor(settings: ExecutorSettings, device: str | None = None) -> Rea
         _row_argmax(loaded.device),
         graphs,
         _row_kernels(),
+        host,
     )
     return ReadyExecutor(runner=runner, info=info)
