@@ -92,6 +92,10 @@ class TimedRunner:
         # Simulated: no forward computes anything.
         return 0, 0
 
+    def swapped_blocks(self) -> tuple[int, int]:
+        # Simulated: no host tier (ExecutorInfo.num_host_blocks is 0).
+        return 0, 0
+
     def read_blocks(self, block_ids: list[int]) -> bytes:
         raise NotImplementedError("a simulated executor holds no K/V (supports_kv_transfer is off)")
 

@@ -69,6 +69,9 @@ class PlanBroadcaster:
     def computed_tokens(self) -> tuple[int, int]:
         return self.runner.computed_tokens()
 
+    def swapped_blocks(self) -> tuple[int, int]:
+        return self.runner.swapped_blocks()
+
     def read_blocks(self, block_ids: list[int]) -> bytes:
         raise NotImplementedError(_SHARDED_KV)
 

@@ -30,11 +30,15 @@ class ExecutorMetrics:
         num_state_slots: int = 0,
         slots_in_use: Callable[[], tuple[int, int]] = lambda: (0, 0),
         computed_tokens: Callable[[], tuple[int, int]] = lambda: (0, 0),
+        num_host_blocks: int = 0,
+        swapped_blocks: Callable[[], tuple[int, int]] = lambda: (0, 0),
     ) -> None:
         """graphed_steps: how many steps so far replayed a CUDA graph (decode_graphs.py).
         num_state_slots, slots_in_use: a model with recurrent layers' state slots, and how many
         requests and checkpoints hold one. computed_tokens: prompt and decode tokens computed so
-        far (the runner counts them, as only it knows where each request's prompt ends)."""
+        far (the runner counts them, as only it knows where each request's prompt ends).
+        num_host_blocks, swapped_blocks: the host tier's blocks, and how many were copied so far
+        out of the device and back in (the runner counts them, as only it knows which swaps ran)."""
         self.registry = registry or CollectorRegistry()
         r = self.registry
         self._blocks_in_use = blocks_in_use
@@ -42,6 +46,8 @@ class ExecutorMetrics:
         self._slots_in_use = slots_in_use
         self._computed_tokens = computed_tokens
         self._computed_seen = (0, 0)
+        self._swapped_blocks = swapped_blocks
+        self._swapped_seen = (0, 0)
         self._graphed_seen = 0
         self._counted_at = 0.0
         self.forward_time = Histogram(
@@ -97,6 +103,18 @@ class ExecutorMetrics:
             ["kind"],
             registry=r,
         )
+        self.kv_host_blocks_total = Gauge(
+            "splitserve:executor_kv_host_blocks_total",
+            "KV blocks of this executor's host tier (--kv-host-gib; 0: no tier).",
+            registry=r,
+        )
+        self.kv_host_blocks_total.set(num_host_blocks)
+        self.kv_swapped_blocks = Counter(
+            "splitserve:executor_kv_swapped_blocks",
+            "KV blocks copied out of the device into the host tier (out) or back (in).",
+            ["direction"],
+            registry=r,
+        )
         self.kv_transfer_bytes = Counter(
             "splitserve:executor_kv_transfer_bytes",
             "Bytes of K/V sent to other executors (KvTransfer.FetchBlocks) or received from them.",
@@ -117,6 +135,8 @@ class ExecutorMetrics:
             self.computed_tokens.labels(kind)
         for direction in ("sent", "received"):
             self.kv_transfer_bytes.labels(direction)
+        for direction in ("out", "in"):
+            self.kv_swapped_blocks.labels(direction)
         for outcome in ("ok", "failed"):
             self.kv_imports.labels(outcome)
 
@@ -151,6 +171,11 @@ class ExecutorMetrics:
             if now_count > seen:
                 self.computed_tokens.labels(kind).inc(now_count - seen)
         self._computed_seen = computed
+        swapped = self._swapped_blocks()
+        for direction, now_count, seen in zip(("out", "in"), swapped, self._swapped_seen, strict=True):
+            if now_count > seen:
+                self.kv_swapped_blocks.labels(direction).inc(now_count - seen)
+        self._swapped_seen = swapped
         now = time.monotonic()
         # Counted when requests come or go, and at least once a second as they grow: a request
         # that comes and goes within a second still shows.

@@ -63,6 +63,10 @@ class StepRunner(Protocol):
         """Prompt and decode tokens computed so far by steps that did not fail (worker thread only)."""
         ...
 
+    def swapped_blocks(self) -> tuple[int, int]:
+        """Blocks copied so far out of the device into the host tier, and back in (worker thread only)."""
+        ...
+
     def read_blocks(self, block_ids: list[int]) -> bytes:
         """These blocks' K/V as KvBlockChunk.data carries them (worker thread only; called only
         where ExecutorInfo.supports_kv_transfer is on)."""
@@ -395,6 +399,8 @@ async def serve(executor: ServedExecutor, options: ServeOptions, worker: ThreadP
         num_state_slots=executor.info.num_state_slots,
         slots_in_use=runner.state_slots_in_use,
         computed_tokens=runner.computed_tokens,
+        num_host_blocks=executor.info.num_host_blocks,
+        swapped_blocks=runner.swapped_blocks,
     )
     # Describe tells schedulers (and their status) who may drive this executor.
     executor.info.access = options.access.mode
