@@ -48,15 +48,17 @@ DECODES_BEFORE = 2
 DECODES_AFTER = 5
 
 Output = tuple[int, float, list[int], list[float]]
+# On CUDA the tier is pinned and its copies asynchronous.
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="torch sees no CUDA device"))]
 _ids = itertools.count()
 
 
 # --- HostBlocks and run_swaps, in process ---------------------------------------------------
 
 
-def _cache(dtype: torch.dtype, num_blocks: int = 8) -> PagedKVCache:
+def _cache(dtype: torch.dtype, device: str = "cpu") -> PagedKVCache:
     shape = KVCacheShape(num_layers=2, num_kv_heads=2, key_dim=16, value_dim=8, block_size=4, dtype=dtype)
-    cache = PagedKVCache(shape, num_blocks, torch.device("cpu"))
+    cache = PagedKVCache(shape, 8, torch.device(device))
     for tensor in (*cache.keys, *cache.values):
         tensor.copy_(torch.randn(tensor.shape))
     return cache
@@ -65,13 +67,15 @@ def _cache(dtype: torch.dtype, num_blocks: int = 8) -> PagedKVCache:
 def _overwrite(cache: PagedKVCache, block_ids: list[int]) -> None:
     slots = [b * cache.block_size + i for b in block_ids for i in range(cache.block_size)]
     for tensor in (*cache.keys, *cache.values):
-        tensor[slots] = torch.randn(len(slots), *tensor.shape[1:]).to(tensor.dtype)
+        tensor[slots] = torch.randn(len(slots), *tensor.shape[1:]).to(tensor.dtype).to(tensor.device)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_blocks_swapped_out_and_back_into_other_blocks_keep_their_bytes(dtype: torch.dtype) -> None:
-    cache = _cache(dtype)
+def test_blocks_swapped_out_and_back_into_other_blocks_keep_their_bytes(dtype: torch.dtype, device: str) -> None:
+    cache = _cache(dtype, device)
     host = HostBlocks(cache, num_blocks=4)
+    assert host.keys[0].is_pinned() == (device == "cuda")
     before = [cache.read_blocks([block]) for block in (3, 5)]
     host.swap_out([3, 5], [1, 0])
     _overwrite(cache, [3, 5])
