@@ -260,3 +260,66 @@ def test_an_idle_executor_takes_running_requests_with_their_kv(
     assert samples['splitserve:kv_moves_total{outcome="ok"}'] >= 1
     assert _total(samples, "splitserve:recomputed_tokens_total") == 0
     assert all(e.num_steps > 0 for e in status.executors), status.executors
+
+
+def test_a_host_tier_swaps_preempted_requests_instead_of_recomputing(model_dir: Path, reference: Reference) -> None:
+    """24 streams on a 48-block device pool with a host tier (--kv-host-gib): many preemptions,
+    every one swapped out and back, no token recomputed, every stream exact."""
+    executor_metrics = free_port()
+    with ExitStack() as stack:
+        executor = ExecutorProcess(
+            model_dir, port=free_port(), num_kv_blocks=48, block_size=BLOCK_SIZE, kv_host_gib=0.05,
+            metrics_port=executor_metrics,
+        )
+        stack.callback(executor.close)
+        metrics_port = free_port()
+        scheduler = SchedulerProcess(executor.wait_ready(), max_num_batched_tokens=256, metrics_port=metrics_port)
+        stack.callback(scheduler.close)
+        address = scheduler.wait_ready()
+        generator = torch.Generator().manual_seed(5)
+        jobs = [
+            (torch.randint(3, 250, (int(length),), generator=generator).tolist(), 40)
+            for length in torch.randint(24, 90, (24,), generator=generator)
+        ]
+        outputs = asyncio.run(stream_all(address, jobs))
+        assert_books_agree(address)
+        status = _status(address)
+        samples, _ = scrape(metrics_port)
+        executor_samples, _ = scrape(executor_metrics)
+    for (prompt, max_tokens), output in zip(jobs, outputs, strict=True):
+        assert output == reference(prompt, max_tokens)
+    assert status.num_preemptions > 0
+    assert _total(samples, "splitserve:recomputed_tokens_total") == 0, samples
+    assert executor_samples['splitserve:executor_kv_swapped_blocks_total{direction="out"}'] > 0
+    assert executor_samples['splitserve:executor_kv_swapped_blocks_total{direction="in"}'] > 0
+
+
+def test_a_prefix_workload_larger_than_the_device_pool_hits_in_the_host_tier(model_dir: Path, reference: Reference) -> None:
+    """Six 12-block prefixes (72 blocks) cycled twice through a 48-block device pool: each has
+    left the device before it comes round again, and its blocks come back from the host tier."""
+    executor_metrics = free_port()
+    generator = torch.Generator().manual_seed(6)
+    prefixes = torch.randint(3, 250, (6, 12 * BLOCK_SIZE), generator=generator).tolist()
+    rounds = [[(prefix + [7 + r, 11 + p], 4) for p, prefix in enumerate(prefixes)] for r in range(2)]
+    with ExitStack() as stack:
+        executor = ExecutorProcess(
+            model_dir, port=free_port(), num_kv_blocks=48, block_size=BLOCK_SIZE, kv_host_gib=0.05,
+            metrics_port=executor_metrics,
+        )
+        stack.callback(executor.close)
+        scheduler = SchedulerProcess(executor.wait_ready(), max_num_batched_tokens=256)
+        stack.callback(scheduler.close)
+        address = scheduler.wait_ready()
+        outputs = []
+        for jobs in rounds:
+            for job in jobs:
+                outputs += asyncio.run(stream_all(address, [job]))
+        status = _status(address)
+        assert_books_agree(address)
+        executor_samples, _ = scrape(executor_metrics)
+    for (prompt, max_tokens), output in zip([job for jobs in rounds for job in jobs], outputs, strict=True):
+        assert output == reference(prompt, max_tokens)
+    # Every prefix block of the second round came back from the tier (none was on the device),
+    # so half of all looked-up prompt tokens (the second round's prefixes) were hits.
+    assert executor_samples['splitserve:executor_kv_swapped_blocks_total{direction="in"}'] == 6 * 12
+    assert status.prefix_cache_hit_rate > 0.4
