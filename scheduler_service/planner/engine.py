@@ -144,6 +144,7 @@ class Engine:
         self.num_steps = 0
         self._counts_seen: dict[str, tuple[int, int]] = {}
         self._recomputed_seen: dict[str, dict[str, int]] = {}
+        self.num_recomputed_tokens = 0
         # Requests moving between executors with their K/V (planner/kv_moves.py).
         self.moves = KvMoves(lambda: self.lanes.values(), self._place, metrics, step_trace)
 
@@ -385,6 +386,8 @@ class Engine:
         status.prefix_cache_hit_rate = hits / queried if queried else 0.0
         status.num_preemptions = self.num_preemptions
         status.num_steps = self.num_steps
+        status.num_kv_moves = self.moves.num_moved
+        status.num_recomputed_tokens = self.num_recomputed_tokens
         return status
 
     async def abort_request(self, request_id: str) -> bool:
@@ -768,6 +771,7 @@ class Engine:
         for reason, tokens in scheduler.recomputed_tokens.items():
             if tokens != seen.get(reason, 0):
                 self.metrics.recomputed_tokens.labels(reason).inc(tokens - seen.get(reason, 0))
+                self.num_recomputed_tokens += tokens - seen.get(reason, 0)
                 seen[reason] = tokens
 
     def _observe_queues(self, stepped: ExecutorLane) -> None:

@@ -26,6 +26,8 @@ def executor_status(lane: ExecutorLane) -> pb.ExecutorStatus:
         status.tensor_parallel_size = lane.info.tensor_parallel_size or 1
         status.kv_cache_bytes = lane.info.kv_cache_bytes
         status.access = lane.info.access
+        status.role = lane.info.role or "both"
+        status.supports_kv_transfer = lane.info.supports_kv_transfer
     scheduler = lane.scheduler
     if scheduler is not None:
         stats = scheduler.kv.stats()
@@ -33,6 +35,8 @@ def executor_status(lane: ExecutorLane) -> pb.ExecutorStatus:
         status.kv_blocks_free = stats.num_free_blocks
         status.state_slots_total = stats.num_state_slots
         status.state_slots_free = stats.num_free_state_slots
+        status.kv_host_blocks_total = stats.num_host_blocks
+        status.kv_host_blocks_free = stats.num_free_host_blocks
         status.num_running = len(scheduler.running)
         status.num_waiting = scheduler.num_waiting
     return status

@@ -87,6 +87,8 @@ class KvMoves:
         self._metrics = metrics
         self._trace = trace
         self._moves: dict[str, Move] = {}
+        # Requests moved since start.
+        self.num_moved = 0
 
     @property
     def in_transit(self) -> list[Request]:
@@ -247,6 +249,7 @@ class KvMoves:
             )
 
     def _moved(self, move: Move, num_blocks: int, num_bytes: int, seconds: float) -> None:
+        self.num_moved += 1
         metrics = self._metrics
         metrics.kv_moves.labels("ok").inc()
         metrics.kv_blocks_migrated.inc(num_blocks)

@@ -165,6 +165,7 @@ def test_prefill_and_decode_executors_split_each_request(model_dir: Path, refere
         jobs = _jobs(seed=2)
         outputs = asyncio.run(stream_all(address, jobs))
         assert_books_agree(address)
+        status = _status(address)
         prefill_samples, _ = scrape(ports[0])
         decode_samples, _ = scrape(ports[1])
         samples, _ = scrape(metrics_port)
@@ -176,8 +177,10 @@ def test_prefill_and_decode_executors_split_each_request(model_dir: Path, refere
     assert decode_samples.get(computed % "prompt", 0) == 0
     # Every output token but the last is computed, all of them on the decode executor.
     assert decode_samples[computed % "decode"] == NUM_STREAMS * (MAX_TOKENS - 1)
-    assert samples['splitserve:kv_moves_total{outcome="ok"}'] == NUM_STREAMS
-    assert _total(samples, "splitserve:recomputed_tokens_total") == 0
+    assert samples['splitserve:kv_moves_total{outcome="ok"}'] == NUM_STREAMS == status.num_kv_moves
+    assert _total(samples, "splitserve:recomputed_tokens_total") == 0 == status.num_recomputed_tokens
+    assert sorted(e.role for e in status.executors) == ["decode", "prefill"]
+    assert all(e.supports_kv_transfer for e in status.executors)
 
 
 @pytest.mark.parametrize("killed", ["source", "destination"])
@@ -289,7 +292,9 @@ def test_a_host_tier_swaps_preempted_requests_instead_of_recomputing(model_dir: 
     for (prompt, max_tokens), output in zip(jobs, outputs, strict=True):
         assert output == reference(prompt, max_tokens)
     assert status.num_preemptions > 0
-    assert _total(samples, "splitserve:recomputed_tokens_total") == 0, samples
+    assert _total(samples, "splitserve:recomputed_tokens_total") == 0 == status.num_recomputed_tokens, samples
+    assert status.executors[0].kv_host_blocks_total > 0
+    assert status.executors[0].kv_host_blocks_free == status.executors[0].kv_host_blocks_total
     assert executor_samples['splitserve:executor_kv_swapped_blocks_total{direction="out"}'] > 0
     assert executor_samples['splitserve:executor_kv_swapped_blocks_total{direction="in"}'] > 0
 

@@ -350,7 +350,7 @@ class GetServerStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ExecutorStatus(_message.Message):
-    __slots__ = ("address", "state", "incarnation_id", "kv_blocks_total", "kv_blocks_free", "num_running", "num_waiting", "reason", "num_steps", "tensor_parallel_size", "kv_cache_bytes", "access", "state_slots_total", "state_slots_free")
+    __slots__ = ("address", "state", "incarnation_id", "kv_blocks_total", "kv_blocks_free", "num_running", "num_waiting", "reason", "num_steps", "tensor_parallel_size", "kv_cache_bytes", "access", "state_slots_total", "state_slots_free", "role", "supports_kv_transfer", "kv_host_blocks_total", "kv_host_blocks_free")
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_ID_FIELD_NUMBER: _ClassVar[int]
@@ -365,6 +365,10 @@ class ExecutorStatus(_message.Message):
     ACCESS_FIELD_NUMBER: _ClassVar[int]
     STATE_SLOTS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     STATE_SLOTS_FREE_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    SUPPORTS_KV_TRANSFER_FIELD_NUMBER: _ClassVar[int]
+    KV_HOST_BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    KV_HOST_BLOCKS_FREE_FIELD_NUMBER: _ClassVar[int]
     address: str
     state: ExecutorState
     incarnation_id: str
@@ -379,10 +383,14 @@ class ExecutorStatus(_message.Message):
     access: str
     state_slots_total: int
     state_slots_free: int
-    def __init__(self, address: _Optional[str] = ..., state: _Optional[_Union[ExecutorState, str]] = ..., incarnation_id: _Optional[str] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., reason: _Optional[str] = ..., num_steps: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., kv_cache_bytes: _Optional[int] = ..., access: _Optional[str] = ..., state_slots_total: _Optional[int] = ..., state_slots_free: _Optional[int] = ...) -> None: ...
+    role: str
+    supports_kv_transfer: bool
+    kv_host_blocks_total: int
+    kv_host_blocks_free: int
+    def __init__(self, address: _Optional[str] = ..., state: _Optional[_Union[ExecutorState, str]] = ..., incarnation_id: _Optional[str] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., reason: _Optional[str] = ..., num_steps: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., kv_cache_bytes: _Optional[int] = ..., access: _Optional[str] = ..., state_slots_total: _Optional[int] = ..., state_slots_free: _Optional[int] = ..., role: _Optional[str] = ..., supports_kv_transfer: _Optional[bool] = ..., kv_host_blocks_total: _Optional[int] = ..., kv_host_blocks_free: _Optional[int] = ...) -> None: ...
 
 class ServerStatus(_message.Message):
-    __slots__ = ("num_waiting", "num_running", "kv_blocks_total", "kv_blocks_free", "prefix_cache_hit_rate", "num_preemptions", "num_steps", "executors", "policy", "mode", "state_slots_total", "state_slots_free")
+    __slots__ = ("num_waiting", "num_running", "kv_blocks_total", "kv_blocks_free", "prefix_cache_hit_rate", "num_preemptions", "num_steps", "executors", "policy", "mode", "state_slots_total", "state_slots_free", "num_kv_moves", "num_recomputed_tokens")
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     KV_BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
@@ -395,6 +403,8 @@ class ServerStatus(_message.Message):
     MODE_FIELD_NUMBER: _ClassVar[int]
     STATE_SLOTS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     STATE_SLOTS_FREE_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_MOVES_FIELD_NUMBER: _ClassVar[int]
+    NUM_RECOMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     num_waiting: int
     num_running: int
     kv_blocks_total: int
@@ -407,4 +417,6 @@ class ServerStatus(_message.Message):
     mode: str
     state_slots_total: int
     state_slots_free: int
-    def __init__(self, num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., prefix_cache_hit_rate: _Optional[float] = ..., num_preemptions: _Optional[int] = ..., num_steps: _Optional[int] = ..., executors: _Optional[_Iterable[_Union[ExecutorStatus, _Mapping]]] = ..., policy: _Optional[str] = ..., mode: _Optional[str] = ..., state_slots_total: _Optional[int] = ..., state_slots_free: _Optional[int] = ...) -> None: ...
+    num_kv_moves: int
+    num_recomputed_tokens: int
+    def __init__(self, num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., prefix_cache_hit_rate: _Optional[float] = ..., num_preemptions: _Optional[int] = ..., num_steps: _Optional[int] = ..., executors: _Optional[_Iterable[_Union[ExecutorStatus, _Mapping]]] = ..., policy: _Optional[str] = ..., mode: _Optional[str] = ..., state_slots_total: _Optional[int] = ..., state_slots_free: _Optional[int] = ..., num_kv_moves: _Optional[int] = ..., num_recomputed_tokens: _Optional[int] = ...) -> None: ...
