@@ -105,7 +105,7 @@ class SamplerConfig(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., min_p: _Optional[float] = ..., has_seed: _Optional[bool] = ..., seed: _Optional[int] = ..., repetition_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., num_logprobs: _Optional[int] = ..., want_logprobs: _Optional[bool] = ..., min_tokens: _Optional[int] = ..., min_tokens_stop_ids: _Optional[_Iterable[int]] = ..., logit_bias_token_ids: _Optional[_Iterable[int]] = ..., logit_bias_values: _Optional[_Iterable[float]] = ..., allowed_token_ids: _Optional[_Iterable[int]] = ..., want_prompt_logprobs: _Optional[bool] = ..., num_prompt_logprobs: _Optional[int] = ...) -> None: ...
 
 class NewRequest(_message.Message):
-    __slots__ = ("request_id", "token_ids", "block_ids", "num_computed_tokens", "num_scheduled_tokens", "sampling", "num_prompt_tokens", "handle", "allowed_token_bitmask", "state_slot", "state_source_slot")
+    __slots__ = ("request_id", "token_ids", "block_ids", "num_computed_tokens", "num_scheduled_tokens", "sampling", "num_prompt_tokens", "handle", "allowed_token_bitmask", "state_slot", "state_source_slot", "state_in_slot")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -117,6 +117,7 @@ class NewRequest(_message.Message):
     ALLOWED_TOKEN_BITMASK_FIELD_NUMBER: _ClassVar[int]
     STATE_SLOT_FIELD_NUMBER: _ClassVar[int]
     STATE_SOURCE_SLOT_FIELD_NUMBER: _ClassVar[int]
+    STATE_IN_SLOT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     block_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -128,7 +129,8 @@ class NewRequest(_message.Message):
     allowed_token_bitmask: bytes
     state_slot: int
     state_source_slot: int
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[int] = ..., num_scheduled_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplerConfig, _Mapping]] = ..., num_prompt_tokens: _Optional[int] = ..., handle: _Optional[int] = ..., allowed_token_bitmask: _Optional[bytes] = ..., state_slot: _Optional[int] = ..., state_source_slot: _Optional[int] = ...) -> None: ...
+    state_in_slot: bool
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[int] = ..., num_scheduled_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplerConfig, _Mapping]] = ..., num_prompt_tokens: _Optional[int] = ..., handle: _Optional[int] = ..., allowed_token_bitmask: _Optional[bytes] = ..., state_slot: _Optional[int] = ..., state_source_slot: _Optional[int] = ..., state_in_slot: _Optional[bool] = ...) -> None: ...
 
 class ContinuingRequest(_message.Message):
     __slots__ = ("request_id", "num_scheduled_tokens", "new_block_ids", "allowed_token_bitmask", "bitmask_follows")
@@ -191,24 +193,28 @@ class StepPlan(_message.Message):
     def __init__(self, step_id: _Optional[int] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., continuing_requests: _Optional[_Iterable[_Union[ContinuingRequest, _Mapping]]] = ..., dropped_request_ids: _Optional[_Iterable[str]] = ..., decode_handles: _Optional[_Iterable[int]] = ..., decode_block_handles: _Optional[_Iterable[int]] = ..., decode_block_ids: _Optional[_Iterable[int]] = ..., want_held_requests: _Optional[bool] = ..., bitmasks_for_step: _Optional[int] = ..., late_bitmasks: _Optional[_Iterable[_Union[LateBitmask, _Mapping]]] = ..., copy_block_sources: _Optional[_Iterable[int]] = ..., copy_block_destinations: _Optional[_Iterable[int]] = ..., state_checkpoints: _Optional[_Iterable[_Union[StateCheckpoint, _Mapping]]] = ..., kv_exports: _Optional[_Iterable[_Union[KvExport, _Mapping]]] = ..., ended_exports: _Optional[_Iterable[str]] = ..., kv_imports: _Optional[_Iterable[_Union[KvImport, _Mapping]]] = ..., cancelled_imports: _Optional[_Iterable[str]] = ..., swap_out_device_blocks: _Optional[_Iterable[int]] = ..., swap_out_host_blocks: _Optional[_Iterable[int]] = ..., swap_in_host_blocks: _Optional[_Iterable[int]] = ..., swap_in_device_blocks: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class KvExport(_message.Message):
-    __slots__ = ("transfer_id", "block_ids")
+    __slots__ = ("transfer_id", "block_ids", "state_slot")
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    STATE_SLOT_FIELD_NUMBER: _ClassVar[int]
     transfer_id: str
     block_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, transfer_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    state_slot: int
+    def __init__(self, transfer_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., state_slot: _Optional[int] = ...) -> None: ...
 
 class KvImport(_message.Message):
-    __slots__ = ("transfer_id", "source_address", "first_block", "block_ids")
+    __slots__ = ("transfer_id", "source_address", "first_block", "block_ids", "state_slot")
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     SOURCE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     FIRST_BLOCK_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    STATE_SLOT_FIELD_NUMBER: _ClassVar[int]
     transfer_id: str
     source_address: str
     first_block: int
     block_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, transfer_id: _Optional[str] = ..., source_address: _Optional[str] = ..., first_block: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    state_slot: int
+    def __init__(self, transfer_id: _Optional[str] = ..., source_address: _Optional[str] = ..., first_block: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., state_slot: _Optional[int] = ...) -> None: ...
 
 class KvImportResult(_message.Message):
     __slots__ = ("transfer_id", "ok", "error", "bytes", "seconds")
@@ -233,16 +239,18 @@ class FetchBlocksRequest(_message.Message):
     def __init__(self, transfer_id: _Optional[str] = ..., first_block: _Optional[int] = ...) -> None: ...
 
 class KvBlockChunk(_message.Message):
-    __slots__ = ("first_block", "num_blocks", "kv_layout", "data")
+    __slots__ = ("first_block", "num_blocks", "kv_layout", "data", "state")
     FIRST_BLOCK_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     KV_LAYOUT_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
     first_block: int
     num_blocks: int
     kv_layout: str
     data: bytes
-    def __init__(self, first_block: _Optional[int] = ..., num_blocks: _Optional[int] = ..., kv_layout: _Optional[str] = ..., data: _Optional[bytes] = ...) -> None: ...
+    state: bytes
+    def __init__(self, first_block: _Optional[int] = ..., num_blocks: _Optional[int] = ..., kv_layout: _Optional[str] = ..., data: _Optional[bytes] = ..., state: _Optional[bytes] = ...) -> None: ...
 
 class StateCheckpoint(_message.Message):
     __slots__ = ("request_id", "num_tokens", "slot")
