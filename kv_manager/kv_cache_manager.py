@@ -340,15 +340,15 @@ class KVCacheManager:
         return self.host.take_copies() if self.host is not None else TierCopies()
 
     def rename(self, request_id: str, owner: str) -> None:
-        """Moves the request's blocks, as they are, under another owner's name (blocks offered
-        to another executor stay held under the move's name while the request leaves); its
-        state slot, if any, is freed."""
+        """Moves the request's blocks and state slot, as they are, under another owner's name
+        (what is offered to another executor stays held under the move's name while the
+        request leaves)."""
         if owner in self._requests:
             raise ValueError(f"{owner!r} already holds blocks")
         entry = self._requests.pop(request_id, None)
         if entry is not None:
             self._requests[owner] = entry
-        self.state_slots.free(request_id)
+        self.state_slots.rename(request_id, owner)
 
     def block_ids(self, request_id: str) -> list[int]:
         entry = self._requests.get(request_id)

@@ -76,6 +76,15 @@ class StateSlotPool:
         self._lent.remove(slot)
         self._free.append(slot)
 
+    def rename(self, request_id: str, owner: str) -> None:
+        """Moves the request's slot, as it is, under another owner's name (a request leaving
+        with its state keeps it held under the move's name)."""
+        if owner in self._slot_of:
+            raise ValueError(f"{owner!r} already holds state slot {self._slot_of[owner]}")
+        slot = self._slot_of.pop(request_id, 0)
+        if slot:
+            self._slot_of[owner] = slot
+
     def slot_of(self, request_id: str) -> int:
         """The request's slot, or 0 when it holds none."""
         return self._slot_of.get(request_id, 0)

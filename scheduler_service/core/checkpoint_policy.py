@@ -65,6 +65,11 @@ class CheckpointPolicy:
             self._reads[request_id] = hit.state_source_slot
         self.kv.take_state_slot(request_id, self._reads.values())
 
+    def take_slot(self, request_id: str) -> int:
+        """A state slot for a request arriving with its recurrent state (a move): free, or a
+        checkpoint's the plan being made does not read. Raises SlotsExhausted when none is."""
+        return self.kv.take_state_slot(request_id, self._reads.values())
+
     def source_of(self, request_id: str) -> int:
         """The checkpoint slot the request resumes from in the plan being made, or 0."""
         return self._reads.get(request_id, 0)

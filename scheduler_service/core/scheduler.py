@@ -391,11 +391,12 @@ class Scheduler:
         computed = request.num_computed_tokens
         transfer_id = new_transfer_id()
         block_ids = self.kv.block_ids(request.request_id)[: -(-computed // self.config.block_size)]
-        self.kv.rename(request.request_id, export_owner(transfer_id))
+        owner = export_owner(transfer_id)
+        self.kv.rename(request.request_id, owner)
         self._unplace(request)
         request.status = RequestStatus.WAITING
         self._moves.exports.add(transfer_id)
-        self._moves.offers.append(KvExport(transfer_id, block_ids))
+        self._moves.offers.append(KvExport(transfer_id, block_ids, self.kv.state_slots.slot_of(owner)))
         return Departure(request, transfer_id, block_ids, computed)
 
     def end_export(self, transfer_id: str) -> None:
@@ -431,10 +432,17 @@ class Scheduler:
         request runs once import_done says they are written), False when nothing needs fetching
         (it is queued at once), None, changing nothing, when its blocks do not fit."""
         computed = departure.num_computed_tokens
+        hybrid = self.config.num_state_slots > 0
+        if hybrid and not self._checkpoints.may_admit():
+            return None
         self._place(request)
         hashes = self.prefix_hashes(request)
         hit = self.kv.find_cached_prefix(request.token_ids, request.cache_salt, hashes)
         usable = min(len(hit.blocks), computed // self.config.block_size)
+        if hybrid:
+            # Its recurrent state comes from the source whatever is cached here: at least one
+            # block travels with it.
+            usable = min(usable, len(departure.block_ids) - 1)
         hit = PrefixHit(hit.blocks[:usable], usable * self.config.block_size)
         allocated = self.kv.allocate_slots(
             request.request_id, request.token_ids, hit.num_tokens, computed - hit.num_tokens, hit, request.cache_salt
@@ -442,6 +450,7 @@ class Scheduler:
         if allocated is None:
             self._unplace(request)
             return None
+        state_slot = self._checkpoints.take_slot(request.request_id) if hybrid else 0
         request.num_computed_tokens = computed
         block_ids = self.kv.block_ids(request.request_id)
         if usable >= len(departure.block_ids):
@@ -449,7 +458,7 @@ class Scheduler:
             return False
         self._moves.importing[departure.transfer_id] = request
         self._moves.imports.append(
-            KvImport(departure.transfer_id, source_address, usable, block_ids[usable : len(departure.block_ids)])
+            KvImport(departure.transfer_id, source_address, usable, block_ids[usable : len(departure.block_ids)], state_slot)
         )
         return True
 
@@ -679,7 +688,7 @@ class Scheduler:
                 break
             # A hybrid model's request needs a recurrent-state slot as well as blocks (a free
             # one or a checkpoint's), and waits for one as it would for blocks.
-            if not self._checkpoints.may_admit():
+            if not self._checkpoints.may_admit() and not self.kv.state_slots.slot_of(request.request_id):
                 break
             hashes = self.prefix_hashes(request)
             if self.kv.is_swapped(request.request_id) and (
@@ -752,9 +761,10 @@ class Scheduler:
         request.status = RequestStatus.RUNNING
         request.num_computed_tokens = num_computed
         request.prefill_target = request.num_tokens
-        # Free or a checkpoint's: _admit_waiting checked. Released with its blocks whenever it
-        # stops running.
-        self._checkpoints.admit(request.request_id, hit)
+        # Free or a checkpoint's: _admit_waiting checked (one that arrived with its state holds
+        # its own). Released with its blocks whenever it stops running.
+        if not self.kv.state_slots.slot_of(request.request_id):
+            self._checkpoints.admit(request.request_id, hit)
         # Without a prefix cache its blocks are never found by another request: one sharing
         # them must not be held back to wait for them (see _admit_waiting).
         if self.config.enable_prefix_caching:
@@ -945,6 +955,11 @@ class Scheduler:
                         mask,
                         self.kv.state_slots.slot_of(request.request_id),
                         self._checkpoints.source_of(request.request_id),
+                        # A hybrid request admitted with computed tokens and no checkpoint to
+                        # read brought its state with it.
+                        bool(request.num_computed_tokens)
+                        and not self._checkpoints.source_of(request.request_id)
+                        and bool(self.kv.state_slots.slot_of(request.request_id)),
                     )
                 )
                 self._on_executor.add(request.request_id)

@@ -98,6 +98,10 @@ class SimulatedExecutor:
     imports: list[KvImport] = field(default_factory=list)
     # The host tier's slots: host slot -> token.
     host_slots: dict[int, int] = field(default_factory=dict)
+    # A hybrid model's moved states: offer -> the tokens its state follows, and slot -> the
+    # tokens the state an import wrote there follows.
+    offer_states: dict[str, list[int]] = field(default_factory=dict)
+    imported_states: dict[int, list[int]] = field(default_factory=dict)
 
     def execute(self, plan: StepPlan) -> StepOutput:
         output = self._run(plan)
@@ -117,9 +121,15 @@ class SimulatedExecutor:
         self.imports = list(plan.kv_imports)
         for export in plan.kv_exports:
             self.offers[export.transfer_id] = list(export.block_ids)
+            if export.state_slot:
+                holder = next((s for s in self.requests.values() if s.state_slot == export.state_slot), None)
+                if holder is None:
+                    raise PlanMismatch(f"offer {export.transfer_id} names state slot {export.state_slot}, which no request holds")
+                self.offer_states[export.transfer_id] = holder.token_ids[: holder.num_computed]
         for transfer_id in plan.ended_exports:
             if self.offers.pop(transfer_id, None) is None:
                 raise PlanMismatch(f"offer {transfer_id} ended but never made")
+            self.offer_states.pop(transfer_id, None)
         for request_id in plan.dropped_request_ids:
             self._forget(request_id)
             self.dropped_by_failure.discard(request_id)
@@ -253,6 +263,11 @@ class SimulatedExecutor:
                     self.slots.pop(destination * self.block_size + offset, None)
                 else:
                     self.slots[destination * self.block_size + offset] = token
+        if entry.state_slot:
+            state = peer.offer_states.get(entry.transfer_id)
+            if state is None:
+                raise PlanMismatch(f"import {entry.transfer_id} wants a state its offer does not have")
+            self.imported_states[entry.state_slot] = state
         return ImportDone(entry.transfer_id, True, num_bytes=len(sources) * self.block_size)
 
     def _check_state_slot(self, new: NewRequestPlan) -> None:
@@ -260,6 +275,13 @@ class SimulatedExecutor:
         (its state starting empty) or to resume from a checkpoint that an earlier plan made
         after exactly the tokens it skips; any other model's names neither."""
         slot, source = new.state_slot, new.state_source_slot
+        if new.state_in_slot:
+            state = self.imported_states.pop(slot, None)
+            if source or state != new.token_ids[: new.num_computed_tokens]:
+                raise PlanMismatch(
+                    f"{new.request_id} takes up its state from slot {slot}, which holds the state after {state}"
+                )
+            return
         if not self.num_state_slots:
             if slot or source:
                 raise PlanMismatch(f"{new.request_id} names state slot {slot or source}, but the model keeps no state")

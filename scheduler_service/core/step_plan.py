@@ -49,6 +49,9 @@ class NewRequestPlan:
     # tokens (a cached prefix's, made by an earlier plan), copied into state_slot before the
     # step computes. 0: none.
     state_source_slot: int = 0
+    # Its state_slot holds its recurrent state after num_computed_tokens already (it moved
+    # here with it): nothing to copy.
+    state_in_slot: bool = False
 
 
 @dataclass(slots=True, frozen=True)
@@ -93,6 +96,8 @@ class KvExport:
 
     transfer_id: str
     block_ids: list[int]
+    # A hybrid model's request's state slot, offered with the blocks (0: none).
+    state_slot: int = 0
 
 
 @dataclass(slots=True, frozen=True)
@@ -104,6 +109,8 @@ class KvImport:
     source_address: str
     first_block: int
     block_ids: list[int]
+    # The slot a hybrid model's request's recurrent state goes into (0: none).
+    state_slot: int = 0
 
 
 @dataclass(slots=True, frozen=True)

@@ -67,6 +67,7 @@ def plan_to_proto(plan: StepPlan, eos_token_ids: Collection[int] = ()) -> pb.Ste
                 allowed_token_bitmask=new.allowed_token_bitmask,
                 state_slot=new.state_slot,
                 state_source_slot=new.state_source_slot,
+                state_in_slot=new.state_in_slot,
             )
         )
     for cont in plan.continuing_requests:
@@ -91,7 +92,9 @@ def plan_to_proto(plan: StepPlan, eos_token_ids: Collection[int] = ()) -> pb.Ste
             pb.StateCheckpoint(request_id=checkpoint.request_id, num_tokens=checkpoint.num_tokens, slot=checkpoint.slot)
         )
     for export in plan.kv_exports:
-        message.kv_exports.append(pb.KvExport(transfer_id=export.transfer_id, block_ids=export.block_ids))
+        message.kv_exports.append(
+            pb.KvExport(transfer_id=export.transfer_id, block_ids=export.block_ids, state_slot=export.state_slot)
+        )
     message.ended_exports.extend(plan.ended_exports)
     for kv_import in plan.kv_imports:
         message.kv_imports.append(
@@ -100,6 +103,7 @@ def plan_to_proto(plan: StepPlan, eos_token_ids: Collection[int] = ()) -> pb.Ste
                 source_address=kv_import.source_address,
                 first_block=kv_import.first_block,
                 block_ids=kv_import.block_ids,
+                state_slot=kv_import.state_slot,
             )
         )
     message.cancelled_imports.extend(plan.cancelled_imports)

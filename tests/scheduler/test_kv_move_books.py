@@ -47,9 +47,17 @@ class Side:
         return self.scheduler.update(self.in_flight.popleft())
 
 
-def pair(num_blocks: int = 64, budget: int = 32) -> tuple[Side, Side]:
-    config = SchedulerConfig(num_kv_blocks=num_blocks, block_size=BLOCK_SIZE, max_model_len=256, max_num_batched_tokens=budget)
-    sides = [Side(name, Scheduler(config), SimulatedExecutor(num_blocks, BLOCK_SIZE)) for name in ("a", "b")]
+def pair(num_blocks: int = 64, budget: int = 32, state_slots: int = 0) -> tuple[Side, Side]:
+    """state_slots: a hybrid model's (its requests' recurrent state moves with their blocks),
+    with checkpoints every 2 blocks."""
+    config = SchedulerConfig(
+        num_kv_blocks=num_blocks, block_size=BLOCK_SIZE, max_model_len=256, max_num_batched_tokens=budget,
+        num_state_slots=state_slots, state_checkpoint_blocks=2 if state_slots else 0,
+    )
+    sides = [
+        Side(name, Scheduler(config), SimulatedExecutor(num_blocks, BLOCK_SIZE, num_state_slots=state_slots))
+        for name in ("a", "b")
+    ]
     for side in sides:
         side.sim.peers = {other.address: other.sim for other in sides}
     return sides[0], sides[1]
@@ -98,10 +106,15 @@ class Orchestra:
             side.scheduler.has_unfinished() or side.scheduler.num_exports or side.in_flight for side in self.sides
         )
 
+    def flush(self) -> None:
+        """One more plan each: offers ended by the last results go out."""
+        for side in self.sides:
+            side.sim.execute(side.scheduler.schedule())
+
 
 def reference_tokens(requests: list[Request]) -> dict[str, list[int]]:
     """What each request gets on one executor that never moves anything."""
-    side, _ = pair(num_blocks=256)
+    side, _ = pair(num_blocks=256, state_slots=len(requests))
     for request in requests:
         side.scheduler.add_request(request)
     tokens = {}
@@ -133,6 +146,7 @@ def test_moved_requests_continue_from_their_kv_without_recomputing() -> None:
     while orchestra.busy():
         orchestra.step(a)
         orchestra.step(b)
+    orchestra.flush()
     assert orchestra.tokens == expected
     assert orchestra.num_moved == len(moving)
     # b computed only what came after the K/V each moved request brought (a request computes
@@ -146,6 +160,36 @@ def test_moved_requests_continue_from_their_kv_without_recomputing() -> None:
         assert pool_mismatches(side.scheduler.kv) == []
         assert side.scheduler.kv.num_free_blocks == 64
         assert not side.sim.offers
+
+
+def test_a_hybrid_request_moves_with_its_recurrent_state() -> None:
+    """The destination takes the request up from the state the source offered (state_in_slot),
+    computing nothing it had computed."""
+    a, b = pair(state_slots=6)
+    orchestra = Orchestra((a, b))
+    requests = fresh(4, seed=5)
+    expected = reference_tokens(fresh(4, seed=5))
+    for request in requests:
+        a.scheduler.add_request(request)
+    for _ in range(6):
+        orchestra.step(a)
+    moving = [r for r in a.scheduler.running if r.num_output_tokens]
+    assert moving
+    for request in moving:
+        a.scheduler.begin_move(request)
+    while orchestra.busy():
+        orchestra.step(a)
+        orchestra.step(b)
+    assert orchestra.tokens == expected
+    assert orchestra.num_moved == len(moving)
+    by_id = {r.request_id: r for r in requests}
+    assert b.computed == sum(
+        by_id[rid].num_prompt_tokens + len(expected[rid]) - 1 - brought for rid, brought in orchestra.departed.items()
+    )
+    for side in (a, b):
+        assert not side.scheduler.recomputed_tokens
+        assert pool_mismatches(side.scheduler.kv) == []
+        assert side.scheduler.kv.state_slots.num_held == 0
 
 
 def test_a_failed_fetch_recomputes_from_the_tokens_kept() -> None:
@@ -213,12 +257,14 @@ def test_a_prefill_executor_hands_each_request_on_after_its_first_token() -> Non
     assert b.computed == sum(max(0, len(tokens) - 1) for tokens in expected.values())
 
 
+@pytest.mark.parametrize("state_slots", [0, 4])
 @pytest.mark.parametrize("seed", range(12))
-def test_moves_both_ways_under_preemption_keep_every_token(seed: int) -> None:
+def test_moves_both_ways_under_preemption_keep_every_token(seed: int, state_slots: int) -> None:
     """Small pools (preemptions), moves begun at random moments both ways, some refused for
-    room: tokens as if nothing moved, books clean."""
+    room: tokens as if nothing moved, books clean; for a hybrid model (state slots, few of
+    them) each moved request's recurrent state goes with it."""
     rng = random.Random(seed)
-    a, b = pair(num_blocks=24, budget=16)
+    a, b = pair(num_blocks=24, budget=16, state_slots=state_slots)
     orchestra = Orchestra((a, b))
     requests = fresh(10, seed=100 + seed)
     expected = reference_tokens(fresh(10, seed=100 + seed))
@@ -232,8 +278,10 @@ def test_moves_both_ways_under_preemption_keep_every_token(seed: int) -> None:
         orchestra.step(side)
         if rng.random() < 0.2 and side.scheduler.running:
             side.scheduler.begin_move(rng.choice(side.scheduler.running))
+    orchestra.flush()
     assert orchestra.tokens == expected
     for side in (a, b):
         assert pool_mismatches(side.scheduler.kv) == []
         assert side.scheduler.kv.num_free_blocks == 24
+        assert side.scheduler.kv.state_slots.num_held == 0
         assert not side.sim.offers
