@@ -19,6 +19,7 @@ from executor_service.model.model_loader import check_model_folder
 from executor_service.model.model_support import UnsupportedModel
 from executor_service.parallel.tp_group import launched_by_torchrun
 from executor_service.serving.access import ExecutorAccess
+from executor_service.serving.kv_fetch import peer_tls
 from executor_service.serving.server import ServeOptions, serve, step_thread
 from executor_service.serving.settings import (
     DEFAULT_BLOCK_SIZE,
@@ -49,7 +50,13 @@ from service_support.local_folder import FolderError
 from service_support.log_format import add_log_format_flag, configure_logging
 from service_support.parent_death import end_with_parent
 from service_support.port_check import PortUnavailable, check_listen_ports
-from service_support.transport_security import server_tls
+from service_support.transport_security import (
+    ClientTls,
+    ServerTls,
+    TlsConfigError,
+    read_pem,
+    server_tls,
+)
 
 logger = logging.getLogger("executor_service")
 
@@ -205,6 +212,21 @@ def parse_args(argv: list[str] | None, prog: str = "python -m executor_service")
         "scheduler's claimed id together are then its identity",
     )
     parser.add_argument(
+        "--tls-peer-cert",
+        type=Path,
+        help="PEM client certificate (chain) this executor presents to other executors when it "
+        "fetches K/V from them (mutual TLS); it must allow clientAuth (deploy/make_certs.py's "
+        "executor-peer.pem). Without it the server certificate is presented, which peers refuse "
+        "when it allows serverAuth only, and every move is then recomputed",
+    )
+    parser.add_argument("--tls-peer-key", type=Path, help="PEM private key of --tls-peer-cert")
+    parser.add_argument(
+        "--tls-peer-server-name",
+        metavar="NAME",
+        help="name other executors' certificates carry, when it is not the address this one "
+        "dials them by (executors found through dns:/// are dialled by IP)",
+    )
+    parser.add_argument(
         "--allowed-scheduler-names",
         default=DEFAULT_SCHEDULER_NAME,
         metavar="NAME[,NAME...]",
@@ -272,6 +294,7 @@ def parse_args(argv: list[str] | None, prog: str = "python -m executor_service")
         parser.error("--kv-host-gib needs --tensor-parallel-size 1: a sharded executor keeps no host tier")
     try:
         tls = server_tls(args.tls_cert, args.tls_key, args.tls_client_ca)
+        peer = peer_flags_tls(args, tls)
         token = read_token_file(args.executor_token_file) if args.executor_token_file else None
         access = ExecutorAccess.from_flags(
             token, args.insecure_executor, args.allowed_scheduler_names, tls is not None and tls.mutual
@@ -301,6 +324,7 @@ def parse_args(argv: list[str] | None, prog: str = "python -m executor_service")
         amx=args.amx,
         cuda_graph_max_batch=args.cuda_graph_max_batch,
         tls=tls,
+        peer_tls=peer,
         health_port=args.health_port,
         drain_timeout_s=args.drain_timeout,
         metrics_port=args.metrics_port,
@@ -311,6 +335,21 @@ def parse_args(argv: list[str] | None, prog: str = "python -m executor_service")
         role=args.role,
         kv_host_gib=args.kv_host_gib,
     )
+
+
+def peer_flags_tls(args: argparse.Namespace, tls: ServerTls | None) -> ClientTls | None:
+    """How this executor calls its peers, from the --tls-peer-* flags and how it serves;
+    TlsConfigError when a flag cannot apply."""
+    if (args.tls_peer_cert is None) != (args.tls_peer_key is None):
+        raise TlsConfigError("--tls-peer-cert and --tls-peer-key go together")
+    if args.tls_peer_cert is not None and (tls is None or not tls.mutual):
+        # A peer that serves without a client CA asks for no certificate.
+        raise TlsConfigError("--tls-peer-cert/--tls-peer-key need mutual TLS (--tls-client-ca)")
+    if args.tls_peer_server_name is not None and tls is None:
+        raise TlsConfigError("--tls-peer-server-name needs TLS (--tls-cert, --tls-key)")
+    cert = read_pem(args.tls_peer_cert, "peer certificate") if args.tls_peer_cert is not None else None
+    key = read_pem(args.tls_peer_key, "peer key") if args.tls_peer_key is not None else None
+    return peer_tls(tls, cert, key, args.tls_peer_server_name)
 
 
 def check_device(name: str) -> None:
@@ -354,6 +393,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m executor_service"
         lease_timeout_s=settings.lease_timeout_s,
         access=settings.access,
         tls=settings.tls,
+        peer_tls=settings.peer_tls,
         health_port=settings.health_port,
         drain_timeout_s=settings.drain_timeout_s,
         metrics_port=settings.metrics_port,

@@ -109,6 +109,27 @@ def client_tls(
     )
 
 
+def allows_client_auth(cert_pem: bytes) -> bool | None:
+    """Whether a certificate may act as a TLS client's: its ExtendedKeyUsage, when it has one,
+    names clientAuth (or any purpose). BoringSSL refuses a client certificate without it at the
+    handshake ("unsupported certificate purpose"). None when it cannot be told: the cryptography
+    package (the optional '.[certs]' extra) is not installed, or the PEM does not parse."""
+    try:
+        from cryptography import x509
+        from cryptography.x509.oid import ExtendedKeyUsageOID
+    except ImportError:
+        return None
+    try:
+        cert = x509.load_pem_x509_certificate(cert_pem)
+        usages = cert.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value
+    except x509.ExtensionNotFound:
+        # No ExtendedKeyUsage: any purpose.
+        return True
+    except ValueError:
+        return None
+    return bool({ExtendedKeyUsageOID.CLIENT_AUTH, ExtendedKeyUsageOID.ANY_EXTENDED_KEY_USAGE} & set(usages))
+
+
 def peer_certificate_name(context: grpc.aio.ServicerContext) -> str | None:
     """The common name of the certificate the peer proved it holds (mutual TLS), else None."""
     names = context.auth_context().get("x509_common_name")

@@ -1,9 +1,10 @@
 """Fetching another executor's offered blocks (KvTransfer.FetchBlocks), on the event loop.
 
 The executor calls its peers with its own credentials: its token under the same metadata key a
-scheduler uses, and under mutual TLS its own certificate, checked against its client CA (the CA
-that signs the executors' certificates in a deployment of one CA). Chunks are only checked and
-kept here; the worker thread writes them (kv_moves.py)."""
+scheduler uses, and under mutual TLS a client certificate (--tls-peer-cert, else its server
+certificate), checked against its client CA (the CA that signs the executors' certificates in a
+deployment of one CA). Chunks are only checked and kept here; the worker thread writes them
+(kv_moves.py)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import grpc
 from protos.executor_access import EXECUTOR_TOKEN_METADATA
 from protos.limits import MAX_MESSAGE_BYTES
 from protos.splitserve.executor.v1 import executor_pb2, executor_pb2_grpc
-from service_support.transport_security import ClientTls, ServerTls
+from service_support.transport_security import ClientTls, ServerTls, allows_client_auth
 
 logger = logging.getLogger(__name__)
 
@@ -25,15 +26,49 @@ logger = logging.getLogger(__name__)
 FETCH_DEADLINE_S = 120.0
 
 
-def peer_tls(server: ServerTls | None) -> ClientTls | None:
+def peer_tls(
+    server: ServerTls | None,
+    cert_pem: bytes | None = None,
+    key_pem: bytes | None = None,
+    server_name: str | None = None,
+) -> ClientTls | None:
     """How this executor calls its peers, from how it serves: plaintext without TLS; under mutual
-    TLS its own certificate and key, trusting its client CA; under server-only TLS, trusting the
-    system's roots (it holds no CA of its own then)."""
+    TLS the peer certificate and key when given, else its own server certificate, trusting its
+    client CA; under server-only TLS, trusting the system's roots (it holds no CA of its own
+    then). server_name: what a source's certificate must name when it is dialled by IP."""
     if server is None:
         return None
     if not server.mutual:
-        return ClientTls()
-    return ClientTls(ca_pem=server.client_ca_pem, cert_pem=server.cert_pem, key_pem=server.key_pem)
+        return ClientTls(server_name=server_name)
+    if cert_pem is None:
+        cert_pem, key_pem = server.cert_pem, server.key_pem
+    return ClientTls(server.client_ca_pem, cert_pem, key_pem, server_name)
+
+
+def peer_certificate_problem(server: ServerTls | None, peer: ClientTls | None) -> str | None:
+    """Why other executors will refuse this one's K/V fetches at the handshake (so every move
+    is recomputed), or None: under mutual TLS, a client certificate whose ExtendedKeyUsage
+    leaves out clientAuth, as make_certs' serverAuth-only executor.pem does. Where that cannot
+    be told (no cryptography package), only the fallback to the server certificate is named."""
+    if server is None or not server.mutual or peer is None or peer.cert_pem is None:
+        return None
+    allowed = allows_client_auth(peer.cert_pem)
+    if peer.cert_pem != server.cert_pem:
+        if allowed is False:
+            return "the --tls-peer-cert certificate does not allow clientAuth, so peers refuse it"
+        return None
+    if allowed is True:
+        return None
+    why = (
+        "does not allow clientAuth"
+        if allowed is False
+        else "may not allow clientAuth (unchecked: no cryptography package)"
+    )
+    return (
+        f"no --tls-peer-cert: K/V fetches present this executor's server certificate, which {why}; "
+        "peers then refuse them and every move is recomputed. Give --tls-peer-cert/--tls-peer-key "
+        "(deploy/make_certs.py's executor-peer.pem)"
+    )
 
 
 class FetchFailed(Exception):

@@ -21,7 +21,7 @@ from prometheus_client import start_http_server
 
 from executor_service.runner.late_bitmasks import LateBitmasks
 from executor_service.serving.access import ExecutorAccess
-from executor_service.serving.kv_fetch import KvFetcher, peer_tls
+from executor_service.serving.kv_fetch import KvFetcher, peer_certificate_problem
 from executor_service.serving.kv_moves import BlockAccess, KvMoves
 from executor_service.serving.kv_transfer import KV_TRANSFER_SERVICE, KvTransferServicer
 from executor_service.serving.metrics import ExecutorMetrics
@@ -29,7 +29,11 @@ from executor_service.serving.settings import DEFAULT_DRAIN_TIMEOUT_S
 from protos.limits import MAX_MESSAGE_BYTES
 from protos.splitserve.executor.v1 import executor_pb2, executor_pb2_grpc
 from service_support.health_port import start_health_port
-from service_support.transport_security import ServerTls, peer_certificate_name
+from service_support.transport_security import (
+    ClientTls,
+    ServerTls,
+    peer_certificate_name,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -356,6 +360,9 @@ class ServeOptions:
     # TLS on the executor API; with a client CA only schedulers holding a certificate it signed
     # may call (mutual TLS), and a plain client cannot even complete the handshake.
     tls: ServerTls | None = None
+    # How this executor calls other executors to fetch K/V (kv_fetch.peer_tls): under mutual TLS
+    # a certificate that allows clientAuth, which a serverAuth-only server certificate does not.
+    peer_tls: ClientTls | None = None
     # Plaintext port serving only grpc.health.v1, for probes that cannot do (mutual) TLS.
     health_port: int | None = None
     drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S
@@ -484,11 +491,14 @@ def _kv_fetcher(
     moves no K/V."""
     if not info.supports_kv_transfer:
         return None
+    problem = peer_certificate_problem(options.tls, options.peer_tls)
+    if problem is not None:
+        logger.warning("event=executor_peer_tls_unusable reason=%r", problem)
     return KvFetcher(
         info.kv_layout,
         block_bytes,
         options.access.token,
-        peer_tls(options.tls),
+        options.peer_tls,
         metrics.kv_transfer_bytes.labels("received").inc,
     )
 

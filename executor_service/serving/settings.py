@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from executor_service.serving.access import ExecutorAccess
-from service_support.transport_security import ServerTls
+from service_support.transport_security import ClientTls, ServerTls
 
 # On CPU there is nothing to profile: the KV budget is a configured size, and 1 GiB holds ~23k
 # tokens of the default 135M model without crowding a laptop.
@@ -85,6 +85,9 @@ class ExecutorSettings:
     greedy_screen: bool = False
     # TLS (mutual with a client CA) on the executor API; None serves plaintext.
     tls: ServerTls | None = None
+    # How this executor calls other executors to fetch K/V (kv_fetch.peer_tls of tls and the
+    # --tls-peer-* flags); None: plaintext, as it serves.
+    peer_tls: ClientTls | None = None
     # Plaintext grpc.health.v1-only port for probes.
     health_port: int | None = None
     drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S
