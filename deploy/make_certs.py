@@ -7,8 +7,11 @@ Writes into OUT_DIR a private CA (ca.pem, ca-key.pem); the scheduler's client-AP
 certificate (scheduler.pem, scheduler-key.pem) and the executors' server certificate
 (executor.pem, executor-key.pem), each for its given names plus localhost and 127.0.0.1; the client
 certificate the scheduler presents to executors (scheduler-client.pem, scheduler-client-key.pem,
-CN splitserve-scheduler, clientAuth); and one random API key, in api-keys (the scheduler's
---api-key-file) and client-api-key (the client's). Private keys and key files are mode 0600.
+CN splitserve-scheduler, clientAuth); the client certificate executors present to each other
+when they fetch K/V (executor-peer.pem, executor-peer-key.pem, CN splitserve-executor-peer,
+clientAuth: a name no executor allows to drive it); and one random API key, in api-keys (the
+scheduler's --api-key-file) and client-api-key (the client's). Private keys and key files are
+mode 0600.
 
 Idempotent: whatever is present, signed by the CA, matching its key, naming what was asked for
 and valid for more than a day is kept; only the rest is made again (a new CA reissues every
@@ -45,6 +48,9 @@ logger = logging.getLogger("make_certs")
 # an executor serves one scheduler at a time: a CN that changed on every reissue would make a
 # restarted scheduler a stranger to its own executors until their lease ran out.
 SCHEDULER_IDENTITY = DEFAULT_SCHEDULER_NAME
+# What executors present to each other (--tls-peer-cert): the CA signs it, so a peer's
+# KvTransfer lets it in, but it is no scheduler name, so no executor takes plans from it.
+EXECUTOR_PEER_NAME = "splitserve-executor-peer"
 CA_NAME = "splitserve private CA"
 LOCAL_NAMES = ("localhost", "127.0.0.1")
 # Certificates this close to expiry are made again, so a restart never picks up one that lapses
@@ -102,6 +108,7 @@ def leaf_specs(executor_names: Sequence[str], scheduler_names: Sequence[str]) ->
             ExtendedKeyUsageOID.SERVER_AUTH,
         ),
         LeafSpec("scheduler-client", SCHEDULER_IDENTITY, (), ExtendedKeyUsageOID.CLIENT_AUTH),
+        LeafSpec("executor-peer", EXECUTOR_PEER_NAME, (), ExtendedKeyUsageOID.CLIENT_AUTH),
     ]
 
 
