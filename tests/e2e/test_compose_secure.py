@@ -36,6 +36,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from clients import Client
 from clients.errors import SplitserveError
+from protos.executor_access import DEFAULT_SCHEDULER_NAME
 from tests.e2e.test_compose import (
     COMPOSE_FILE,
     FIXED_PORTS,
@@ -63,14 +64,18 @@ CERTS_SOURCE = "./certs"
 HEALTH_PORTS = (50062,)
 # What the image runs as (Dockerfile: useradd --uid 10001).
 IMAGE_USER = "10001:10001"
-CERT_FILES = {"ca.pem", "scheduler.pem", "executor.pem", "scheduler-client.pem"}
-KEY_FILES = {"ca-key.pem", "scheduler-key.pem", "executor-key.pem", "scheduler-client-key.pem"}
+CERT_FILES = {"ca.pem", "scheduler.pem", "executor.pem", "scheduler-client.pem", "executor-peer.pem"}
+KEY_FILES = {
+    "ca-key.pem", "scheduler-key.pem", "executor-key.pem", "scheduler-client-key.pem", "executor-peer-key.pem",
+}  # fmt: skip
 API_KEY_FILES = {"api-keys", "client-api-key"}
 ALL_FILES = CERT_FILES | KEY_FILES | API_KEY_FILES
 LOCAL_NAMES = {"localhost", "127.0.0.1"}
 SCHEDULER_IDENTITY = "splitserve-scheduler"
+# The name executors present to each other: signed by the CA, but no scheduler's.
+EXECUTOR_PEER_IDENTITY = "splitserve-executor-peer"
 # Flags that name a file in the certs folder, on each server.
-EXECUTOR_FILE_FLAGS = ("--tls-cert", "--tls-key", "--tls-client-ca")
+EXECUTOR_FILE_FLAGS = ("--tls-cert", "--tls-key", "--tls-client-ca", "--tls-peer-cert", "--tls-peer-key")
 PLANNER_FILE_FLAGS = ("--executor-tls-ca", "--executor-tls-cert", "--executor-tls-key")
 FRONTEND_FILE_FLAGS = ("--tls-cert", "--tls-key", "--api-key-file")
 FILE_FLAGS = {
@@ -286,6 +291,9 @@ def test_every_file_a_command_names_lies_in_the_certs_mount(
     assert flag(frontend, "--tls-key").endswith("/scheduler-key.pem")
     assert flag(planner, "--executor-tls-cert").endswith("/scheduler-client.pem")
     assert flag(planner, "--executor-tls-key").endswith("/scheduler-client-key.pem")
+    # Executors fetch K/V from each other with a client certificate of their own.
+    assert flag(executor, "--tls-peer-cert").endswith("/executor-peer.pem")
+    assert flag(executor, "--tls-peer-key").endswith("/executor-peer-key.pem")
 
 
 def test_certificates_name_the_hosts_dialled(secure: dict[str, Any]) -> None:
@@ -372,6 +380,14 @@ def test_make_certs_server_names_and_purposes(made: Path) -> None:
     assert usages(client) == {ExtendedKeyUsageOID.CLIENT_AUTH}
     common_name = client.subject.get_attributes_for_oid(NameOID.COMMON_NAME)[0].value
     assert common_name == SCHEDULER_IDENTITY
+    # The executors' client certificate: for logging in to a peer only, under a name of its own
+    # (no host names: no one serves with it).
+    peer = load_cert(made, "executor-peer.pem")
+    assert usages(peer) == {ExtendedKeyUsageOID.CLIENT_AUTH}
+    assert peer.subject.get_attributes_for_oid(NameOID.COMMON_NAME)[0].value == EXECUTOR_PEER_IDENTITY
+    assert EXECUTOR_PEER_IDENTITY not in DEFAULT_SCHEDULER_NAME.split(",")
+    with pytest.raises(x509.ExtensionNotFound):
+        peer.extensions.get_extension_for_class(x509.SubjectAlternativeName)
     lifetime = client.not_valid_after_utc - datetime.datetime.now(datetime.timezone.utc)
     assert datetime.timedelta(days=29) < lifetime <= datetime.timedelta(days=30, hours=1)
 
@@ -459,6 +475,7 @@ def test_make_certs_service_owner_splits_files_between_services_and_folder_owner
         "scheduler-key.pem",
         "executor-key.pem",
         "scheduler-client-key.pem",
+        "executor-peer-key.pem",
         "api-keys",
     }
     for path in out.iterdir():
@@ -471,7 +488,8 @@ def test_make_certs_service_owner_splits_files_between_services_and_folder_owner
 
 def test_grpc_accepts_the_certificates_for_mutual_tls(made: Path) -> None:
     """A server with executor.pem and the CA as client CA takes the scheduler's client
-    certificate and turns away a client without one: what the executor's flags set up."""
+    certificate and the executors' peer certificate, and turns away a client without one or
+    with executor.pem, which allows serverAuth only: what the executor's flags set up."""
 
     def read(name: str) -> bytes:
         return (made / name).read_bytes()
@@ -487,18 +505,23 @@ def test_grpc_accepts_the_certificates_for_mutual_tls(made: Path) -> None:
     server.start()
     try:
         request = health_pb2.HealthCheckRequest()
-        mutual = grpc.ssl_channel_credentials(
-            read("ca.pem"), read("scheduler-client-key.pem"), read("scheduler-client.pem")
-        )
-        for host in ("127.0.0.1", "localhost"):
-            with grpc.secure_channel(f"{host}:{port}", mutual) as channel:
-                reply = health_pb2_grpc.HealthStub(channel).Check(request, timeout=10)
-                assert reply.status == health_pb2.HealthCheckResponse.SERVING
+        for client in ("scheduler-client", "executor-peer"):
+            mutual = grpc.ssl_channel_credentials(
+                read("ca.pem"), read(f"{client}-key.pem"), read(f"{client}.pem")
+            )
+            for host in ("127.0.0.1", "localhost"):
+                with grpc.secure_channel(f"{host}:{port}", mutual) as channel:
+                    reply = health_pb2_grpc.HealthStub(channel).Check(request, timeout=10)
+                    assert reply.status == health_pb2.HealthCheckResponse.SERVING, client
         anonymous = grpc.ssl_channel_credentials(read("ca.pem"))
-        with grpc.secure_channel(f"127.0.0.1:{port}", anonymous) as channel:
-            with pytest.raises(grpc.RpcError) as refused:
-                health_pb2_grpc.HealthStub(channel).Check(request, timeout=10)
-            assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+        server_as_client = grpc.ssl_channel_credentials(
+            read("ca.pem"), read("executor-key.pem"), read("executor.pem")
+        )
+        for credentials in (anonymous, server_as_client):
+            with grpc.secure_channel(f"127.0.0.1:{port}", credentials) as channel:
+                with pytest.raises(grpc.RpcError) as refused:
+                    health_pb2_grpc.HealthStub(channel).Check(request, timeout=10)
+                assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
     finally:
         server.stop(None)
 
