@@ -30,6 +30,7 @@ from cryptography import x509
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from executor_service.__main__ import parse_args as parse_executor_args
+from executor_service.serving.kv_fetch import peer_certificate_problem
 from executor_service.serving.server import SHUTDOWN_GRACE_S as EXECUTOR_STOP_S
 from scheduler_service.__main__ import parse_args as parse_scheduler_args
 from scheduler_service.planner.discovery import DNS_PREFIX, split_target
@@ -280,7 +281,12 @@ def test_every_container_runs_splitserve_with_arguments_its_parser_accepts(
     planner_access, frontend_access = role_options(planner), role_options(frontend)
     assert not planner_access.insecure_planner
     assert planner_access.planner_token and frontend_access.planner_token == planner_access.planner_token
-    assert process(rendered, certs, "executor").parsed.tls.mutual
+    executor = process(rendered, certs, "executor").parsed
+    assert executor.tls.mutual
+    # Executors fetch K/V from each other with a certificate that allows clientAuth, which their
+    # server certificate does not.
+    assert executor.peer_tls.cert_pem == (certs.folder / "executor-peer.pem").read_bytes()
+    assert peer_certificate_problem(executor.tls, executor.peer_tls) is None
     gateway = process(rendered, certs, "gateway").parsed
     assert gateway.tls_ca.read_bytes().startswith(b"-----BEGIN CERTIFICATE")
 
@@ -480,27 +486,34 @@ def test_disruption_budgets_select_one_workload_each(rendered: Rendered) -> None
     assert planner_budget["spec"]["maxUnavailable"] == 1
 
 
-@pytest.mark.parametrize(("target", "source"), [("executor", "planner"), ("planner", "frontend")])
+@pytest.mark.parametrize(
+    ("target", "sources"), [("executor", ("planner", "executor")), ("planner", ("frontend",))]
+)
 def test_network_policies_let_only_the_callers_and_the_probes_in(
-    rendered: Rendered, certs: Certs, target: str, source: str
+    rendered: Rendered, certs: Certs, target: str, sources: tuple[str, ...]
 ) -> None:
-    """The Executor API from the planners alone, the Planner API from the front-ends alone; health
-    (for the kubelet) and metrics from anywhere."""
-    callee, caller = process(rendered, certs, target), process(rendered, certs, source)
+    """The Executor API from the planners and the other executors (which fetch K/V from it)
+    alone, the Planner API from the front-ends alone; health (for the kubelet) and metrics from
+    anywhere."""
+    callee = process(rendered, certs, target)
+    callers = [process(rendered, certs, source).workload for source in sources]
     callee_name = callee.workload["metadata"]["name"]
     [policy] = [p for p in rendered.of_kind("NetworkPolicy")
                 if selected(rendered, p["spec"]["podSelector"]["matchLabels"]) == [callee_name]]
-    allowed_from_caller, allowed_from_anyone, allowed_from_others = set(), set(), set()
+    allowed_from: dict[str, set[int]] = {w["metadata"]["name"]: set() for w in rendered.workloads()}
+    allowed_from_anyone = set()
     for rule in policy["spec"]["ingress"]:
         ports = {callee.container_port(p["port"]) for p in rule["ports"]}
-        sources = [s["podSelector"]["matchLabels"] for s in rule.get("from", [])]
-        if not sources:
+        selectors = [s["podSelector"]["matchLabels"] for s in rule.get("from", [])]
+        if not selectors:
             allowed_from_anyone |= ports
         for workload in rendered.workloads():
-            if any(selects(s, workload) for s in sources):
-                (allowed_from_caller if workload is caller.workload else allowed_from_others).update(ports)
-    assert callee.parsed.port in allowed_from_caller
-    assert callee.parsed.port not in allowed_from_anyone | allowed_from_others
+            if any(selects(s, workload) for s in selectors):
+                allowed_from[workload["metadata"]["name"]] |= ports
+    for workload in rendered.workloads():
+        allowed = callee.parsed.port in allowed_from[workload["metadata"]["name"]]
+        assert allowed == any(workload is caller for caller in callers), workload["metadata"]["name"]
+    assert callee.parsed.port not in allowed_from_anyone
     assert callee.parsed.health_port in allowed_from_anyone
     assert callee.parsed.metrics_port in allowed_from_anyone
     # The kubelet's probes come from the node, which no pod selector names.
@@ -540,6 +553,9 @@ def test_certificates_name_what_the_pods_dial(rendered: Rendered, certs: Certs) 
 
     planner = process(rendered, certs, "planner").parsed
     assert planner.executor_tls_server_name in names("executor.pem")
+    # Executors dial each other by pod IP too, to fetch K/V.
+    executor = process(rendered, certs, "executor").parsed
+    assert executor.peer_tls.channel_options() == [("grpc.ssl_target_name_override", planner.executor_tls_server_name)]
     gateway = process(rendered, certs, "gateway").parsed
     host = gateway.server.rpartition(":")[0]
     assert host in names("scheduler.pem")
