@@ -362,6 +362,7 @@ class ServeOptions:
     tls: ServerTls | None = None
     # How this executor calls other executors to fetch K/V (kv_fetch.peer_tls): under mutual TLS
     # a certificate that allows clientAuth, which a serverAuth-only server certificate does not.
+    # None fetches in plaintext, which TLS peers refuse: set it wherever tls is set.
     peer_tls: ClientTls | None = None
     # Plaintext port serving only grpc.health.v1, for probes that cannot do (mutual) TLS.
     health_port: int | None = None
