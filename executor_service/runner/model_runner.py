@@ -17,6 +17,8 @@ from executor_service.attention.host_tier import HostBlocks
 from executor_service.attention.kv_cache import PagedKVCache
 from executor_service.kernels.row_kernels import RowKernels
 from executor_service.model.model_loader import LoadedModel
+from executor_service.recurrent.state_slots import StateSlots
+from executor_service.recurrent.state_transfer import read_slot, write_slot
 from executor_service.runner.block_swaps import run_swaps
 from executor_service.runner.decode_graphs import DecodeGraphs
 from executor_service.runner.forward import accepts_logits_to_keep, compute_logits
@@ -125,6 +127,9 @@ class ModelRunner:
         # Slots that hold a checkpoint a plan asked for (StepPlan.state_checkpoints), which a
         # NewRequest may resume from until a request takes the slot.
         self.checkpointed: set[int] = set()
+        # Slots an import wrote a moved request's state into (KvImport.state_slot), which a
+        # NewRequest with state_in_slot may start from until a request or checkpoint takes them.
+        self.imported: set[int] = set()
         self.rows = RequestRows(limits.vocab_size, loaded.device, row_kernels)
         self._use_logits_to_keep = accepts_logits_to_keep(loaded)
         self._steady = SteadyDecodes()
@@ -191,6 +196,7 @@ class ModelRunner:
         self.handles.clear()
         self.slot_holders.clear()
         self.checkpointed.clear()
+        self.imported.clear()
         self.rows.clear()
         if wipe_kv:
             self.kv_cache.wipe()
@@ -225,6 +231,27 @@ class ModelRunner:
     def write_blocks(self, block_ids: list[int], data: bytes) -> None:
         """Another executor's K/V of as many blocks, into these (an import)."""
         self.kv_cache.write_blocks(block_ids, data)
+
+    def read_state(self, slot: int) -> bytes:
+        """One slot's recurrent state, for another executor (KvBlockChunk.state)."""
+        return read_slot(self._states(), slot)
+
+    def write_state(self, slot: int, data: bytes) -> None:
+        """Another executor's recurrent state of one request, into a slot no request holds (an
+        import); ValueError, writing nothing, when a request holds it or the bytes are not one
+        slot's. A checkpoint the slot held is gone."""
+        holder = self.slot_holders.get(slot)
+        if holder is not None:
+            raise ValueError(f"state_slot {slot} is held by request {holder.request_id!r}")
+        write_slot(self._states(), slot, data)
+        self.checkpointed.discard(slot)
+        self.imported.add(slot)
+
+    def _states(self) -> StateSlots:
+        recurrent = self.loaded.recurrent
+        if recurrent is None or recurrent.states is None:
+            raise ValueError("the model has no recurrent layers")
+        return recurrent.states
 
     def _gathers_decodes(self) -> bool:
         """Whether steady decodes take their inputs from the rows' tables: where a decode graph
@@ -429,6 +456,7 @@ class ModelRunner:
                 )
                 continue
             self.checkpointed.discard(checkpoint.slot)
+            self.imported.discard(checkpoint.slot)
             point = (checkpoint.num_tokens - start, checkpoint.slot)
             admitted.work[position] = replace(item, checkpoints=(*item.checkpoints, point))
 
@@ -507,10 +535,15 @@ class ModelRunner:
             source = entry.state_source_slot
             if source and source not in self.checkpointed:
                 return f"state_source_slot {source} holds no checkpoint this executor made"
+            if entry.state_in_slot and entry.state_slot not in self.imported:
+                return f"state_slot {entry.state_slot} holds no state an import wrote (state_in_slot)"
             if source:
                 assert self.loaded.recurrent is not None and self.loaded.recurrent.states is not None
                 self.loaded.recurrent.states.copy_slot(source, entry.state_slot)
+            # Nothing to do for state_in_slot: a request with computed tokens reads its state from
+            # its slot (SlotStates), which the import wrote; only one from its first token starts empty.
             self.checkpointed.discard(entry.state_slot)
+            self.imported.discard(entry.state_slot)
             state = _new_state(self.rows, entry, sampling, self.loaded.device)
             self.requests[entry.request_id] = state
             if entry.handle:

@@ -62,17 +62,28 @@ def check_new(entry: executor_pb2.NewRequest, sampling: SamplerSettings, limits:
 
 
 def _state_slot_problem(entry: executor_pb2.NewRequest, limits: Limits) -> str | None:
-    """A model with recurrent layers needs a slot for each request, and starts its state empty."""
+    """A model with recurrent layers needs a slot for each request, and starts its state empty
+    unless it names where its state is: a checkpoint to copy (state_source_slot), or its own slot
+    that an import filled (state_in_slot)."""
     if not limits.num_state_slots:
+        if entry.state_in_slot:
+            return "state_in_slot set, but the model has no recurrent layers"
         return f"state_slot {entry.state_slot} named, but the model has no recurrent layers" if entry.state_slot else None
     if not 1 <= entry.state_slot <= limits.num_state_slots:
         return f"state_slot {entry.state_slot} outside [1, {limits.num_state_slots}] (the model has recurrent layers)"
     source = entry.state_source_slot
+    if entry.state_in_slot:
+        if source:
+            return f"state_in_slot and state_source_slot {source} both set: the state is in the request's slot or copied, not both"
+        if not entry.num_computed_tokens:
+            return "state_in_slot set for a request that computes from its first token"
+        return None
     if not source:
         if entry.num_computed_tokens:
             return (
                 f"num_computed_tokens {entry.num_computed_tokens} without a state_source_slot: a request "
-                "of a model with recurrent layers starts from empty state unless it names where its state is"
+                "of a model with recurrent layers starts from empty state unless it names where its state is "
+                "(or state_in_slot)"
             )
         return None
     if not 1 <= source <= limits.num_state_slots or source == entry.state_slot:
