@@ -102,6 +102,12 @@ class TimedRunner:
     def write_blocks(self, block_ids: list[int], data: bytes) -> None:
         raise NotImplementedError("a simulated executor holds no K/V (supports_kv_transfer is off)")
 
+    def read_state(self, slot: int) -> bytes:
+        raise NotImplementedError("a simulated executor holds no recurrent state (num_state_slots is 0)")
+
+    def write_state(self, slot: int, data: bytes) -> None:
+        raise NotImplementedError("a simulated executor holds no recurrent state (num_state_slots is 0)")
+
     def execute(self, plan: executor_pb2.StepPlan, late: LateBitmasks | None = None) -> executor_pb2.StepResult:
         """late: unused; this executor does not say it takes bitmasks after their plans."""
         started = time.monotonic()

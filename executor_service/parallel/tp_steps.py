@@ -78,6 +78,12 @@ class PlanBroadcaster:
     def write_blocks(self, block_ids: list[int], data: bytes) -> None:
         raise NotImplementedError(_SHARDED_KV)
 
+    def read_state(self, slot: int) -> bytes:
+        raise NotImplementedError(_SHARDED_KV)
+
+    def write_state(self, slot: int, data: bytes) -> None:
+        raise NotImplementedError(_SHARDED_KV)
+
     def stop(self) -> None:
         """Ends the followers' loops (on the thread that ran the plans)."""
         _send(_Command.STOP)

@@ -77,10 +77,13 @@ class FetchFailed(Exception):
 
 @dataclass(slots=True)
 class FetchedBlocks:
-    """An import's K/V, checked and complete: for each chunk, the destination blocks and their bytes."""
+    """An import's K/V, checked and complete: for each chunk, the destination blocks and their
+    bytes; and the recurrent state the offer's last chunk carried (empty: none). num_bytes counts
+    both."""
 
     chunks: list[tuple[list[int], bytes]] = field(default_factory=list)
     num_bytes: int = 0
+    state: bytes = b""
 
 
 class KvFetcher:
@@ -127,12 +130,17 @@ class KvFetcher:
         done = 0
         try:
             async for chunk in call:
-                self._received(len(chunk.data))
-                problem = self._chunk_problem(chunk, entry.first_block + done, len(destinations) - done)
+                self._received(len(chunk.data) + len(chunk.state))
+                problem = (
+                    "a chunk after the one with the offer's recurrent state" if fetched.state
+                    else self._chunk_problem(chunk, entry.first_block + done, len(destinations) - done)
+                )
                 if problem is not None:
                     raise FetchFailed(f"from {entry.source_address}: {problem}")
-                fetched.chunks.append((destinations[done : done + chunk.num_blocks], chunk.data))
-                fetched.num_bytes += len(chunk.data)
+                if chunk.num_blocks:
+                    fetched.chunks.append((destinations[done : done + chunk.num_blocks], chunk.data))
+                fetched.state = chunk.state
+                fetched.num_bytes += len(chunk.data) + len(chunk.state)
                 done += chunk.num_blocks
         except grpc.aio.AioRpcError as error:
             raise FetchFailed(f"from {entry.source_address}: {error.code().name}: {error.details()}") from None
@@ -151,8 +159,11 @@ class KvFetcher:
             return f"its kv_layout {chunk.kv_layout!r} is not this executor's {self._layout!r}"
         if chunk.first_block != position:
             return f"a chunk starts at offer position {chunk.first_block}, expected {position}"
-        if chunk.num_blocks == 0 or chunk.num_blocks > room:
+        # Only the chunk of the state, the offer's last, may hold no block.
+        if (chunk.num_blocks == 0 and not chunk.state) or chunk.num_blocks > room:
             return f"a chunk of {chunk.num_blocks} blocks where {room} more are expected"
+        if chunk.state and chunk.num_blocks != room:
+            return f"the offer's recurrent state came with {room - chunk.num_blocks} of its blocks still to come"
         if len(chunk.data) != chunk.num_blocks * self._block_bytes:
             return f"a chunk of {chunk.num_blocks} blocks carries {len(chunk.data)} bytes, not {chunk.num_blocks * self._block_bytes}"
         return None

@@ -4,7 +4,10 @@ kv_exports, ended_exports) and the imports it fetches (kv_imports, cancelled_imp
 Everything here but the fetches runs on the worker thread, the only one that touches the cache,
 so offers and imports need no lock: a plan's cancellations, finished imports' writes and offers
 are all handled before its forward (the K/V of earlier plans is then written), and offered blocks
-are read there between plans. Fetches run on the event loop and hand their bytes back through
+are read there between plans. A model with recurrent layers moves a request's state slot with
+its blocks: the offer's last chunk carries it (one of its own, after the blocks, so that the
+blocks' chunks keep their size and an offer with no block left to send still sends it), and an
+import writes it into its slot when it writes the blocks. Fetches run on the event loop and hand their bytes back through
 their futures."""
 
 from __future__ import annotations
@@ -31,15 +34,34 @@ class OfferClosed(Exception):
 
 
 @dataclass(slots=True, frozen=True)
+class StateAccess:
+    """How recurrent-state slots are read and written (the runner's read_state and write_state,
+    which raises ValueError, writing nothing, for bytes or a slot it cannot take)."""
+
+    read: Callable[[int], bytes]
+    write: Callable[[int, bytes], None]
+    num_slots: int
+
+
+@dataclass(slots=True, frozen=True)
 class BlockAccess:
     """How the cache is read and written (the runner's read_blocks and write_blocks), and what a
-    block holds: ExecutorInfo's kv_layout, and its size in bytes."""
+    block holds: ExecutorInfo's kv_layout, and its size in bytes. state: None for a model without
+    recurrent layers."""
 
     read: Callable[[list[int]], bytes]
     write: Callable[[list[int], bytes], None]
     kv_layout: str
     block_bytes: int
     num_blocks: int
+    state: StateAccess | None = None
+
+
+@dataclass(slots=True, frozen=True)
+class _Offer:
+    block_ids: list[int]
+    # 0: no recurrent state goes with the blocks.
+    state_slot: int
 
 
 @dataclass(slots=True)
@@ -65,7 +87,7 @@ class KvMoves:
         self._fetcher = fetcher
         self._loop = loop
         self._metrics = metrics
-        self._offers: dict[str, list[int]] = {}
+        self._offers: dict[str, _Offer] = {}
         self._imports: dict[str, _Import] = {}
         self._chunk_blocks = max(1, CHUNK_BYTES // max(1, blocks.block_bytes))
 
@@ -113,33 +135,39 @@ class KvMoves:
         self._imports.clear()
 
     def read_chunk(self, transfer_id: str, position: int) -> executor_pb2.KvBlockChunk | None:
-        """On the worker thread: the offer's next chunk from position on, None past its last
-        block; OfferClosed when no such offer is open."""
+        """On the worker thread: the offer's next chunk from position on (past its last block,
+        the chunk of its state, with no blocks, where it has a state slot), None past the end;
+        OfferClosed when no such offer is open."""
         offer = self._offers.get(transfer_id)
         if offer is None:
             raise OfferClosed(transfer_id)
-        block_ids = offer[position : position + self._chunk_blocks]
-        if not block_ids:
+        chunk = executor_pb2.KvBlockChunk(first_block=position, kv_layout=self._blocks.kv_layout)
+        block_ids = offer.block_ids[position : position + self._chunk_blocks]
+        if block_ids:
+            chunk.num_blocks, chunk.data = len(block_ids), self._blocks.read(block_ids)
+        elif offer.state_slot and position == len(offer.block_ids):
+            assert self._blocks.state is not None  # _offer refuses a state slot without state
+            chunk.state = self._blocks.state.read(offer.state_slot)
+        else:
             return None
-        return executor_pb2.KvBlockChunk(
-            first_block=position,
-            num_blocks=len(block_ids),
-            kv_layout=self._blocks.kv_layout,
-            data=self._blocks.read(block_ids),
-        )
+        return chunk
 
     def _offer(self, export: executor_pb2.KvExport) -> None:
         problem = (
             "needs a transfer_id" if not export.transfer_id
             else "unsupported by this executor (ExecutorInfo.supports_kv_transfer)" if self._fetcher is None
-            else _blocks_problem(export.block_ids, self._blocks.num_blocks)
+            else _blocks_problem(export.block_ids, self._blocks.num_blocks, export.state_slot)
+            or _state_slot_problem(export.state_slot, self._blocks.state)
         )
         if problem is not None:
             # Nothing to answer: the destination's fetch finds no offer and fails its import.
             logger.warning("event=kv_offer_refused transfer_id=%s problem=%r", export.transfer_id, problem)
             return
-        self._offers[export.transfer_id] = list(export.block_ids)
-        logger.info("event=kv_offer_opened transfer_id=%s blocks=%d", export.transfer_id, len(export.block_ids))
+        self._offers[export.transfer_id] = _Offer(list(export.block_ids), export.state_slot)
+        logger.info(
+            "event=kv_offer_opened transfer_id=%s blocks=%d state_slot=%d",
+            export.transfer_id, len(export.block_ids), export.state_slot,
+        )
 
     def _import_problem(self, entry: executor_pb2.KvImport) -> str | None:
         if self._fetcher is None:
@@ -150,7 +178,9 @@ class KvMoves:
             return f"transfer {entry.transfer_id!r} is already being imported"
         if not entry.source_address:
             return "an import needs a source_address"
-        return _blocks_problem(entry.block_ids, self._blocks.num_blocks)
+        return _blocks_problem(entry.block_ids, self._blocks.num_blocks, entry.state_slot) or _state_slot_problem(
+            entry.state_slot, self._blocks.state
+        )
 
     def _write_fetched(self) -> list[executor_pb2.KvImportResult]:
         """Writes every import whose fetch has finished, in the order they were asked for."""
@@ -166,6 +196,8 @@ class KvMoves:
         result = executor_pb2.KvImportResult(transfer_id=pending.entry.transfer_id)
         try:
             fetched = pending.fetch.result()
+            # The state first: its checks may fail the import, and then nothing is written.
+            self._write_state(pending.entry, fetched)
             for block_ids, data in fetched.chunks:
                 self._blocks.write(block_ids, data)
         except FetchFailed as error:
@@ -179,6 +211,20 @@ class KvMoves:
             result.ok, result.bytes = True, fetched.num_bytes
         return result
 
+    def _write_state(self, entry: executor_pb2.KvImport, fetched: FetchedBlocks) -> None:
+        """The offer's recurrent state into the import's slot; FetchFailed, writing nothing, when
+        the offer had none or the slot cannot take it. Without a slot, state the offer carried
+        is not wanted (the scheduler recomputes the request's state)."""
+        if not entry.state_slot:
+            return
+        assert self._blocks.state is not None  # _import_problem refuses a state slot without state
+        if not fetched.state:
+            raise FetchFailed(f"from {entry.source_address}: the offer carried no recurrent state")
+        try:
+            self._blocks.state.write(entry.state_slot, fetched.state)
+        except ValueError as error:
+            raise FetchFailed(f"state_slot {entry.state_slot}: {error}") from None
+
     def _ended(self, result: executor_pb2.KvImportResult) -> executor_pb2.KvImportResult:
         self._metrics.observe_import(result)
         if result.ok:
@@ -190,12 +236,23 @@ class KvMoves:
         return result
 
 
-def _blocks_problem(block_ids: Sequence[int], num_blocks: int) -> str | None:
-    if not block_ids:
+def _blocks_problem(block_ids: Sequence[int], num_blocks: int, state_slot: int) -> str | None:
+    """state_slot: a move of a recurrent state may have no block left to move."""
+    if not block_ids and not state_slot:
         return "names no blocks"
     outside = [block for block in block_ids if block >= num_blocks]
     if outside:
         return f"block id {outside[0]} outside the pool [0, {num_blocks})"
     if len(set(block_ids)) != len(block_ids):
         return "block_ids repeats a block"
+    return None
+
+
+def _state_slot_problem(state_slot: int, state: StateAccess | None) -> str | None:
+    if not state_slot:
+        return None
+    if state is None:
+        return f"state_slot {state_slot} named, but the model has no recurrent layers"
+    if not 1 <= state_slot <= state.num_slots:
+        return f"state_slot {state_slot} outside [1, {state.num_slots}]"
     return None

@@ -64,9 +64,13 @@ class KvTransferServicer(executor_pb2_grpc.KvTransferServicer):
             if chunk is None:
                 break
             yield chunk
-            self._metrics.kv_transfer_bytes.labels("sent").inc(len(chunk.data))
+            size = len(chunk.data) + len(chunk.state)
+            self._metrics.kv_transfer_bytes.labels("sent").inc(size)
             position += chunk.num_blocks
-            sent += len(chunk.data)
+            sent += size
+            if chunk.state:
+                # The state is the offer's last chunk.
+                break
         logger.info(
             "event=kv_fetch_served transfer_id=%s first_block=%d blocks=%d bytes=%d peer=%s",
             request.transfer_id, request.first_block, position - request.first_block, sent, context.peer(),

@@ -22,7 +22,7 @@ from prometheus_client import start_http_server
 from executor_service.runner.late_bitmasks import LateBitmasks
 from executor_service.serving.access import ExecutorAccess
 from executor_service.serving.kv_fetch import KvFetcher, peer_certificate_problem
-from executor_service.serving.kv_moves import BlockAccess, KvMoves
+from executor_service.serving.kv_moves import BlockAccess, KvMoves, StateAccess
 from executor_service.serving.kv_transfer import KV_TRANSFER_SERVICE, KvTransferServicer
 from executor_service.serving.metrics import ExecutorMetrics
 from executor_service.serving.settings import DEFAULT_DRAIN_TIMEOUT_S
@@ -79,6 +79,16 @@ class StepRunner(Protocol):
     def write_blocks(self, block_ids: list[int], data: bytes) -> None:
         """read_blocks' bytes of as many blocks, written into these (worker thread only; called
         only where ExecutorInfo.supports_kv_transfer is on)."""
+        ...
+
+    def read_state(self, slot: int) -> bytes:
+        """One recurrent-state slot as KvBlockChunk.state carries it (worker thread only; called
+        only where supports_kv_transfer is on and the model has recurrent layers)."""
+        ...
+
+    def write_state(self, slot: int, data: bytes) -> None:
+        """read_state's bytes, written into a slot no request holds; ValueError, writing nothing,
+        where they cannot be (worker thread only; called as read_state is)."""
         ...
 
 
@@ -416,7 +426,8 @@ async def serve(executor: ServedExecutor, options: ServeOptions, worker: ThreadP
     # One rank's whole cache (an executor that moves K/V is never sharded), over its blocks.
     block_bytes = info.kv_cache_bytes // max(1, info.num_kv_blocks)
     fetcher = _kv_fetcher(info, block_bytes, options, metrics)
-    blocks = BlockAccess(runner.read_blocks, runner.write_blocks, info.kv_layout, block_bytes, info.num_kv_blocks)
+    state = StateAccess(runner.read_state, runner.write_state, info.num_state_slots) if info.num_state_slots else None
+    blocks = BlockAccess(runner.read_blocks, runner.write_blocks, info.kv_layout, block_bytes, info.num_kv_blocks, state)
     moves = KvMoves(blocks, fetcher, asyncio.get_running_loop(), metrics)
     servicer = ExecutorServicer(executor, worker, options.lease_timeout_s, metrics, options.access, moves)
     executor_pb2_grpc.add_ExecutorServicer_to_server(servicer, server)
