@@ -30,7 +30,9 @@ from executor_service.model.model_loader import LoadedModel, dtype_name, load_mo
 from executor_service.model.model_support import UnsupportedModel
 from executor_service.parallel.tp_group import agree_on_min
 from executor_service.parallel.tp_steps import rank0_tokens
+from executor_service.recurrent.slot_mixers import RecurrentLayers
 from executor_service.recurrent.state_slots import StateSlots
+from executor_service.recurrent.state_transfer import state_layout_name
 from executor_service.runner.decode_graphs import (
     CudaGraphRecorder,
     DecodeGraphs,
@@ -47,9 +49,13 @@ from executor_service.startup.self_check import (
     self_check_reference,
 )
 from executor_service.startup.state_budget import decide_num_slots, memory_budget
+from protos.limits import MAX_MESSAGE_BYTES
 from protos.splitserve.executor.v1 import executor_pb2
 
 logger = logging.getLogger(__name__)
+
+# What a KvBlockChunk needs beside the state it carries (its layout string, field headers).
+STATE_MESSAGE_ROOM = 64 << 10
 
 
 @dataclass(slots=True)
@@ -118,6 +124,23 @@ def _self_check(loaded: LoadedModel, kv_cache: PagedKVCache, backend: str, refer
         recurrent.one_token_continuations = True
         run_self_check(loaded, kv_cache, backend, reference)
         logger.info("event=recurrent_continuations mode=one_token reason=%r", error.reason)
+
+
+def _moves_kv(shape: KVCacheShape, recurrent: RecurrentLayers | None, parallel: bool) -> bool:
+    """Whether a request's K/V (and recurrent state) can move to or from this executor. Not for
+    one sharded over ranks, each of which holds only its own heads' K/V. A model with recurrent
+    layers moves its state slot with the blocks: every state it keeps is in its slots, since a
+    model with a layer that keeps state outside transformers' cache interface is refused at load;
+    but the state travels in one message, so a slot too large for one is not moved."""
+    if parallel or (shape.num_layers == 0 and recurrent is None):
+        return False
+    if recurrent is not None and recurrent.layout.bytes_per_slot() > MAX_MESSAGE_BYTES - STATE_MESSAGE_ROOM:
+        logger.info(
+            "event=kv_transfer enabled=false reason='a state slot of %d bytes exceeds one message of %d'",
+            recurrent.layout.bytes_per_slot(), MAX_MESSAGE_BYTES,
+        )
+        return False
+    return True
 
 
 def build_executor(settings: ExecutorSettings, device: str | None = None) -> ReadyExecutor:
@@ -193,7 +216,8 @@ def build_executor(settings: ExecutorSettings, device: str | None = None) -> Rea
         num_state_slots=num_slots,
         num_host_blocks=num_host_blocks,
     )
-    moves_kv = recurrent is None and not parallel and shape.num_layers > 0
+    moves_kv = _moves_kv(shape, recurrent, parallel)
+    kv_layout = shape.layout() + (f" {state_layout_name(recurrent.layout)}" if recurrent else "")
     info = executor_pb2.ExecutorInfo(
         model_id=loaded.model_id,
         vocab_size=loaded.vocab_size,
@@ -216,10 +240,8 @@ def build_executor(settings: ExecutorSettings, device: str | None = None) -> Rea
         num_state_slots=num_slots,
         state_slot_bytes=recurrent.layout.bytes_per_slot() if recurrent else 0,
         supports_state_checkpoints=recurrent is not None,
-        # Recurrent state does not travel with blocks, and each rank of a sharded executor holds
-        # only its own heads' K/V.
         supports_kv_transfer=moves_kv,
-        kv_layout=shape.layout() if moves_kv else "",
+        kv_layout=kv_layout if moves_kv else "",
         role=settings.role,
         num_host_blocks=num_host_blocks,
     )

@@ -64,13 +64,14 @@ def _new(request_id: str, tokens: list[int], blocks: list[int], slot: int, **fie
     )
 
 
-def test_describe_reports_the_slots_no_block_copies_and_no_kv_transfer(ready: ReadyExecutor) -> None:
+def test_describe_reports_the_slots_no_block_copies_and_kv_transfer_with_the_state(ready: ReadyExecutor) -> None:
     info = ready.info
     assert info.num_state_slots == 8
     assert info.state_slot_bytes == ready.runner.loaded.recurrent.layout.bytes_per_slot() > 0
     assert info.supports_state_checkpoints and not info.supports_block_copies
-    # Recurrent state does not travel with blocks: a request that moves is recomputed.
-    assert not info.supports_kv_transfer and not info.kv_layout
+    # Recurrent state travels with the blocks, so kv_layout names its layout too.
+    assert info.supports_kv_transfer
+    assert info.kv_layout.endswith(f" state_bytes={info.state_slot_bytes} state={info.kv_layout[-16:]}")
 
 
 def test_a_request_resumed_from_a_checkpoint_samples_what_a_whole_prompt_does(runner: ModelRunner) -> None:
