@@ -4,11 +4,13 @@ kv_exports, ended_exports) and the imports it fetches (kv_imports, cancelled_imp
 Everything here but the fetches runs on the worker thread, the only one that touches the cache,
 so offers and imports need no lock: a plan's cancellations, finished imports' writes and offers
 are all handled before its forward (the K/V of earlier plans is then written), and offered blocks
-are read there between plans. A model with recurrent layers moves a request's state slot with
-its blocks: the offer's last chunk carries it (one of its own, after the blocks, so that the
-blocks' chunks keep their size and an offer with no block left to send still sends it), and an
-import writes it into its slot when it writes the blocks. Fetches run on the event loop and hand their bytes back through
-their futures."""
+are read there between plans. Fetches run on the event loop and hand their bytes back through
+their futures.
+
+A model with recurrent layers moves a request's state slot with its blocks: the offer's last
+chunk carries it (a chunk of its own, after the blocks, so that the blocks' chunks keep their size
+and an offer with no block left to send still sends it), and an import writes it into its slot
+when it writes the blocks."""
 
 from __future__ import annotations
 
