@@ -1,7 +1,7 @@
 """Hybrid and state-space models (attention beside Mamba, Gated DeltaNet, short-convolution or
 lightning-attention layers) through a real scheduler and executor: each request's recurrent state
 lives in a state slot, carried across prefill chunks, updated by batched decodes, freed and
-recomputed on preemption and on an executor's death. Every output is transformers' own greedy
+recomputed on preemption and on an executor's death, moved with its blocks on a drain. Every output is transformers' own greedy
 `generate` of the same random model.
 
 The whole family list runs under make test-slow; make test runs three that cover the three kinds
@@ -13,17 +13,22 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
+import grpc
 import pytest
 import torch
 
 from clients import AsyncClient, Client
+from protos.splitserve.v1 import admin_pb2, admin_pb2_grpc
 from protos.splitserve.v1.generation_pb2 import EXECUTOR_STATE_UP
+from tests.helpers.block_audit import assert_books_agree
 from tests.helpers.executor_kill import stream_through_executor_kill
-from tests.helpers.executor_process import start_executor
+from tests.helpers.executor_process import ExecutorProcess, start_executor
 from tests.helpers.greedy_client import generate_greedy, stream_all
 from tests.helpers.greedy_reference import Reference
 from tests.helpers.hybrid_models import HYBRID_TYPES, save_hybrid
-from tests.helpers.scheduler_process import start_scheduler
+from tests.helpers.metrics_scrape import scrape
+from tests.helpers.scheduler_process import SchedulerProcess, start_scheduler
+from tests.helpers.service_process import free_port
 
 torch.set_num_threads(1)
 
@@ -130,3 +135,52 @@ def test_a_killed_hybrid_executor_loses_no_request_and_no_token(tmp_path: Path) 
         assert output == reference(prompt, max_tokens)
     assert status.executors[0].state == EXECUTOR_STATE_UP
     assert status.num_preemptions >= 1
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_next", "lfm2"])
+def test_a_drain_moves_hybrid_requests_with_their_recurrent_state(model_type: str, tmp_path: Path) -> None:
+    """Two executors, 8 streams; one is drained mid-generation: its running requests move to the
+    other with their blocks and recurrent state, nothing is recomputed, and every token and its
+    logprob is transformers' (a wrong state would show in the logprobs)."""
+    folder = save_hybrid(model_type, tmp_path / model_type)
+    reference = Reference(folder)
+    prompts = [[(19 * i + 31 * k) % 990 + 5 for i in range(60 + 25 * k)] for k in range(8)]
+    new_tokens = 32
+    executors = [ExecutorProcess(folder, port=free_port(), num_kv_blocks=256, block_size=16, max_model_len=1024) for _ in range(2)]
+    metrics_port = free_port()
+    scheduler = None
+    try:
+        addresses = [executor.wait_ready() for executor in executors]
+        scheduler = SchedulerProcess(addresses, metrics_port=metrics_port)
+        address = scheduler.wait_ready()
+
+        async def scenario() -> list[tuple[list[int], list[float]]]:
+            async with AsyncClient(address) as client:
+                while sum(e.state == EXECUTOR_STATE_UP for e in (await client.server_status()).executors) < 2:
+                    await asyncio.sleep(0.02)
+                streams = asyncio.gather(
+                    *(
+                        client.generate(prompt_token_ids=p, max_tokens=new_tokens, temperature=0, ignore_eos=True, logprobs=0)
+                        for p in prompts
+                    )
+                )
+                while (await client.server_status()).num_steps < 16:
+                    await asyncio.sleep(0.01)
+                async with grpc.aio.insecure_channel(address) as channel:
+                    await admin_pb2_grpc.AdminStub(channel).DrainExecutor(admin_pb2.DrainExecutorRequest(address=addresses[0]))
+                results = await streams
+            return [(r.token_ids, [entry.logprob for entry in r.logprobs or []]) for r in results]
+
+        outputs = asyncio.run(scenario())
+        assert_books_agree(address)
+        samples, _ = scrape(metrics_port)
+    finally:
+        if scheduler is not None:
+            scheduler.close()
+        for executor in executors:
+            executor.close()
+    for (tokens, logprobs), prompt in zip(outputs, prompts, strict=True):
+        assert tokens == reference(prompt, new_tokens)
+        assert logprobs == pytest.approx(_reference_logprobs(reference, prompt, tokens), abs=2e-3)
+    assert samples['splitserve:kv_moves_total{outcome="ok"}'] > 0
+    assert sum(v for k, v in samples.items() if k.startswith("splitserve:recomputed_tokens_total")) == 0
