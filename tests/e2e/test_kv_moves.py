@@ -7,8 +7,8 @@ throughout."""
 from __future__ import annotations
 
 import asyncio
-import time
-from collections.abc import Callable, Iterator
+import json
+from collections.abc import Iterator
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -16,14 +16,24 @@ import grpc
 import pytest
 import torch
 
-from clients import AsyncClient, Client
+from clients import AsyncClient
 from protos.splitserve.v1 import admin_pb2, admin_pb2_grpc
 from protos.splitserve.v1 import generation_pb2 as pb
+from scheduler_service.replay.trace_reader import read_trace
 from tests.helpers.block_audit import assert_books_agree
 from tests.helpers.executor_process import ExecutorProcess
 from tests.helpers.greedy_client import stream_all
 from tests.helpers.greedy_reference import Reference
-from tests.helpers.metrics_scrape import Samples, scrape
+from tests.helpers.kv_moves_checks import (
+    distinct_prompts,
+    executor_state,
+    server_status,
+    stream_with_fault,
+    total,
+    wait_all_up,
+    wait_for,
+)
+from tests.helpers.metrics_scrape import scrape
 from tests.helpers.model_factory import build_model
 from tests.helpers.scheduler_process import SchedulerProcess
 from tests.helpers.service_process import free_port
@@ -47,41 +57,7 @@ def reference(model_dir: Path) -> Reference:
 
 
 def _jobs(seed: int) -> list[tuple[list[int], int]]:
-    """Distinct 300-token prompts (no two share a cached block)."""
-    generator = torch.Generator().manual_seed(seed)
-    prompts = torch.randint(3, 250, (NUM_STREAMS, PROMPT_TOKENS), generator=generator).tolist()
-    return [(prompt, MAX_TOKENS) for prompt in prompts]
-
-
-def _status(address: str) -> pb.ServerStatus:
-    with Client(address) as client:
-        return client.server_status()
-
-
-def _state_of(address: str, executor: str) -> int:
-    return next(e.state for e in _status(address).executors if e.address == executor)
-
-
-def _wait_for(predicate: Callable[[], bool], what: str, timeout_s: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.02)
-
-
-def _total(samples: Samples, name: str) -> float:
-    return sum(value for key, value in samples.items() if key == name or key.startswith(name + "{"))
-
-
-async def _stream_with_fault(address: str, jobs: list[tuple[list[int], int]], fault: Callable[[], None]) -> list[list[int]]:
-    """Streams every job; once every stream is decoding (each has tokens back), calls fault()."""
-    streams = asyncio.create_task(stream_all(address, jobs))
-    async with AsyncClient(address) as client:
-        # Past every prompt: steps enough for each lane's prefills and a few decodes.
-        while (await client.server_status()).num_steps < 24:
-            await asyncio.sleep(0.01)
-    fault()
-    return await streams
+    return distinct_prompts(NUM_STREAMS, PROMPT_TOKENS, MAX_TOKENS, seed)
 
 
 @pytest.fixture
@@ -100,19 +76,21 @@ def _scheduler(executors: list[str], metrics_port: int) -> SchedulerProcess:
 
 
 def test_a_drain_moves_running_requests_with_their_kv(
-    two_executors: list[ExecutorProcess], reference: Reference
+    two_executors: list[ExecutorProcess], reference: Reference, tmp_path: Path
 ) -> None:
     """Admin/DrainExecutor mid-generation: every stream exact, blocks moved, nothing recomputed,
-    and the drained executor is let go while the moved requests still run elsewhere."""
+    and the drained executor is let go while the moved requests still run elsewhere; the step
+    trace records each move, and replay's reader takes it as the request leaving."""
     addresses = [executor.wait_ready() for executor in two_executors]
     drained = addresses[0]
     metrics_port = free_port()
-    scheduler = _scheduler(addresses, metrics_port)
+    trace_dir = tmp_path / "trace"
+    scheduler = SchedulerProcess(addresses, max_num_batched_tokens=1024, metrics_port=metrics_port, trace_dir=trace_dir)
     seen_drained_while_running: list[bool] = []
     watchers: list[asyncio.Task[None]] = []
     try:
         address = scheduler.wait_ready()
-        _wait_for(lambda: sum(e.state == pb.EXECUTOR_STATE_UP for e in _status(address).executors) == 2, "2 up")
+        wait_all_up(address, 2)
         with grpc.insecure_channel(address) as channel:
             admin = admin_pb2_grpc.AdminStub(channel)
 
@@ -132,8 +110,8 @@ def test_a_drain_moves_running_requests_with_their_kv(
                 watchers.append(asyncio.get_running_loop().create_task(watch()))
 
             jobs = _jobs(seed=1)
-            outputs = asyncio.run(_stream_with_fault(address, jobs, drain))
-        assert _state_of(address, drained) == pb.EXECUTOR_STATE_DRAINED
+            outputs = asyncio.run(stream_with_fault(address, jobs, drain))
+        assert executor_state(address, drained) == pb.EXECUTOR_STATE_DRAINED
         assert_books_agree(address)
         samples, _ = scrape(metrics_port)
     finally:
@@ -142,9 +120,17 @@ def test_a_drain_moves_running_requests_with_their_kv(
         assert output == reference(prompt, max_tokens)
     assert samples["splitserve:kv_blocks_migrated_total"] > 0
     assert samples['splitserve:kv_moves_total{outcome="ok"}'] > 0
-    assert _total(samples, "splitserve:recomputed_tokens_total") == 0, samples
+    assert total(samples, "splitserve:recomputed_tokens_total") == 0, samples
     # Let go as soon as its requests had moved, while they still ran on the other executor.
     assert seen_drained_while_running == [True]
+    events = [json.loads(line) for line in (trace_dir / "steps.jsonl").read_text().splitlines()]
+    moved = {e["id"] for e in events if e["e"] == "move"}
+    assert len(moved) == samples['splitserve:kv_moves_total{outcome="ok"}']
+    arrived = {e["id"] for e in events if e["e"] == "add" and e.get("computed")}
+    assert arrived == moved
+    assert any("moves" in e for e in events if e["e"] == "plan")
+    timelines = {timeline.address: timeline for timeline in read_trace(trace_dir)}
+    assert {r.request_id for r in timelines[drained].requests.values() if r.finish == "left"} >= moved
 
 
 def test_prefill_and_decode_executors_split_each_request(model_dir: Path, reference: Reference) -> None:
@@ -161,11 +147,11 @@ def test_prefill_and_decode_executors_split_each_request(model_dir: Path, refere
         scheduler = _scheduler([prefill.wait_ready(), decode.wait_ready()], metrics_port)
         stack.callback(scheduler.close)
         address = scheduler.wait_ready()
-        _wait_for(lambda: sum(e.state == pb.EXECUTOR_STATE_UP for e in _status(address).executors) == 2, "2 up")
+        wait_all_up(address, 2)
         jobs = _jobs(seed=2)
         outputs = asyncio.run(stream_all(address, jobs))
         assert_books_agree(address)
-        status = _status(address)
+        status = server_status(address)
         prefill_samples, _ = scrape(ports[0])
         decode_samples, _ = scrape(ports[1])
         samples, _ = scrape(metrics_port)
@@ -178,7 +164,7 @@ def test_prefill_and_decode_executors_split_each_request(model_dir: Path, refere
     # Every output token but the last is computed, all of them on the decode executor.
     assert decode_samples[computed % "decode"] == NUM_STREAMS * (MAX_TOKENS - 1)
     assert samples['splitserve:kv_moves_total{outcome="ok"}'] == NUM_STREAMS == status.num_kv_moves
-    assert _total(samples, "splitserve:recomputed_tokens_total") == 0 == status.num_recomputed_tokens
+    assert total(samples, "splitserve:recomputed_tokens_total") == 0 == status.num_recomputed_tokens
     assert sorted(e.role for e in status.executors) == ["decode", "prefill"]
     assert all(e.supports_kv_transfer for e in status.executors)
 
@@ -199,7 +185,7 @@ def test_a_side_killed_mid_move_loses_no_token(model_dir: Path, reference: Refer
         victim = source if killed == "source" else destination
         scheduler = _scheduler(addresses, metrics_port)
         address = scheduler.wait_ready()
-        _wait_for(lambda: sum(e.state == pb.EXECUTOR_STATE_UP for e in _status(address).executors) == 2, "2 up")
+        wait_all_up(address, 2)
         with grpc.insecure_channel(address) as channel:
             admin = admin_pb2_grpc.AdminStub(channel)
 
@@ -209,7 +195,7 @@ def test_a_side_killed_mid_move_loses_no_token(model_dir: Path, reference: Refer
 
             async def scenario() -> list[list[int]]:
                 nonlocal replacement
-                streams = asyncio.create_task(_stream_with_fault(address, _jobs(seed=3), drain_then_kill))
+                streams = asyncio.create_task(stream_with_fault(address, _jobs(seed=3), drain_then_kill))
                 if killed == "destination":
                     while victim.process.poll() is None:
                         await asyncio.sleep(0.02)
@@ -227,7 +213,7 @@ def test_a_side_killed_mid_move_loses_no_token(model_dir: Path, reference: Refer
                 executor.close()
     for (prompt, max_tokens), output in zip(_jobs(seed=3), outputs, strict=True):
         assert output == reference(prompt, max_tokens)
-    assert _total(samples, "splitserve:recomputed_tokens_total") > 0
+    assert total(samples, "splitserve:recomputed_tokens_total") > 0
 
 
 def test_an_idle_executor_takes_running_requests_with_their_kv(
@@ -244,24 +230,24 @@ def test_an_idle_executor_takes_running_requests_with_their_kv(
     )
     try:
         address = scheduler.wait_ready()
-        _wait_for(lambda: sum(e.state == pb.EXECUTOR_STATE_UP for e in _status(address).executors) == 2, "2 up")
+        wait_all_up(address, 2)
         jobs = [(prompt, 96) for prompt, _ in _jobs(seed=4)[:8]]
         with grpc.insecure_channel(address) as channel:
             admin = admin_pb2_grpc.AdminStub(channel)
             admin.DrainExecutor(admin_pb2.DrainExecutorRequest(address=idle))
-            _wait_for(lambda: _state_of(address, idle) == pb.EXECUTOR_STATE_DRAINED, "the drain")
+            wait_for(lambda: executor_state(address, idle) == pb.EXECUTOR_STATE_DRAINED, "the drain")
             outputs = asyncio.run(
-                _stream_with_fault(address, jobs, lambda: admin.ResumeExecutor(admin_pb2.ResumeExecutorRequest(address=idle)))
+                stream_with_fault(address, jobs, lambda: admin.ResumeExecutor(admin_pb2.ResumeExecutorRequest(address=idle)))
             )
         assert_books_agree(address, audited_at_least=2)
-        status = _status(address)
+        status = server_status(address)
         samples, _ = scrape(metrics_port)
     finally:
         scheduler.close()
     for (prompt, max_tokens), output in zip(jobs, outputs, strict=True):
         assert output == reference(prompt, max_tokens)
     assert samples['splitserve:kv_moves_total{outcome="ok"}'] >= 1
-    assert _total(samples, "splitserve:recomputed_tokens_total") == 0
+    assert total(samples, "splitserve:recomputed_tokens_total") == 0
     assert all(e.num_steps > 0 for e in status.executors), status.executors
 
 
@@ -286,13 +272,13 @@ def test_a_host_tier_swaps_preempted_requests_instead_of_recomputing(model_dir: 
         ]
         outputs = asyncio.run(stream_all(address, jobs))
         assert_books_agree(address)
-        status = _status(address)
+        status = server_status(address)
         samples, _ = scrape(metrics_port)
         executor_samples, _ = scrape(executor_metrics)
     for (prompt, max_tokens), output in zip(jobs, outputs, strict=True):
         assert output == reference(prompt, max_tokens)
     assert status.num_preemptions > 0
-    assert _total(samples, "splitserve:recomputed_tokens_total") == 0 == status.num_recomputed_tokens, samples
+    assert total(samples, "splitserve:recomputed_tokens_total") == 0 == status.num_recomputed_tokens, samples
     assert status.executors[0].kv_host_blocks_total > 0
     assert status.executors[0].kv_host_blocks_free == status.executors[0].kv_host_blocks_total
     assert executor_samples['splitserve:executor_kv_swapped_blocks_total{direction="out"}'] > 0
@@ -319,7 +305,7 @@ def test_a_prefix_workload_larger_than_the_device_pool_hits_in_the_host_tier(mod
         for jobs in rounds:
             for job in jobs:
                 outputs += asyncio.run(stream_all(address, [job]))
-        status = _status(address)
+        status = server_status(address)
         assert_books_agree(address)
         executor_samples, _ = scrape(executor_metrics)
     for (prompt, max_tokens), output in zip([job for jobs in rounds for job in jobs], outputs, strict=True):

@@ -8,8 +8,7 @@ recompute, and outputs stay exact. Greedy outputs equal transformers' throughout
 from __future__ import annotations
 
 import asyncio
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -17,14 +16,20 @@ import grpc
 import pytest
 import torch
 
-from clients import AsyncClient, Client
 from protos.splitserve.executor.v1 import executor_pb2, executor_pb2_grpc
-from protos.splitserve.v1 import admin_pb2, admin_pb2_grpc
 from protos.splitserve.v1 import generation_pb2 as pb
 from tests.helpers.executor_process import ExecutorProcess
-from tests.helpers.greedy_client import stream_all
 from tests.helpers.greedy_reference import Reference
 from tests.helpers.issued_certs import issue_certs
+from tests.helpers.kv_moves_checks import (
+    distinct_prompts,
+    drain,
+    executor_state,
+    stream_with_fault,
+    total,
+    wait_all_up,
+    wait_for,
+)
 from tests.helpers.metrics_scrape import Samples, scrape
 from tests.helpers.model_factory import build_model
 from tests.helpers.scheduler_process import SchedulerProcess
@@ -88,38 +93,7 @@ def _scheduler(certs: Path, executors: list[str], metrics_port: int) -> Schedule
 
 
 def _jobs(seed: int) -> list[tuple[list[int], int]]:
-    """Distinct 200-token prompts (no two share a cached block)."""
-    generator = torch.Generator().manual_seed(seed)
-    prompts = torch.randint(3, 250, (NUM_STREAMS, PROMPT_TOKENS), generator=generator).tolist()
-    return [(prompt, MAX_TOKENS) for prompt in prompts]
-
-
-def _status(address: str) -> pb.ServerStatus:
-    with Client(address) as client:
-        return client.server_status()
-
-
-def _wait_for(predicate: Callable[[], bool], what: str, timeout_s: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.02)
-
-
-def _total(samples: Samples, name: str) -> float:
-    return sum(value for key, value in samples.items() if key == name or key.startswith(name + "{"))
-
-
-async def _stream_then_drain(address: str, jobs: list[tuple[list[int], int]], drained: str) -> list[list[int]]:
-    """Streams every job; once every stream is decoding, drains one executor (Admin)."""
-    streams = asyncio.create_task(stream_all(address, jobs))
-    async with AsyncClient(address) as client:
-        # Past every prompt: steps enough for each lane's prefills and a few decodes.
-        while (await client.server_status()).num_steps < 24:
-            await asyncio.sleep(0.01)
-    with grpc.insecure_channel(address) as channel:
-        admin_pb2_grpc.AdminStub(channel).DrainExecutor(admin_pb2.DrainExecutorRequest(address=drained))
-    return await streams
+    return distinct_prompts(NUM_STREAMS, PROMPT_TOKENS, MAX_TOKENS, seed)
 
 
 @pytest.fixture
@@ -142,14 +116,10 @@ def _drain_one(certs: Path, executors: list[ExecutorProcess], seed: int) -> tupl
     scheduler = _scheduler(certs, addresses, metrics_port)
     try:
         address = scheduler.wait_ready(timeout_s=120.0)
-        _wait_for(lambda: sum(e.state == pb.EXECUTOR_STATE_UP for e in _status(address).executors) == 2, "2 up")
+        wait_all_up(address, 2)
         jobs = _jobs(seed)
-        outputs = asyncio.run(_stream_then_drain(address, jobs, addresses[0]))
-        _wait_for(
-            lambda: next(e.state for e in _status(address).executors if e.address == addresses[0])
-            == pb.EXECUTOR_STATE_DRAINED,
-            "drained",
-        )
+        outputs = asyncio.run(stream_with_fault(address, jobs, lambda: drain(address, addresses[0])))
+        wait_for(lambda: executor_state(address, addresses[0]) == pb.EXECUTOR_STATE_DRAINED, "drained")
         samples, _ = scrape(metrics_port)
     finally:
         scheduler.close()
@@ -165,7 +135,7 @@ def test_a_drain_moves_kv_between_executors_under_mutual_tls(
         assert output == reference(prompt, max_tokens)
     assert samples["splitserve:kv_blocks_migrated_total"] > 0
     assert samples['splitserve:kv_moves_total{outcome="ok"}'] > 0
-    assert _total(samples, "splitserve:recomputed_tokens_total") == 0, samples
+    assert total(samples, "splitserve:recomputed_tokens_total") == 0, samples
     for executor in executors:
         assert "event=executor_peer_tls_unusable" not in executor.log_text()
 
@@ -183,7 +153,7 @@ def test_without_the_peer_certificate_moves_fail_and_are_recomputed_exactly(
     assert samples.get("splitserve:kv_blocks_migrated_total", 0) == 0
     assert samples.get('splitserve:kv_moves_total{outcome="ok"}', 0) == 0
     assert samples['splitserve:kv_moves_total{outcome="failed"}'] > 0
-    assert _total(samples, "splitserve:recomputed_tokens_total") > 0, samples
+    assert total(samples, "splitserve:recomputed_tokens_total") > 0, samples
     logs = [executor.log_text() for executor in executors]
     for log in logs:
         assert "event=executor_peer_tls_unusable" in log and "--tls-peer-cert" in log
