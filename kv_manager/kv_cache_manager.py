@@ -196,8 +196,11 @@ class KVCacheManager:
         num_new_tokens: int,
         prefix_hit: PrefixHit | None = None,
         extra_key: bytes = b"",
+        count_lookup: bool = True,
     ) -> list[int] | None:
         """Makes room for num_new_tokens after num_computed_tokens (which include prefix_hit's).
+        count_lookup: a prompt's lookup, counted in the hit rate (a request arriving with its
+        K/V reuses cached blocks too, but was looked up where it was admitted).
 
         Returns the ids of blocks appended to the request's table, or None, changing nothing,
         when the pool cannot hold them. The new blocks enter the prefix cache only once their
@@ -216,7 +219,7 @@ class KVCacheManager:
 
         if entry is None:
             entry = self._requests[request_id] = _RequestBlocks(extra_key=extra_key)
-        if prefix_hit is not None:
+        if prefix_hit is not None and count_lookup:
             self._queried_tokens += len(token_ids)
             self._hit_tokens += hit.num_tokens
             self._host_hit_tokens += len(hit.host_blocks) * self.block_size
