@@ -526,6 +526,20 @@ class Scheduler(RequestMoves):
         admitted: list[Request],
         bulk: _BulkPlan = _NO_BULK,
     ) -> int:
+        budget = self._admit_queue(budget, scheduled, admitted, bulk)
+        if not scheduled and bulk.step is None and not self.running and self.waiting and self._release_held():
+            # Nothing runs to free what the head of the queue waits for, and waiting requests
+            # that arrived with their K/V hold it: they give it up, and the head is tried again.
+            budget = self._admit_queue(budget, scheduled, admitted, bulk)
+        return budget
+
+    def _admit_queue(
+        self,
+        budget: int,
+        scheduled: dict[Request, int],
+        admitted: list[Request],
+        bulk: _BulkPlan,
+    ) -> int:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting.peek()
             # A request retried after a failed step runs alone (see Request.retry_alone): not
@@ -549,11 +563,13 @@ class Scheduler(RequestMoves):
             if self.kv.holds(request.request_id):
                 # It arrived with its K/V (import_request, swap_in): it computes on from there.
                 num_new = min(request.num_uncomputed_tokens, budget)
-                if self._allocate(request, num_new) is None and not self._unblock(request):
+                if self._allocate(request, num_new) is None:
                     break
                 self._admitted(request, request.num_computed_tokens, hashes, admitted)
                 scheduled[request] = num_new
                 budget -= num_new
+                if request.retry_alone:
+                    break
                 continue
             source = self._fork_source(request) if request.fork_of else None
             if source is _AWAIT_FORK:

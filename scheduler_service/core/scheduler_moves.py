@@ -51,12 +51,15 @@ class RequestMoves:
     _allocate: Callable[..., list[int] | None]
     # Waiting requests in admission order (a property of the Scheduler).
     queued: list[Request]
+    _in_flight: dict[int, dict[str, object]]
 
 
     def begin_move(self, request: Request) -> None:
         """Plans no more work for a running request, which is to leave with its K/V once the
         tokens of its steps in flight are in (ready_to_move)."""
-        if request.status is not RequestStatus.RUNNING or request.moving:
+        # A request retried alone after a failed step finishes where it is: its isolation is
+        # this executor's.
+        if request.status is not RequestStatus.RUNNING or request.moving or request.retry_alone:
             return
         request.moving = True
         self._moves.moving[request] = None
@@ -64,8 +67,14 @@ class RequestMoves:
             self.decodes.pause(request)
 
     def ready_to_move(self) -> list[Request]:
-        """Moving requests with no token in flight: their tokens and K/V are final here."""
-        return [request for request in self._moves.moving if request.num_pending_outputs == 0]
+        """Moving requests with no step in flight: their tokens and K/V are final here (a prompt
+        chunk in flight samples nothing, yet its step may still fail)."""
+        in_flight = {request_id for entries in self._in_flight.values() for request_id in entries}
+        return [
+            request
+            for request in self._moves.moving
+            if request.num_pending_outputs == 0 and request.request_id not in in_flight
+        ]
 
     def stay(self, request: Request) -> None:
         """A moving request goes on here after all (nowhere could take it)."""
@@ -128,7 +137,7 @@ class RequestMoves:
         (it is queued at once), None, changing nothing, when its blocks do not fit."""
         computed = departure.num_computed_tokens
         hybrid = self.config.num_state_slots > 0
-        if hybrid and not self._checkpoints.may_admit():
+        if request.num_tokens >= self.config.max_seq_len or (hybrid and not self._checkpoints.may_admit()):
             return None
         self._place(request)
         hashes = self.prefix_hashes(request)
@@ -140,7 +149,8 @@ class RequestMoves:
             usable = min(usable, len(departure.block_ids) - 1)
         hit = PrefixHit(hit.blocks[:usable], usable * self.config.block_size)
         allocated = self.kv.allocate_slots(
-            request.request_id, request.token_ids, hit.num_tokens, computed - hit.num_tokens, hit, request.cache_salt
+            request.request_id, request.token_ids, hit.num_tokens, computed - hit.num_tokens, hit, request.cache_salt,
+            count_lookup=False,
         )
         if allocated is None:
             self._unplace(request)
@@ -156,6 +166,28 @@ class RequestMoves:
             KvImport(departure.transfer_id, source_address, usable, block_ids[usable : len(departure.block_ids)], state_slot)
         )
         return True
+
+    def may_import(self, request: Request) -> bool:
+        """Whether import_request would find room for the request as things stand: blocks for
+        its computed tokens and, for a hybrid model, a state slot."""
+        needed = -(-request.num_computed_tokens // self.config.block_size)
+        return (
+            request.num_tokens < self.config.max_seq_len
+            and self.kv.num_free_blocks >= needed
+            and (not self.config.num_state_slots or self._checkpoints.may_admit())
+        )
+
+    def abandon_import(self, transfer_id: str) -> Request | None:
+        """Gives up an import whose source is gone: the executor stops fetching, and the request
+        is queued here to be recomputed. Returns it (None if no such import)."""
+        request = self._moves.importing.get(transfer_id)
+        if request is None:
+            return None
+        self._cancel_import(request)
+        self.kv.free(request.request_id)
+        request.lose_kv("transfer_failed")
+        self.waiting.insert(request)
+        return request
 
     def _import_done(self, transfer_id: str, ok: bool) -> Request | None:
         """An import ended: its request is queued, to compute on from its K/V, or (failed) to
@@ -200,19 +232,21 @@ class RequestMoves:
         if moves.cancelled:
             plan.cancelled_imports, moves.cancelled = moves.cancelled, []
 
-    def _unblock(self, request: Request) -> bool:
-        """The head of the queue arrived with its K/V but finds no block for its next tokens:
-        with nothing running to free any, the other waiting requests holding blocks (arrived
-        with theirs) give them up, to the host tier or to be recomputed. Returns whether its
-        blocks were then found."""
-        if self.running:
-            return False
+    def _release_held(self) -> bool:
+        """Waiting requests other than the head of the queue that hold blocks or a state slot
+        (they arrived with their K/V, or were swapped back in) give them up: to the host tier
+        when it has room, else to be recomputed. Returns whether any did."""
+        head = self.waiting.peek()
+        released = False
         for waiting in self.queued:
-            if waiting is not request and self.kv.holds(waiting.request_id):
-                if not self.kv.swap_out(waiting.request_id, waiting.num_computed_tokens):
-                    self.kv.free(waiting.request_id)
-                    waiting.lose_kv("preempted")
-        return self._allocate(request, min(request.num_uncomputed_tokens, self.config.max_num_batched_tokens)) is not None
+            held = self.kv.holds(waiting.request_id) or self.kv.state_slots.slot_of(waiting.request_id)
+            if waiting is head or not held:
+                continue
+            if not self.kv.swap_out(waiting.request_id, waiting.num_computed_tokens):
+                self.kv.free(waiting.request_id)
+                waiting.lose_kv("released")
+            released = True
+        return released
 
     def _swap_out(self, request: Request) -> bool:
         """Swaps a running request's K/V out to the host tier (False, changing nothing, when

@@ -18,7 +18,7 @@ from scheduler_service.core.move_books import Departure
 from scheduler_service.core.request import Request
 from scheduler_service.core.scheduler import Scheduler
 from scheduler_service.core.sim_executor import SimulatedExecutor
-from scheduler_service.core.step_plan import StepPlan
+from scheduler_service.core.step_plan import ImportDone, StepOutput, StepPlan
 from tests.helpers.sched_harness import make_request
 
 BLOCK_SIZE = 4
@@ -285,3 +285,62 @@ def test_moves_both_ways_under_preemption_keep_every_token(seed: int, state_slot
         assert side.scheduler.kv.num_free_blocks == 24
         assert side.scheduler.kv.state_slots.num_held == 0
         assert not side.sim.offers
+
+
+def _arrive_with_kv(scheduler: Scheduler, requests: list[Request]) -> None:
+    """The requests arrive at scheduler with their K/V (imports that succeed)."""
+    for request in requests:
+        request.num_computed_tokens = request.num_tokens - 1
+        blocks = list(range(-(-request.num_computed_tokens // BLOCK_SIZE)))
+        departure = Departure(request, request.request_id, blocks, request.num_computed_tokens)
+        assert scheduler.import_request(request, departure, "a")
+    plan = scheduler.schedule()
+    assert [i.transfer_id for i in plan.kv_imports] == [r.request_id for r in requests]
+    scheduler.update(StepOutput(step_id=plan.step_id, kv_imports_done=[ImportDone(r.request_id, True) for r in requests]))
+
+
+def test_requests_holding_imported_kv_give_it_up_for_a_head_that_cannot_fit_otherwise() -> None:
+    """A prompt queued first needs more blocks than are free, because requests that arrived
+    after it with their K/V hold them, and nothing runs to free any: they give theirs up (to be
+    recomputed: no host tier) and the prompt runs, rather than the executor stalling for good."""
+    config = SchedulerConfig(num_kv_blocks=16, block_size=BLOCK_SIZE, max_model_len=256, max_num_batched_tokens=64)
+    scheduler = Scheduler(config)
+    head = make_request(0, 40, 4)
+    scheduler.add_request(head)
+    head.arrival_index = 0
+    # Planned before the head could run: the imports take 12 of the 16 blocks.
+    scheduler.waiting.remove(head)
+    arrived = [make_request(index, 22, 8) for index in (1, 2)]
+    for index, request in enumerate(arrived, start=1):
+        request.arrival_index = index
+    _arrive_with_kv(scheduler, arrived)
+    scheduler.waiting.insert(head)
+    assert scheduler.kv.num_free_blocks == 4
+    plan = scheduler.schedule()
+    assert [new.request_id for new in plan.new_requests][:1] == ["r0"]
+    # Both gave up the 21 tokens of K/V they brought: recomputed, or to be once admitted.
+    assert scheduler.recomputed_tokens["released"] + sum(r.num_lost_tokens for r in scheduler.queued) == 2 * 21
+
+
+def test_a_request_retried_alone_is_not_moved() -> None:
+    a, _ = pair()
+    request = make_request(0, 12, 20)
+    a.scheduler.add_request(request)
+    a.step()
+    request.retry_alone = True
+    a.scheduler.begin_move(request)
+    assert not request.moving and a.scheduler.ready_to_move() == []
+
+
+def test_a_request_leaves_only_once_its_prompt_chunk_in_flight_is_answered() -> None:
+    """A chunk that samples nothing may still fail: until its result is in, the K/V it writes
+    is not known to be there, and the request is not ready to leave."""
+    a, _ = pair(budget=8)
+    request = make_request(0, 30, 4)
+    a.scheduler.add_request(request)
+    plan = a.scheduler.schedule()
+    assert plan.new_requests and request.num_pending_outputs == 0
+    a.scheduler.begin_move(request)
+    assert a.scheduler.ready_to_move() == []
+    a.scheduler.update(a.sim.execute(plan))
+    assert a.scheduler.ready_to_move() == [request]
