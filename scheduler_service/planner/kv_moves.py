@@ -117,7 +117,8 @@ class KvMoves:
         from that runs at least two: half of them, those with the most tokens left to generate
         among those with at least min_tokens_left left. After it the two run about as many
         each, so neither is idle and nothing moves back. 0 turns it off; returns how many move."""
-        if not min_tokens_left or thief.info is None or thief.info.role == PREFILL_ROLE:
+        # One rebalance at a time: until its moves land, the idle executor still looks idle.
+        if not min_tokens_left or thief.info is None or thief.info.role == PREFILL_ROLE or self._moves:
             return 0
         donors = [
             lane
@@ -156,9 +157,10 @@ class KvMoves:
         self._depart_ready(lane)
 
     def lane_lost(self, lane: ExecutorLane, scheduler: Scheduler | None) -> None:
-        """A request in transit from a lost source is recomputed; one fetched by a lost
-        destination was requeued with the rest of its requests, and its source's offer ends.
-        An import from a lost source fails on its own, at the destination."""
+        """A request in transit from a lost source is recomputed, and so is one being fetched
+        from it (the destination stops fetching at once rather than at the fetch's deadline);
+        one fetched by a lost destination was requeued with the rest of its requests, and its
+        source's offer ends."""
         for transfer_id, move in list(self._moves.items()):
             if move.source_scheduler is scheduler and move.destination is None:
                 del self._moves[transfer_id]
@@ -167,7 +169,18 @@ class KvMoves:
                     "event=kv_move_failed request_id=%s source=%s reason='the source was lost'",
                     move.request.request_id, lane.address,
                 )
+                self._metrics.kv_moves.labels("failed").inc()
                 self._place([move.request])
+            elif move.source_scheduler is scheduler and move.destination is not None:
+                del self._moves[transfer_id]
+                destination = move.destination
+                if destination.scheduler is not None and destination.scheduler.abandon_import(transfer_id) is not None:
+                    destination.wake.set()
+                logger.warning(
+                    "event=kv_move_failed request_id=%s source=%s destination=%s reason='the source was lost mid-fetch'",
+                    move.request.request_id, lane.address, destination.address,
+                )
+                self._metrics.kv_moves.labels("failed").inc()
             elif move.destination is lane:
                 del self._moves[transfer_id]
                 self._end_export(move)
@@ -190,12 +203,13 @@ class KvMoves:
         ready = scheduler.ready_to_move()
         if not ready:
             return
-        if not self.destinations(lane):
-            for request in ready:
-                scheduler.stay(request)
-            return
+        destinations = self.destinations(lane)
         now = time.monotonic()
         for request in ready:
+            if not any(other.scheduler is not None and other.scheduler.may_import(request) for other in destinations):
+                # Nowhere to go with its K/V: it goes on here rather than be recomputed elsewhere.
+                scheduler.stay(request)
+                continue
             departure = scheduler.depart(request)
             self._moves[departure.transfer_id] = Move(departure, lane, scheduler, now)
             if self._trace is not None:
