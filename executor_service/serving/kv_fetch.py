@@ -109,7 +109,14 @@ class KvFetcher:
     def _stub(self, address: str) -> executor_pb2_grpc.KvTransferStub:
         channel = self._channels.get(address)
         if channel is None:
-            options = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
+            # Keepalive as on the plan stream: a source that froze or is cut off fails the fetch
+            # in about 20 s rather than at the fetch deadline.
+            options = [
+                ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                ("grpc.keepalive_time_ms", 10_000),
+                ("grpc.keepalive_timeout_ms", 10_000),
+                ("grpc.http2.ping_timeout_ms", 10_000),
+            ]
             if self._tls is None:
                 channel = grpc.aio.insecure_channel(address, options=options)
             else:

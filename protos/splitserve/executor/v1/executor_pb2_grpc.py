@@ -204,7 +204,8 @@ class KvTransferServicer:
     def FetchBlocks(self, request, context):
         """Streams the K/V of the blocks offered under transfer_id, from offer position first_block
         on, in order, in chunks of whole blocks. NOT_FOUND when no offer of that id is open (never
-        made, already ended, or the executor restarted); the stream ends after the last block.
+        made, already ended, or the executor restarted), ABORTED when it ends while its chunks are
+        being sent; the stream ends after the last block (and the state chunk, if any).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
