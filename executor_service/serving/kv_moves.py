@@ -31,6 +31,12 @@ logger = logging.getLogger(__name__)
 CHUNK_BYTES = 4 << 20
 
 
+
+def logged_id(transfer_id: str) -> str:
+    """What logs show of a transfer id: enough to follow a move, too little to fetch its blocks
+    (the id is what names them)."""
+    return transfer_id[:8]
+
 class OfferClosed(Exception):
     """No offer of that transfer id is open (never made, ended, or dropped with its stream)."""
 
@@ -102,11 +108,11 @@ class KvMoves:
             cancelled = self._imports.pop(transfer_id, None)
             if cancelled is not None:
                 cancelled.fetch.cancel()
-                logger.info("event=kv_import_cancelled transfer_id=%s", transfer_id)
+                logger.info("event=kv_import_cancelled transfer=%s", logged_id(transfer_id))
         done = self._write_fetched()
         for transfer_id in plan.ended_exports:
             if self._offers.pop(transfer_id, None) is not None:
-                logger.info("event=kv_offer_ended transfer_id=%s", transfer_id)
+                logger.info("event=kv_offer_ended transfer=%s", logged_id(transfer_id))
         for export in plan.kv_exports:
             self._offer(export)
         for entry in plan.kv_imports:
@@ -121,8 +127,8 @@ class KvMoves:
             fetch = asyncio.run_coroutine_threadsafe(self._fetcher.fetch(kept), self._loop)
             self._imports[entry.transfer_id] = _Import(kept, now, fetch)
             logger.info(
-                "event=kv_import_started transfer_id=%s source=%s first_block=%d blocks=%d",
-                entry.transfer_id, entry.source_address, entry.first_block, len(entry.block_ids),
+                "event=kv_import_started transfer=%s source=%s first_block=%d blocks=%d",
+                logged_id(entry.transfer_id), entry.source_address, entry.first_block, len(entry.block_ids),
             )
         return done
 
@@ -163,12 +169,12 @@ class KvMoves:
         )
         if problem is not None:
             # Nothing to answer: the destination's fetch finds no offer and fails its import.
-            logger.warning("event=kv_offer_refused transfer_id=%s problem=%r", export.transfer_id, problem)
+            logger.warning("event=kv_offer_refused transfer=%s problem=%r", logged_id(export.transfer_id), problem)
             return
         self._offers[export.transfer_id] = _Offer(list(export.block_ids), export.state_slot)
         logger.info(
-            "event=kv_offer_opened transfer_id=%s blocks=%d state_slot=%d",
-            export.transfer_id, len(export.block_ids), export.state_slot,
+            "event=kv_offer_opened transfer=%s blocks=%d state_slot=%d",
+            logged_id(export.transfer_id), len(export.block_ids), export.state_slot,
         )
 
     def _import_problem(self, entry: executor_pb2.KvImport) -> str | None:
@@ -207,7 +213,7 @@ class KvMoves:
         except Exception as error:
             # A failure of this executor's own (a fetch or a write that raised): the import
             # fails, the step goes on.
-            logger.exception("event=kv_import_error transfer_id=%s", pending.entry.transfer_id)
+            logger.exception("event=kv_import_error transfer=%s", logged_id(pending.entry.transfer_id))
             result.error = f"{type(error).__name__}: {error}"
         else:
             result.ok, result.bytes = True, fetched.num_bytes
@@ -231,10 +237,10 @@ class KvMoves:
         self._metrics.observe_import(result)
         if result.ok:
             logger.info(
-                "event=kv_import_done transfer_id=%s bytes=%d seconds=%.4f", result.transfer_id, result.bytes, result.seconds
+                "event=kv_import_done transfer=%s bytes=%d seconds=%.4f", logged_id(result.transfer_id), result.bytes, result.seconds
             )
         else:
-            logger.warning("event=kv_import_failed transfer_id=%s error=%r", result.transfer_id, result.error)
+            logger.warning("event=kv_import_failed transfer=%s error=%r", logged_id(result.transfer_id), result.error)
         return result
 
 

@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 
 from executor_service.serving.access import ExecutorAccess
-from executor_service.serving.kv_moves import KvMoves, OfferClosed
+from executor_service.serving.kv_moves import KvMoves, OfferClosed, logged_id
 from executor_service.serving.metrics import ExecutorMetrics
 from protos.splitserve.executor.v1 import executor_pb2, executor_pb2_grpc
 
@@ -53,8 +53,8 @@ class KvTransferServicer(executor_pb2_grpc.KvTransferServicer):
                 # is not the whole of it.
                 code = grpc.StatusCode.NOT_FOUND if position == request.first_block else grpc.StatusCode.ABORTED
                 logger.info(
-                    "event=kv_fetch_refused transfer_id=%s position=%d code=%s peer=%s",
-                    request.transfer_id, position, code.name, context.peer(),
+                    "event=kv_fetch_refused transfer=%s position=%d code=%s peer=%s",
+                    logged_id(request.transfer_id), position, code.name, context.peer(),
                 )
                 await context.abort(
                     code,
@@ -72,6 +72,6 @@ class KvTransferServicer(executor_pb2_grpc.KvTransferServicer):
                 # The state is the offer's last chunk.
                 break
         logger.info(
-            "event=kv_fetch_served transfer_id=%s first_block=%d blocks=%d bytes=%d peer=%s",
-            request.transfer_id, request.first_block, position - request.first_block, sent, context.peer(),
+            "event=kv_fetch_served transfer=%s first_block=%d blocks=%d bytes=%d peer=%s",
+            logged_id(request.transfer_id), request.first_block, position - request.first_block, sent, context.peer(),
         )
