@@ -19,7 +19,8 @@ Events (field "e"), each with "t" (seconds since the trace began) and "x" (execu
           checkpoint slots new requests resume from ({id: slot}); for K/V moves, when there are
           any, "moves": offers made ("exp", [transfer, blocks] each) and ended ("end"), imports
           started ("imp", [transfer, first block, blocks] each) and abandoned ("cancel"),
-          transfers named by their first 8 hex digits
+          transfers named by their first 8 hex digits; with a host tier, when there are any,
+          "swaps": [blocks swapped out, blocks swapped in] before the step
   result  its result applied: step, forward seconds, and after it waiting, running, KV blocks
           used and total; preemptions, prefix-hit tokens, blocks allocated and blocks released
           so far (a step's own are the differences from the previous result); and requests
@@ -104,13 +105,15 @@ class StepTrace:
         sources = {n.request_id: n.state_source_slot for n in plan.new_requests if n.state_source_slot}
         if sources:
             hybrid["src"] = sources
-        if plan.has_moves:
+        if plan.kv_exports or plan.ended_exports or plan.kv_imports or plan.cancelled_imports:
             hybrid["moves"] = {
                 "exp": [[e.transfer_id[:8], len(e.block_ids)] for e in plan.kv_exports],
                 "end": [tid[:8] for tid in plan.ended_exports],
                 "imp": [[i.transfer_id[:8], i.first_block, len(i.block_ids)] for i in plan.kv_imports],
                 "cancel": [tid[:8] for tid in plan.cancelled_imports],
             }
+        if plan.swap_out or plan.swap_in:
+            hybrid["swaps"] = [len(plan.swap_out), len(plan.swap_in)]
         self._write(
             "plan", address, t=t, step=plan.step_id, new=new, cont=continuing, dec=decodes,
             drop=list(plan.dropped_request_ids), prefill_tokens=prefill, decode_tokens=decode, **hybrid,

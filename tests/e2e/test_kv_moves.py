@@ -251,9 +251,12 @@ def test_an_idle_executor_takes_running_requests_with_their_kv(
     assert all(e.num_steps > 0 for e in status.executors), status.executors
 
 
-def test_a_host_tier_swaps_preempted_requests_instead_of_recomputing(model_dir: Path, reference: Reference) -> None:
+def test_a_host_tier_swaps_preempted_requests_instead_of_recomputing(
+    model_dir: Path, reference: Reference, tmp_path: Path
+) -> None:
     """24 streams on a 48-block device pool with a host tier (--kv-host-gib): many preemptions,
-    every one swapped out and back, no token recomputed, every stream exact."""
+    every one swapped out and back, no token recomputed, every stream exact; the step trace
+    counts the blocks the executor swapped."""
     executor_metrics = free_port()
     with ExitStack() as stack:
         executor = ExecutorProcess(
@@ -262,7 +265,10 @@ def test_a_host_tier_swaps_preempted_requests_instead_of_recomputing(model_dir: 
         )
         stack.callback(executor.close)
         metrics_port = free_port()
-        scheduler = SchedulerProcess(executor.wait_ready(), max_num_batched_tokens=256, metrics_port=metrics_port)
+        trace_dir = tmp_path / "trace"
+        scheduler = SchedulerProcess(
+            executor.wait_ready(), max_num_batched_tokens=256, metrics_port=metrics_port, trace_dir=trace_dir
+        )
         stack.callback(scheduler.close)
         address = scheduler.wait_ready()
         generator = torch.Generator().manual_seed(5)
@@ -283,6 +289,11 @@ def test_a_host_tier_swaps_preempted_requests_instead_of_recomputing(model_dir: 
     assert status.executors[0].kv_host_blocks_free == status.executors[0].kv_host_blocks_total
     assert executor_samples['splitserve:executor_kv_swapped_blocks_total{direction="out"}'] > 0
     assert executor_samples['splitserve:executor_kv_swapped_blocks_total{direction="in"}'] > 0
+    plans = [e for e in map(json.loads, (trace_dir / "steps.jsonl").read_text().splitlines()) if e["e"] == "plan"]
+    traced_out = sum(e["swaps"][0] for e in plans if "swaps" in e)
+    traced_in = sum(e["swaps"][1] for e in plans if "swaps" in e)
+    assert traced_out == executor_samples['splitserve:executor_kv_swapped_blocks_total{direction="out"}']
+    assert traced_in == executor_samples['splitserve:executor_kv_swapped_blocks_total{direction="in"}']
 
 
 def test_a_prefix_workload_larger_than_the_device_pool_hits_in_the_host_tier(model_dir: Path, reference: Reference) -> None:
