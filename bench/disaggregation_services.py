@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from bench.compare_models import BenchModel
 from bench.throughput_splitserve import wait_all_up
 from tests.helpers.executor_process import ExecutorProcess
-from tests.helpers.metrics_scrape import Samples, scrape
+from tests.helpers.metrics_scrape import Samples, scrape, total
 from tests.helpers.scheduler_process import SchedulerProcess
 from tests.helpers.service_process import free_port
 
@@ -98,13 +98,8 @@ class TransferFigures:
         return self.bytes / self.tokens if self.tokens else 0.0
 
 
-def _total(samples: Samples, name: str) -> float:
-    """A sample summed over its labels."""
-    return sum(value for key, value in samples.items() if key == name or key.startswith(name + "{"))
-
-
 def _delta(before: Samples, after: Samples, name: str) -> float:
-    return _total(after, name) - _total(before, name)
+    return total(after, name) - total(before, name)
 
 
 def transfer_between(

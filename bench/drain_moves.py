@@ -32,7 +32,7 @@ from bench.disaggregation_services import MIXED, running
 from clients import AsyncClient
 from protos.splitserve.v1 import admin_pb2, admin_pb2_grpc
 from protos.splitserve.v1 import generation_pb2 as pb
-from tests.helpers.metrics_scrape import Samples
+from tests.helpers.metrics_scrape import total
 
 logger = logging.getLogger("bench.drain_moves")
 
@@ -49,10 +49,6 @@ class DrainRun:
     transfer_s: float
     recomputed_tokens: float
     exact: bool
-
-
-def _total(samples: Samples, name: str) -> float:
-    return sum(value for key, value in samples.items() if key == name or key.startswith(name + "{"))
 
 
 async def _streams(address: str, jobs: list[list[int]], max_tokens: int, drain_to: str | None) -> tuple[list[list[int]], dict[str, float]]:
@@ -108,7 +104,7 @@ def measure(model_spec: str, directory: Path, streams: int, prompt_tokens: int, 
         drained = asyncio.run(executors())[0]
         outputs, timings = asyncio.run(_streams(services.address, jobs, max_tokens, drained))
         after, _ = services.scrape()
-    delta = {name: _total(after, name) - _total(before, name) for name in (
+    delta = {name: total(after, name) - total(before, name) for name in (
         "splitserve:kv_blocks_migrated_total", "splitserve:kv_transfer_bytes_total",
         "splitserve:kv_transfer_seconds_sum", "splitserve:recomputed_tokens_total",
     )}

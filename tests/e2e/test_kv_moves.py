@@ -29,11 +29,10 @@ from tests.helpers.kv_moves_checks import (
     executor_state,
     server_status,
     stream_with_fault,
-    total,
     wait_all_up,
     wait_for,
 )
-from tests.helpers.metrics_scrape import scrape
+from tests.helpers.metrics_scrape import scrape, total
 from tests.helpers.model_factory import build_model
 from tests.helpers.scheduler_process import SchedulerProcess
 from tests.helpers.service_process import free_port

@@ -26,11 +26,10 @@ from tests.helpers.kv_moves_checks import (
     drain,
     executor_state,
     stream_with_fault,
-    total,
     wait_all_up,
     wait_for,
 )
-from tests.helpers.metrics_scrape import Samples, scrape
+from tests.helpers.metrics_scrape import Samples, scrape, total
 from tests.helpers.model_factory import build_model
 from tests.helpers.scheduler_process import SchedulerProcess
 from tests.helpers.service_process import free_port

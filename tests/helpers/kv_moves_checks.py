@@ -14,7 +14,6 @@ from clients import AsyncClient, Client
 from protos.splitserve.v1 import admin_pb2, admin_pb2_grpc
 from protos.splitserve.v1 import generation_pb2 as pb
 from tests.helpers.greedy_client import stream_all
-from tests.helpers.metrics_scrape import Samples
 
 # Scheduler steps after which every stream of these tests is past its prompt and decoding (each
 # lane's prefills and a few decodes).
@@ -42,11 +41,6 @@ def wait_for(predicate: Callable[[], bool], what: str, timeout_s: float = 120.0)
     while not predicate():
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         time.sleep(0.02)
-
-
-def total(samples: Samples, name: str) -> float:
-    """A metric summed over its labels."""
-    return sum(value for key, value in samples.items() if key == name or key.startswith(name + "{"))
 
 
 async def stream_with_fault(address: str, jobs: list[tuple[list[int], int]], fault: Callable[[], None]) -> list[list[int]]:

@@ -21,3 +21,8 @@ def scrape(port: int) -> tuple[Samples, set[str]]:
             labels = ",".join(f'{k}="{v}"' for k, v in sorted(sample.labels.items()))
             samples[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
     return samples, families
+
+
+def total(samples: Samples, name: str) -> float:
+    """A metric summed over its labels (name may also name one labelled sample exactly)."""
+    return sum(value for key, value in samples.items() if key == name or key.startswith(name + "{"))
