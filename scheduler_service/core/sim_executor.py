@@ -138,13 +138,7 @@ class SimulatedExecutor:
         for host_block, device_block in plan.swap_in:
             self._copy_block(self.host_slots, host_block, self.slots, device_block)
         for copy in plan.block_copies:
-            for offset in range(self.block_size):
-                source = self.slots.get(copy.source * self.block_size + offset)
-                destination = copy.destination * self.block_size + offset
-                if source is None:
-                    self.slots.pop(destination, None)
-                else:
-                    self.slots[destination] = source
+            self._copy_block(self.slots, copy.source, self.slots, copy.destination)
         output = StepOutput(step_id=plan.step_id, kv_imports_done=done)
         work: list[tuple[str, int]] = []
         # The tokens each constrained request may sample this step (as the plan's bitmask).
@@ -257,12 +251,7 @@ class SimulatedExecutor:
         if len(sources) != len(entry.block_ids):
             raise PlanMismatch(f"import of {len(entry.block_ids)} blocks from an offer of {len(sources)}")
         for source, destination in zip(sources, entry.block_ids, strict=True):
-            for offset in range(self.block_size):
-                token = peer.slots.get(source * self.block_size + offset)
-                if token is None:
-                    self.slots.pop(destination * self.block_size + offset, None)
-                else:
-                    self.slots[destination * self.block_size + offset] = token
+            self._copy_block(peer.slots, source, self.slots, destination)
         if entry.state_slot:
             state = peer.offer_states.get(entry.transfer_id)
             if state is None:
