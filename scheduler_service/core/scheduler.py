@@ -799,8 +799,9 @@ class Scheduler(RequestMoves):
             spans += [(request, end - 1, end) for request, end in self.decodes.reaching(bulk.step, self._checkpoints.interval)]
         plan.state_checkpoints = self._checkpoints.plan(plan.step_id, spans)
         # Last: admissions and preemptions of this plan added to them.
-        copies = self.kv.take_tier_copies()
-        plan.swap_out, plan.swap_in = copies.swap_out, copies.swap_in
+        if self.kv.host is not None:
+            copies = self.kv.take_tier_copies()
+            plan.swap_out, plan.swap_in = copies.swap_out, copies.swap_in
         if in_flight:
             self._in_flight[plan.step_id] = in_flight
         if late:

@@ -69,6 +69,9 @@ class RequestMoves:
     def ready_to_move(self) -> list[Request]:
         """Moving requests with no step in flight: their tokens and K/V are final here (a prompt
         chunk in flight samples nothing, yet its step may still fail)."""
+        if not self._moves.moving:
+            # The common case, after every step: nothing to look up.
+            return []
         in_flight = {request_id for entries in self._in_flight.values() for request_id in entries}
         return [
             request

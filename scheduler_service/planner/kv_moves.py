@@ -128,7 +128,6 @@ class KvMoves:
             and lane.info is not None
             and lane.info.role != PREFILL_ROLE
             and can_take_moves(thief, lane)
-            and not lane.scheduler.ready_to_move()
             and not any(request.moving for request in lane.scheduler.running)
         ]
         if not donors:
