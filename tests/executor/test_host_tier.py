@@ -9,7 +9,7 @@ from __future__ import annotations
 import itertools
 import subprocess
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
@@ -177,10 +177,9 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
 @dataclass
 class Side:
     stream: PlanStream
-    step_ids: Iterator[int] = field(default_factory=lambda: itertools.count(1))
 
     def step(self, **fields: object) -> pb.StepResult:
-        return self.stream.step(pb.StepPlan(step_id=next(self.step_ids), **fields))
+        return self.stream.plan(**fields)
 
     def run(self, **fields: object) -> dict[str, Output]:
         """A step that must refuse nothing: each request's output."""

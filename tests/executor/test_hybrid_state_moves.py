@@ -8,11 +8,9 @@ state_in_slot is refused."""
 
 from __future__ import annotations
 
-import itertools
-import time
 from collections.abc import Iterator
 from contextlib import ExitStack
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
@@ -40,6 +38,7 @@ from tests.helpers.executor_driver import PlanStream
 from tests.helpers.executor_process import start_executor
 from tests.helpers.executor_token import with_token
 from tests.helpers.hybrid_models import save_hybrid
+from tests.helpers.kv_move_driver import MoveSide
 
 BLOCK_SIZE = 8
 NUM_BLOCKS = 32
@@ -49,7 +48,6 @@ STATE_SLOTS = 6
 PROMPT = [(7 * i + 3) % 200 + 3 for i in range(13)]
 OTHER_PROMPT = [(11 * i + 5) % 200 + 3 for i in range(13)]
 GREEDY = pb.SamplerConfig(want_logprobs=True, num_logprobs=3)
-IMPORT_TIMEOUT_S = 30.0
 INVALID_ARGUMENT = 3
 
 
@@ -58,37 +56,6 @@ class Served:
     address: str
     channel: grpc.Channel
     info: pb.ExecutorInfo
-
-
-@dataclass
-class Side:
-    """One executor as a test's scheduler drives it: a plan stream and its step ids."""
-
-    served: Served
-    stream: PlanStream
-    step_ids: Iterator[int] = field(default_factory=lambda: itertools.count(1))
-    imports_done: list[pb.KvImportResult] = field(default_factory=list)
-
-    def step(self, **fields: object) -> pb.StepResult:
-        result = self.stream.step(pb.StepPlan(step_id=next(self.step_ids), **fields))
-        self.imports_done.extend(result.kv_imports_done)
-        return result
-
-    def run(self, **fields: object) -> pb.StepResult:
-        """A step none of whose entries may be refused."""
-        result = self.step(**fields)
-        assert not result.rejected, result.rejected
-        return result
-
-    def wait_imports(self, transfer_ids: set[str]) -> dict[str, pb.KvImportResult]:
-        deadline = time.monotonic() + IMPORT_TIMEOUT_S
-        while True:
-            ended = {done.transfer_id: done for done in self.imports_done if done.transfer_id in transfer_ids}
-            if set(ended) == transfer_ids:
-                return ended
-            assert time.monotonic() < deadline, f"imports {transfer_ids - set(ended)} never ended"
-            time.sleep(0.02)
-            self.run()
 
 
 def _serve(stack: ExitStack, model_dir: Path) -> Served:
@@ -114,9 +81,9 @@ def executors(model_type: str, tmp_path_factory: pytest.TempPathFactory) -> Iter
 
 
 @pytest.fixture
-def sides(executors: tuple[Served, Served]) -> Iterator[tuple[Side, Side]]:
+def sides(executors: tuple[Served, Served]) -> Iterator[tuple[MoveSide, MoveSide]]:
     """A fresh plan stream on each executor (which starts it from no requests, offers or imports)."""
-    a, b = (Side(served, PlanStream(served.channel, holder="state-moves")) for served in executors)
+    a, b = (MoveSide(served, PlanStream(served.channel, holder="state-moves")) for served in executors)
     yield a, b
     a.stream.close()
     b.stream.close()
@@ -128,7 +95,7 @@ def _output(result: pb.StepResult) -> tuple[int, float, list[float]]:
     return record.token_id, record.logprob, list(record.top_logprobs)
 
 
-def _run_prompt(a: Side, request_id: str, prompt: list[int], blocks: list[int], slot: int, decodes: int) -> list[int]:
+def _run_prompt(a: MoveSide, request_id: str, prompt: list[int], blocks: list[int], slot: int, decodes: int) -> list[int]:
     """Runs a prompt on a, alone in its steps, then `decodes` decodes; the tokens sampled (the
     last one not computed yet)."""
     new = pb.NewRequest(
@@ -151,7 +118,7 @@ def _moved(request_id: str, sampled: list[int], blocks: list[int], slot: int, **
     )
 
 
-def _continue(side: Side, request_id: str, steps: int, first: pb.NewRequest | None = None) -> list[tuple[int, float, list[float]]]:
+def _continue(side: MoveSide, request_id: str, steps: int, first: pb.NewRequest | None = None) -> list[tuple[int, float, list[float]]]:
     outputs = []
     if first is not None:
         outputs.append(_output(side.run(new_requests=[first])))
@@ -172,7 +139,7 @@ def test_describe_says_a_hybrid_executor_moves_kv_and_names_its_state_layout(exe
     assert f" state_bytes={a.state_slot_bytes} state=" in a.kv_layout
 
 
-def test_a_request_moved_with_its_state_continues_bit_for_bit(sides: tuple[Side, Side]) -> None:
+def test_a_request_moved_with_its_state_continues_bit_for_bit(sides: tuple[MoveSide, MoveSide]) -> None:
     a, b = sides
     # Another request's state, offered with the moved request's blocks: the control.
     _run_prompt(a, "other", OTHER_PROMPT, [3, 4, 5], slot=2, decodes=1)
@@ -204,7 +171,7 @@ def test_a_request_moved_with_its_state_continues_bit_for_bit(sides: tuple[Side,
     assert wrong[1:] != there[0][1:]
 
 
-def test_an_offer_with_no_block_left_to_send_still_sends_its_state(sides: tuple[Side, Side]) -> None:
+def test_an_offer_with_no_block_left_to_send_still_sends_its_state(sides: tuple[MoveSide, MoveSide]) -> None:
     a, b = sides
     _run_prompt(a, "moved", PROMPT, [0, 1], slot=1, decodes=0)
     a.run(kv_exports=[pb.KvExport(transfer_id="state-only", block_ids=[0, 1], state_slot=1)])
@@ -221,7 +188,7 @@ def test_an_offer_with_no_block_left_to_send_still_sends_its_state(sides: tuple[
     assert done.bytes == a.served.info.state_slot_bytes
 
 
-def test_an_import_that_cannot_write_the_state_it_expects_fails_and_writes_nothing(sides: tuple[Side, Side]) -> None:
+def test_an_import_that_cannot_write_the_state_it_expects_fails_and_writes_nothing(sides: tuple[MoveSide, MoveSide]) -> None:
     a, b = sides
     sampled = _run_prompt(a, "moved", PROMPT, [0, 1, 2], slot=1, decodes=1)
     a.run(kv_exports=[pb.KvExport(transfer_id="blocks-only", block_ids=[0, 1, 2])])
@@ -252,14 +219,14 @@ def test_an_import_that_cannot_write_the_state_it_expects_fails_and_writes_nothi
 OTHER_CONV_WIDTH = {"qwen3_next": {"linear_conv_kernel_dim": 3}, "lfm2": {"conv_L_cache": 4}}
 
 
-def test_an_import_of_another_state_layout_fails(sides: tuple[Side, Side], model_type: str, tmp_path: Path) -> None:
+def test_an_import_of_another_state_layout_fails(sides: tuple[MoveSide, MoveSide], model_type: str, tmp_path: Path) -> None:
     _, b = sides
     other_dir = save_hybrid(model_type, tmp_path / "other", **OTHER_CONV_WIDTH[model_type])
     with ExitStack() as stack:
         other = _serve(stack, other_dir)
         assert other.info.kv_layout.split(" state_bytes=")[0] == b.served.info.kv_layout.split(" state_bytes=")[0]
         assert other.info.kv_layout != b.served.info.kv_layout
-        source = Side(other, PlanStream(other.channel, holder="state-moves"))
+        source = MoveSide(other, PlanStream(other.channel, holder="state-moves"))
         new = pb.NewRequest(request_id="r", token_ids=PROMPT, block_ids=[0, 1], num_scheduled_tokens=len(PROMPT), state_slot=1)
         source.run(new_requests=[new], kv_exports=[pb.KvExport(transfer_id="other-layout", block_ids=[0, 1], state_slot=1)])
         b.run(kv_imports=[pb.KvImport(transfer_id="other-layout", source_address=other.address, block_ids=[10, 11], state_slot=3)])

@@ -5,11 +5,9 @@ would have where it started. Failed, cancelled and refused moves disturb nothing
 
 from __future__ import annotations
 
-import itertools
-import time
 from collections.abc import Iterator
 from contextlib import ExitStack
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
@@ -21,6 +19,7 @@ from protos.splitserve.executor.v1 import executor_pb2_grpc as pb_grpc
 from tests.helpers.executor_driver import PlanStream
 from tests.helpers.executor_process import start_executor
 from tests.helpers.executor_token import token, with_token
+from tests.helpers.kv_move_driver import MoveSide
 from tests.helpers.metrics_scrape import scrape
 from tests.helpers.model_factory import build_model
 from tests.helpers.service_process import free_port
@@ -31,7 +30,6 @@ LAYOUT = f"float32 layers=2 kv_heads=2 key_dim=16 value_dim=16 block_size={BLOCK
 # Two full blocks; the decodes fill the third.
 PROMPT = [(7 * i + 3) % 1000 + 3 for i in range(2 * BLOCK_SIZE)]
 GREEDY = pb.SamplerConfig(want_logprobs=True, num_logprobs=3)
-IMPORT_TIMEOUT_S = 30.0
 
 
 @dataclass(slots=True)
@@ -39,34 +37,6 @@ class Served:
     address: str
     channel: grpc.Channel
     metrics_port: int
-
-
-@dataclass
-class Side:
-    """One executor as a test's scheduler drives it: a plan stream and its step ids."""
-
-    served: Served
-    stream: PlanStream
-    step_ids: Iterator[int] = field(default_factory=lambda: itertools.count(1))
-    # Every kv_imports_done entry seen on this stream.
-    imports_done: list[pb.KvImportResult] = field(default_factory=list)
-
-    def step(self, **fields: object) -> pb.StepResult:
-        result = self.stream.step(pb.StepPlan(step_id=next(self.step_ids), **fields))
-        assert not result.rejected, result.rejected
-        self.imports_done.extend(result.kv_imports_done)
-        return result
-
-    def wait_imports(self, transfer_ids: set[str]) -> dict[str, pb.KvImportResult]:
-        """Empty plans until every one of these imports has ended."""
-        deadline = time.monotonic() + IMPORT_TIMEOUT_S
-        while True:
-            ended = {done.transfer_id: done for done in self.imports_done if done.transfer_id in transfer_ids}
-            if set(ended) == transfer_ids:
-                return ended
-            assert time.monotonic() < deadline, f"imports {transfer_ids - set(ended)} never ended"
-            time.sleep(0.02)
-            self.step()
 
 
 @pytest.fixture(scope="module")
@@ -90,9 +60,9 @@ def executors(model_dir: Path) -> Iterator[tuple[Served, Served]]:
 
 
 @pytest.fixture
-def sides(executors: tuple[Served, Served]) -> Iterator[tuple[Side, Side]]:
+def sides(executors: tuple[Served, Served]) -> Iterator[tuple[MoveSide, MoveSide]]:
     """A fresh plan stream on each executor (which starts it from no requests, offers or imports)."""
-    a, b = (Side(served, PlanStream(served.channel, holder="kv-test")) for served in executors)
+    a, b = (MoveSide(served, PlanStream(served.channel, holder="kv-test")) for served in executors)
     yield a, b
     a.stream.close()
     b.stream.close()
@@ -104,35 +74,35 @@ def _output(result: pb.StepResult) -> tuple[int, float, list[float]]:
     return record.token_id, record.logprob, list(record.top_logprobs)
 
 
-def _prefill_and_offer(a: Side, transfer_id: str, decodes: int = 2) -> list[int]:
+def _prefill_and_offer(a: MoveSide, transfer_id: str, decodes: int = 2) -> list[int]:
     """Runs PROMPT on a for a prefill and `decodes` decode steps in blocks 0..2, then offers those
     blocks; returns the tokens sampled (the last one not computed yet)."""
     new = pb.NewRequest(
         request_id="moved", token_ids=PROMPT, num_prompt_tokens=len(PROMPT), block_ids=[0, 1, 2],
         num_scheduled_tokens=len(PROMPT), sampling=GREEDY,
     )
-    sampled = [_output(a.step(new_requests=[new]))[0]]
+    sampled = [_output(a.run(new_requests=[new]))[0]]
     for _ in range(decodes):
-        sampled.append(_output(a.step(continuing_requests=[pb.ContinuingRequest(request_id="moved", num_scheduled_tokens=1)]))[0])
-    a.step(kv_exports=[pb.KvExport(transfer_id=transfer_id, block_ids=[0, 1, 2])])
+        sampled.append(_output(a.run(continuing_requests=[pb.ContinuingRequest(request_id="moved", num_scheduled_tokens=1)]))[0])
+    a.run(kv_exports=[pb.KvExport(transfer_id=transfer_id, block_ids=[0, 1, 2])])
     return sampled
 
 
-def _continue(side: Side, steps: int, first: pb.NewRequest | None = None) -> list[tuple[int, float, list[float]]]:
+def _continue(side: MoveSide, steps: int, first: pb.NewRequest | None = None) -> list[tuple[int, float, list[float]]]:
     """The request's next `steps` outputs: a NewRequest first where given, then decodes."""
     outputs = []
     if first is not None:
-        outputs.append(_output(side.step(new_requests=[first])))
+        outputs.append(_output(side.run(new_requests=[first])))
     while len(outputs) < steps:
         decode = pb.ContinuingRequest(request_id="moved", num_scheduled_tokens=1)
-        outputs.append(_output(side.step(continuing_requests=[decode])))
+        outputs.append(_output(side.run(continuing_requests=[decode])))
     return outputs
 
 
-def test_a_request_moved_with_its_kv_continues_bit_for_bit(sides: tuple[Side, Side]) -> None:
+def test_a_request_moved_with_its_kv_continues_bit_for_bit(sides: tuple[MoveSide, MoveSide]) -> None:
     a, b = sides
     sampled = _prefill_and_offer(a, "move-1")
-    b.step(kv_imports=[pb.KvImport(transfer_id="move-1", source_address=a.served.address, block_ids=[10, 11, 12])])
+    b.run(kv_imports=[pb.KvImport(transfer_id="move-1", source_address=a.served.address, block_ids=[10, 11, 12])])
     done = b.wait_imports({"move-1"})["move-1"]
     assert done.ok, done.error
     assert done.bytes == 3 * 2 * 2 * BLOCK_SIZE * 2 * 16 * 4
@@ -152,17 +122,17 @@ def test_a_request_moved_with_its_kv_continues_bit_for_bit(sides: tuple[Side, Si
         request_id="blind", token_ids=[*PROMPT, *sampled], num_prompt_tokens=len(PROMPT), block_ids=[20, 21, 22],
         num_computed_tokens=len(PROMPT) + len(sampled) - 1, num_scheduled_tokens=1, sampling=GREEDY,
     )
-    assert _output(b.step(new_requests=[blind]))[1:] != there[0][1:]
+    assert _output(b.run(new_requests=[blind]))[1:] != there[0][1:]
 
 
-def test_an_import_from_a_first_block_on_fills_only_the_blocks_after_a_held_prefix(sides: tuple[Side, Side]) -> None:
+def test_an_import_from_a_first_block_on_fills_only_the_blocks_after_a_held_prefix(sides: tuple[MoveSide, MoveSide]) -> None:
     a, b = sides
     sampled = _prefill_and_offer(a, "move-prefix")
     # b computes the first block itself (a prefix-cache hit, as the scheduler sees it), then
     # fetches the rest of the offer.
     prefix = pb.NewRequest(request_id="prefix", token_ids=PROMPT[:BLOCK_SIZE], block_ids=[10], num_scheduled_tokens=BLOCK_SIZE)
-    b.step(new_requests=[prefix], dropped_request_ids=[])
-    b.step(
+    b.run(new_requests=[prefix], dropped_request_ids=[])
+    b.run(
         dropped_request_ids=["prefix"],
         kv_imports=[pb.KvImport(transfer_id="move-prefix", source_address=a.served.address, first_block=1, block_ids=[11, 12])],
     )
@@ -181,20 +151,20 @@ def _fetch(served: Served, transfer_id: str, metadata: tuple[tuple[str, str], ..
     return list(stub.FetchBlocks(pb.FetchBlocksRequest(transfer_id=transfer_id), metadata=metadata, timeout=10))
 
 
-def test_an_offer_is_fetched_in_chunks_until_it_ends(sides: tuple[Side, Side]) -> None:
+def test_an_offer_is_fetched_in_chunks_until_it_ends(sides: tuple[MoveSide, MoveSide]) -> None:
     a, _ = sides
     _prefill_and_offer(a, "offered")
     (chunk,) = _fetch(a.served, "offered")
     assert (chunk.first_block, chunk.num_blocks, chunk.kv_layout) == (0, 3, LAYOUT)
     assert len(chunk.data) == 3 * 2 * 2 * BLOCK_SIZE * 2 * 16 * 4
-    a.step(ended_exports=["offered"])
+    a.run(ended_exports=["offered"])
     with pytest.raises(grpc.RpcError) as ended:
         _fetch(a.served, "offered")
     assert ended.value.code() == grpc.StatusCode.NOT_FOUND
     assert "offered" in ended.value.details()
 
 
-def test_an_unknown_transfer_id_is_not_found(sides: tuple[Side, Side]) -> None:
+def test_an_unknown_transfer_id_is_not_found(sides: tuple[MoveSide, MoveSide]) -> None:
     a, _ = sides
     with pytest.raises(grpc.RpcError) as unknown:
         _fetch(a.served, "never-offered")
@@ -202,7 +172,7 @@ def test_an_unknown_transfer_id_is_not_found(sides: tuple[Side, Side]) -> None:
     assert "no open offer" in unknown.value.details()
 
 
-def test_a_fetch_without_the_token_is_unauthenticated(sides: tuple[Side, Side]) -> None:
+def test_a_fetch_without_the_token_is_unauthenticated(sides: tuple[MoveSide, MoveSide]) -> None:
     a, _ = sides
     _prefill_and_offer(a, "guarded")
     with grpc.insecure_channel(a.served.address) as bare:
@@ -218,55 +188,55 @@ def test_a_fetch_without_the_token_is_unauthenticated(sides: tuple[Side, Side]) 
         assert [chunk.num_blocks for chunk in with_it] == [3]
 
 
-def test_a_failed_import_is_reported_and_disturbs_nothing_else(sides: tuple[Side, Side]) -> None:
+def test_a_failed_import_is_reported_and_disturbs_nothing_else(sides: tuple[MoveSide, MoveSide]) -> None:
     _, b = sides
     dead = f"127.0.0.1:{free_port()}"
     new = pb.NewRequest(request_id="bystander", token_ids=PROMPT, block_ids=[0, 1, 2], num_scheduled_tokens=len(PROMPT))
     # An entry that names no block of the pool fails at once, in the same plan's result.
-    bad = b.step(new_requests=[new], kv_imports=[pb.KvImport(transfer_id="bad", source_address=dead, block_ids=[NUM_BLOCKS])])
+    bad = b.run(new_requests=[new], kv_imports=[pb.KvImport(transfer_id="bad", source_address=dead, block_ids=[NUM_BLOCKS])])
     assert bad.outputs[0].token_ids
     assert [(d.transfer_id, d.ok) for d in bad.kv_imports_done] == [("bad", False)]
     assert "outside the pool" in bad.kv_imports_done[0].error
-    b.step(kv_imports=[pb.KvImport(transfer_id="dead", source_address=dead, block_ids=[10])])
+    b.run(kv_imports=[pb.KvImport(transfer_id="dead", source_address=dead, block_ids=[10])])
     failed = b.wait_imports({"dead"})["dead"]
     assert not failed.ok
     assert "UNAVAILABLE" in failed.error and dead in failed.error
-    decode = b.step(continuing_requests=[pb.ContinuingRequest(request_id="bystander", num_scheduled_tokens=1)])
+    decode = b.run(continuing_requests=[pb.ContinuingRequest(request_id="bystander", num_scheduled_tokens=1)])
     assert decode.outputs[0].token_ids
 
 
-def test_an_import_of_another_layout_fails(sides: tuple[Side, Side], model_dir: Path) -> None:
+def test_an_import_of_another_layout_fails(sides: tuple[MoveSide, MoveSide], model_dir: Path) -> None:
     _, b = sides
     with (
         start_executor(model_dir, num_kv_blocks=NUM_BLOCKS, block_size=2 * BLOCK_SIZE) as (address, _),
         grpc.insecure_channel(address) as channel,
     ):
-        other = Side(Served(address, with_token(channel), 0), PlanStream(with_token(channel), holder="kv-test"))
+        other = MoveSide(Served(address, with_token(channel), 0), PlanStream(with_token(channel), holder="kv-test"))
         new = pb.NewRequest(request_id="wide", token_ids=PROMPT, block_ids=[0, 1], num_scheduled_tokens=len(PROMPT))
-        other.step(new_requests=[new], kv_exports=[pb.KvExport(transfer_id="wide", block_ids=[0, 1])])
-        b.step(kv_imports=[pb.KvImport(transfer_id="wide", source_address=address, block_ids=[10, 11])])
+        other.run(new_requests=[new], kv_exports=[pb.KvExport(transfer_id="wide", block_ids=[0, 1])])
+        b.run(kv_imports=[pb.KvImport(transfer_id="wide", source_address=address, block_ids=[10, 11])])
         failed = b.wait_imports({"wide"})["wide"]
         other.stream.close()
     assert not failed.ok
     assert "kv_layout" in failed.error and "block_size=16" in failed.error
 
 
-def test_a_cancelled_import_is_never_reported(sides: tuple[Side, Side]) -> None:
+def test_a_cancelled_import_is_never_reported(sides: tuple[MoveSide, MoveSide]) -> None:
     a, b = sides
     _prefill_and_offer(a, "cancelled")
-    b.step(kv_imports=[pb.KvImport(transfer_id="cancelled", source_address=a.served.address, block_ids=[10, 11, 12])])
+    b.run(kv_imports=[pb.KvImport(transfer_id="cancelled", source_address=a.served.address, block_ids=[10, 11, 12])])
     # Whether or not the fetch has finished by now, the cancellation comes first in its plan.
-    b.step(cancelled_imports=["cancelled"])
+    b.run(cancelled_imports=["cancelled"])
     # A later import of the same offer still ends, and is reported alone.
-    b.step(kv_imports=[pb.KvImport(transfer_id="cancelled", source_address=a.served.address, block_ids=[20, 21, 22])])
+    b.run(kv_imports=[pb.KvImport(transfer_id="cancelled", source_address=a.served.address, block_ids=[20, 21, 22])])
     assert b.wait_imports({"cancelled"})["cancelled"].ok
     assert [d.transfer_id for d in b.imports_done] == ["cancelled"]
     for _ in range(3):
-        b.step()
+        b.run()
     assert [d.transfer_id for d in b.imports_done] == ["cancelled"]
 
 
-def test_computed_tokens_count_prompt_and_decode_and_transfers_are_counted(sides: tuple[Side, Side]) -> None:
+def test_computed_tokens_count_prompt_and_decode_and_transfers_are_counted(sides: tuple[MoveSide, MoveSide]) -> None:
     a, b = sides
 
     def counts(served: Served) -> dict[str, float]:
@@ -282,7 +252,7 @@ def test_computed_tokens_count_prompt_and_decode_and_transfers_are_counted(sides
 
     before_a, before_b = counts(a.served), counts(b.served)
     sampled = _prefill_and_offer(a, "counted", decodes=3)
-    b.step(kv_imports=[pb.KvImport(transfer_id="counted", source_address=a.served.address, block_ids=[10, 11, 12])])
+    b.run(kv_imports=[pb.KvImport(transfer_id="counted", source_address=a.served.address, block_ids=[10, 11, 12])])
     assert b.wait_imports({"counted"})["counted"].ok
     # On b, a request with part of its prompt computed elsewhere: 5 prompt tokens left, then
     # the 4 generated ones, then one decode more.
@@ -290,8 +260,8 @@ def test_computed_tokens_count_prompt_and_decode_and_transfers_are_counted(sides
         request_id="resumed", token_ids=[*PROMPT, *sampled], num_prompt_tokens=len(PROMPT), block_ids=[20, 21, 22],
         num_computed_tokens=len(PROMPT) - 5, num_scheduled_tokens=5 + len(sampled),
     )
-    b.step(new_requests=[resumed])
-    b.step(continuing_requests=[pb.ContinuingRequest(request_id="resumed", num_scheduled_tokens=1)])
+    b.run(new_requests=[resumed])
+    b.run(continuing_requests=[pb.ContinuingRequest(request_id="resumed", num_scheduled_tokens=1)])
     after_a, after_b = counts(a.served), counts(b.served)
     block_bytes = 2 * 2 * BLOCK_SIZE * 2 * 16 * 4
     assert after_a["prompt"] - before_a["prompt"] == len(PROMPT)

@@ -25,6 +25,7 @@ class PlanStream:
         self._plans: queue.Queue[object] = queue.Queue()
         metadata = (("x-splitserve-scheduler-id", holder),) if holder is not None else None
         self._results = pb_grpc.ExecutorStub(channel).Execute(self._iterate(), metadata=metadata)
+        self._step_ids = itertools.count(1)
 
     def _iterate(self) -> Iterator[pb.StepPlan]:
         while (plan := self._plans.get()) is not _CLOSE:
@@ -39,6 +40,11 @@ class PlanStream:
     def step(self, plan: pb.StepPlan) -> pb.StepResult:
         self.send(plan)
         return self.receive()
+
+    def plan(self, **fields: object) -> pb.StepResult:
+        """Runs a plan of these fields under the next of this stream's own step ids (1, 2, ...;
+        not to be mixed with plans that bring theirs)."""
+        return self.step(pb.StepPlan(step_id=next(self._step_ids), **fields))
 
     def close(self) -> None:
         self._plans.put(_CLOSE)
