@@ -12,6 +12,7 @@ from pathlib import Path
 from scheduler_service.core.policy import Policy, StepMode
 from scheduler_service.core.router import DEFAULT_TOKENS_PER_REQUEST
 from scheduler_service.core.sampling_params import SamplingDefaults
+from scheduler_service.core.tenants import TenantTable, load_tenants_file
 from scheduler_service.frontend.intake_limits import IntakeLimits
 from scheduler_service.frontend.stream_backlog import (
     DEFAULT_MAX_BACKLOG_BYTES,
@@ -162,7 +163,18 @@ def parse_args(argv: list[str] | None, prog: str = "python -m scheduler_service"
         "--policy",
         choices=[p.value for p in Policy],
         default="fcfs",
-        help="queue order; under priority, lower request priority values run first",
+        help="queue order. fcfs: arrival; priority: lower request priority values first, "
+        "earliest TTFT deadline among equals, and a waiting request preempts a running one of "
+        "lower priority when the batch or the KV cache is full; fair: deficit round robin "
+        "across tenants weighted by tokens served (--tenants-file weights), priority and "
+        "deadline within a tenant",
+    )
+    parser.add_argument(
+        "--tenants-file",
+        type=Path,
+        help="TOML file of tenants' weights and quotas (max_running, max_waiting, "
+        "tokens_per_minute), [defaults] and [tenants.NAME]; Admin/ReloadTenants reads it again "
+        "without a restart (README: Tenants, fairness and deadlines)",
     )
     parser.add_argument(
         "--mode",
@@ -355,6 +367,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m scheduler_service
                 logger.warning("event=metrics_port_ignored advice='a front-end has no metrics: scrape its planner'")
         check_listen_ports(args.host, ports)
         defaults = sampling_defaults(args.generation_config, args.tokenizer)
+        tenants = load_tenants_file(args.tenants_file) if args.tenants_file else TenantTable()
         text = text_processor(args.tokenizer)
         tracing = tracing_of(args)
     except ValueError as error:
@@ -379,6 +392,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m scheduler_service
         executor_token=security.executor_token,
         health_port=args.health_port,
         drain_timeout_s=args.drain_timeout,
+        tenants=tenants,
         options=EngineOptions(
             lane=LaneOptions(
                 max_num_seqs=args.max_num_seqs,

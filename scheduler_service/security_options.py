@@ -6,11 +6,12 @@ one-line reason instead of failing the first call."""
 from __future__ import annotations
 
 import argparse
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 from protos.executor_access import read_token_file
-from scheduler_service.frontend.api_keys import load_api_keys
+from scheduler_service.frontend.api_keys import load_api_keys, load_key_tenants
 from service_support.health_port import add_health_port_flag
 from service_support.transport_security import (
     ClientTls,
@@ -24,7 +25,8 @@ from service_support.transport_security import (
 @dataclass(slots=True, frozen=True)
 class SecurityOptions:
     tls: ServerTls | None
-    api_keys: tuple[bytes, ...] | None
+    # Each client key with its tenant.
+    api_keys: Mapping[bytes, str] | None
     admin_keys: tuple[bytes, ...] | None
     executor_tls: ClientTls | None
     executor_token: str | None
@@ -38,7 +40,9 @@ def add_security_flags(parser: argparse.ArgumentParser) -> None:
         "--api-key-file",
         type=Path,
         help="bearer tokens, one per line: every call but grpc.health.v1 and Admin must send "
-        "'authorization: Bearer KEY' with one of them",
+        "'authorization: Bearer KEY' with one of them. A key may be followed by the tenant its "
+        "requests count for (--tenants-file), or by '*' for a gateway's key whose calls name "
+        "their tenant in x-splitserve-tenant",
     )
     group.add_argument(
         "--admin-key-file",
@@ -77,7 +81,7 @@ def security_options(args: argparse.Namespace) -> SecurityOptions:
         )
     return SecurityOptions(
         tls=server_tls(args.tls_cert, args.tls_key),
-        api_keys=load_api_keys(args.api_key_file) if args.api_key_file else None,
+        api_keys=load_key_tenants(args.api_key_file) if args.api_key_file else None,
         admin_keys=load_api_keys(args.admin_key_file) if args.admin_key_file else None,
         executor_tls=executor_tls,
         executor_token=read_token_file(args.executor_token_file) if args.executor_token_file else None,

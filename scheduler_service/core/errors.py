@@ -25,11 +25,27 @@ class RequestError:
 
     kind: ErrorKind
     message: str
+    # Seconds after which the same request may succeed (a quota, a predicted deadline miss);
+    # None: no hint.
+    retry_after_s: float | None = None
 
 
 class RequestRejected(ValueError):
-    """A request refused before it runs."""
+    """A request refused before it runs; retry_after_s as in RequestError."""
 
-    def __init__(self, kind: ErrorKind, message: str) -> None:
+    def __init__(self, kind: ErrorKind, message: str, retry_after_s: float | None = None) -> None:
         super().__init__(message)
         self.kind = kind
+        self.retry_after_s = retry_after_s
+
+    def as_error(self) -> RequestError:
+        return RequestError(self.kind, str(self), self.retry_after_s)
+
+
+class AdmissionRefused(RequestRejected):
+    """Refused by a tenant's quota or a deadline's forecast; reason names which, for metrics
+    (max_waiting, tokens_per_minute, deadline, tpot)."""
+
+    def __init__(self, reason: str, kind: ErrorKind, message: str, retry_after_s: float | None = None) -> None:
+        super().__init__(kind, message, retry_after_s)
+        self.reason = reason

@@ -9,6 +9,7 @@ import numpy as np
 
 from scheduler_service.core.sampling_params import SamplingParams
 from scheduler_service.core.structured_output import TokenConstraint
+from scheduler_service.core.tenants import DEFAULT_TENANT
 
 
 class RequestStatus(enum.Enum):
@@ -52,6 +53,13 @@ class Request:
     priority: int = 0
     # Mixed into every block hash: requests share cached prefixes only under the same salt.
     cache_salt: bytes = b""
+    # Who sent it (core/tenants.py): its API key's tenant, or x-splitserve-tenant.
+    tenant: str = DEFAULT_TENANT
+    # Seconds from arrival to its first token that its client accepts (GenerateRequest's
+    # ttft_deadline_ms); 0: none.
+    ttft_deadline_s: float = 0.0
+    # Target seconds between its tokens (tpot_target_ms); 0: none.
+    tpot_target_s: float = 0.0
     # When it arrived (the scheduler's clock), for TTFT and latency.
     arrival_time: float = 0.0
     # Tie-breaker among equal priorities: arrival order across the whole service (set by whoever
@@ -137,6 +145,11 @@ class Request:
         if self.num_computed_tokens > self.num_lost_tokens:
             self.num_lost_tokens, self.lost_reason = self.num_computed_tokens, reason
         self.num_computed_tokens = 0
+
+    @property
+    def ttft_deadline(self) -> float:
+        """When its first token is due, on the scheduler's clock; inf: no deadline."""
+        return self.arrival_time + self.ttft_deadline_s if self.ttft_deadline_s else math.inf
 
     @property
     def num_prompt_tokens(self) -> int:

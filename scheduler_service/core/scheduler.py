@@ -20,6 +20,7 @@ from scheduler_service.core.checkpoint_policy import CheckpointPolicy
 from scheduler_service.core.config import SchedulerConfig, SchedulingKnobs
 from scheduler_service.core.decode_set import BulkStep, DecodeSet
 from scheduler_service.core.errors import ErrorKind, RequestError, RequestRejected
+from scheduler_service.core.fair_share import FairShare
 from scheduler_service.core.length_limits import (
     check_room_in_cache,
     check_room_under_model_length,
@@ -27,7 +28,7 @@ from scheduler_service.core.length_limits import (
 from scheduler_service.core.move_books import (
     MoveBooks,
 )
-from scheduler_service.core.policy import StepMode, pick_victim
+from scheduler_service.core.policy import Policy, StepMode, pick_victim, preempts
 from scheduler_service.core.prefix_tracker import PrefixTracker
 from scheduler_service.core.request import FinishReason, Request, RequestStatus
 from scheduler_service.core.request_queue import WaitingQueue
@@ -92,12 +93,16 @@ class Scheduler(RequestMoves):
         config: SchedulerConfig,
         eos_token_ids: Collection[int] = (),
         clock: Callable[[], float] = time.monotonic,
+        share: FairShare | None = None,
     ) -> None:
         self.config = config
+        # The fair policy's books: the engine's, shared by every executor's scheduler, or this
+        # scheduler's own.
+        self.share = share if share is not None else FairShare()
         self.eos_token_ids = frozenset(eos_token_ids)
         self.clock = clock
         self.kv, self._checkpoints = self._new_books()
-        self.waiting = WaitingQueue(config.policy)
+        self.waiting = WaitingQueue(config.policy, self.share)
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
@@ -181,6 +186,7 @@ class Scheduler(RequestMoves):
             request.arrival_index = next(self._arrivals)
         request.arrival_time = request.arrival_time or self.clock()
         self._place(request)
+        self.share.join(request)
         self.waiting.add(request)
 
     def adopt(self, request: Request) -> bool:
@@ -188,6 +194,7 @@ class Scheduler(RequestMoves):
         in its arrival order, with the tokens it has. A request too long for this executor is
         finished with LENGTH instead; returns whether it was queued."""
         self._place(request)
+        self.share.join(request)
         if request.num_tokens >= self.config.max_seq_len:
             self.finish(request, FinishReason.LENGTH)
             return False
@@ -220,7 +227,7 @@ class Scheduler(RequestMoves):
             request.lose_kv("executor_lost")
             self._unplace(request)
         self.running.clear()
-        self.waiting = WaitingQueue(self.config.policy)
+        self.waiting = WaitingQueue(self.config.policy, self.share)
         self._deferred.clear()
         self._prefixes.clear()
         self._on_executor.clear()
@@ -347,6 +354,7 @@ class Scheduler(RequestMoves):
         self._forget_on_executor(request.request_id)
         self._retrying.pop(request, None)
         self._unplace(request)
+        self.share.leave(request)
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)
@@ -419,7 +427,7 @@ class Scheduler(RequestMoves):
                 continue
             computed = request.num_computed_tokens
             while (ids := self.kv.allocate_slots(request.request_id, request.token_ids, computed, 1)) is None:
-                victim = pick_victim(self.running, self.config.policy)
+                victim = pick_victim(self.running, self.config.policy, self.share)
                 self._preempt(victim, swap=True)
                 plan.preempted = True
                 if victim is request:
@@ -506,7 +514,7 @@ class Scheduler(RequestMoves):
                 continue
             num_new = min(request.num_uncomputed_tokens, budget)
             while (ids := self._allocate(request, num_new)) is None:
-                victim = pick_victim(self.running, self.config.policy)
+                victim = pick_victim(self.running, self.config.policy, self.share)
                 budget += scheduled.pop(victim, 0)
                 new_blocks.pop(victim.request_id, None)
                 self._preempt(victim, swap=True)
@@ -540,8 +548,10 @@ class Scheduler(RequestMoves):
         admitted: list[Request],
         bulk: _BulkPlan,
     ) -> int:
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while self.waiting and budget > 0:
             request = self.waiting.peek()
+            if len(self.running) >= self.config.max_num_seqs and not self._preempt_for(request, scheduled):
+                break
             # A request retried after a failed step runs alone (see Request.retry_alone): not
             # beside other requests, nor beside the step's bulk decodes.
             if request.retry_alone and (scheduled or bulk.step is not None):
@@ -563,9 +573,9 @@ class Scheduler(RequestMoves):
             if self.kv.holds(request.request_id):
                 # It arrived with its K/V (import_request, swap_in): it computes on from there.
                 num_new = min(request.num_uncomputed_tokens, budget)
-                if self._allocate(request, num_new) is None:
+                if not self._allocate_preempting(request, num_new, scheduled):
                     break
-                self._admitted(request, request.num_computed_tokens, hashes, admitted)
+                self._admitted(request, request.num_computed_tokens, hashes, admitted, num_new)
                 scheduled[request] = num_new
                 budget -= num_new
                 if request.retry_alone:
@@ -578,7 +588,7 @@ class Scheduler(RequestMoves):
             if isinstance(source, Request):
                 if not self._fork(request, source):
                     break
-                self._admitted(request, request.num_prompt_tokens - 1, hashes, admitted)
+                self._admitted(request, request.num_prompt_tokens - 1, hashes, admitted, 1)
                 scheduled[request] = 1
                 budget -= 1
                 continue
@@ -598,22 +608,57 @@ class Scheduler(RequestMoves):
             if num_new > budget and not self.config.enable_chunked_prefill:
                 break
             num_new = min(num_new, budget)
-            if self._allocate(request, num_new, hit) is None:
+            if not self._allocate_preempting(request, num_new, scheduled, hit):
                 break
-            self._admitted(request, hit.num_tokens, hashes, admitted, hit)
+            self._admitted(request, hit.num_tokens, hashes, admitted, num_new, hit)
             scheduled[request] = num_new
             budget -= num_new
             if request.retry_alone:
                 break
         return budget
 
+    def _allocate_preempting(
+        self, request: Request, num_new: int, scheduled: dict[Request, int], hit: PrefixHit | None = None
+    ) -> bool:
+        """Blocks for the head of the queue, preempting running requests it outranks (policy's
+        preempts) while there are none."""
+        while self._allocate(request, num_new, hit) is None:
+            if not self._preempt_for(request, scheduled):
+                return False
+        return True
+
+    def _preempt_for(self, request: Request, scheduled: dict[Request, int]) -> bool:
+        """Makes room for a waiting request by preempting the lowest-ranked running one, when
+        the request outranks it (policy.preempts); False, changing nothing, when it does not.
+        Requests with a part of their own in this plan, or leaving, are not taken."""
+        policy = self.config.policy
+        if policy is Policy.FCFS:
+            return False
+        candidates = [r for r in self.running if not r.moving and r not in scheduled]
+        if not candidates:
+            return False
+        victim = pick_victim(candidates, policy, self.share)
+        if not preempts(request, victim, policy, self.share):
+            return False
+        self._preempt(victim, swap=True)
+        return True
+
     def _admitted(
-        self, request: Request, num_computed: int, hashes: list[BlockHash], admitted: list[Request], hit: PrefixHit | None = None
+        self,
+        request: Request,
+        num_computed: int,
+        hashes: list[BlockHash],
+        admitted: list[Request],
+        num_new: int,
+        hit: PrefixHit | None = None,
     ) -> None:
         """The head of the queue runs from here, its first num_computed tokens already in its
         blocks (a prefix hit, resumed from hit.state_source_slot for a hybrid model; or a
-        fork)."""
+        fork), computing num_new this step."""
         self.waiting.pop()
+        if self.config.policy is Policy.FAIR:
+            # Charged now, not with the plan, so the next admission of this step sees it.
+            self.share.charge(request.tenant, num_new)
         if request.first_scheduled_time is None:
             request.first_scheduled_time = self.clock()
             request.num_cached_tokens = num_computed
@@ -749,6 +794,9 @@ class Scheduler(RequestMoves):
         # (request, tokens computed before, after) for the checkpoints a hybrid model keeps.
         spans: list[tuple[Request, int, int]] = []
         checkpointing = self._checkpoints.interval > 0
+        fair = self.config.policy is Policy.FAIR
+        if fair and bulk.step is not None:
+            self.share.charge_all(self.decodes.live(bulk.step))
         for request, num_new in scheduled.items():
             samples = request.num_computed_tokens + num_new == request.num_tokens + request.num_pending_outputs
             constrained = samples and request.grammar is not None
@@ -783,6 +831,8 @@ class Scheduler(RequestMoves):
                 plan.continuing_requests.append(
                     ContinuingRequestPlan(request.request_id, num_new, new_blocks[request.request_id], mask, follows)
                 )
+                if fair:
+                    self.share.charge(request.tenant, num_new)
             if checkpointing:
                 spans.append((request, request.num_computed_tokens, request.num_computed_tokens + num_new))
             request.num_computed_tokens += num_new

@@ -15,11 +15,14 @@ import grpc
 from grpc_health.v1 import health
 
 from protos.splitserve.v1 import admin_pb2
+from scheduler_service.core.tenants import check_tenant_name
 
 logger = logging.getLogger(__name__)
 
 AUTHORIZATION_METADATA = "authorization"
 BEARER_PREFIX = "Bearer "
+# In a key file's tenant column: the key's calls say their tenant themselves (a gateway's key).
+FORWARDER_TENANT = "*"
 # Probes must not need credentials (Kubernetes' gRPC probe sends none).
 OPEN_METHOD_PREFIXES = (f"/{health.SERVICE_NAME}/",)
 ADMIN_METHOD_PREFIX = f"/{admin_pb2.DESCRIPTOR.services_by_name['Admin'].full_name}/"
@@ -34,19 +37,40 @@ class ApiKeyFileError(ValueError):
 
 
 def load_api_keys(path: Path) -> tuple[bytes, ...]:
-    """The keys in a file, one per line; blank lines and lines starting with # are skipped.
-    Several keys let one be rotated out while clients move to the next."""
+    """The keys in a file (see load_key_tenants for its format)."""
+    return tuple(load_key_tenants(path))
+
+
+def load_key_tenants(path: Path) -> dict[bytes, str]:
+    """Each key of a key file with its tenant: one key per line, optionally followed by the name
+    of the tenant its requests count for (core/tenants.py), or by `*` for a gateway's key whose
+    calls name their tenant in x-splitserve-tenant; no name: the default tenant (an empty
+    string here). Blank lines and lines starting with # are skipped. Several keys let one be
+    rotated out while clients move to the next."""
     try:
         lines = path.read_text().splitlines()
     except (OSError, UnicodeDecodeError) as error:
         raise ApiKeyFileError(f"cannot read the API key file {str(path)!r}: {error}") from error
-    keys = tuple(line.strip().encode() for line in lines if line.strip() and not line.lstrip().startswith("#"))
-    if not keys:
+    tenants: dict[bytes, str] = {}
+    for number, line in enumerate(lines, 1):
+        fields = line.split()
+        if not fields or fields[0].startswith("#"):
+            continue
+        if len(fields) > 2:
+            raise ApiKeyFileError(f"the API key file {str(path)!r} line {number} has {len(fields)} fields: a key and at most a tenant name")
+        tenant = fields[1] if len(fields) == 2 else ""
+        if tenant not in ("", FORWARDER_TENANT):
+            try:
+                check_tenant_name(tenant)
+            except ValueError as error:
+                raise ApiKeyFileError(f"the API key file {str(path)!r} line {number}: {error}") from None
+        tenants[fields[0].encode()] = tenant
+    if not tenants:
         raise ApiKeyFileError(f"the API key file {str(path)!r} holds no key")
-    short = [key for key in keys if len(key) < 16]
+    short = [key for key in tenants if len(key) < 16]
     if short:
         raise ApiKeyFileError(f"the API key file {str(path)!r} has {len(short)} key(s) under 16 characters")
-    return keys
+    return tenants
 
 
 class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
@@ -85,10 +109,15 @@ def _problem(authorization: str | bytes | None, keys: tuple[bytes, ...]) -> str 
     text = authorization.decode(errors="replace") if isinstance(authorization, bytes) else authorization
     if not text.startswith(BEARER_PREFIX):
         return "the authorization metadata must be 'Bearer KEY'"
-    presented = text.removeprefix(BEARER_PREFIX).strip().encode()
+    presented = presented_key(text)
     # Every key compared in constant time, so timing tells nothing about any of them.
     matches = [hmac.compare_digest(presented, key) for key in keys]
     return None if any(matches) else "the API key is not valid"
+
+
+def presented_key(authorization: str) -> bytes:
+    """The key in an `authorization: Bearer KEY` value."""
+    return authorization.removeprefix(BEARER_PREFIX).strip().encode()
 
 
 def refusing_handler(

@@ -45,6 +45,9 @@ def fork_choices(request: Request) -> list[Request]:
             sampling=own,
             priority=request.priority,
             cache_salt=request.cache_salt,
+            tenant=request.tenant,
+            ttft_deadline_s=request.ttft_deadline_s,
+            tpot_target_s=request.tpot_target_s,
             fork_of="" if index == 0 else request.request_id,
         )
         choice.prefix_hashes = list(request.prefix_hashes)

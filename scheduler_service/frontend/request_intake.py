@@ -312,6 +312,8 @@ def build_request(
         sampling=sampling,
         priority=message.priority,
         cache_salt=message.cache_salt.encode(),
+        ttft_deadline_s=message.ttft_deadline_ms / 1000,
+        tpot_target_s=message.tpot_target_ms / 1000,
     )
     # Hashed here, off the event loop for a big prompt; the planner extends these as the
     # request grows (Scheduler.prefix_hashes).

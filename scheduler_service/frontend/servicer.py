@@ -15,7 +15,7 @@ from scheduler_service.frontend.choices import ChoiceReader, fork_choices
 from scheduler_service.frontend.draining import refuse_when_draining
 from scheduler_service.frontend.output_stream import OutputStream
 from scheduler_service.frontend.request_intake import Intake
-from scheduler_service.frontend.status_codes import STATUS_CODES
+from scheduler_service.frontend.status_codes import STATUS_CODES, abort_call
 from scheduler_service.frontend.tracing import TRACE_CONTEXT_KEYS
 
 logger = logging.getLogger(__name__)
@@ -33,7 +33,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         try:
             streams, reader = await self._submit(request, context)
         except RequestRejected as rejected:
-            refusal: RequestError | None = RequestError(rejected.kind, str(rejected))
+            refusal: RequestError | None = rejected.as_error()
         else:
             refusal = None
         # The message (up to the receive limit) is dropped before any abort: grpc keeps an
@@ -42,11 +42,11 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         # scheduler's request, so the message need not live as long as the stream either.
         del request
         if refusal is not None:
-            await context.abort(STATUS_CODES[refusal.kind], refusal.message)
+            await abort_call(context, refusal)
         scheduled = streams[0].request
         logger.info(
-            "event=request_received request_id=%s prompt_tokens=%d priority=%d choices=%d",
-            scheduled.request_id, scheduled.num_prompt_tokens, scheduled.priority, len(streams),
+            "event=request_received request_id=%s tenant=%s prompt_tokens=%d priority=%d choices=%d",
+            scheduled.request_id, scheduled.tenant, scheduled.num_prompt_tokens, scheduled.priority, len(streams),
         )
         # A cancelled call may never resume this handler (grpc can drop it while a message is
         # being sent), so the call's end, not only the handler's finally, frees the request.
@@ -54,7 +54,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         try:
             while (item := await reader.next_item()) is not None:
                 if isinstance(item, RequestError):
-                    await context.abort(STATUS_CODES[item.kind], item.message)
+                    await abort_call(context, item)
                 yield item
         finally:
             self._cancel(streams, reader)
@@ -74,11 +74,13 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         run."""
         refuse_when_draining(self.engine.draining)
         info = self._info()
+        metadata = context.invocation_metadata() or ()
+        tenant = self.tenant_of(metadata)
         scheduled = await self.intake.generate_request(request, info)
+        scheduled.tenant = tenant
         carrier = {}
         if self.engine.wants_trace_context:
             # The caller's W3C trace context, which the request's span continues.
-            metadata = context.invocation_metadata() or ()
             carrier = {key: value for key, value in metadata if key in TRACE_CONTEXT_KEYS}
         sampling = scheduled.sampling
         if sampling.num_choices == 1:

@@ -3,9 +3,11 @@ a client can act on, and back: the servicers answer with it, the planner's side 
 stream (tier/frontend_link.py) sends a failed request's code by it, and a front-end
 (tier/planner_client.py) reads the kind back from that code."""
 
+import math
+
 import grpc
 
-from scheduler_service.core.errors import ErrorKind
+from scheduler_service.core.errors import ErrorKind, RequestError
 
 STATUS_CODES = {
     ErrorKind.INVALID: grpc.StatusCode.INVALID_ARGUMENT,
@@ -21,3 +23,15 @@ STATUS_CODES = {
 # A status number back to a kind (the first kind of a shared code): a front-end passes on the
 # planner's failures (tier/planner_client.py) with the code the planner chose.
 KINDS_BY_CODE = {code.value[0]: kind for kind, code in reversed(STATUS_CODES.items())}
+
+
+# Trailing metadata of a refused call: whole seconds after which it may succeed, as HTTP's
+# Retry-After counts them (the message gives the exact figure).
+RETRY_AFTER_METADATA = "retry-after"
+
+
+async def abort_call(context: grpc.aio.ServicerContext, error: RequestError) -> None:
+    """Ends the call with the error's status, and its retry-after hint when it has one."""
+    if error.retry_after_s is not None:
+        context.set_trailing_metadata(((RETRY_AFTER_METADATA, str(max(1, math.ceil(error.retry_after_s)))),))
+    await context.abort(STATUS_CODES[error.kind], error.message)

@@ -79,6 +79,52 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
         return _to_proto(knobs)
 
 
+    async def ReloadTenants(
+        self, request: admin_pb2.ReloadTenantsRequest, context: grpc.aio.ServicerContext
+    ) -> admin_pb2.TenantsReport:
+        try:
+            self.engine.reload_tenants()
+        except LookupError as error:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(error))
+        except ValueError as error:
+            logger.warning("event=tenants_reload_refused reason=%r", str(error))
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{error}; the tenants in force stay")
+        logger.info("event=tenants_reload_requested peer=%s", context.peer())
+        return tenants_report(self.engine)
+
+    async def GetTenants(
+        self, request: admin_pb2.GetTenantsRequest, context: grpc.aio.ServicerContext
+    ) -> admin_pb2.TenantsReport:
+        return tenants_report(self.engine)
+
+
+def tenants_report(engine: Engine) -> admin_pb2.TenantsReport:
+    """Configured tenants first, then the others seen, each with its limits and usage now."""
+    quotas = engine.quotas
+    table = quotas.table
+    now = quotas.clock()
+    names = [*sorted(table.tenants), *sorted(set(quotas.books) - set(table.tenants))]
+    report = admin_pb2.TenantsReport(source=str(table.source) if table.source else "")
+    for name in names:
+        limits = table.limits(name)
+        status = report.tenants.add(
+            name=name,
+            weight=limits.weight,
+            max_running=limits.max_running or 0,
+            tokens_per_minute=limits.tokens_per_minute or 0,
+            served_tokens_per_weight=engine.share.counter(name),
+            configured=name in table.tenants,
+        )
+        if limits.max_waiting is not None:
+            status.max_waiting = limits.max_waiting
+        books = quotas.books.get(name)
+        if books is not None:
+            books.expire(now)
+            status.num_running, status.num_waiting = len(books.placed), len(books.held)
+            status.tokens_last_minute = books.asked_tokens
+    return report
+
+
 def _to_proto(knobs: SchedulingKnobs) -> admin_pb2.SchedulingConfig:
     return admin_pb2.SchedulingConfig(
         policy=knobs.policy.value,

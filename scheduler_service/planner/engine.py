@@ -20,7 +20,14 @@ import numpy as np
 from protos.splitserve.executor.v1 import executor_pb2
 from protos.splitserve.v1 import generation_pb2 as pb
 from scheduler_service.core.config import SchedulingKnobs
-from scheduler_service.core.errors import ErrorKind, RequestError, RequestRejected
+from scheduler_service.core.deadline_admission import DeadlineAdmission
+from scheduler_service.core.errors import (
+    AdmissionRefused,
+    ErrorKind,
+    RequestError,
+    RequestRejected,
+)
+from scheduler_service.core.fair_share import FairShare
 from scheduler_service.core.length_limits import (
     check_room_in_cache,
     check_room_under_model_length,
@@ -33,6 +40,8 @@ from scheduler_service.core.step_plan import (
     StepPlan,
     StepUpdates,
 )
+from scheduler_service.core.tenant_quotas import TenantQuotas
+from scheduler_service.core.tenants import TenantTable, load_tenants_file
 from scheduler_service.frontend.draining import refuse_when_draining
 from scheduler_service.frontend.output_stream import OutputStream
 from scheduler_service.frontend.stream_backlog import BacklogLimits
@@ -106,6 +115,7 @@ class Engine:
         tracing: Tracing = NO_TRACING,
         step_trace: StepTrace | None = None,
         grammars: Grammars | None = None,
+        tenants: TenantTable | None = None,
     ) -> None:
         self.scheduler_id = scheduler_id
         self.text = text
@@ -147,6 +157,11 @@ class Engine:
         self.num_recomputed_tokens = 0
         # Requests moving between executors with their K/V (planner/kv_moves.py).
         self.moves = KvMoves(lambda: self.lanes.values(), self._place, metrics, step_trace)
+        # Tenants' quotas (and their requests held for a seat), the fair policy's books over
+        # every executor, and admission by deadline.
+        self.quotas = TenantQuotas(tenants if tenants is not None else TenantTable())
+        self.share = FairShare(lambda tenant: self.quotas.table.limits(tenant).weight)
+        self.deadlines = DeadlineAdmission()
 
     # ---- executors ---------------------------------------------------------------------------
 
@@ -309,8 +324,19 @@ class Engine:
             )
         if info is not None:
             self._constrain(request, info)
-        request.arrival_index = next(self._arrivals)
         request.arrival_time = request.arrival_time or time.monotonic()
+        intake = self._intake_lanes(request, serving) if serving else []
+        try:
+            index = self._choose(request, intake) if intake else 0
+            seated = self.quotas.admit(request)
+        except AdmissionRefused as refused:
+            self.metrics.request_refused(request.tenant, refused.reason)
+            logger.info(
+                "event=request_refused request_id=%s tenant=%s reason=%s retry_after_s=%.1f",
+                request.request_id, request.tenant, refused.reason, refused.retry_after_s or 0.0,
+            )
+            raise
+        request.arrival_index = next(self._arrivals)
         stream: RequestSink = (
             open_sink(request)
             if open_sink is not None
@@ -322,17 +348,35 @@ class Engine:
         request.output = stream
         if self.tracing.enabled:
             self.tracing.request_started(stream, trace_carrier or {})
-        if serving:
-            intake = self._intake_lanes(request, serving)
-            lane = intake[self._route(request, intake) or 0]
+        if seated and intake:
+            lane = intake[index]
             lane.scheduler.add_request(request)
             if self.step_trace is not None:
                 self.step_trace.request_added(lane.address, request, lane.scheduler)
             lane.wake.set()
-        else:
+        elif seated:
             # Executors were reached before, so one is expected back.
             self.unplaced.append(request)
+        # Else its tenant's max_running is reached: it waits in the tenant's queue (quotas)
+        # until one of the tenant's requests ends.
         return stream
+
+    def _choose(self, request: Request, intake: list[ExecutorLane]) -> int:
+        """The lane (by index) for a new request: the router's, unless its deadline is better
+        met elsewhere (deadline_admission); AdmissionRefused when met nowhere."""
+        candidates = [(lane.scheduler, lane.step_timer.seconds if lane.step_timer.ready else None) for lane in intake]
+        return self.deadlines.choose(request, candidates, self._route(request, intake) or 0, time.monotonic())
+
+    def reload_tenants(self) -> TenantTable:
+        """Reads --tenants-file again; ValueError (TenantsFileError) when the file is wrong,
+        LookupError when there is none. The new table applies to requests from now on."""
+        source = self.quotas.table.source
+        if source is None:
+            raise LookupError("this scheduler has no --tenants-file to reload")
+        table = load_tenants_file(source)
+        self.quotas.table = table
+        logger.info("event=tenants_reloaded source=%s tenants=%d", source, len(table.tenants))
+        return table
 
     def open_stream(self, request: Request, trace_carrier: Mapping[str, str] | None = None) -> OutputStream:
         """submit() with the request's client in this process (the client API's Generate)."""
@@ -357,7 +401,7 @@ class Engine:
             self._trace_ended(lane, request, "stop")
             lane.wake.set()
         else:
-            if not in_transit:
+            if not in_transit and request in self.unplaced:
                 self.unplaced.remove(request)
             request.finish_reason, request.stop_reason = FinishReason.STOP, stop_string
         self._close(request)
@@ -412,7 +456,7 @@ class Engine:
 
     @property
     def num_waiting(self) -> int:
-        return len(self.unplaced) + sum(
+        return len(self.unplaced) + self.quotas.num_held + sum(
             lane.scheduler.num_waiting for lane in self.lanes.values() if lane.scheduler
         )
 
@@ -678,8 +722,9 @@ class Engine:
             self._trace_ended(lane, request, "abort")
             lane.wake.set()
         else:
-            # Unplaced or in transit: no scheduler holds it, so nothing else is to free.
-            if not in_transit:
+            # Unplaced, held for its tenant's seat or in transit: no scheduler holds it, so
+            # nothing else is to free (a held one leaves the tenant's queue as it closes).
+            if not in_transit and request in self.unplaced:
                 self.unplaced.remove(request)
             request.finish_reason = FinishReason.ABORT
         if error is None:
@@ -700,25 +745,38 @@ class Engine:
         stream = _stream_of(request)
         if not stream.closed:
             stream.close(message)
-            self.metrics.request_finished(request)
+            self._ended(request)
             self.tracing.request_finished(stream)
 
     def _fail(self, request: Request, error: RequestError) -> None:
         stream = _stream_of(request)
         if not stream.closed:
             stream.fail(error)
-            self.metrics.request_finished(request)
+            self._ended(request)
             self.tracing.request_finished(stream)
+
+    def _ended(self, request: Request) -> None:
+        """A request's stream is over: its tenant's books, and the requests of that tenant held
+        for the seat it leaves."""
+        self.metrics.request_finished(request)
+        self.share.leave(request)
+        if request.finish_reason in (FinishReason.STOP, FinishReason.LENGTH):
+            self.deadlines.finished(request)
+        seated = self.quotas.ended(request)
+        if seated:
+            self._place(seated)
 
     def _every_request(self) -> list[Request]:
         placed = [r for lane in self.lanes.values() if lane.scheduler is not None for r in lane.scheduler.requests.values()]
-        return [*placed, *self.unplaced, *self.moves.in_transit]
+        return [*placed, *self.unplaced, *self.moves.in_transit, *self.quotas.held()]
 
     def _find(self, request_id: str) -> Request | None:
         for lane in self.lanes.values():
             if lane.scheduler is not None and request_id in lane.scheduler.requests:
                 return lane.scheduler.requests[request_id]
-        return next((r for r in [*self.unplaced, *self.moves.in_transit] if r.request_id == request_id), None)
+        return next(
+            (r for r in [*self.unplaced, *self.moves.in_transit, *self.quotas.held()] if r.request_id == request_id), None
+        )
 
     def _lane_of(self, request: Request) -> ExecutorLane | None:
         for lane in self.lanes.values():

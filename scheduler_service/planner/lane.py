@@ -23,9 +23,11 @@ from protos.executor_access import INSECURE_ACCESS
 from protos.splitserve.executor.v1 import executor_pb2
 from scheduler_service.core.audit import audit_executor
 from scheduler_service.core.config import SchedulerConfig
+from scheduler_service.core.fair_share import FairShare
 from scheduler_service.core.policy import Policy, StepMode
 from scheduler_service.core.scheduler import Scheduler
 from scheduler_service.core.step_plan import StepOutput, StepPlan, StepUpdates
+from scheduler_service.core.step_timer import StepTimer
 from scheduler_service.planner.executor_link import (
     ExecutorLink,
     ExecutorLost,
@@ -92,6 +94,9 @@ class LaneOptions:
 class LaneHooks(Protocol):
     """What a lane asks of the engine that owns it."""
 
+    # The fair policy's books, shared by every lane's scheduler.
+    share: FairShare
+
     def refusal(self, lane: ExecutorLane, info: executor_pb2.ExecutorInfo) -> str | None: ...
 
     def lane_up(self, lane: ExecutorLane) -> None: ...
@@ -142,6 +147,8 @@ class ExecutorLane:
         # executor at the same address is taken back.
         self.rejoin_after_drain = False
         self._step_times: deque[float] = deque(maxlen=STEP_TIME_WINDOW)
+        # The executor's step time by tokens, for deadline admission (core/ttft_forecast.py).
+        self.step_timer = StepTimer()
         # Steps with work this executor ran for us, over every connection.
         self.num_steps = 0
         self.audits = PendingAudits()
@@ -234,7 +241,7 @@ class ExecutorLane:
                     self.address,
                 )
             eos = frozenset(info.eos_token_ids) | self.extra_eos_token_ids
-            self.scheduler = Scheduler(self._config(info), eos)
+            self.scheduler = Scheduler(self._config(info), eos, share=self.hooks.share)
             if info.num_state_slots:
                 # Said once per connection: an operator wondering why this executor gets no
                 # prefix hits, or runs fewer requests than max_num_seqs, finds it here.
@@ -250,6 +257,7 @@ class ExecutorLane:
                     "on" if config.enable_prefix_caching else "off",
                 )
             self._step_times.clear()
+            self.step_timer = StepTimer()
             self._set_state(LaneState.UP, "")
             self.hooks.lane_up(self)
             return
@@ -260,8 +268,10 @@ class ExecutorLane:
     async def _drive(self) -> None:
         scheduler = self.scheduler
         assert scheduler is not None and self.info is not None
-        # (sent at, whether the plan had work) of each plan on the wire, oldest first.
-        in_flight: deque[tuple[float, bool]] = deque()
+        # (sent at, tokens it computes) of each plan on the wire, oldest first.
+        in_flight: deque[tuple[float, int]] = deque()
+        # When the executor last answered: a pipelined step starts when the one before it ends.
+        answered_at = 0.0
         heartbeat_s = min(HEARTBEAT_MAX_S, (self.info.lease_timeout_s or 30.0) / 3)
         while True:
             if self.state is LaneState.DRAINING and scheduler.load == 0 and not scheduler.num_exports and not in_flight:
@@ -297,9 +307,13 @@ class ExecutorLane:
                     await self._send(scheduler.schedule(), planned_at, in_flight)
                 continue
             result = await self.link.receive(self.step_deadline_s())
-            sent_at, had_work = in_flight.popleft()
-            self._step_times.append(time.monotonic() - sent_at)
-            self.num_steps += had_work
+            sent_at, tokens = in_flight.popleft()
+            now = time.monotonic()
+            self._step_times.append(now - sent_at)
+            if tokens:
+                self.num_steps += 1
+                self.step_timer.observe(tokens, now - max(sent_at, answered_at))
+            answered_at = now
             output = output_from_proto(result)
             updates = scheduler.update(output)
             # First, as the executor may be waiting for them to sample.
@@ -312,11 +326,11 @@ class ExecutorLane:
                 self.rejoin_after_drain = True
                 self.hooks.executor_draining(self)
 
-    async def _send(self, plan: StepPlan, planned_at: float, in_flight: deque[tuple[float, bool]]) -> None:
+    async def _send(self, plan: StepPlan, planned_at: float, in_flight: deque[tuple[float, int]]) -> None:
         assert self.scheduler is not None
         self.hooks.plan_sent(self, plan, planned_at)
         await self.link.send(plan_to_proto(plan, self.scheduler.eos_token_ids))
-        in_flight.append((time.monotonic(), plan.has_work))
+        in_flight.append((time.monotonic(), plan.num_scheduled_tokens))
 
     def _config(self, info: executor_pb2.ExecutorInfo) -> SchedulerConfig:
         options = self.options

@@ -12,6 +12,10 @@ from scheduler_service.core.request import Request
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 TOKEN_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 LENGTH_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000)
+# Tenants named in metric labels; later ones (x-splitserve-tenant takes any name) count as "other",
+# so a caller cannot grow the scrape without bound.
+MAX_TENANT_LABELS = 100
+OTHER_TENANTS = "other"
 # Executor states as ExecutorStatus names them, one series each.
 EXECUTOR_STATES = ("connecting", "up", "draining", "drained", "refused", "down")
 
@@ -117,6 +121,43 @@ class SchedulerMetrics:
         # Each executor's children of the two gauges above, set after every step it takes:
         # labels() takes a lock and builds its key on every call.
         self._executor_gauges: dict[str, tuple[Gauge, Gauge]] = {}
+        self.tenant_prompt_tokens = Counter(
+            "splitserve:tenant_prompt_tokens",
+            "Prompt tokens computed (not found in the prefix cache) for each tenant's finished requests.",
+            ["tenant"], registry=r,
+        )
+        self.tenant_generation_tokens = Counter(
+            "splitserve:tenant_generation_tokens", "Tokens generated for each tenant's finished requests.",
+            ["tenant"], registry=r,
+        )
+        self.tenant_queue_time = Histogram(
+            "splitserve:tenant_request_queue_time_seconds", "Arrival to first admission, by tenant.",
+            ["tenant"], buckets=LATENCY_BUCKETS, registry=r,
+        )
+        self.tenant_slo = Counter(
+            "splitserve:tenant_slo",
+            "Finished requests that carried a target, by tenant, target (ttft: ttft_deadline_ms, "
+            "tpot: tpot_target_ms) and outcome (met, missed).",
+            ["tenant", "slo", "outcome"], registry=r,
+        )
+        self.tenant_refused = Counter(
+            "splitserve:tenant_requests_refused",
+            "Requests refused at arrival, by tenant and reason (max_waiting, tokens_per_minute, "
+            "deadline, tpot).",
+            ["tenant", "reason"], registry=r,
+        )
+        self._tenant_labels: set[str] = set()
+
+    def tenant_label(self, tenant: str) -> str:
+        if tenant in self._tenant_labels:
+            return tenant
+        if len(self._tenant_labels) >= MAX_TENANT_LABELS:
+            return OTHER_TENANTS
+        self._tenant_labels.add(tenant)
+        return tenant
+
+    def request_refused(self, tenant: str, reason: str) -> None:
+        self.tenant_refused.labels(self.tenant_label(tenant), reason).inc()
 
     def request_finished(self, request: Request) -> None:
         reason = request.finish_reason.value if request.finish_reason else "abort"
@@ -133,6 +174,21 @@ class SchedulerMetrics:
             self.ttft.observe(request.first_token_time - arrival)
         if request.finish_time is not None:
             self.e2e.observe(request.finish_time - arrival)
+        self._tenant_finished(request)
+
+    def _tenant_finished(self, request: Request) -> None:
+        tenant = self.tenant_label(request.tenant)
+        self.tenant_prompt_tokens.labels(tenant).inc(max(0, request.num_prompt_tokens - request.num_cached_tokens))
+        self.tenant_generation_tokens.labels(tenant).inc(request.num_output_tokens)
+        arrival, first = request.arrival_time, request.first_token_time
+        if request.first_scheduled_time is not None:
+            self.tenant_queue_time.labels(tenant).observe(request.first_scheduled_time - arrival)
+        if request.ttft_deadline_s:
+            met = first is not None and first - arrival <= request.ttft_deadline_s
+            self.tenant_slo.labels(tenant, "ttft", "met" if met else "missed").inc()
+        if request.tpot_target_s and first is not None and request.finish_time is not None and request.num_output_tokens > 1:
+            per_token = (request.finish_time - first) / (request.num_output_tokens - 1)
+            self.tenant_slo.labels(tenant, "tpot", "met" if per_token <= request.tpot_target_s else "missed").inc()
 
     def executor_stepped(self, address: str, num_requests: int, kv_usage: float) -> None:
         gauges = self._executor_gauges.get(address)

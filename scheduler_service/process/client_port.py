@@ -21,6 +21,7 @@ from scheduler_service.frontend.backend import Backend
 from scheduler_service.frontend.message_parsing import MessageParsingInterceptor
 from scheduler_service.frontend.request_intake import PARSED_BY_INTAKE, Intake
 from scheduler_service.frontend.servicer import GenerationServicer
+from scheduler_service.frontend.tenant_of import TenantOf
 from scheduler_service.process.server_settings import ServerSettings
 
 logger = logging.getLogger(__name__)
@@ -69,7 +70,8 @@ def client_server(
     ]
     if settings.api_keys is not None or settings.admin_keys is not None:
         # First in the chain: an unauthenticated call is refused before its request is parsed.
-        interceptors.insert(0, ApiKeyInterceptor(settings.api_keys, settings.admin_keys))
+        client_keys = tuple(settings.api_keys) if settings.api_keys is not None else None
+        interceptors.insert(0, ApiKeyInterceptor(client_keys, settings.admin_keys))
     server = grpc.aio.server(
         interceptors=interceptors,
         options=[
@@ -93,7 +95,7 @@ def client_server(
             ("grpc.server_max_unrequested_time_in_server", UNTAKEN_CALL_LIMIT_S),
         ],
     )
-    generation_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(backend, intake), server)
+    generation_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(backend, intake, TenantOf(settings.api_keys)), server)
     admin_pb2_grpc.add_AdminServicer_to_server(admin, server)
     health_pb2_grpc.add_HealthServicer_to_server(health_reporter.servicer, server)
     reflection.enable_server_reflection(

@@ -86,7 +86,8 @@ async def serve_planner(settings: ServerSettings, options: PlannerOptions, hooks
     link_factory = functools.partial(ExecutorLink, tls=settings.executor_tls, token=settings.executor_token)
     step_trace = StepTrace(settings.trace_dir) if settings.trace_dir is not None else None
     engine = Engine(
-        "", settings.text, settings.options, metrics, report_serving, link_factory, settings.tracing, step_trace
+        "", settings.text, settings.options, metrics, report_serving, link_factory, settings.tracing, step_trace,
+        tenants=settings.tenants,
     )
     engine.queue_before_first_executor = True
     servicer = PlannerServicer(engine)

@@ -55,7 +55,7 @@ async def serve(settings: ServerSettings) -> int:
     grammars = Grammars(settings.text)
     engine = Engine(
         "", settings.text, settings.options, metrics, report_serving, link_factory, settings.tracing,
-        step_trace, grammars,
+        step_trace, grammars, settings.tenants,
     )
     intake = Intake(settings.text, settings.limits, settings.sampling_defaults, grammars)
     receive_limit = settings.limits.receive_limit_bytes()

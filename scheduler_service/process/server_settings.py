@@ -1,10 +1,12 @@
 """Everything a scheduler process is started with, whatever its role (all-in-one, planner or
 front-end): each role reads the fields it uses."""
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from scheduler_service.core.sampling_params import SamplingDefaults
+from scheduler_service.core.tenants import TenantTable
 from scheduler_service.frontend.intake_limits import IntakeLimits
 from scheduler_service.frontend.tracing import NO_TRACING, Tracing
 from scheduler_service.planner.discovery import DEFAULT_RESOLVE_INTERVAL_S
@@ -32,8 +34,9 @@ class ServerSettings:
     sampling_defaults: SamplingDefaults = field(default_factory=SamplingDefaults)
     # TLS on the client API.
     tls: ServerTls | None = None
-    # Bearer tokens a client must present (None: no token needed).
-    api_keys: tuple[bytes, ...] | None = None
+    # Bearer tokens a client must present, each with its tenant (frontend/api_keys.py
+    # load_key_tenants; None: no token needed).
+    api_keys: Mapping[bytes, str] | None = None
     # Bearer tokens the Admin service takes instead (None: Admin is closed if api_keys are set).
     admin_keys: tuple[bytes, ...] | None = None
     # TLS to the executors (mutual when it holds a certificate).
@@ -48,3 +51,5 @@ class ServerSettings:
     tracing: Tracing = NO_TRACING
     # Where the step trace goes (planner/step_trace.py); None keeps it off.
     trace_dir: Path | None = None
+    # Tenants' weights and quotas (--tenants-file; core/tenants.py).
+    tenants: TenantTable = field(default_factory=TenantTable)

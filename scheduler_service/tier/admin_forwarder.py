@@ -50,6 +50,14 @@ class AdminForwarder(admin_pb2_grpc.AdminServicer):
     ) -> admin_pb2.SchedulingConfig:
         return await self._forward(lambda stub: stub.GetSchedulingConfig, request, context)
 
+    async def ReloadTenants(
+        self, request: admin_pb2.ReloadTenantsRequest, context: grpc.aio.ServicerContext
+    ) -> admin_pb2.TenantsReport:
+        return await self._forward(lambda stub: stub.ReloadTenants, request, context)
+
+    async def GetTenants(self, request: admin_pb2.GetTenantsRequest, context: grpc.aio.ServicerContext) -> admin_pb2.TenantsReport:
+        return await self._forward(lambda stub: stub.GetTenants, request, context)
+
     async def UpdateSchedulingConfig(
         self, request: admin_pb2.UpdateSchedulingConfigRequest, context: grpc.aio.ServicerContext
     ) -> admin_pb2.SchedulingConfig:

@@ -109,7 +109,12 @@ class FrontendLink:
     def failed(self, handle: int, error: RequestError) -> None:
         self.requests.pop(handle, None)
         self._gather().failed.append(
-            planner_pb2.FailedRequest(handle=handle, code=STATUS_CODES[error.kind].value[0], message=error.message)
+            planner_pb2.FailedRequest(
+                handle=handle,
+                code=STATUS_CODES[error.kind].value[0],
+                message=error.message,
+                retry_after_s=error.retry_after_s or 0.0,
+            )
         )
 
     def status(self, status: planner_pb2.PlannerStatus) -> None:

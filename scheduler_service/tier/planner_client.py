@@ -229,7 +229,8 @@ class PlannerClient:
             if entry is None:
                 continue
             self._handles_by_id.pop(entry.request.request_id, None)
-            entry.stream.fail(RequestError(KINDS_BY_CODE.get(failed.code, ErrorKind.INTERNAL), failed.message))
+            kind = KINDS_BY_CODE.get(failed.code, ErrorKind.INTERNAL)
+            entry.stream.fail(RequestError(kind, failed.message, failed.retry_after_s or None))
         for handle, message in messages.items():
             entry = self._in_flight.get(handle)
             if entry is not None:

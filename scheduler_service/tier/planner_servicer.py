@@ -140,7 +140,7 @@ class PlannerServicer(planner_pb2_grpc.PlannerServicer):
                 link.failed(handle, RequestError(ErrorKind.INVALID, f"handle {handle} is 0 or already in flight on this stream"))
                 continue
             if isinstance(request, RequestRejected):
-                link.failed(handle, RequestError(request.kind, str(request)))
+                link.failed(handle, request.as_error())
                 continue
             try:
                 request.delivery_key = link.index << _HANDLE_BITS | handle
@@ -148,7 +148,7 @@ class PlannerServicer(planner_pb2_grpc.PlannerServicer):
                     request, dict(submitted.trace_context), lambda r, h=handle: RemoteSink(r, link, h)
                 )
             except RequestRejected as rejected:
-                link.failed(handle, RequestError(rejected.kind, str(rejected)))
+                link.failed(handle, rejected.as_error())
                 continue
             assert isinstance(sink, RemoteSink)
             link.requests[handle] = sink

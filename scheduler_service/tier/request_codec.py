@@ -8,6 +8,7 @@ from protos.splitserve.planner.v1 import planner_pb2
 from protos.splitserve.v1 import generation_pb2 as pb
 from scheduler_service.core.request import Request
 from scheduler_service.core.sampling_params import SamplingDefaults, SamplingParams
+from scheduler_service.core.tenants import DEFAULT_TENANT
 from scheduler_service.frontend.request_intake import sampling_from_proto
 from scheduler_service.structured.spec_codec import spec_to_proto
 
@@ -57,6 +58,9 @@ def submitted(request: Request, handle: int, num_planner_losses: int, trace_cont
         trace_context=trace_context,
         num_planner_losses=num_planner_losses,
         fork_of=request.fork_of,
+        tenant=request.tenant,
+        ttft_deadline_ms=round(request.ttft_deadline_s * 1000),
+        tpot_target_ms=round(request.tpot_target_s * 1000),
     )
 
 
@@ -73,4 +77,7 @@ def request_of(message: planner_pb2.SubmittedRequest) -> Request:
         arrival_time=time.monotonic() - message.received_ago_s,
         token_ids=[*prompt, *message.output_token_ids],
         fork_of=message.fork_of,
+        tenant=message.tenant or DEFAULT_TENANT,
+        ttft_deadline_s=message.ttft_deadline_ms / 1000,
+        tpot_target_s=message.tpot_target_ms / 1000,
     )

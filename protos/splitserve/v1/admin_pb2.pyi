@@ -70,3 +70,43 @@ class ExecutorAudit(_message.Message):
     skipped_reason: str
     mismatches: _containers.RepeatedScalarFieldContainer[str]
     def __init__(self, address: _Optional[str] = ..., audited: _Optional[bool] = ..., skipped_reason: _Optional[str] = ..., mismatches: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class ReloadTenantsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class GetTenantsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class TenantStatus(_message.Message):
+    __slots__ = ("name", "weight", "max_running", "max_waiting", "tokens_per_minute", "num_running", "num_waiting", "tokens_last_minute", "served_tokens_per_weight", "configured")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    MAX_RUNNING_FIELD_NUMBER: _ClassVar[int]
+    MAX_WAITING_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_PER_MINUTE_FIELD_NUMBER: _ClassVar[int]
+    NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
+    NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_LAST_MINUTE_FIELD_NUMBER: _ClassVar[int]
+    SERVED_TOKENS_PER_WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    CONFIGURED_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    weight: float
+    max_running: int
+    max_waiting: int
+    tokens_per_minute: int
+    num_running: int
+    num_waiting: int
+    tokens_last_minute: int
+    served_tokens_per_weight: float
+    configured: bool
+    def __init__(self, name: _Optional[str] = ..., weight: _Optional[float] = ..., max_running: _Optional[int] = ..., max_waiting: _Optional[int] = ..., tokens_per_minute: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., tokens_last_minute: _Optional[int] = ..., served_tokens_per_weight: _Optional[float] = ..., configured: _Optional[bool] = ...) -> None: ...
+
+class TenantsReport(_message.Message):
+    __slots__ = ("tenants", "source")
+    TENANTS_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    tenants: _containers.RepeatedCompositeFieldContainer[TenantStatus]
+    source: str
+    def __init__(self, tenants: _Optional[_Iterable[_Union[TenantStatus, _Mapping]]] = ..., source: _Optional[str] = ...) -> None: ...

@@ -61,6 +61,16 @@ class AdminStub:
                 request_serializer=protos_dot_splitserve_dot_v1_dot_admin__pb2.AuditRequest.SerializeToString,
                 response_deserializer=protos_dot_splitserve_dot_v1_dot_admin__pb2.AuditReport.FromString,
                 _registered_method=True)
+        self.ReloadTenants = channel.unary_unary(
+                '/splitserve.v1.Admin/ReloadTenants',
+                request_serializer=protos_dot_splitserve_dot_v1_dot_admin__pb2.ReloadTenantsRequest.SerializeToString,
+                response_deserializer=protos_dot_splitserve_dot_v1_dot_admin__pb2.TenantsReport.FromString,
+                _registered_method=True)
+        self.GetTenants = channel.unary_unary(
+                '/splitserve.v1.Admin/GetTenants',
+                request_serializer=protos_dot_splitserve_dot_v1_dot_admin__pb2.GetTenantsRequest.SerializeToString,
+                response_deserializer=protos_dot_splitserve_dot_v1_dot_admin__pb2.TenantsReport.FromString,
+                _registered_method=True)
 
 
 class AdminServicer:
@@ -111,6 +121,24 @@ class AdminServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReloadTenants(self, request, context):
+        """Reads --tenants-file again and applies it to requests from now on: weights, quotas, tenants
+        added or removed (a removed tenant's requests in flight run on under the defaults). The
+        fair-share counters and the requests in flight are kept. Errors: FAILED_PRECONDITION (the
+        scheduler has no --tenants-file), INVALID_ARGUMENT (the file is wrong; the tenants in force
+        stay, and the message says what is wrong).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetTenants(self, request, context):
+        """Every tenant configured or seen since start, with its limits and what it uses now.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AdminServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -138,6 +166,16 @@ def add_AdminServicer_to_server(servicer, server):
                     servicer.Audit,
                     request_deserializer=protos_dot_splitserve_dot_v1_dot_admin__pb2.AuditRequest.FromString,
                     response_serializer=protos_dot_splitserve_dot_v1_dot_admin__pb2.AuditReport.SerializeToString,
+            ),
+            'ReloadTenants': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReloadTenants,
+                    request_deserializer=protos_dot_splitserve_dot_v1_dot_admin__pb2.ReloadTenantsRequest.FromString,
+                    response_serializer=protos_dot_splitserve_dot_v1_dot_admin__pb2.TenantsReport.SerializeToString,
+            ),
+            'GetTenants': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetTenants,
+                    request_deserializer=protos_dot_splitserve_dot_v1_dot_admin__pb2.GetTenantsRequest.FromString,
+                    response_serializer=protos_dot_splitserve_dot_v1_dot_admin__pb2.TenantsReport.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -276,6 +314,60 @@ class Admin:
             '/splitserve.v1.Admin/Audit',
             protos_dot_splitserve_dot_v1_dot_admin__pb2.AuditRequest.SerializeToString,
             protos_dot_splitserve_dot_v1_dot_admin__pb2.AuditReport.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReloadTenants(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/splitserve.v1.Admin/ReloadTenants',
+            protos_dot_splitserve_dot_v1_dot_admin__pb2.ReloadTenantsRequest.SerializeToString,
+            protos_dot_splitserve_dot_v1_dot_admin__pb2.TenantsReport.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetTenants(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/splitserve.v1.Admin/GetTenants',
+            protos_dot_splitserve_dot_v1_dot_admin__pb2.GetTenantsRequest.SerializeToString,
+            protos_dot_splitserve_dot_v1_dot_admin__pb2.TenantsReport.FromString,
             options,
             channel_credentials,
             insecure,

@@ -26,7 +26,7 @@ from protos.splitserve.executor.v1 import executor_pb2 as protos_dot_splitserve_
 from protos.splitserve.v1 import generation_pb2 as protos_dot_splitserve_dot_v1_dot_generation__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n*protos/splitserve/planner/v1/planner.proto\x12\x15splitserve.planner.v1\x1a,protos/splitserve/executor/v1/executor.proto\x1a%protos/splitserve/v1/generation.proto\"\x1c\n\x05Hello\x12\x13\n\x0b\x66rontend_id\x18\x01 \x01(\t\"\x95\x03\n\x10SubmittedRequest\x12\x0e\n\x06handle\x18\x01 \x01(\r\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x1c\n\x10prompt_token_ids\x18\x03 \x03(\rB\x02\x10\x01\x12\x1c\n\x10output_token_ids\x18\x04 \x03(\rB\x02\x10\x01\x12/\n\x08sampling\x18\x05 \x01(\x0b\x32\x1d.splitserve.v1.SamplingParams\x12\x10\n\x08priority\x18\x06 \x01(\x05\x12\x12\n\ncache_salt\x18\x07 \x01(\x0c\x12\x16\n\x0ereceived_ago_s\x18\x08 \x01(\x01\x12P\n\rtrace_context\x18\t \x03(\x0b\x32\x39.splitserve.planner.v1.SubmittedRequest.TraceContextEntry\x12\x1a\n\x12num_planner_losses\x18\n \x01(\r\x12\x0f\n\x07\x66ork_of\x18\x0b \x01(\t\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"3\n\x0c\x45ndedRequest\x12\x0e\n\x06handle\x18\x01 \x01(\r\x12\x13\n\x0bstop_string\x18\x02 \x01(\t\"\xac\x01\n\rFrontendBatch\x12+\n\x05hello\x18\x01 \x01(\x0b\x32\x1c.splitserve.planner.v1.Hello\x12:\n\tsubmitted\x18\x02 \x03(\x0b\x32\'.splitserve.planner.v1.SubmittedRequest\x12\x32\n\x05\x65nded\x18\x03 \x03(\x0b\x32#.splitserve.planner.v1.EndedRequest\"\x8b\x01\n\rPlannerStatus\x12\x0f\n\x07serving\x18\x01 \x01(\x08\x12\x33\n\x05model\x18\x02 \x01(\x0b\x32$.splitserve.executor.v1.ExecutorInfo\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\x12\n\nplanner_id\x18\x04 \x01(\t\x12\x10\n\x08\x64raining\x18\x05 \x01(\x08\"\x83\x01\n\x0f\x46inishedRequest\x12\x0e\n\x06handle\x18\x01 \x01(\r\x12\x32\n\rfinish_reason\x18\x02 \x01(\x0e\x32\x1b.splitserve.v1.FinishReason\x12\x17\n\x0fnum_preemptions\x18\x03 \x01(\r\x12\x13\n\x0bstop_reason\x18\x04 \x01(\t\">\n\rFailedRequest\x12\x0e\n\x06handle\x18\x01 \x01(\r\x12\x0c\n\x04\x63ode\x18\x02 \x01(\r\x12\x0f\n\x07message\x18\x03 \x01(\t\"Y\n\x0fRequestLogprobs\x12\x0e\n\x06handle\x18\x01 \x01(\r\x12\x36\n\x08logprobs\x18\x02 \x03(\x0b\x32$.splitserve.executor.v1.TokenLogprob\"\xf8\x02\n\x0cPlannerBatch\x12\x13\n\x07handles\x18\x01 \x03(\rB\x02\x10\x01\x12\x16\n\nnum_tokens\x18\x02 \x03(\rB\x02\x10\x01\x12\x15\n\ttoken_ids\x18\x03 \x03(\rB\x02\x10\x01\x12\x38\n\x08logprobs\x18\x04 \x03(\x0b\x32&.splitserve.planner.v1.RequestLogprobs\x12\x13\n\x07started\x18\x05 \x03(\rB\x02\x10\x01\x12\x14\n\x08queued_s\x18\x06 \x03(\x01\x42\x02\x10\x01\x12\x19\n\rcached_tokens\x18\n \x03(\rB\x02\x10\x01\x12\x38\n\x08\x66inished\x18\x07 \x03(\x0b\x32&.splitserve.planner.v1.FinishedRequest\x12\x34\n\x06\x66\x61iled\x18\x08 \x03(\x0b\x32$.splitserve.planner.v1.FailedRequest\x12\x34\n\x06status\x18\t \x01(\x0b\x32$.splitserve.planner.v1.PlannerStatus2\xfe\x01\n\x07Planner\x12X\n\x07\x43onnect\x12$.splitserve.planner.v1.FrontendBatch\x1a#.splitserve.planner.v1.PlannerBatch(\x01\x30\x01\x12U\n\x0fGetServerStatus\x12%.splitserve.v1.GetServerStatusRequest\x1a\x1b.splitserve.v1.ServerStatus\x12\x42\n\x05\x41\x62ort\x12\x1b.splitserve.v1.AbortRequest\x1a\x1c.splitserve.v1.AbortResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n*protos/splitserve/planner/v1/planner.proto\x12\x15splitserve.planner.v1\x1a,protos/splitserve/executor/v1/executor.proto\x1a%protos/splitserve/v1/generation.proto\"\x1c\n\x05Hello\x12\x13\n\x0b\x66rontend_id\x18\x01 \x01(\t\"\xd7\x03\n\x10SubmittedRequest\x12\x0e\n\x06handle\x18\x01 \x01(\r\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x1c\n\x10prompt_token_ids\x18\x03 \x03(\rB\x02\x10\x01\x12\x1c\n\x10output_token_ids\x18\x04 \x03(\rB\x02\x10\x01\x12/\n\x08sampling\x18\x05 \x01(\x0b\x32\x1d.splitserve.v1.SamplingParams\x12\x10\n\x08priority\x18\x06 \x01(\x05\x12\x12\n\ncache_salt\x18\x07 \x01(\x0c\x12\x16\n\x0ereceived_ago_s\x18\x08 \x01(\x01\x12P\n\rtrace_context\x18\t \x03(\x0b\x32\x39.splitserve.planner.v1.SubmittedRequest.TraceContextEntry\x12\x1a\n\x12num_planner_losses\x18\n \x01(\r\x12\x0f\n\x07\x66ork_of\x18\x0b \x01(\t\x12\x0e\n\x06tenant\x18\x0c \x01(\t\x12\x18\n\x10ttft_deadline_ms\x18\r \x01(\r\x12\x16\n\x0etpot_target_ms\x18\x0e \x01(\r\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"3\n\x0c\x45ndedRequest\x12\x0e\n\x06handle\x18\x01 \x01(\r\x12\x13\n\x0bstop_string\x18\x02 \x01(\t\"\xac\x01\n\rFrontendBatch\x12+\n\x05hello\x18\x01 \x01(\x0b\x32\x1c.splitserve.planner.v1.Hello\x12:\n\tsubmitted\x18\x02 \x03(\x0b\x32\'.splitserve.planner.v1.SubmittedRequest\x12\x32\n\x05\x65nded\x18\x03 \x03(\x0b\x32#.splitserve.planner.v1.EndedRequest\"\x8b\x01\n\rPlannerStatus\x12\x0f\n\x07serving\x18\x01 \x01(\x08\x12\x33\n\x05model\x18\x02 \x01(\x0b\x32$.splitserve.executor.v1.ExecutorInfo\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\x12\n\nplanner_id\x18\x04 \x01(\t\x12\x10\n\x08\x64raining\x18\x05 \x01(\x08\"\x83\x01\n\x0f\x46inishedRequest\x12\x0e\n\x06handle\x18\x01 \x01(\r\x12\x32\n\rfinish_reason\x18\x02 \x01(\x0e\x32\x1b.splitserve.v1.FinishReason\x12\x17\n\x0fnum_preemptions\x18\x03 \x01(\r\x12\x13\n\x0bstop_reason\x18\x04 \x01(\t\"U\n\rFailedRequest\x12\x0e\n\x06handle\x18\x01 \x01(\r\x12\x0c\n\x04\x63ode\x18\x02 \x01(\r\x12\x0f\n\x07message\x18\x03 \x01(\t\x12\x15\n\rretry_after_s\x18\x04 \x01(\x01\"Y\n\x0fRequestLogprobs\x12\x0e\n\x06handle\x18\x01 \x01(\r\x12\x36\n\x08logprobs\x18\x02 \x03(\x0b\x32$.splitserve.executor.v1.TokenLogprob\"\xf8\x02\n\x0cPlannerBatch\x12\x13\n\x07handles\x18\x01 \x03(\rB\x02\x10\x01\x12\x16\n\nnum_tokens\x18\x02 \x03(\rB\x02\x10\x01\x12\x15\n\ttoken_ids\x18\x03 \x03(\rB\x02\x10\x01\x12\x38\n\x08logprobs\x18\x04 \x03(\x0b\x32&.splitserve.planner.v1.RequestLogprobs\x12\x13\n\x07started\x18\x05 \x03(\rB\x02\x10\x01\x12\x14\n\x08queued_s\x18\x06 \x03(\x01\x42\x02\x10\x01\x12\x19\n\rcached_tokens\x18\n \x03(\rB\x02\x10\x01\x12\x38\n\x08\x66inished\x18\x07 \x03(\x0b\x32&.splitserve.planner.v1.FinishedRequest\x12\x34\n\x06\x66\x61iled\x18\x08 \x03(\x0b\x32$.splitserve.planner.v1.FailedRequest\x12\x34\n\x06status\x18\t \x01(\x0b\x32$.splitserve.planner.v1.PlannerStatus2\xfe\x01\n\x07Planner\x12X\n\x07\x43onnect\x12$.splitserve.planner.v1.FrontendBatch\x1a#.splitserve.planner.v1.PlannerBatch(\x01\x30\x01\x12U\n\x0fGetServerStatus\x12%.splitserve.v1.GetServerStatusRequest\x1a\x1b.splitserve.v1.ServerStatus\x12\x42\n\x05\x41\x62ort\x12\x1b.splitserve.v1.AbortRequest\x1a\x1c.splitserve.v1.AbortResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -54,23 +54,23 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_HELLO']._serialized_start=154
   _globals['_HELLO']._serialized_end=182
   _globals['_SUBMITTEDREQUEST']._serialized_start=185
-  _globals['_SUBMITTEDREQUEST']._serialized_end=590
-  _globals['_SUBMITTEDREQUEST_TRACECONTEXTENTRY']._serialized_start=539
-  _globals['_SUBMITTEDREQUEST_TRACECONTEXTENTRY']._serialized_end=590
-  _globals['_ENDEDREQUEST']._serialized_start=592
-  _globals['_ENDEDREQUEST']._serialized_end=643
-  _globals['_FRONTENDBATCH']._serialized_start=646
-  _globals['_FRONTENDBATCH']._serialized_end=818
-  _globals['_PLANNERSTATUS']._serialized_start=821
-  _globals['_PLANNERSTATUS']._serialized_end=960
-  _globals['_FINISHEDREQUEST']._serialized_start=963
-  _globals['_FINISHEDREQUEST']._serialized_end=1094
-  _globals['_FAILEDREQUEST']._serialized_start=1096
-  _globals['_FAILEDREQUEST']._serialized_end=1158
-  _globals['_REQUESTLOGPROBS']._serialized_start=1160
-  _globals['_REQUESTLOGPROBS']._serialized_end=1249
-  _globals['_PLANNERBATCH']._serialized_start=1252
-  _globals['_PLANNERBATCH']._serialized_end=1628
-  _globals['_PLANNER']._serialized_start=1631
-  _globals['_PLANNER']._serialized_end=1885
+  _globals['_SUBMITTEDREQUEST']._serialized_end=656
+  _globals['_SUBMITTEDREQUEST_TRACECONTEXTENTRY']._serialized_start=605
+  _globals['_SUBMITTEDREQUEST_TRACECONTEXTENTRY']._serialized_end=656
+  _globals['_ENDEDREQUEST']._serialized_start=658
+  _globals['_ENDEDREQUEST']._serialized_end=709
+  _globals['_FRONTENDBATCH']._serialized_start=712
+  _globals['_FRONTENDBATCH']._serialized_end=884
+  _globals['_PLANNERSTATUS']._serialized_start=887
+  _globals['_PLANNERSTATUS']._serialized_end=1026
+  _globals['_FINISHEDREQUEST']._serialized_start=1029
+  _globals['_FINISHEDREQUEST']._serialized_end=1160
+  _globals['_FAILEDREQUEST']._serialized_start=1162
+  _globals['_FAILEDREQUEST']._serialized_end=1247
+  _globals['_REQUESTLOGPROBS']._serialized_start=1249
+  _globals['_REQUESTLOGPROBS']._serialized_end=1338
+  _globals['_PLANNERBATCH']._serialized_start=1341
+  _globals['_PLANNERBATCH']._serialized_end=1717
+  _globals['_PLANNER']._serialized_start=1720
+  _globals['_PLANNER']._serialized_end=1974
 # @@protoc_insertion_point(module_scope)

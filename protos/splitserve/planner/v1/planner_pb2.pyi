@@ -15,7 +15,7 @@ class Hello(_message.Message):
     def __init__(self, frontend_id: _Optional[str] = ...) -> None: ...
 
 class SubmittedRequest(_message.Message):
-    __slots__ = ("handle", "request_id", "prompt_token_ids", "output_token_ids", "sampling", "priority", "cache_salt", "received_ago_s", "trace_context", "num_planner_losses", "fork_of")
+    __slots__ = ("handle", "request_id", "prompt_token_ids", "output_token_ids", "sampling", "priority", "cache_salt", "received_ago_s", "trace_context", "num_planner_losses", "fork_of", "tenant", "ttft_deadline_ms", "tpot_target_ms")
     class TraceContextEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -34,6 +34,9 @@ class SubmittedRequest(_message.Message):
     TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
     NUM_PLANNER_LOSSES_FIELD_NUMBER: _ClassVar[int]
     FORK_OF_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    TTFT_DEADLINE_MS_FIELD_NUMBER: _ClassVar[int]
+    TPOT_TARGET_MS_FIELD_NUMBER: _ClassVar[int]
     handle: int
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -45,7 +48,10 @@ class SubmittedRequest(_message.Message):
     trace_context: _containers.ScalarMap[str, str]
     num_planner_losses: int
     fork_of: str
-    def __init__(self, handle: _Optional[int] = ..., request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_generation_pb2.SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., cache_salt: _Optional[bytes] = ..., received_ago_s: _Optional[float] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., num_planner_losses: _Optional[int] = ..., fork_of: _Optional[str] = ...) -> None: ...
+    tenant: str
+    ttft_deadline_ms: int
+    tpot_target_ms: int
+    def __init__(self, handle: _Optional[int] = ..., request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_generation_pb2.SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., cache_salt: _Optional[bytes] = ..., received_ago_s: _Optional[float] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., num_planner_losses: _Optional[int] = ..., fork_of: _Optional[str] = ..., tenant: _Optional[str] = ..., ttft_deadline_ms: _Optional[int] = ..., tpot_target_ms: _Optional[int] = ...) -> None: ...
 
 class EndedRequest(_message.Message):
     __slots__ = ("handle", "stop_string")
@@ -92,14 +98,16 @@ class FinishedRequest(_message.Message):
     def __init__(self, handle: _Optional[int] = ..., finish_reason: _Optional[_Union[_generation_pb2.FinishReason, str]] = ..., num_preemptions: _Optional[int] = ..., stop_reason: _Optional[str] = ...) -> None: ...
 
 class FailedRequest(_message.Message):
-    __slots__ = ("handle", "code", "message")
+    __slots__ = ("handle", "code", "message", "retry_after_s")
     HANDLE_FIELD_NUMBER: _ClassVar[int]
     CODE_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    RETRY_AFTER_S_FIELD_NUMBER: _ClassVar[int]
     handle: int
     code: int
     message: str
-    def __init__(self, handle: _Optional[int] = ..., code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
+    retry_after_s: float
+    def __init__(self, handle: _Optional[int] = ..., code: _Optional[int] = ..., message: _Optional[str] = ..., retry_after_s: _Optional[float] = ...) -> None: ...
 
 class RequestLogprobs(_message.Message):
     __slots__ = ("handle", "logprobs")
