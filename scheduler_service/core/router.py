@@ -17,6 +17,12 @@ The highest score wins; ties go to the executor with the most free blocks, then 
 the fewest blocks (so unrelated prefixes spread out), then the first listed. An executor whose
 KV cache could never hold the request is not a candidate.
 
+Under a policy where priority preempts (priority, fair), an executor where the request would
+start at once comes before every other, whatever the scores: one with a seat to spare, or one
+running a request it preempts (policy.preempts). A high-priority request arriving at a fleet
+whose batches are full thus goes where it can take a lower-priority request's place, not where
+the batch is full of its equals.
+
 A sibling choice of a prompt (Request.fork_of) goes where its first choice is, whatever the
 scores, when it would fork there from that prompt's computation instead of repeating it
 (Scheduler.may_fork); else, as after its executor was lost, it is routed like any request.
@@ -25,6 +31,7 @@ scores, when it would fork there from that prompt's computation instead of repea
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from scheduler_service.core.policy import Policy, preempts
 from scheduler_service.core.request import Request
 from scheduler_service.core.scheduler import Scheduler
 
@@ -46,7 +53,7 @@ def route(
     tokens_per_request: int = DEFAULT_TOKENS_PER_REQUEST,
 ) -> RouteChoice | None:
     """The candidate to place the request on (by index), or None when none can hold it."""
-    best: tuple[int, int, int, int] | None = None
+    best: tuple[bool, int, int, int, int] | None = None
     choice: RouteChoice | None = None
     for index, scheduler in enumerate(candidates):
         if request.num_tokens >= scheduler.config.max_seq_len:
@@ -57,7 +64,16 @@ def route(
         affinity = scheduler.affinity(request)
         score = affinity - tokens_per_request * scheduler.load
         kv = scheduler.kv
-        key = (score, kv.num_free_blocks, -kv.num_cached_blocks, -index)
+        key = (_starts_at_once(request, scheduler), score, kv.num_free_blocks, -kv.num_cached_blocks, -index)
         if best is None or key > best:
             best, choice = key, RouteChoice(index, affinity, score)
     return choice
+
+
+def _starts_at_once(request: Request, scheduler: Scheduler) -> bool:
+    """Whether the request would start at the next step there, under a policy where priority
+    preempts (True for every executor under FCFS, which leaves the choice to the scores)."""
+    config = scheduler.config
+    if config.policy is Policy.FCFS or len(scheduler.running) + scheduler.num_waiting < config.max_num_seqs:
+        return True
+    return any(not r.moving and preempts(request, r, config.policy, scheduler.share) for r in scheduler.running)

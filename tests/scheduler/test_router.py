@@ -4,6 +4,7 @@ blocks), weighed against load; requests move between schedulers without losing t
 from __future__ import annotations
 
 from scheduler_service.core.config import SchedulerConfig
+from scheduler_service.core.policy import Policy
 from scheduler_service.core.request import Request, RequestStatus
 from scheduler_service.core.router import route
 from scheduler_service.core.sampling_params import SamplingParams
@@ -113,3 +114,23 @@ def test_a_sibling_choice_goes_where_its_first_choice_is_whatever_the_load_when_
     plain[1].add_request(request("busy", [7, 8, 9]))
     plain[1].add_request(request("a", [1, 2, 3, 4, 5]))
     assert route(sibling, plain, tokens_per_request=1000).index == 0
+
+
+def test_under_priority_a_request_goes_where_it_can_take_a_lower_priority_seat() -> None:
+    def full_lane(priority: int) -> Scheduler:
+        lane = Scheduler(
+            SchedulerConfig(num_kv_blocks=64, block_size=BLOCK, max_model_len=512, max_num_seqs=2, policy=Policy.PRIORITY)
+        )
+        for index in range(2):
+            lane.add_request(Request(f"p{priority}-{index}", [priority, index, 9], SamplingParams(max_tokens=50), priority=priority))
+        lane.schedule()
+        assert len(lane.running) == 2
+        return lane
+
+    # Lane 0 is full of requests as urgent as the newcomer, and holds its prefix; lane 1 runs
+    # requests it outranks.
+    lanes = [full_lane(0), full_lane(5)]
+    urgent = Request("urgent", [0, 0, 9], SamplingParams(max_tokens=4), priority=0)
+    assert route(urgent, lanes, tokens_per_request=0).index == 1
+    # One no more urgent than anyone running goes by the scores, as under FCFS.
+    assert route(Request("calm", [0, 0, 9], SamplingParams(max_tokens=4), priority=5), lanes, tokens_per_request=0).index == 0
