@@ -23,9 +23,11 @@ logger = logging.getLogger(__name__)
 
 
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
-    def __init__(self, engine: Backend, intake: Intake) -> None:
+    def __init__(self, engine: Backend, intake: Intake, tenant_of: TenantOf = TenantOf()) -> None:
         self.engine = engine
         self.intake = intake
+        # Whose request a call is (its API key's tenant, or x-splitserve-tenant).
+        self.tenant_of = tenant_of
 
     async def Generate(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
