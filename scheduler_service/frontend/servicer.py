@@ -16,6 +16,7 @@ from scheduler_service.frontend.draining import refuse_when_draining
 from scheduler_service.frontend.output_stream import OutputStream
 from scheduler_service.frontend.request_intake import Intake
 from scheduler_service.frontend.status_codes import STATUS_CODES, abort_call
+from scheduler_service.frontend.tenant_of import TenantOf
 from scheduler_service.frontend.tracing import TRACE_CONTEXT_KEYS
 
 logger = logging.getLogger(__name__)
