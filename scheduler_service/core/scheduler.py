@@ -632,7 +632,8 @@ class Scheduler(RequestMoves):
         the request outranks it (policy.preempts); False, changing nothing, when it does not.
         Requests with a part of their own in this plan, or leaving, are not taken."""
         policy = self.config.policy
-        if policy is Policy.FCFS:
+        # Cheap first: with every priority alike (the common case) no request preempts.
+        if policy is Policy.FCFS or not self.running or request.priority >= max(r.priority for r in self.running):
             return False
         candidates = [r for r in self.running if not r.moving and r not in scheduled]
         if not candidates:
