@@ -58,7 +58,8 @@ class AsyncClient(ChannelClient):
 
     Arguments as for clients.Client. Each call also takes `api_key`, which replaces the client's
     own for that call only, so one channel can serve callers with keys of their own (the
-    OpenAI-compatible gateway forwards each HTTP caller's bearer token this way).
+    OpenAI-compatible gateway forwards each HTTP caller's bearer token this way), and
+    generate()/stream() take `tenant` likewise.
     """
 
     _transport = grpc.aio

@@ -165,6 +165,8 @@ class GenerateCall:
     api_key: str | None = None
     trace_context: Mapping[str, str] | None = None
     want_prompt_logprobs: bool = False
+    # Replaces the client's tenant for this call only.
+    tenant: str | None = None
 
 
 def generate(
@@ -174,6 +176,7 @@ def generate(
     messages: Sequence[ChatMessage] | None = None,
     api_key: str | None = None,
     trace_context: Mapping[str, str] | None = None,
+    tenant: str | None = None,
     **options: Unpack[GenerateOptions],
 ) -> GenerateCall:
     """Starts one request; iterate the result for its output as it is generated.
@@ -181,7 +184,10 @@ def generate(
     Bad arguments raise ValueError here. Leaving the loop early cancels the call, so the server
     aborts the request and frees its memory: at once under `with` (`async with`), else when the
     stream is dropped. trace_context: W3C `traceparent` (and `tracestate`) sent with this call,
-    so a tracing server's spans continue the caller's trace.
+    so a tracing server's spans continue the caller's trace. tenant: whose request it is, in
+    place of the client's (see Client). A request the server refuses for now (over its tenant's
+    quota, or predicted to miss its ttft_deadline_ms or tpot_target_ms) raises SplitserveError
+    with code RESOURCE_EXHAUSTED and retry_after_s, the seconds the server asks it to wait.
     """
     request = build_generate_request(prompt, prompt_token_ids=prompt_token_ids, messages=messages, **options)
     return GenerateCall(
@@ -190,6 +196,7 @@ def generate(
         api_key=api_key,
         trace_context=trace_context,
         want_prompt_logprobs=options.get("prompt_logprobs") is not None,
+        tenant=tenant,
     )
 
 

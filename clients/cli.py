@@ -78,6 +78,23 @@ def build_parser(prog: str = "python -m clients") -> argparse.ArgumentParser:
         help="with --chat: functions the model may call, as OpenAI's tools list (JSON text); "
         "the answer is the model's own call text",
     )
+    generate.add_argument(
+        "--tenant",
+        help="whose request it is (x-splitserve-tenant); counts where the scheduler has no API keys "
+        "or the key is marked `*` in its key file, else the key's tenant applies",
+    )
+    generate.add_argument(
+        "--ttft-deadline-ms",
+        type=at_least(1),
+        metavar="MS",
+        help="most milliseconds to the first token; a scheduler that predicts a miss refuses at once",
+    )
+    generate.add_argument(
+        "--tpot-target-ms",
+        type=at_least(1),
+        metavar="MS",
+        help="mean milliseconds between tokens wanted; a scheduler that predicts a miss refuses at once",
+    )
     grammar = generate.add_mutually_exclusive_group()
     grammar.add_argument("--json-schema", metavar="SCHEMA", help="answer in JSON following this schema (JSON text)")
     grammar.add_argument("--json-object", action="store_true", help="answer with a JSON object")
@@ -227,11 +244,13 @@ def _generate(client: Client, args: argparse.Namespace) -> int:
         "stop": args.stop,
         "structured_output": _structured_output(args),
         "tools": args.tools,
+        "ttft_deadline_ms": args.ttft_deadline_ms,
+        "tpot_target_ms": args.tpot_target_ms,
     }
     prompt = {"messages": [("user", args.prompt)]} if args.chat else {"prompt": args.prompt}
     if args.n > 1:
-        return _print_choices(client.generate(**prompt, n=args.n, **options))
-    deltas = client.stream(**prompt, **options)
+        return _print_choices(client.generate(**prompt, n=args.n, tenant=args.tenant, **options))
+    deltas = client.stream(**prompt, tenant=args.tenant, **options)
     last = None
     for delta in deltas:
         sys.stdout.write(delta.text)

@@ -53,6 +53,8 @@ class GenerateOptions(TypedDict, total=False):
     priority: int
     request_id: str | None
     cache_salt: str | None
+    ttft_deadline_ms: int | None
+    tpot_target_ms: int | None
 
 
 def build_generate_request(
@@ -88,6 +90,8 @@ def build_generate_request(
     priority: int = 0,
     request_id: str | None = None,
     cache_salt: str | None = None,
+    ttft_deadline_ms: int | None = None,
+    tpot_target_ms: int | None = None,
 ) -> pb.GenerateRequest:
     """Builds a GenerateRequest; raises ValueError for a bad combination or value.
 
@@ -105,7 +109,10 @@ def build_generate_request(
     {"json_object": True}, {"regex": pattern}, {"choice": [strings]} or {"grammar": EBNF}.
     tools (OpenAI's: [{"type": "function", "function": {"name", "description", "parameters"}}])
     are rendered into a chat's prompt; the answer is text (the model's own call format), which a
-    structured_output can constrain to a call.
+    structured_output can constrain to a call. ttft_deadline_ms: most milliseconds from arrival
+    to the first token the caller accepts; tpot_target_ms: the mean milliseconds between tokens
+    it wants (None or 0: none). Under the priority and fair policies the server serves the
+    earliest deadline first; under any, it refuses at once a request it predicts to miss them.
     """
     prompts = {"prompt": prompt, "prompt_token_ids": prompt_token_ids, "messages": messages}
     given = [name for name, value in prompts.items() if value is not None]
@@ -118,6 +125,9 @@ def build_generate_request(
     _checked("priority", lambda v: setattr(request, "priority", v), priority)
     request.request_id = request_id or ""
     request.cache_salt = cache_salt or ""
+    for name, value in (("ttft_deadline_ms", ttft_deadline_ms), ("tpot_target_ms", tpot_target_ms)):
+        if value is not None:
+            _checked(name, lambda v, n=name: setattr(request, n, v), value)
     if prompt is not None:
         request.text = prompt
     elif prompt_token_ids is not None:

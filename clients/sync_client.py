@@ -69,9 +69,13 @@ class Client(ChannelClient):
         TLS. tls=True connects over TLS trusting the system's root certificates.
     credentials: any grpc.ChannelCredentials instead (not with root_certificates).
     metadata: (key, value) pairs sent with every call.
+    tenant: whose requests these are, sent as 'x-splitserve-tenant' metadata; a scheduler takes
+        it where it has no API keys (behind a gateway that authenticates) or for a key its key
+        file marks `*`, and otherwise counts each request for its key's tenant.
 
     Each call also takes `api_key`, which replaces the client's own for that call only, and
-    generate()/stream() take `trace_context` (W3C traceparent, tracestate) for that request.
+    generate()/stream() take `trace_context` (W3C traceparent, tracestate) and `tenant` for that
+    request. A request the server refuses for now raises SplitserveError with retry_after_s set.
     """
 
     _transport = grpc
