@@ -1,5 +1,6 @@
 """The FastAPI application: the OpenAI-compatible routes over one shared AsyncClient (one gRPC
-channel for every request; each call carries its caller's bearer token)."""
+channel for every request; each call carries its caller's bearer token, and the tenant its
+x-splitserve-tenant header names)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import APIRouter, FastAPI, Request
@@ -34,7 +36,13 @@ from clients.openai_gateway.schemas import (
     SamplingFields,
 )
 from clients.openai_gateway.served_model import ServedModel
-from clients.openai_gateway.state import ApiKey, Gateway, GatewayDep, GatewaySettings
+from clients.openai_gateway.state import (
+    ApiKey,
+    Gateway,
+    GatewayDep,
+    GatewaySettings,
+    Tenant,
+)
 from clients.openai_gateway.streaming import (
     ClientDisconnected,
     EventStreamResponse,
@@ -55,6 +63,14 @@ MAX_TRACE_HEADER_CHARS = 512
 
 # nginx's code for "the client closed the connection": nobody receives it, but logs show it.
 CLIENT_CLOSED_REQUEST = 499
+
+
+@dataclass(slots=True, frozen=True)
+class Caller:
+    """Who a Generate call is for: the caller's bearer token and the tenant it names (auth.py)."""
+
+    api_key: str | None
+    tenant: str | None
 
 
 def create_app(settings: GatewaySettings) -> FastAPI:
@@ -81,29 +97,30 @@ router = APIRouter()
 
 @router.post("/v1/completions")
 async def completions(
-    body: CompletionRequest, request: Request, gateway: GatewayDep, api_key: ApiKey
+    body: CompletionRequest, request: Request, gateway: GatewayDep, api_key: ApiKey, tenant: Tenant
 ) -> Response:
     request_id = f"cmpl-{uuid.uuid4().hex}"
     call = completion_call(body, request_id)
     context = await _context(gateway, body, api_key, request_id, body.logprobs is not None)
+    caller = Caller(api_key, tenant)
     if body.echo:
         # One choice (translate.py refuses echo beside n > 1).
         echoing = CompletionShaper(context)
         await _echo(gateway, call, api_key, echoing)
-        return await _respond(request, gateway, call, api_key, echoing, bool(body.stream))
+        return await _respond(request, gateway, call, caller, echoing, bool(body.stream))
     shaper = _per_choice(lambda: CompletionShaper(context), body.n)
-    return await _respond(request, gateway, call, api_key, shaper, bool(body.stream), body.n or 1)
+    return await _respond(request, gateway, call, caller, shaper, bool(body.stream), body.n or 1)
 
 
 @router.post("/v1/chat/completions")
 async def chat_completions(
-    body: ChatCompletionRequest, request: Request, gateway: GatewayDep, api_key: ApiKey
+    body: ChatCompletionRequest, request: Request, gateway: GatewayDep, api_key: ApiKey, tenant: Tenant
 ) -> Response:
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     call = chat_call(body, request_id)
     context = await _context(gateway, body, api_key, request_id, bool(body.logprobs))
     shaper = _per_choice(lambda: ChatShaper(context, parser_for(call.tool_plan)), body.n)
-    return await _respond(request, gateway, call, api_key, shaper, bool(body.stream), body.n or 1)
+    return await _respond(request, gateway, call, Caller(api_key, tenant), shaper, bool(body.stream), body.n or 1)
 
 
 @router.get("/v1/models")
@@ -189,7 +206,7 @@ async def _respond(
     request: Request,
     gateway: Gateway,
     call: GenerateCall,
-    api_key: str | None,
+    caller: Caller,
     shaper: Shaper,
     streaming: bool,
     num_choices: int = 1,
@@ -200,8 +217,9 @@ async def _respond(
             call.prompt,
             prompt_token_ids=call.prompt_token_ids,
             messages=call.messages,
-            api_key=api_key,
+            api_key=caller.api_key,
             trace_context=trace_context(request),
+            tenant=caller.tenant,
             **call.options,
         )
     except ValueError as error:

@@ -4,13 +4,15 @@ scheduler's gRPC statuses alike.
 
 Every 4xx is the caller's to fix (type invalid_request_error unless a more precise one applies),
 every 5xx the server's (server_error). Overload is OpenAI's: RESOURCE_EXHAUSTED becomes 429
-rate_limit_error with code rate_limit_exceeded, which OpenAI's clients retry after a pause;
-UNAVAILABLE becomes 503, also retried.
+rate_limit_error with code rate_limit_exceeded, which OpenAI's clients retry after a pause (the
+scheduler's retry-after, when it gives one: a tenant over its quota, a deadline predicted to be
+missed); UNAVAILABLE becomes 503, also retried.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -104,12 +106,18 @@ def unsupported(param: str, message: str) -> GatewayError:
 
 
 def from_splitserve(error: SplitserveError) -> GatewayError:
-    """The scheduler's status as HTTP; its message is passed on unchanged (it names the field)."""
+    """The scheduler's status as HTTP; its message is passed on unchanged (it names the field),
+    and its retry-after hint as the Retry-After header (whole seconds), which OpenAI's clients
+    wait out before they retry."""
     status = HTTP_STATUS.get(error.code, 500)
+    headers: dict[str, str] = {}
+    if error.retry_after_s is not None:
+        headers["Retry-After"] = str(max(1, math.ceil(error.retry_after_s)))
     return GatewayError(
         status,
         error.details or error.code.name,
         code=RATE_LIMIT_CODE if status == 429 else error.code.name.lower(),
+        headers=headers,
     )
 
 

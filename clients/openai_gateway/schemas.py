@@ -15,6 +15,9 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+# The protocol's milliseconds fields are uint32.
+MAX_MILLISECONDS = 2**32 - 1
+
 
 class Body(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -92,6 +95,11 @@ class SamplingFields(Body):
     include_stop_str_in_output: bool | None = None
     # vLLM's structured outputs: one of json, json_object, regex, choice, grammar.
     structured_outputs: dict[str, Any] | None = None
+    # splitserve's own (extra_body too): most milliseconds to the first token, and the mean
+    # milliseconds between tokens, the caller accepts. A request predicted to miss them is
+    # refused at once (429 with Retry-After); 0: none.
+    ttft_deadline_ms: int | None = Field(default=None, ge=0, le=MAX_MILLISECONDS)
+    tpot_target_ms: int | None = Field(default=None, ge=0, le=MAX_MILLISECONDS)
 
 
 class CompletionRequest(SamplingFields):

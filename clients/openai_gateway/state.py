@@ -1,5 +1,5 @@
 """What every route shares: the gateway's settings, its one AsyncClient and served model, and
-the dependencies that hand them (and the caller's API key) to a route."""
+the dependencies that hand them (and the caller's API key and tenant) to a route."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Annotated
 from fastapi import Depends, Request
 
 from clients.async_client import AsyncClient
-from clients.openai_gateway.auth import bearer_token
+from clients.openai_gateway.auth import bearer_token, tenant_header
 from clients.openai_gateway.body_limit import DEFAULT_MAX_BODY_BYTES
 from clients.openai_gateway.served_model import ServedModel
 
@@ -38,3 +38,4 @@ def current_gateway(request: Request) -> Gateway:
 
 GatewayDep = Annotated[Gateway, Depends(current_gateway)]
 ApiKey = Annotated[str | None, Depends(bearer_token)]
+Tenant = Annotated[str | None, Depends(tenant_header)]

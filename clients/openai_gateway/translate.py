@@ -167,6 +167,8 @@ def _sampling(
         min_tokens=body.min_tokens,
         skip_special_tokens=body.skip_special_tokens,
         cache_salt=body.cache_salt,
+        ttft_deadline_ms=body.ttft_deadline_ms,
+        tpot_target_ms=body.tpot_target_ms,
         # The response's id, so the scheduler's log lines name the same request.
         request_id=request_id,
     )
