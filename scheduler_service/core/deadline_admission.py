@@ -85,7 +85,7 @@ class DeadlineAdmission:
         return AdmissionRefused(
             "deadline",
             ErrorKind.OVERLOADED,
-            f"predicted time to first token {waited + forecast.ttft_s:.2f} s would miss the deadline "
-            f"of {request.ttft_deadline_s:.2f} s (ttft_deadline_ms); retry later",
+            f"predicted time to first token {(waited + forecast.ttft_s) * 1000:.0f} ms would miss the "
+            f"deadline of {request.ttft_deadline_s * 1000:.0f} ms (ttft_deadline_ms); retry later",
             max(0.1, forecast.ttft_s - self.margin * (request.ttft_deadline - now)),
         )
