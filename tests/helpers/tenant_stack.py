@@ -13,7 +13,6 @@ chats become ids inside the simulated executor's vocabulary.
 from __future__ import annotations
 
 import json
-import sys
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
@@ -22,10 +21,9 @@ from pathlib import Path
 import grpc
 
 from protos.splitserve.v1 import admin_pb2, admin_pb2_grpc
-from tests.helpers.executor_process import READY_PATTERN
-from tests.helpers.executor_token import token_file
 from tests.helpers.scheduler_process import SchedulerProcess
-from tests.helpers.service_process import ServiceProcess, free_port
+from tests.helpers.service_process import free_port
+from tests.helpers.sim_executor_process import start_sim_executor
 from tests.helpers.tokenizer_assets import gpt2_tokenizer_dir
 
 STEP_MS = 20
@@ -59,16 +57,7 @@ def start_tenant_stack(folder: Path, tenants: str, **scheduler_flags: object) ->
     tenants_file.write_text(tenants)
     tokenizer = chat_tokenizer_dir(folder / "tokenizer")
     with ExitStack() as stack:
-        executor = ServiceProcess(
-            [
-                *(sys.executable, "-m", "bench.sim_executor", "--port", "0"),
-                *("--step-ms", str(STEP_MS), "--executor-token-file", str(token_file())),
-            ],
-            READY_PATTERN,
-            "sim-executor",
-        )
-        stack.callback(executor.close)
-        executor_address = executor.wait_ready(timeout_s=60.0)
+        executor_address = stack.enter_context(start_sim_executor(STEP_MS))
         metrics_port = free_port()
         scheduler = SchedulerProcess(
             executor_address,
