@@ -2,7 +2,7 @@
 model behind deadline admission (core/deadline_admission.py).
 
 The executor's seats (max_num_seqs) are simulated in steps: each running request keeps its seat
-for the tokens it is expected still to generate, each request queued ahead of this one takes the
+until it is expected to end (running_seats), each request queued ahead of this one takes the
 first seat to free for its prompt and expected output, and this request takes the next, then
 computes its prompt. The token budget bounds it too: the prompts ahead share
 max_num_batched_tokens a step with the decodes. Steps cost what the executor's StepTimer says a
@@ -48,9 +48,7 @@ def forecast_ttft(
     budget = config.max_num_batched_tokens
     ahead = queued_ahead(scheduler, request)
     seats = [0.0] * max(0, config.max_num_seqs - len(scheduler.running))
-    for running in scheduler.running:
-        steps = math.ceil(running.num_uncomputed_tokens / budget) + expected_output(running, mean_output, config.max_seq_len)
-        seats.append(steps)
+    seats += running_seats(scheduler.running, mean_output, budget, config.max_seq_len)
     heapq.heapify(seats)
     prompts = sum(r.num_uncomputed_tokens for r in scheduler.running if r.in_prefill)
     for queued in ahead:
@@ -68,11 +66,34 @@ def forecast_ttft(
     return Forecast((steps + 1) * step_s, step_seconds(decodes))
 
 
+def running_seats(running: Sequence[Request], mean_output: float, budget: int, max_seq_len: int) -> list[float]:
+    """Steps until each running request frees its seat. One that ignores EOS runs to its length
+    limit. Of one that may stop sooner only the mean output is known, and the mean less what it
+    has would be wrong twice: with lengths heavy-tailed a request past the mean is expected to
+    run on, not to end at once; and a seat frees at the soonest of several random ends, sooner
+    than the soonest expected end. n such requests end, in steady state, one every mean / n
+    steps (Little's law): the k-th to end is taken to end at k x mean / n, none past its limit."""
+    seats = []
+    open_ended = []
+    for request in running:
+        prompt_steps = math.ceil(request.num_uncomputed_tokens / budget)
+        left = max(1, length_limit(request, max_seq_len) - request.num_tokens)
+        if request.sampling.ignore_eos:
+            seats.append(prompt_steps + left)
+        else:
+            open_ended.append((left, prompt_steps))
+    open_ended.sort()
+    for k, (left, prompt_steps) in enumerate(open_ended, 1):
+        seats.append(prompt_steps + min(left, k * mean_output / len(open_ended)))
+    return seats
+
+
 def queued_ahead(scheduler: Scheduler, request: Request) -> Sequence[Request]:
     """The requests queued on this executor that would be admitted before this one: under FCFS
     all; under priority those of a better rank; under fair its own tenant's of a better rank, and
-    from each other tenant as many as the round robin serves for them (by weight), fewer from one
-    served more than its own."""
+    from each other tenant with requests on this executor as many as the round robin serves for
+    them (by weight), fewer from one served more than its own, whether queued now or sent while
+    this one waits: a tenant served less than its share goes first with every request it sends."""
     queued = scheduler.queued
     policy = scheduler.config.policy
     if policy is Policy.FCFS:
@@ -83,7 +104,9 @@ def queued_ahead(scheduler: Scheduler, request: Request) -> Sequence[Request]:
     share = scheduler.share
     own = [q for q in queued if q.tenant == request.tenant and rank(q, policy) < mine]
     own_weight = share.weight_of(request.tenant)
-    by_tenant: dict[str, list[Request]] = {}
+    # Every other tenant with requests here, queued or running: one whose queue is empty now
+    # takes its turns with what it sends while this request waits.
+    by_tenant: dict[str, list[Request]] = {r.tenant: [] for r in scheduler.requests.values() if r.tenant != request.tenant}
     for q in queued:
         if q.tenant != request.tenant:
             by_tenant.setdefault(q.tenant, []).append(q)
@@ -92,5 +115,7 @@ def queued_ahead(scheduler: Scheduler, request: Request) -> Sequence[Request]:
         turns = (len(own) + 1) * share.weight_of(tenant) / own_weight
         if share.counter(tenant) > share.counter(request.tenant):
             turns -= 1
-        ahead += theirs[: max(0, math.ceil(turns))]
+        turns = max(0, math.ceil(turns))
+        # Turns beyond its queue are taken by requests it has yet to send, sized as this one.
+        ahead += theirs[:turns] + [request] * max(0, turns - len(theirs))
     return ahead
