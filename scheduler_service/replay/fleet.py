@@ -1,20 +1,29 @@
-"""A trace's requests replayed over N simulated executors (--executors N): each request goes,
-at its recorded arrival, where the scheduler's own router (core/router.py) sends it, and every
-executor steps at its own pace with its own pipelined plans, as the engine drives them. Time is
-the simulation's own throughout; moving queued requests between executors (work stealing) is
-not reproduced."""
+"""Requests replayed over N simulated executors (--executors N, and synthesised traces): each
+request takes, at its arrival, the engine's path: the scheduler's own router (core/router.py)
+picks an executor, deadline admission (core/deadline_admission.py) keeps that choice, places it
+where its TTFT deadline or per-token target is better met, or refuses it, forecasting with each
+executor's StepTimer as the engine's lanes learn it from the steps they ran; one FairShare keeps
+the fair policy's books over every executor. Every executor steps at its own pace with its own
+pipelined plans, as the engine drives them. Time is the simulation's own throughout; moving
+queued requests between executors (work stealing) and tenants' quotas are not reproduced."""
 
 from __future__ import annotations
 
 import heapq
 from collections import deque
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
 from scheduler_service.core.config import SchedulerConfig
+from scheduler_service.core.deadline_admission import DeadlineAdmission
+from scheduler_service.core.errors import AdmissionRefused
+from scheduler_service.core.fair_share import FairShare
+from scheduler_service.core.request import FinishReason, Request
 from scheduler_service.core.router import DEFAULT_TOKENS_PER_REQUEST, route
 from scheduler_service.core.scheduler import Scheduler
 from scheduler_service.core.sim_executor import SimulatedExecutor
 from scheduler_service.core.step_plan import StepOutput
+from scheduler_service.core.step_timer import StepTimer
 from scheduler_service.replay.simulate import (
     REPLAY_EOS,
     Replayed,
@@ -33,21 +42,43 @@ class _Lane:
     scheduler: Scheduler
     executor: SimulatedExecutor
     replayed: Replayed
-    in_flight: deque[tuple[StepOutput, float, StepRecord]] = field(default_factory=deque)
+    # The step time by tokens computed, learned from the steps run, as the engine's lane does.
+    step_timer: StepTimer = field(default_factory=StepTimer)
+    # (output, tokens computed, seconds the executor spent on it, record) of each plan on the wire.
+    in_flight: deque[tuple[StepOutput, int, float, StepRecord]] = field(default_factory=deque)
     busy_until: float = 0.0
+
+
+@dataclass(slots=True)
+class FleetRun:
+    replays: list[Replayed]
+    # Every request replayed, in arrival order, with its times on the simulation's clock.
+    requests: list[Request]
+    # Those refused at arrival (deadline admission), and why.
+    refused: list[tuple[Request, AdmissionRefused]] = field(default_factory=list)
 
 
 def replay_fleet(
     timelines: list[Timeline], config: SchedulerConfig, cost: StepCost, executors: int, depth: int = 2,
     tokens_per_request: int = DEFAULT_TOKENS_PER_REQUEST,
 ) -> list[Replayed]:
-    traced = _first_placements(timelines)
+    return replay_requests(_first_placements(timelines), config, cost, executors, depth, tokens_per_request).replays
+
+
+def replay_requests(
+    traced: Sequence[TracedRequest], config: SchedulerConfig, cost: StepCost, executors: int, depth: int = 2,
+    tokens_per_request: int = DEFAULT_TOKENS_PER_REQUEST, weight_of: Callable[[str], float] = lambda tenant: 1.0,
+) -> FleetRun:
+    """Replays requests (in arrival order) until every one admitted has ended; weight_of gives
+    each tenant's weight under the fair policy."""
     requests = rebuild_requests(traced, config.block_size)
     model = SyntheticModel(traced, requests)
+    share = FairShare(weight_of)
+    admission = DeadlineAdmission()
     clock = 0.0
     lanes = [
         _Lane(
-            Scheduler(config, eos_token_ids=(REPLAY_EOS,), clock=lambda: clock),
+            Scheduler(config, eos_token_ids=(REPLAY_EOS,), clock=lambda: clock, share=share),
             SimulatedExecutor(
                 config.num_kv_blocks, config.block_size, next_token=model.next_token, verify_kv=False,
                 num_state_slots=config.num_state_slots,
@@ -56,6 +87,7 @@ def replay_fleet(
         )
         for index in range(executors)
     ]
+    run = FleetRun([lane.replayed for lane in lanes], requests)
     events: list[tuple[float, int, str, int]] = []
     for order, original in enumerate(traced):
         heapq.heappush(events, (original.arrival_s, order, "add", order))
@@ -65,15 +97,22 @@ def replay_fleet(
     while True:
         for lane in lanes:
             _plan(lane, clock, depth, cost)
-        results = [(lane.in_flight[0][1], index) for index, lane in enumerate(lanes) if lane.in_flight]
+        results = [(lane.in_flight[0][3].done_s, index) for index, lane in enumerate(lanes) if lane.in_flight]
         next_result = min(results, default=None)
         if events and (next_result is None or events[0][0] <= next_result[0]):
             at, _, kind, order = heapq.heappop(events)
             clock = max(clock, at)
             request = requests[order]
             if kind == "add":
+                request.arrival_time = clock
                 choice = route(request, [lane.scheduler for lane in lanes], tokens_per_request)
-                lane = lanes[choice.index if choice is not None else 0]
+                candidates = [(lane.scheduler, lane.step_timer.seconds if lane.step_timer.ready else None) for lane in lanes]
+                try:
+                    index = admission.choose(request, candidates, choice.index if choice is not None else 0, clock)
+                except AdmissionRefused as refused:
+                    run.refused.append((request, refused))
+                    continue
+                lane = lanes[index]
                 lane.scheduler.add_request(request)
                 lane.replayed.arrival_s[request.request_id] = at
                 placed[order] = lane
@@ -85,8 +124,8 @@ def replay_fleet(
             break
         done, index = next_result
         clock = max(clock, done)
-        _apply(lanes[index], clock)
-    return [lane.replayed for lane in lanes]
+        _apply(lanes[index], clock, admission)
+    return run
 
 
 def _plan(lane: _Lane, clock: float, depth: int, cost: StepCost) -> None:
@@ -96,13 +135,22 @@ def _plan(lane: _Lane, clock: float, depth: int, cost: StepCost) -> None:
         if not plan.has_work and not plan.dropped_request_ids:
             return
         step = planned_step(scheduler, plan, clock, 0.0)
-        lane.busy_until = step.done_s = max(clock, lane.busy_until) + cost.seconds(step.prefill_tokens, step.decode_tokens)
-        lane.in_flight.append((lane.executor.execute(plan), lane.busy_until, step))
+        seconds = cost.seconds(step.prefill_tokens, step.decode_tokens)
+        lane.busy_until = step.done_s = max(clock, lane.busy_until) + seconds
+        lane.in_flight.append((lane.executor.execute(plan), plan.num_scheduled_tokens, seconds, step))
 
 
-def _apply(lane: _Lane, clock: float) -> None:
-    output, _, step = lane.in_flight.popleft()
-    record_result(lane.replayed, lane.scheduler, lane.scheduler.update(output).updates, step, clock)
+def _apply(lane: _Lane, clock: float, admission: DeadlineAdmission) -> None:
+    output, tokens, seconds, step = lane.in_flight.popleft()
+    if tokens:
+        lane.step_timer.observe(tokens, seconds)
+    updates = lane.scheduler.update(output).updates
+    record_result(lane.replayed, lane.scheduler, updates, step, clock)
+    for update in updates:
+        # As the engine: the mean output its forecasts assume is learned from requests that
+        # ended by themselves.
+        if update.finished and update.request.finish_reason in (FinishReason.STOP, FinishReason.LENGTH):
+            admission.finished(update.request)
 
 
 def _first_placements(timelines: list[Timeline]) -> list[TracedRequest]:

@@ -16,7 +16,7 @@ take what the fitted StepCost says.
 from __future__ import annotations
 
 import heapq
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -55,6 +55,9 @@ class StepRecord:
     running: int
     kv_used_blocks: int
     preemptions: int
+    # Tokens the step computes, by tenant: prompt tokens and decodes, as the fair policy charges
+    # them (core/fair_share.py).
+    served: Counter[str] = field(default_factory=Counter)
 
 
 @dataclass(slots=True)
@@ -74,13 +77,16 @@ class Replayed:
 def planned_step(scheduler: Scheduler, plan: StepPlan, planned_s: float, done_s: float) -> StepRecord:
     """The record of a plan just made; its queue and KV figures are filled in by
     record_result once its result is applied."""
-    decoded = [r.request_id for r in scheduler.decoded_in(plan)]
+    decoded = scheduler.decoded_in(plan)
     continuing = {c.request_id: c.num_scheduled_tokens for c in plan.continuing_requests}
     checkpoints = [(c.request_id, c.num_tokens, c.slot) for c in plan.state_checkpoints]
     sources = {n.request_id: n.state_source_slot for n in plan.new_requests if n.state_source_slot}
-    shape = signature([n.request_id for n in plan.new_requests], continuing, decoded, checkpoints, sources)
+    shape = signature([n.request_id for n in plan.new_requests], continuing, [r.request_id for r in decoded], checkpoints, sources)
     prefill, decode = plan.prefill_and_decode_tokens()
-    return StepRecord(planned_s, done_s, shape, prefill, decode, 0, 0, 0, 0)
+    served = Counter(r.tenant for r in decoded)
+    for entry in (*plan.new_requests, *plan.continuing_requests):
+        served[scheduler.requests[entry.request_id].tenant] += entry.num_scheduled_tokens
+    return StepRecord(planned_s, done_s, shape, prefill, decode, 0, 0, 0, 0, served)
 
 
 def record_result(
@@ -230,7 +236,10 @@ def rebuild_requests(traced: Sequence[TracedRequest], block_size: int) -> list[R
         prompts[original.request_id] = prompt
         stops = original.finish == "stop" and original.outputs > 0
         sampling = SamplingParams(max_tokens=original.max_tokens, ignore_eos=not stops, temperature=0.0)
-        request = Request(original.request_id, prompt, sampling, priority=original.priority, fork_of=original.fork_of)
+        request = Request(
+            original.request_id, prompt, sampling, priority=original.priority, fork_of=original.fork_of,
+            tenant=original.tenant, ttft_deadline_s=original.ttft_deadline_s, tpot_target_s=original.tpot_target_s,
+        )
         request.arrival_index = order
         rebuilt.append(request)
     return rebuilt

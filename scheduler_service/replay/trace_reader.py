@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from scheduler_service.core.tenants import DEFAULT_TENANT
+
 # A plan's identity for comparing schedules: new ids, continuing ids with their tokens,
 # steady-decode ids, and a hybrid model's checkpoints (id, tokens, slot) and resumes (id, slot).
 Signature = tuple[
@@ -35,6 +37,11 @@ class TracedRequest:
     aborted_s: float | None = None
     # The first choice it forks from (Request.fork_of), or "".
     fork_of: str = ""
+    # Who sent it and the targets it carried (Request's fields of the same names); step traces
+    # record none, a synthesised trace (replay/tenant_traces.py) does.
+    tenant: str = DEFAULT_TENANT
+    ttft_deadline_s: float = 0.0
+    tpot_target_s: float = 0.0
 
 
 @dataclass(slots=True)
