@@ -1,12 +1,30 @@
-"""python -m scheduler_service.replay DIR [--policy fcfs,priority] [--mode ...]
+"""python -m scheduler_service.replay DIR [--policy fcfs,priority,fair] [--mode ...]
 [--max-num-batched-tokens N,...] [--max-num-seqs N,...] [--executors N] [--json OUT] [--png OUT.png]
 python -m scheduler_service.replay --scenario prefill-first|preemption|decode-first --png OUT.png
+python -m scheduler_service.replay --synthesize [TENANTS] [--duration-s S] [--seed N]
+[--policy fcfs,priority,fair] [--executors N] [--prompt-tokens N] [--output-tokens N]
+[--max-prompt-tokens N] [--max-output-tokens N] [--length-sigma X] [--step-cost MS,MS,MS]
+[--num-kv-blocks N] [--json OUT] [--png OUT.png]
 
 Replays a step trace (recorded with --trace-dir DIR) through the real scheduler core against the
 simulated executor, whose step time is fitted to the trace, once per combination of the values
 given (unset: as recorded), and prints per configuration TTFT and end-to-end p50/p99,
 throughput, preemptions and KV use; --json writes the same. --png draws the replay of the
 first configuration (or a built-in scenario of the seed document).
+
+--synthesize replays a synthesised multi-tenant trace instead (replay/tenant_traces.py):
+TENANTS is NAME:key=value[:key=value...] separated by commas, keys rate (requests/s, Poisson),
+weight, priority, ttft_ms, tpot_ms, prompt and output (median tokens), e.g.
+`a:rate=40:ttft_ms=2000,b:rate=4:weight=2`; lengths are lognormal about their medians, capped,
+and drawn from --seed. Each policy (default all three) runs over --executors simulated executors
+as the planner drives them: one fair-share ledger over every executor, the router's placement,
+deadline admission refusing at arrival a request forecast to miss its targets. It prints a
+markdown table per policy and tenant: requests, rejected at arrival, TTFT and TPOT p50/p99,
+share of admitted requests meeting their TTFT deadline and per-token target, output tokens/s,
+and Jain's fairness index of the tenants' token throughput per weight, measured over the window
+in which every tenant had requests waiting (fair queuing can equalise only tenants that ask for
+more than they get; replay/tenant_report.py). The default trace is two tenants at 10:1 request
+rates, both asking for more than half the executor.
 """
 
 from __future__ import annotations
@@ -16,15 +34,26 @@ import itertools
 import json
 import logging
 import sys
+from dataclasses import asdict
 from pathlib import Path
 
-from scheduler_service.core.config import SchedulingKnobs
+from scheduler_service.core.config import SchedulerConfig, SchedulingKnobs
 from scheduler_service.core.policy import Policy, StepMode
-from scheduler_service.replay.fleet import replay_fleet
+from scheduler_service.replay.fleet import replay_fleet, replay_requests
 from scheduler_service.replay.scenarios import SCENARIOS, run_scenario
 from scheduler_service.replay.simulate import Replayed, config_of, replay_timeline
 from scheduler_service.replay.step_cost import StepCost, fit_step_cost
 from scheduler_service.replay.summary import Summary, summarize
+from scheduler_service.replay.tenant_report import markdown_table, tenant_report
+from scheduler_service.replay.tenant_traces import (
+    DEFAULT_STEP_COST_MS,
+    DEFAULT_TENANTS,
+    SYNTHETIC_BLOCK_SIZE,
+    SYNTHETIC_KNOBS,
+    Lengths,
+    parse_tenants,
+    synthesize,
+)
 from scheduler_service.replay.trace_reader import Timeline, read_trace
 from service_support.cli_help import DefaultsHelpFormatter
 
@@ -34,19 +63,36 @@ logger = logging.getLogger("scheduler_service.replay")
 def parse_args(argv: list[str] | None, prog: str) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=DefaultsHelpFormatter)
     parser.add_argument("trace_dir", nargs="?", type=Path, help="folder a scheduler wrote with --trace-dir")
-    parser.add_argument("--policy", help="comma-separated: fcfs, priority")
+    parser.add_argument("--policy", help="comma-separated: fcfs, priority, fair (with --synthesize, default all three)")
     parser.add_argument("--mode", help="comma-separated: mixed, prefill-first, decode-first")
     parser.add_argument("--max-num-batched-tokens", help="comma-separated token budgets")
     parser.add_argument("--max-num-seqs", help="comma-separated limits on running requests")
     parser.add_argument(
-        "--executors", type=int, help="replay over this many simulated executors, each request routed by the scheduler's router (default: each recorded executor on its own)"
+        "--executors", type=int, help="replay over this many simulated executors, each request routed by the scheduler's router (default: each recorded executor on its own; with --synthesize, 1)"
     )
     parser.add_argument("--scenario", choices=sorted(SCENARIOS), help="a built-in scenario of the seed document instead of a trace")
+    parser.add_argument(
+        "--synthesize", nargs="?", const=DEFAULT_TENANTS, metavar="TENANTS",
+        help=f"replay a synthesised multi-tenant trace instead of a recorded one (alone: {DEFAULT_TENANTS})",
+    )
+    synthetic = Lengths()
+    parser.add_argument("--duration-s", type=float, default=20.0, help="--synthesize: seconds in which requests arrive")
+    parser.add_argument("--seed", type=int, default=0, help="--synthesize: seed of arrivals and lengths")
+    parser.add_argument("--prompt-tokens", type=int, default=synthetic.prompt_median, help="--synthesize: median prompt length")
+    parser.add_argument("--output-tokens", type=int, default=synthetic.output_median, help="--synthesize: median output length")
+    parser.add_argument("--max-prompt-tokens", type=int, default=synthetic.max_prompt, help="--synthesize: longest prompt")
+    parser.add_argument("--max-output-tokens", type=int, default=synthetic.max_output, help="--synthesize: longest output (every request's max_tokens)")
+    parser.add_argument("--length-sigma", type=float, default=synthetic.sigma, help="--synthesize: sigma of the lognormal lengths (larger: heavier tail)")
+    parser.add_argument(
+        "--step-cost", default=",".join(f"{v:g}" for v in DEFAULT_STEP_COST_MS),
+        help="--synthesize: a step's milliseconds: overhead,per prefill token,per decode token",
+    )
+    parser.add_argument("--num-kv-blocks", type=int, default=8192, help=f"--synthesize: KV blocks of {SYNTHETIC_BLOCK_SIZE} tokens per executor")
     parser.add_argument("--json", type=Path, help="write the summaries (and the step-cost fit) here")
     parser.add_argument("--png", type=Path, help="draw queues, batches, KV use and preemptions here")
     args = parser.parse_args(argv)
-    if (args.trace_dir is None) == (args.scenario is None):
-        parser.error("give a trace folder or --scenario, not both")
+    if sum(x is not None for x in (args.trace_dir, args.scenario, args.synthesize)) != 1:
+        parser.error("give one of a trace folder, --scenario and --synthesize")
     return args
 
 
@@ -106,9 +152,66 @@ def print_table(summaries: list[Summary], cost: StepCost | None) -> None:
         )
 
 
+def replay_synthesized(args: argparse.Namespace) -> int:
+    try:
+        tenants = parse_tenants(args.synthesize)
+        lengths = Lengths(args.prompt_tokens, args.output_tokens, args.max_prompt_tokens, args.max_output_tokens, args.length_sigma)
+        overhead_ms, prefill_ms, decode_ms = (float(v) for v in args.step_cost.split(","))
+        if min(lengths.prompt_median, lengths.output_median, lengths.max_prompt, lengths.max_output) < 1 or lengths.sigma < 0:
+            raise ValueError("token lengths must be at least 1 and --length-sigma not negative")
+        if min(overhead_ms, prefill_ms, decode_ms) < 0 or args.duration_s <= 0 or (args.executors or 1) < 1:
+            raise ValueError("--step-cost must not be negative, --duration-s must be positive, --executors at least 1")
+        config = SchedulerConfig(
+            num_kv_blocks=args.num_kv_blocks, block_size=SYNTHETIC_BLOCK_SIZE,
+            max_model_len=lengths.max_prompt + lengths.max_output,
+        )
+        if config.max_seq_len < config.max_model_len:
+            raise ValueError(f"--num-kv-blocks {args.num_kv_blocks} cannot hold the longest prompt and output ({config.max_model_len} tokens)")
+        if args.policy is None:
+            args.policy = ",".join(policy.value for policy in Policy)
+        grid = knob_grid(args, SYNTHETIC_KNOBS)
+    except ValueError as bad:
+        logger.error("event=replay_refused reason=%r", str(bad))
+        return 2
+    cost = StepCost(overhead_ms / 1e3, prefill_ms / 1e3, decode_ms / 1e3, 0.0, 1.0, 0)
+    traced = synthesize(tenants, args.duration_s, lengths, args.seed)
+    weights = {t.name: t.weight for t in tenants}
+    executors = args.executors or 1
+    print(
+        f"synthesised trace: {len(traced)} requests of {len(tenants)} tenants over {args.duration_s:g} s (seed {args.seed}); "
+        f"step {overhead_ms:g} ms + {prefill_ms:g} ms/prefill token + {decode_ms:g} ms/decode token; "
+        "Jain's index over the seconds in which every tenant had requests waiting\n"
+    )
+    reports, first = [], None
+    for knobs in grid:
+        assert knobs is not None
+        run = replay_requests(traced, knobs.applied_to(config), cost, executors, weight_of=weights.__getitem__)
+        label = f"{label_of(knobs)} x{executors}"
+        reports.append(tenant_report(label, run, weights.__getitem__, [t.name for t in tenants]))
+        first = first or (label, run.replays)
+    print(markdown_table(reports))
+    if args.json is not None:
+        document = {
+            "trace": {
+                "tenants": [asdict(t) for t in tenants], "duration_s": args.duration_s, "seed": args.seed,
+                "lengths": asdict(lengths), "requests": len(traced),
+                "step_cost_ms": {"overhead": overhead_ms, "per_prefill_token": prefill_ms, "per_decode_token": decode_ms},
+            },
+            "configurations": [report.as_dict() for report in reports],
+        }
+        args.json.write_text(json.dumps(document, indent=2))
+    if args.png is not None and first is not None:
+        from scheduler_service.replay.pictures import draw
+
+        draw(first[1], args.png, f"splitserve schedule: {first[0]}")
+    return 0
+
+
 def main(argv: list[str] | None = None, prog: str = "python -m scheduler_service.replay") -> int:
     args = parse_args(argv, prog)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s level=%(levelname)s logger=%(name)s %(message)s")
+    if args.synthesize is not None:
+        return replay_synthesized(args)
     if args.scenario is not None:
         replayed = run_scenario(SCENARIOS[args.scenario])
         summary = summarize(args.scenario, [replayed])
