@@ -45,6 +45,7 @@ from scheduler_service.core.config import SchedulerConfig
 from scheduler_service.core.request import Request
 from scheduler_service.core.scheduler import Scheduler
 from scheduler_service.core.step_plan import StepOutput, StepPlan, StepUpdates
+from scheduler_service.core.tenants import DEFAULT_TENANT
 
 # Bytes of each prefix hash kept as its digest: collisions among a trace's blocks are negligible.
 DIGEST_BYTES = 8
@@ -88,6 +89,7 @@ class StepTrace:
             outputs=request.num_tokens - request.num_prompt_tokens, blocks=digests,
             priority=request.priority, max_tokens=sampling.max_tokens, ignore_eos=sampling.ignore_eos,
             fork_of=request.fork_of, **({"computed": request.num_computed_tokens} if request.num_computed_tokens else {}),
+            **_tenancy(request),
         )
 
     def plan_sent(self, address: str, plan: StepPlan, decoded: Iterable[Request], planned_at: float) -> None:
@@ -165,3 +167,16 @@ class StepTrace:
 
     def _chrome_event(self, event: dict[str, Any]) -> None:
         self._chrome.write(json.dumps(event, separators=(",", ":")) + ",\n")
+
+
+def _tenancy(request: Request) -> dict[str, Any]:
+    """Its tenant and targets, where they differ from the defaults (so a trace without tenants
+    reads as it did)."""
+    fields: dict[str, Any] = {}
+    if request.tenant != DEFAULT_TENANT:
+        fields["tenant"] = request.tenant
+    if request.ttft_deadline_s:
+        fields["ttft_s"] = request.ttft_deadline_s
+    if request.tpot_target_s:
+        fields["tpot_s"] = request.tpot_target_s
+    return fields

@@ -37,8 +37,8 @@ class TracedRequest:
     aborted_s: float | None = None
     # The first choice it forks from (Request.fork_of), or "".
     fork_of: str = ""
-    # Who sent it and the targets it carried (Request's fields of the same names); step traces
-    # record none, a synthesised trace (replay/tenant_traces.py) does.
+    # Who sent it and the targets it carried (Request's fields of the same names), from a step
+    # trace or a synthesised trace (replay/tenant_traces.py).
     tenant: str = DEFAULT_TENANT
     ttft_deadline_s: float = 0.0
     tpot_target_s: float = 0.0
@@ -104,6 +104,10 @@ def read_trace(directory: Path) -> list[Timeline]:
                     event["priority"], event["max_tokens"], event["ignore_eos"],
                     # Traces from before forks have none.
                     fork_of=event.get("fork_of", ""),
+                    # Written only where they differ from the defaults.
+                    tenant=event.get("tenant", DEFAULT_TENANT),
+                    ttft_deadline_s=event.get("ttft_s", 0.0),
+                    tpot_target_s=event.get("tpot_s", 0.0),
                 )
             elif kind == "plan":
                 if event["new"] or event["cont"] or event["dec"] or event["drop"]:
