@@ -3,6 +3,10 @@
 running request.
 
     python -m bench.scheduler_overhead [--steps 200] [--running 16 64 256 1024]
+        [--policy fcfs priority fair] [--tenants 4]
+
+Under fair, the requests belong to --tenants tenants in turn (the fair policy charges each
+step's tokens to their tenants).
 
 The executor is the simulated one and is not timed: this measures only the CPU the scheduler
 spends per step, the time an accelerator would otherwise wait on it.
@@ -14,6 +18,7 @@ import time
 from dataclasses import dataclass
 
 from scheduler_service.core.config import SchedulerConfig
+from scheduler_service.core.policy import Policy
 from scheduler_service.core.request import Request
 from scheduler_service.core.sampling_params import SamplingParams
 from scheduler_service.core.scheduler import Scheduler
@@ -28,6 +33,7 @@ WAITING = 10_000
 
 @dataclass(slots=True)
 class Row:
+    policy: str
     running: int
     plan_median_us: float
     plan_p99_us: float
@@ -46,7 +52,7 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def measure(num_running: int, steps: int) -> Row:
+def measure(num_running: int, steps: int, policy: Policy = Policy.FCFS, tenants: int = 1) -> Row:
     blocks_per_request = (PROMPT_LEN + steps) // BLOCK_SIZE + 2
     config = SchedulerConfig(
         num_kv_blocks=blocks_per_request * num_running + 64,
@@ -57,13 +63,14 @@ def measure(num_running: int, steps: int) -> Row:
         # no request outgrows its blocks before measuring starts. Once the running set is full,
         # admission stops, so measured steps are pure decodes of num_running requests.
         max_num_batched_tokens=num_running * PROMPT_LEN,
+        policy=policy,
     )
     scheduler = Scheduler(config)
     executor = SimulatedExecutor(config.num_kv_blocks, BLOCK_SIZE, verify_kv=False)
     sampling = SamplingParams(max_tokens=100_000, ignore_eos=True)
     for i in range(num_running + WAITING):
         prompt = [(i * 7 + j) % 30_000 + 1 for j in range(PROMPT_LEN)]
-        scheduler.add_request(Request(f"req-{i}", prompt, sampling))
+        scheduler.add_request(Request(f"req-{i}", prompt, sampling, tenant=f"t{i % tenants}"))
     while len(scheduler.running) < num_running or any(r.in_prefill for r in scheduler.running):
         scheduler.update(executor.execute(scheduler.schedule()))
     plan_us, update_us, sizes = [], [], []
@@ -82,6 +89,7 @@ def measure(num_running: int, steps: int) -> Row:
         sizes.append(plan_to_proto(plan).ByteSize() / num_running)
     assert len(scheduler.waiting) == WAITING
     return Row(
+        policy.value,
         num_running,
         statistics.median(plan_us),
         percentile(plan_us, 0.99),
@@ -93,13 +101,13 @@ def measure(num_running: int, steps: int) -> Row:
 
 def format_table(rows: list[Row]) -> str:
     header = (
-        "| running | plan median µs | plan p99 µs | update median µs | update p99 µs "
+        "| policy | running | plan median µs | plan p99 µs | update median µs | update p99 µs "
         "| plan + update µs / request | plan bytes / request |"
     )
-    lines = [header, "|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = [header, "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         lines.append(
-            f"| {r.running} | {r.plan_median_us:.0f} | {r.plan_p99_us:.0f} | {r.update_median_us:.0f} "
+            f"| {r.policy} | {r.running} | {r.plan_median_us:.0f} | {r.plan_p99_us:.0f} | {r.update_median_us:.0f} "
             f"| {r.update_p99_us:.0f} | {r.per_request_us:.2f} | {r.bytes_per_request:.1f} |"
         )
     return "\n".join(lines)
@@ -109,10 +117,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--running", type=int, nargs="+", default=[16, 64, 256, 1024])
+    parser.add_argument("--policy", nargs="+", choices=[p.value for p in Policy], default=["fcfs"])
+    parser.add_argument("--tenants", type=int, default=4, help="tenants the requests belong to in turn")
     args = parser.parse_args()
     # The collector settings the scheduler service runs with.
     tune_gc()
-    rows = [measure(n, args.steps) for n in args.running]
+    rows = [measure(n, args.steps, Policy(policy), args.tenants) for policy in args.policy for n in args.running]
     print(f"{WAITING} waiting, prompts of {PROMPT_LEN} tokens, block size {BLOCK_SIZE}, {args.steps} decode steps each")
     print(format_table(rows))
 
