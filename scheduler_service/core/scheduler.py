@@ -628,20 +628,21 @@ class Scheduler(RequestMoves):
         return True
 
     def _preempt_for(self, request: Request, scheduled: dict[Request, int]) -> bool:
-        """Makes room for a waiting request by preempting the lowest-ranked running one, when
-        the request outranks it (policy.preempts); False, changing nothing, when it does not.
-        Requests with a part of their own in this plan, or leaving, are not taken."""
+        """Makes room for a waiting request by preempting the lowest-ranked of the running
+        requests it outranks (policy.preempts); False, changing nothing, when it outranks none.
+        Requests with a part of their own in this plan, or leaving, are not taken. Under fair
+        the victim is chosen among those it outranks: the tenant furthest over its share may
+        hold only requests it does not outrank while its own tenant holds one it does."""
         policy = self.config.policy
         # Cheap first: with every priority alike (the common case) no request preempts.
         if policy is Policy.FCFS or not self.running or request.priority >= max(r.priority for r in self.running):
             return False
-        candidates = [r for r in self.running if not r.moving and r not in scheduled]
+        candidates = [
+            r for r in self.running if not r.moving and r not in scheduled and preempts(request, r, policy, self.share)
+        ]
         if not candidates:
             return False
-        victim = pick_victim(candidates, policy, self.share)
-        if not preempts(request, victim, policy, self.share):
-            return False
-        self._preempt(victim, swap=True)
+        self._preempt(pick_victim(candidates, policy, self.share), swap=True)
         return True
 
     def _admitted(
