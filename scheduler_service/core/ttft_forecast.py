@@ -62,8 +62,10 @@ def forecast_ttft(
     steps = max(start + math.ceil(own_prompt / budget), math.ceil((prompts + own_prompt) / prefill_room))
     prefill_per_step = min(prefill_room, (prompts + own_prompt) / max(steps, 1))
     step_s = step_seconds(decodes + prefill_per_step)
-    # One step more: the plan in flight when it arrives runs first.
-    return Forecast((steps + 1) * step_s, step_seconds(decodes))
+    # One step more: the plan in flight when it arrives runs first. Its size is not this
+    # request's to spread: costed as one of decodes, not as a share of these prompts, which made
+    # a forecast fall when a request queued ahead spread them over more steps.
+    return Forecast(steps * step_s + step_seconds(decodes), step_seconds(decodes))
 
 
 def running_seats(running: Sequence[Request], mean_output: float, budget: int, max_seq_len: int) -> list[float]:
