@@ -6,6 +6,8 @@ SimulatedExecutor in lockstep, the block books audited after every step."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 
 from scheduler_service.core.config import SchedulerConfig
@@ -17,6 +19,9 @@ from scheduler_service.core.sim_executor import default_next_token
 from tests.helpers.lockstep import Lockstep
 
 LOW, HIGH = 5, 0
+
+# Sets up a run of four priority-5 requests with the batch or the cache full.
+Full = Callable[[Policy], tuple[Lockstep, list[Request]]]
 
 
 def make(name: str, index: int, prompt_len: int, max_tokens: int, priority: int, tenant: str = "default") -> Request:
@@ -65,8 +70,8 @@ def blocks_full(policy: Policy) -> tuple[Lockstep, list[Request]]:
 
 @pytest.mark.parametrize("policy", [Policy.PRIORITY, Policy.FAIR])
 @pytest.mark.parametrize("full", [seats_full, blocks_full], ids=["seats", "blocks"])
-def test_a_high_priority_arrival_preempts_the_lowest_ranked_at_once(policy: Policy, full: object) -> None:
-    run, lows = full(policy)  # type: ignore[operator]
+def test_a_high_priority_arrival_preempts_the_lowest_ranked_at_once(policy: Policy, full: Full) -> None:
+    run, lows = full(policy)
     high = make("high", 9, 4, 6, HIGH)
     plan = run.step([high])
     assert admitted([n.request_id for n in plan.new_requests], high), "not admitted in the next plan"
@@ -83,8 +88,8 @@ def test_a_high_priority_arrival_preempts_the_lowest_ranked_at_once(policy: Poli
 
 
 @pytest.mark.parametrize("full", [seats_full, blocks_full], ids=["seats", "blocks"])
-def test_fcfs_never_preempts_for_priority(full: object) -> None:
-    run, lows = full(Policy.FCFS)  # type: ignore[operator]
+def test_fcfs_never_preempts_for_priority(full: Full) -> None:
+    run, lows = full(Policy.FCFS)
     high = make("high", 9, 4, 6, HIGH)
     run.step([high])
     assert high.first_scheduled_time is None
