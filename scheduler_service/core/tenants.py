@@ -90,11 +90,14 @@ def load_tenants_file(path: Path) -> TenantTable:
     unknown = set(document) - {"defaults", "tenants"}
     if unknown:
         raise TenantsFileError(f"the tenants file {str(path)!r} has unknown tables {sorted(unknown)}: only [defaults] and [tenants.NAME]")
+    named = document.get("tenants", {})
     try:
+        if not isinstance(named, dict):
+            raise ValueError("tenants must be a table of [tenants.NAME] tables")
         defaults = _limits(document.get("defaults", {}), "[defaults]")
         tenants = {
             check_tenant_name(name): _limits(table, f"[tenants.{name}]")
-            for name, table in document.get("tenants", {}).items()
+            for name, table in named.items()
         }
     except (TypeError, ValueError) as error:
         raise TenantsFileError(f"the tenants file {str(path)!r}: {error}") from error
