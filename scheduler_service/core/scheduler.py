@@ -573,7 +573,9 @@ class Scheduler(RequestMoves):
             if self.kv.holds(request.request_id):
                 # It arrived with its K/V (import_request, swap_in): it computes on from there.
                 num_new = min(request.num_uncomputed_tokens, budget)
-                if not self._allocate_preempting(request, num_new, scheduled):
+                if self._allocate(request, num_new) is None:
+                    if self._preempt_for(request, scheduled):
+                        continue
                     break
                 self._admitted(request, request.num_computed_tokens, hashes, admitted, num_new)
                 scheduled[request] = num_new
@@ -608,7 +610,12 @@ class Scheduler(RequestMoves):
             if num_new > budget and not self.config.enable_chunked_prefill:
                 break
             num_new = min(num_new, budget)
-            if not self._allocate_preempting(request, num_new, scheduled, hit):
+            if self._allocate(request, num_new, hit) is None:
+                # Room made by preempting a request it outranks, then the head looked at afresh:
+                # the preemption changed the caches this hit was found in (a swap-out to the host
+                # tier may evict the very host blocks it names).
+                if self._preempt_for(request, scheduled):
+                    continue
                 break
             self._admitted(request, hit.num_tokens, hashes, admitted, num_new, hit)
             scheduled[request] = num_new
@@ -616,16 +623,6 @@ class Scheduler(RequestMoves):
             if request.retry_alone:
                 break
         return budget
-
-    def _allocate_preempting(
-        self, request: Request, num_new: int, scheduled: dict[Request, int], hit: PrefixHit | None = None
-    ) -> bool:
-        """Blocks for the head of the queue, preempting running requests it outranks (policy's
-        preempts) while there are none."""
-        while self._allocate(request, num_new, hit) is None:
-            if not self._preempt_for(request, scheduled):
-                return False
-        return True
 
     def _preempt_for(self, request: Request, scheduled: dict[Request, int]) -> bool:
         """Makes room for a waiting request by preempting the lowest-ranked of the running
