@@ -47,8 +47,10 @@ class WaitingQueue:
         self._size += 1
         if self.policy is Policy.FCFS:
             self._fifo.append(request)
-        else:
-            heapq.heappush(self._heap_of(request.tenant), (rank(request, self.policy), request))
+            return
+        if self.policy is Policy.FAIR:
+            self.share.queued(request)
+        heapq.heappush(self._heap_of(request.tenant), (rank(request, self.policy), request))
 
     def insert(self, request: Request) -> None:
         """Queues a request that arrived earlier elsewhere (another executor's queue) in its
@@ -80,8 +82,10 @@ class WaitingQueue:
         else:
             heap = self._head_heap()
             request = heapq.heappop(heap)[1]
-            if not heap and self.policy is Policy.FAIR:
-                del self._tenants[request.tenant]
+            if self.policy is Policy.FAIR:
+                self.share.unqueued(request)
+                if not heap:
+                    del self._tenants[request.tenant]
         self._size -= 1
         return request
 
@@ -98,8 +102,10 @@ class WaitingQueue:
                 heap[index] = heap[-1]
                 heap.pop()
                 heapq.heapify(heap)
-                if not heap and self.policy is Policy.FAIR:
-                    del self._tenants[request.tenant]
+                if self.policy is Policy.FAIR:
+                    self.share.unqueued(request)
+                    if not heap:
+                        del self._tenants[request.tenant]
                 self._size -= 1
                 return True
         return False
@@ -109,8 +115,20 @@ class WaitingQueue:
         arrival order, otherwise by rank."""
         queue = WaitingQueue(policy, self.share)
         for request in sorted(self, key=lambda r: r.arrival_index):
+            if self.policy is Policy.FAIR:
+                # Counted afresh by the new queue, if it is fair too.
+                self.share.unqueued(request)
             queue.add(request)
         return queue
+
+    def clear(self) -> None:
+        """Empties the queue (its executor is gone)."""
+        for request in self:
+            self.share.unqueued(request)
+        self._fifo.clear()
+        self._heap.clear()
+        self._tenants.clear()
+        self._size = 0
 
     def _heap_of(self, tenant: str) -> _Heap:
         if self.policy is Policy.PRIORITY:

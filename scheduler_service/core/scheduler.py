@@ -227,7 +227,7 @@ class Scheduler(RequestMoves):
             request.lose_kv("executor_lost")
             self._unplace(request)
         self.running.clear()
-        self.waiting = WaitingQueue(self.config.policy, self.share)
+        self.waiting.clear()
         self._deferred.clear()
         self._prefixes.clear()
         self._on_executor.clear()

@@ -1,6 +1,7 @@
-"""The fair policy's books: counters are tokens served per unit of weight, and a tenant that
-becomes active starts level with the least served active tenant, never below (no banked credit)
-and never above its own history."""
+"""The fair policy's books: counters are tokens served per unit of weight; a tenant whose queues
+were empty and that queues a request starts level with the least served tenant with requests
+queued (else placed), never below (no banked credit, even while a request of its own runs) and
+never above its own history; a tenant with nothing placed is forgotten."""
 
 from __future__ import annotations
 
@@ -27,34 +28,63 @@ def test_charge_divides_by_weight() -> None:
     assert share.counter("small") == pytest.approx(202.0)
 
 
-def test_a_newly_active_tenant_starts_at_the_least_served_active_counter() -> None:
+def test_a_tenant_that_queues_starts_at_the_least_served_queued_counter() -> None:
     share = FairShare()
-    first, second = request("a1", "a"), request("b1", "b")
-    share.join(first)
-    share.join(second)
+    a1, b1 = request("a1", "a"), request("b1", "b")
+    for placed in (a1, b1):
+        share.join(placed)
+        share.queued(placed)
     share.charge("a", 500)
     share.charge("b", 300)
-    # Idle since start: it banked nothing, so it starts at the smaller active counter.
-    idle = request("c1", "c")
-    share.join(idle)
+    # Idle since start: it banked nothing, so it starts at the smaller queued counter.
+    c1 = request("c1", "c")
+    share.join(c1)
+    share.queued(c1)
     assert share.counter("c") == 300
-    # Its own history above the floor is kept: going idle does not wipe a debt.
+    # Its own history above the floor is kept while it has work placed: a request of its own
+    # leaving the queue and another queueing does not wipe a debt.
     share.charge("c", 1000)
-    share.leave(idle)
-    share.join(request("c2", "c"))
+    share.unqueued(c1)
+    c2 = request("c2", "c")
+    share.join(c2)
+    share.queued(c2)
     assert share.counter("c") == 1300
 
 
-def test_a_tenant_that_went_idle_is_lifted_when_it_returns() -> None:
+def test_a_running_request_banks_no_credit_while_others_are_served() -> None:
     share = FairShare()
-    early = request("a1", "a")
-    share.join(early)
-    share.join(request("b1", "b"))
-    share.charge("a", 10)
-    share.leave(early)
+    a_long, b1 = request("a-long", "a"), request("b1", "b")
+    for placed in (a_long, b1):
+        share.join(placed)
+        share.queued(placed)
+    # a's one request runs (out of the queue) while b's queue is served a million tokens.
+    share.unqueued(a_long)
+    share.charge("a", 1_000)
+    share.charge("b", 1_000_000)
+    flood = request("a-flood", "a")
+    share.join(flood)
+    share.queued(flood)
+    assert share.counter("a") == 1_000_000
+
+
+def test_with_nothing_queued_a_tenant_is_lifted_to_the_least_served_placed() -> None:
+    share = FairShare()
+    running = request("b1", "b")
+    share.join(running)
     share.charge("b", 400)
-    share.join(request("a2", "a"))
+    newcomer = request("a1", "a")
+    share.join(newcomer)
+    share.queued(newcomer)
     assert share.counter("a") == 400
+
+
+def test_a_tenant_with_nothing_placed_is_forgotten() -> None:
+    share = FairShare()
+    only = request("a1", "a")
+    share.join(only)
+    share.charge("a", 70)
+    share.leave(only)
+    assert share.counter("a") == 0 and "a" not in share.served
 
 
 def test_join_and_leave_are_idempotent() -> None:
@@ -77,9 +107,10 @@ def test_no_active_tenant_leaves_a_newcomer_where_it_was() -> None:
     assert share.counter("b") == 0
 
 
-# (what, request index, tokens): join or leave request i, or charge tokens to request i's tenant.
+# (what, request index, tokens): join, queue, unqueue or leave request i, or charge tokens to
+# request i's tenant.
 _operations = st.lists(
-    st.tuples(st.sampled_from(["join", "leave", "charge"]), st.integers(0, 11), st.integers(1, 100)),
+    st.tuples(st.sampled_from(["join", "queue", "unqueue", "leave", "charge"]), st.integers(0, 11), st.integers(1, 100)),
     max_size=60,
 )
 
@@ -93,25 +124,50 @@ def test_counters_follow_the_rules_under_any_sequence(operations: list[tuple[str
     # Request i belongs to tenant i % 3.
     requests = [request(f"r{i}", tenants[i % 3]) for i in range(12)]
     placed: set[int] = set()
+    queued: set[int] = set()
+
+    def tenants_of(indices: set[int]) -> set[str]:
+        return {tenants[i % 3] for i in indices}
+
     for what, index, tokens in operations:
         before = {t: share.counter(t) for t in tenants}
         tenant = requests[index].tenant
         if what == "join":
-            was_active = any(tenants[i % 3] == tenant for i in placed)
-            floor = min((before[tenants[i % 3]] for i in placed), default=None)
             share.join(requests[index])
             placed.add(index)
-            if was_active or floor is None:
+            assert {t: share.counter(t) for t in tenants} == before
+        elif what == "queue":
+            if index not in placed:
+                continue
+            others_queued = tenants_of(queued) - {tenant}
+            others_placed = tenants_of(placed) - {tenant}
+            floor_from = others_queued or others_placed
+            was_queued = tenant in tenants_of(queued)
+            share.queued(requests[index])
+            queued.add(index)
+            if was_queued or not floor_from:
                 assert share.counter(tenant) == before[tenant]
             else:
-                assert share.counter(tenant) == max(before[tenant], floor)
+                assert share.counter(tenant) == max(before[tenant], min(before[t] for t in floor_from))
+        elif what == "unqueue":
+            share.unqueued(requests[index])
+            queued.discard(index)
+            assert {t: share.counter(t) for t in tenants} == before
         elif what == "leave":
             share.leave(requests[index])
             placed.discard(index)
+            queued.discard(index)
+            if tenant not in tenants_of(placed):
+                assert share.counter(tenant) == 0
+                before[tenant] = 0
             assert {t: share.counter(t) for t in tenants} == before
         else:
+            if tenant not in tenants_of(placed):
+                # Only requests placed are planned, so only their tenants are charged.
+                continue
             share.charge(tenant, tokens)
             assert share.counter(tenant) == pytest.approx(before[tenant] + tokens / weights[tenant])
         for t in tenants:
-            assert share.counter(t) >= before[t], "a counter went down"
+            if t in tenants_of(placed):
+                assert share.counter(t) >= before[t], "a counter went down while its tenant had work"
             assert share.placed(t) == sum(1 for i in placed if tenants[i % 3] == t)

@@ -128,14 +128,14 @@ def fair_run(weights: dict[str, float], max_num_seqs: int = 2) -> Lockstep:
 
 
 def test_fair_a_tenant_served_more_does_not_preempt_another_tenants_request() -> None:
-    """a was served 200 tokens before b came; b's two priority-5 requests fill the batch. a's
-    priority-0 request arrives: a is not owed, so it waits for a seat to free."""
-    run = fair_run({})
-    history = make("a-history", 0, 100, 100, LOW, "a")
-    run.step([history])
-    run.run_until_done()
+    """b's two priority-5 requests run; a arrives after them and is served a 100-token prompt, so
+    it is over b's share. a's priority-0 request arrives at the full batch: a is not owed, so it
+    waits for a seat to free (and a's own running request is of its priority, not a victim)."""
+    run = fair_run({}, max_num_seqs=3)
     b_lows = [make(f"b{i}", 1 + i, 8, 30, LOW, "b") for i in range(2)]
     run.step(b_lows)
+    history = make("a-history", 0, 100, 100, HIGH, "a")
+    run.step([history])
     run.step()
     share = run.scheduler.share
     high = make("a-high", 9, 4, 6, HIGH, "a")
