@@ -29,8 +29,11 @@ class StepMode(enum.Enum):
 
 
 def deadline_of(request: Request) -> float:
-    """When its first token is due; inf once it has one (or never had a deadline)."""
-    return math.inf if request.first_token_time is not None else request.ttft_deadline
+    """When its first token is due; inf once it has one (here, or before it was submitted again
+    after its planner was lost), or when it never had a deadline."""
+    if request.first_token_time is not None or request.num_output_tokens:
+        return math.inf
+    return request.ttft_deadline
 
 
 def rank(request: Request, policy: Policy) -> tuple[int, float, int]:

@@ -19,7 +19,8 @@ KV cache could never hold the request is not a candidate.
 
 Under a policy where priority preempts (priority, fair), an executor where the request would
 start at once comes before every other, whatever the scores: one with a seat to spare, or one
-running a request it preempts (policy.preempts). A high-priority request arriving at a fleet
+running a request it preempts (policy.preempts) with no request of its priority or higher queued
+ahead of it. A high-priority request arriving at a fleet
 whose batches are full thus goes where it can take a lower-priority request's place, not where
 the batch is full of its equals.
 
@@ -76,4 +77,7 @@ def _starts_at_once(request: Request, scheduler: Scheduler) -> bool:
     config = scheduler.config
     if config.policy is Policy.FCFS or len(scheduler.running) + scheduler.num_waiting < config.max_num_seqs:
         return True
+    # Requests queued there of its priority or higher go first.
+    if scheduler.waiting and scheduler.waiting.peek().priority <= request.priority:
+        return False
     return any(not r.moving and preempts(request, r, config.policy, scheduler.share) for r in scheduler.running)

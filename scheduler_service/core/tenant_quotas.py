@@ -17,6 +17,9 @@ from scheduler_service.core.request import Request
 from scheduler_service.core.tenants import TenantLimits, TenantTable
 
 WINDOW_S = 60.0
+# Books kept for tenants with nothing in flight before they are swept (tenants named by
+# x-splitserve-tenant are not bounded by the tenants file).
+_IDLE_BOOKS = 1000
 # Seconds a request holds its seat, assumed until one of the tenant's requests ended.
 _DEFAULT_HOLD_S = 1.0
 _HOLD_SMOOTHING = 0.1
@@ -28,15 +31,21 @@ class TenantBooks:
     placed: dict[Request, float] = field(default_factory=dict)
     # Requests waiting for a seat under max_running, in arrival order.
     held: list[Request] = field(default_factory=list)
-    # (when, tokens) asked in the last WINDOW_S, and their sum.
-    asked: deque[tuple[float, int]] = field(default_factory=deque)
+    # [when, tokens] asked in the last WINDOW_S, and their sum; by request too while it is in
+    # flight (one that ends without having run gives its tokens back).
+    asked: deque[list[float]] = field(default_factory=deque)
     asked_tokens: int = 0
+    entries: dict[Request, list[float]] = field(default_factory=dict)
     # Mean seconds a request held its seat.
     hold_s: float = _DEFAULT_HOLD_S
 
     def expire(self, now: float) -> None:
         while self.asked and self.asked[0][0] <= now - WINDOW_S:
-            self.asked_tokens -= self.asked.popleft()[1]
+            self.asked_tokens -= int(self.asked.popleft()[1])
+
+    @property
+    def idle(self) -> bool:
+        return not (self.placed or self.held or self.asked)
 
 
 class TenantQuotas:
@@ -45,17 +54,23 @@ class TenantQuotas:
         self.clock = clock
         self.books: dict[str, TenantBooks] = {}
 
-    def admit(self, request: Request) -> bool:
-        """True: place it now; False: it waits here for a seat (held). AdmissionRefused when it is
-        over its tenant's quotas."""
+    def admit(self, request: Request, tokens: int | None = None, may_refuse: bool = True) -> bool:
+        """True: place it now; False: it waits here for a seat (held). tokens: what it asks for
+        (prompt and most output; by default prompt and max_tokens). AdmissionRefused when it is
+        over its tenant's quotas, unless it may not be refused (a request the client already
+        streams, submitted again after its planner was lost)."""
+        if tokens is None:
+            tokens = request.num_prompt_tokens + (request.sampling.max_tokens or 0)
         now = self.clock()
+        if len(self.books) > _IDLE_BOOKS:
+            self._sweep(now)
         limits = self.table.limits(request.tenant)
         books = self.books.setdefault(request.tenant, TenantBooks())
         books.expire(now)
-        tokens = request.num_prompt_tokens + (request.sampling.max_tokens or 0)
-        self._check_tokens(request.tenant, limits, books, tokens, now)
+        if may_refuse:
+            self._check_tokens(request.tenant, limits, books, tokens, now)
         seated = limits.max_running is None or len(books.placed) < limits.max_running
-        if not seated and limits.max_waiting is not None and len(books.held) >= limits.max_waiting:
+        if may_refuse and not seated and limits.max_waiting is not None and len(books.held) >= limits.max_waiting:
             retry = (len(books.held) + 1) * books.hold_s / (limits.max_running or 1)
             raise AdmissionRefused(
                 "max_waiting",
@@ -64,8 +79,10 @@ class TenantQuotas:
                 f"and {len(books.held)} waiting (its max_waiting); retry after {retry:.1f} s",
                 retry,
             )
-        books.asked.append((now, tokens))
+        entry = [now, tokens]
+        books.asked.append(entry)
         books.asked_tokens += tokens
+        books.entries[request] = entry
         if seated:
             books.placed[request] = now
         else:
@@ -74,26 +91,46 @@ class TenantQuotas:
 
     def ended(self, request: Request) -> list[Request]:
         """The request is over (finished, failed or aborted): the held requests that take its
-        seat, to place now."""
+        seat, to place now. One that never ran gives back the tokens it asked for (a choice of
+        several cancelled with its siblings' refusal must not use up the quota of the retry)."""
         books = self.books.get(request.tenant)
         if books is None:
             return []
+        entry = books.entries.pop(request, None)
+        if entry is not None and request.first_scheduled_time is None:
+            books.asked_tokens -= int(entry[1])
+            entry[1] = 0
         placed_at = books.placed.pop(request, None)
         if placed_at is None:
             if request in books.held:
                 books.held.remove(request)
             return []
         books.hold_s += _HOLD_SMOOTHING * (self.clock() - placed_at - books.hold_s)
-        limits = self.table.limits(request.tenant)
+        return self.seat_held(request.tenant)
+
+    def seat_held(self, tenant: str) -> list[Request]:
+        """The tenant's held requests that have a seat now (one ended, or the limit was raised),
+        in its own order (priority, deadline, arrival), to place."""
+        books = self.books.get(tenant)
+        if books is None:
+            return []
+        limits = self.table.limits(tenant)
         now = self.clock()
         seated = []
         while books.held and (limits.max_running is None or len(books.placed) < limits.max_running):
-            # The tenant's own order: priority, deadline, arrival.
             head = min(books.held, key=lambda r: rank(r, Policy.PRIORITY))
             books.held.remove(head)
             books.placed[head] = now
             seated.append(head)
         return seated
+
+    def seat_wait_s(self, tenant: str) -> float:
+        """Predicted seconds until a request of this tenant held now gets a seat."""
+        books = self.books.get(tenant)
+        limits = self.table.limits(tenant)
+        if books is None or limits.max_running is None:
+            return 0.0
+        return len(books.held) * books.hold_s / limits.max_running
 
     def held(self) -> list[Request]:
         return [r for books in self.books.values() for r in books.held]
@@ -101,6 +138,13 @@ class TenantQuotas:
     @property
     def num_held(self) -> int:
         return sum(len(books.held) for books in self.books.values())
+
+    def _sweep(self, now: float) -> None:
+        for tenant in list(self.books):
+            books = self.books[tenant]
+            books.expire(now)
+            if books.idle:
+                del self.books[tenant]
 
     def _check_tokens(self, tenant: str, limits: TenantLimits, books: TenantBooks, tokens: int, now: float) -> None:
         quota = limits.tokens_per_minute

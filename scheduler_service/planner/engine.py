@@ -298,9 +298,12 @@ class Engine:
         request: Request,
         trace_carrier: Mapping[str, str] | None = None,
         open_sink: Callable[[Request], RequestSink] | None = None,
+        resumed: bool = False,
     ) -> RequestSink:
         """Queues a request; its tokens go to the sink open_sink makes for it (by default its
-        client's stream in this process). RequestRejected says why it cannot run."""
+        client's stream in this process). RequestRejected says why it cannot run. resumed: a
+        request its client already streams, submitted again after its planner was lost: its
+        tenant's quotas and its deadline were judged when it arrived, and are not again."""
         info = self.info
         refuse_when_draining(self.draining)
         if info is None and not self.queue_before_first_executor:
@@ -325,10 +328,14 @@ class Engine:
         if info is not None:
             self._constrain(request, info)
         request.arrival_time = request.arrival_time or time.monotonic()
-        intake = self._intake_lanes(request, serving) if serving else []
+        request.arrival_index = next(self._arrivals)
+        # Lanes whose KV cache could hold it (check_room_in_cache saw that one does).
+        intake = [
+            lane for lane in (self._intake_lanes(request, serving) if serving else [])
+            if request.num_tokens < lane.scheduler.config.max_seq_len
+        ]
         try:
-            index = self._choose(request, intake) if intake else 0
-            seated = self.quotas.admit(request)
+            index = self._admit(request, intake, resumed)
         except AdmissionRefused as refused:
             self.metrics.request_refused(request.tenant, refused.reason)
             logger.info(
@@ -336,7 +343,6 @@ class Engine:
                 request.request_id, request.tenant, refused.reason, refused.retry_after_s or 0.0,
             )
             raise
-        request.arrival_index = next(self._arrivals)
         stream: RequestSink = (
             open_sink(request)
             if open_sink is not None
@@ -348,24 +354,55 @@ class Engine:
         request.output = stream
         if self.tracing.enabled:
             self.tracing.request_started(stream, trace_carrier or {})
-        if seated and intake:
+        if index is not None and intake:
             lane = intake[index]
-            lane.scheduler.add_request(request)
+            try:
+                lane.scheduler.add_request(request)
+            except RequestRejected:
+                self.quotas.ended(request)
+                raise
             if self.step_trace is not None:
                 self.step_trace.request_added(lane.address, request, lane.scheduler)
             lane.wake.set()
-        elif seated:
+        elif index is not None:
             # Executors were reached before, so one is expected back.
             self.unplaced.append(request)
         # Else its tenant's max_running is reached: it waits in the tenant's queue (quotas)
         # until one of the tenant's requests ends.
         return stream
 
-    def _choose(self, request: Request, intake: list[ExecutorLane]) -> int:
-        """The lane (by index) for a new request: the router's, unless its deadline is better
-        met elsewhere (deadline_admission); AdmissionRefused when met nowhere."""
-        candidates = [(lane.scheduler, lane.step_timer.seconds if lane.step_timer.ready else None) for lane in intake]
-        return self.deadlines.choose(request, candidates, self._route(request, intake) or 0, time.monotonic())
+    def _admit(self, request: Request, intake: list[ExecutorLane], resumed: bool) -> int | None:
+        """Where a new request goes: the index in intake of its lane (the router's, unless its
+        deadline is better met on another, deadline_admission), or None while it waits for a
+        seat under its tenant's max_running. AdmissionRefused past its tenant's quotas or its
+        deadline; nothing is booked then."""
+        routed = (self._route(request, intake) or 0) if intake else 0
+        if intake and not resumed:
+            candidates = [(lane.scheduler, lane.step_timer.seconds if lane.step_timer.ready else None) for lane in intake]
+            routed = self.deadlines.choose(request, candidates, routed, time.monotonic())
+        if self.quotas.admit(request, self._asked_tokens(request), may_refuse=not resumed):
+            return routed
+        wait = self.quotas.seat_wait_s(request.tenant)
+        time_left = request.ttft_deadline - time.monotonic()
+        if request.ttft_deadline_s and not resumed and wait > self.deadlines.margin * time_left:
+            self.quotas.ended(request)
+            raise AdmissionRefused(
+                "deadline",
+                ErrorKind.OVERLOADED,
+                f"tenant {request.tenant!r} has its max_running requests running; a seat is predicted "
+                f"in {wait * 1000:.0f} ms, past the deadline of {request.ttft_deadline_s * 1000:.0f} ms "
+                "(ttft_deadline_ms); retry later",
+                wait,
+            )
+        return None
+
+    def _asked_tokens(self, request: Request) -> int:
+        """What a request may use of its tenant's tokens_per_minute: its prompt and its most
+        output (the model's length when it sets no max_tokens)."""
+        most = request.sampling.max_tokens
+        if most is None:
+            most = max(0, self.info.max_model_len - request.num_prompt_tokens) if self.info is not None else 0
+        return request.num_prompt_tokens + most
 
     def reload_tenants(self) -> TenantTable:
         """Reads --tenants-file again; ValueError (TenantsFileError) when the file is wrong,
@@ -376,6 +413,9 @@ class Engine:
         table = load_tenants_file(source)
         self.quotas.table = table
         logger.info("event=tenants_reloaded source=%s tenants=%d", source, len(table.tenants))
+        # A raised max_running seats held requests now, not when the tenant's next one ends.
+        for tenant in list(self.quotas.books):
+            self._place(self.quotas.seat_held(tenant))
         return table
 
     def open_stream(self, request: Request, trace_carrier: Mapping[str, str] | None = None) -> OutputStream:

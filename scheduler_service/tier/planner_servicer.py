@@ -145,7 +145,8 @@ class PlannerServicer(planner_pb2_grpc.PlannerServicer):
             try:
                 request.delivery_key = link.index << _HANDLE_BITS | handle
                 sink = engine.submit(
-                    request, dict(submitted.trace_context), lambda r, h=handle: RemoteSink(r, link, h)
+                    request, dict(submitted.trace_context), lambda r, h=handle: RemoteSink(r, link, h),
+                    resumed=bool(submitted.num_planner_losses or submitted.output_token_ids),
                 )
             except RequestRejected as rejected:
                 link.failed(handle, rejected.as_error())

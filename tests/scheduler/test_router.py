@@ -134,3 +134,21 @@ def test_under_priority_a_request_goes_where_it_can_take_a_lower_priority_seat()
     assert route(urgent, lanes, tokens_per_request=0).index == 1
     # One no more urgent than anyone running goes by the scores, as under FCFS.
     assert route(Request("calm", [0, 0, 9], SamplingParams(max_tokens=4), priority=5), lanes, tokens_per_request=0).index == 0
+
+
+def test_an_urgent_request_does_not_go_where_its_equals_queue_ahead_of_it() -> None:
+    config = SchedulerConfig(num_kv_blocks=256, block_size=BLOCK, max_model_len=512, max_num_seqs=2, policy=Policy.PRIORITY)
+    crowded, full = Scheduler(config), Scheduler(config)
+    # Crowded: one priority-5 request running beside a priority-0 one, and many priority-0
+    # requests queued. Full: two priority-0 requests running, nothing queued.
+    crowded.add_request(Request("c-low", [5, 1, 9], SamplingParams(max_tokens=50), priority=5))
+    crowded.add_request(Request("c-high", [0, 1, 9], SamplingParams(max_tokens=50), priority=0))
+    crowded.schedule()
+    for index in range(20):
+        crowded.add_request(Request(f"c-q{index}", [0, 2, index], SamplingParams(max_tokens=50), priority=0))
+    for index in range(2):
+        full.add_request(Request(f"f{index}", [0, 3, index], SamplingParams(max_tokens=50), priority=0))
+    full.schedule()
+    urgent = Request("urgent", [0, 4, 9], SamplingParams(max_tokens=4), priority=0)
+    # Neither starts it at once, so the scores decide: the full one, with less load.
+    assert route(urgent, [crowded, full], tokens_per_request=16).index == 1

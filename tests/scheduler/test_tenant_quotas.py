@@ -205,3 +205,53 @@ def test_tokens_per_minute_holds_in_every_window_and_its_retry_after_is_exact(
         admitted.append((clock.now, tokens))
         in_window = sum(t for at, t in admitted if at > clock.now - WINDOW_S)
         assert in_window <= quota
+
+
+def test_a_request_that_never_ran_gives_its_tokens_back() -> None:
+    # A choice of n admitted, then cancelled when a sibling is refused: the retry must fit.
+    books, _ = quotas(tokens_per_minute=100)
+    siblings = [ask(prompt_len=10, max_tokens=20) for _ in range(3)]
+    for sibling in siblings:
+        assert books.admit(sibling)
+    with pytest.raises(AdmissionRefused):
+        books.admit(ask(prompt_len=10, max_tokens=20))
+    for sibling in siblings:
+        books.ended(sibling)
+    assert books.books["acme"].asked_tokens == 0
+    assert books.admit(ask(prompt_len=10, max_tokens=20))
+    # One that ran keeps what it asked for counted.
+    ran = ask(prompt_len=10, max_tokens=20)
+    assert books.admit(ran)
+    ran.first_scheduled_time = 0.0
+    books.ended(ran)
+    assert books.books["acme"].asked_tokens == 60
+
+
+def test_a_resubmitted_request_is_never_refused_but_still_waits_for_a_seat() -> None:
+    books, _ = quotas(max_running=1, max_waiting=0, tokens_per_minute=50)
+    assert books.admit(ask(prompt_len=10, max_tokens=30))
+    resumed = ask(prompt_len=10, max_tokens=30)
+    assert books.admit(resumed, may_refuse=False) is False
+    assert books.held() == [resumed]
+
+
+def test_a_raised_max_running_seats_held_requests_at_once() -> None:
+    books, _ = quotas(max_running=1)
+    assert books.admit(ask())
+    held = [ask(), ask()]
+    assert [books.admit(r) for r in held] == [False, False]
+    assert books.seat_wait_s("acme") > 0
+    books.table = TenantTable({"acme": TenantLimits(max_running=3)})
+    assert books.seat_held("acme") == held
+    assert books.num_held == 0 and books.seat_wait_s("acme") == 0
+
+
+def test_idle_tenants_books_are_swept() -> None:
+    books, clock = quotas()
+    for index in range(1_100):
+        request = ask(tenant=f"t{index}")
+        assert books.admit(request)
+        books.ended(request)
+    clock.now += WINDOW_S + 1
+    books.admit(ask(tenant="late"))
+    assert set(books.books) == {"late"}
