@@ -550,8 +550,6 @@ class Scheduler(RequestMoves):
     ) -> int:
         while self.waiting and budget > 0:
             request = self.waiting.peek()
-            if len(self.running) >= self.config.max_num_seqs and not self._preempt_for(request, scheduled):
-                break
             # A request retried after a failed step runs alone (see Request.retry_alone): not
             # beside other requests, nor beside the step's bulk decodes.
             if request.retry_alone and (scheduled or bulk.step is not None):
@@ -559,6 +557,9 @@ class Scheduler(RequestMoves):
             # A hybrid model's request needs a recurrent-state slot as well as blocks (a free
             # one or a checkpoint's), and waits for one as it would for blocks.
             if not self._checkpoints.may_admit() and not self.kv.state_slots.slot_of(request.request_id):
+                break
+            # Last of the checks that stop it, so no request is preempted for one that then waits.
+            if len(self.running) >= self.config.max_num_seqs and not self._preempt_for(request, scheduled):
                 break
             hashes = self.prefix_hashes(request)
             if self.kv.is_swapped(request.request_id) and (
