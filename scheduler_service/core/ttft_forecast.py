@@ -69,24 +69,32 @@ def forecast_ttft(
 
 
 def running_seats(running: Sequence[Request], mean_output: float, budget: int, max_seq_len: int) -> list[float]:
-    """Steps until each running request frees its seat. One that ignores EOS runs to its length
-    limit. Of one that may stop sooner only the mean output is known, and the mean less what it
-    has would be wrong twice: with lengths heavy-tailed a request past the mean is expected to
-    run on, not to end at once; and a seat frees at the soonest of several random ends, sooner
-    than the soonest expected end. n such requests end, in steady state, one every mean / n
-    steps (Little's law): the k-th to end is taken to end at k x mean / n, none past its limit."""
+    """Steps until each running request frees its seat (running_ends)."""
+    return [steps for steps, _ in running_ends(running, mean_output, budget, max_seq_len)]
+
+
+def running_ends(
+    running: Sequence[Request], mean_output: float, budget: int, max_seq_len: int
+) -> list[tuple[float, Request]]:
+    """Steps until each running request frees its seat, with the request taken to free it. One
+    that ignores EOS runs to its length limit. Of one that may stop sooner only the mean output
+    is known, and the mean less what it has would be wrong twice: with lengths heavy-tailed a
+    request past the mean is expected to run on, not to end at once; and a seat frees at the
+    soonest of several random ends, sooner than the soonest expected end. n such requests end, in
+    steady state, one every mean / n steps (Little's law): the k-th to end is taken to end at
+    k x mean / n, none past its limit."""
     seats = []
     open_ended = []
     for request in running:
         prompt_steps = math.ceil(request.num_uncomputed_tokens / budget)
         left = max(1, length_limit(request, max_seq_len) - request.num_tokens)
         if request.sampling.ignore_eos:
-            seats.append(prompt_steps + left)
+            seats.append((prompt_steps + left, request))
         else:
-            open_ended.append((left, prompt_steps))
-    open_ended.sort()
-    for k, (left, prompt_steps) in enumerate(open_ended, 1):
-        seats.append(prompt_steps + min(left, k * mean_output / len(open_ended)))
+            open_ended.append((left, prompt_steps, request))
+    open_ended.sort(key=lambda entry: entry[:2])
+    for k, (left, prompt_steps, request) in enumerate(open_ended, 1):
+        seats.append((prompt_steps + min(left, k * mean_output / len(open_ended)), request))
     return seats
 
 
