@@ -21,6 +21,10 @@ from executor_service.recurrent.state_slots import StateSlots
 from executor_service.recurrent.state_transfer import read_slot, write_slot
 from executor_service.runner.block_swaps import run_swaps
 from executor_service.runner.decode_graphs import DecodeGraphs
+from executor_service.runner.draft_verification import (
+    accepted_drafts,
+    drafts_before_rows,
+)
 from executor_service.runner.forward import accepts_logits_to_keep, compute_logits
 from executor_service.runner.late_bitmasks import LateBitmasks
 from executor_service.runner.plan_inputs import (
@@ -279,7 +283,7 @@ class ModelRunner:
         sampling = [item for item in admitted.work if item.samples] if steady is None else []
         logits = self._steady_logits(steady) if steady is not None else None
         if steady is not None and logits is not None:
-            sampled_states, sampled_rows = steady.states, steady.rows
+            sampled_rows = steady.rows
         else:
             if steady is not None:
                 # Outside every graph's bucket, on a backend whose inputs only build_step_inputs
@@ -291,7 +295,7 @@ class ModelRunner:
                 # The prompts' rows follow the sampled ones.
                 self._score_prompts(logits[len(sampled_states) :], prompt_spans)
                 logits = logits[: len(sampled_states)]
-        batch = self.rows.sampling(sampled_rows)
+        batch = self.rows.sampling(sampled_rows, drafts_before_rows(sampling))
         masks = self._token_masks(result.step_id, sampling, late)
         if masks is not None:
             batch = replace(batch, token_masks=masks)
@@ -303,8 +307,7 @@ class ModelRunner:
             self.rows.decoded(sampled_rows, sampled.token_ids)
             result.decode_token_ids.extend(sampled.token_ids)
             return
-        tokens = self._advance(admitted, sampled_states, sampled, result)
-        self.rows.append_tokens(sampled_rows, sampled.token_ids)
+        tokens = self._advance(admitted, sampled, result)
         if admitted.decodes:
             result.decode_token_ids.extend(
                 [UNHELD_DECODE_TOKEN if s is None else tokens[s.request_id] for s in admitted.decodes]
@@ -313,7 +316,8 @@ class ModelRunner:
     def _token_masks(self, step_id: int, sampling: list[ScheduledWork], late: LateBitmasks | None) -> TokenMasks | None:
         """The step's grammar masks, placed by row among its sampling work (in work order, as
         both build_step_inputs and the decode graphs sample them); those that follow the plan
-        waited for here, after the forward."""
+        waited for here, after the forward. An item with a mask has no drafts (validation), so
+        its one row is the first of its ScheduledWork.num_samples."""
         bitmasks = [item.allowed_token_bitmask for item in sampling]
         if late is not None and any(item.bitmask_follows for item in sampling):
             arrived = late.take(step_id)
@@ -324,10 +328,13 @@ class ModelRunner:
                     if problem is not None:
                         raise ValueError(f"request {item.state.request_id!r}'s late bitmask: {problem}")
                     bitmasks[i] = bitmask
+        first_rows = np.cumsum([0] + [item.num_samples for item in sampling[:-1]]).tolist()
         places = [i for i, bitmask in enumerate(bitmasks) if bitmask]
         if not places:
             return None
-        return token_masks_of(places, [bitmasks[i] for i in places], self.limits.vocab_size, self.loaded.device)
+        return token_masks_of(
+            [first_rows[i] for i in places], [bitmasks[i] for i in places], self.limits.vocab_size, self.loaded.device
+        )
 
     def _steady_logits(self, steady: SteadyStep) -> torch.Tensor | None:
         """A steady step's logits from inputs gathered from the rows' tables, or None where
@@ -554,8 +561,16 @@ class ModelRunner:
             assert state is not None  # check_continuing refuses an unknown id
             self.rows.add_blocks(state, entry.new_block_ids)
         scheduled.add(entry.request_id)
-        follows = isinstance(entry, executor_pb2.ContinuingRequest) and entry.bitmask_follows
-        admitted.work.append(ScheduledWork(state, entry.num_scheduled_tokens, entry.allowed_token_bitmask, follows))
+        continuing = isinstance(entry, executor_pb2.ContinuingRequest)
+        follows = continuing and entry.bitmask_follows
+        drafts = tuple(entry.draft_token_ids) if continuing else ()
+        admitted.work.append(
+            ScheduledWork(
+                state, entry.num_scheduled_tokens, entry.allowed_token_bitmask, follows, draft_token_ids=drafts
+            )
+        )
+        if drafts:
+            logger.debug("event=drafts_admitted request_id=%s drafts=%d", entry.request_id, len(drafts))
         return None
 
     def _reject(self, admitted: _Admitted, request_id: str, code: int, problem: str) -> None:
@@ -575,36 +590,56 @@ class ModelRunner:
     def _advance(
         self,
         admitted: _Admitted,
-        sampled_states: list[RequestState],
         sampled: SampleResult,
         result: executor_pb2.StepResult,
     ) -> dict[str, int]:
-        """Advances each request past its work. Entries' tokens go into result.outputs; steady
-        decodes' tokens are returned by request id, for decode_token_ids. The sampled tokens
-        themselves are appended by the caller."""
-        by_id = {
-            state.request_id: (token, logprobs)
-            for state, token, logprobs in zip(
-                sampled_states, sampled.token_ids, sampled.logprobs, strict=True
-            )
-        }
+        """Advances each request past its work and appends what it sampled; the sampled rows
+        are the sampling items' in work order, ScheduledWork.num_samples each. An item with
+        drafts keeps the drafts its rows accept and the token sampled after the last of them,
+        and has computed its last token and those drafts: it ends as decodes one at a time
+        would have left it, the K/V of the positions after them left for the next step to
+        overwrite. Entries' tokens go into result.outputs; steady decodes' tokens are returned
+        by request id, for decode_token_ids."""
         decoded: dict[str, int] = {}
+        # Requests that sampled one token, appended in one call (counting penalties).
+        single_rows: list[int] = []
+        single_tokens: list[int] = []
+        cursor = 0
         for index, item in enumerate(admitted.work):
             state = item.state
-            self.rows.advance(state, item.num_tokens)
+            width = item.num_samples
+            if not width:
+                self.rows.advance(state, item.num_tokens)
+                if index < admitted.num_entries:
+                    result.outputs.add(request_id=state.request_id)
+                continue
+            tokens = sampled.token_ids[cursor : cursor + width]
+            logprobs = sampled.logprobs[cursor : cursor + width]
+            cursor += width
+            drafts = item.draft_token_ids
+            accepted = accepted_drafts(drafts, tokens)
+            tokens, logprobs = tokens[: accepted + 1], logprobs[: accepted + 1]
+            self.rows.advance(state, item.num_tokens - (len(drafts) - accepted))
+            if drafts:
+                self.rows.extend_tokens(state, tokens)
+                logger.debug(
+                    "event=drafts_verified request_id=%s drafts=%d accepted=%d", state.request_id, len(drafts), accepted
+                )
+            else:
+                single_rows.append(state.row)
+                single_tokens.append(tokens[0])
             if index >= admitted.num_entries:
-                decoded[state.request_id] = by_id[state.request_id][0]
+                decoded[state.request_id] = tokens[0]
                 continue
             output = result.outputs.add(request_id=state.request_id)
-            if state.request_id not in by_id:
-                continue
-            token, logprobs = by_id[state.request_id]
             if state.prompt_logprobs:
                 output.prompt_logprobs.extend(state.prompt_logprobs)
                 state.prompt_logprobs.clear()
-            output.token_ids.append(token)
-            if logprobs is not None:
-                output.logprobs.append(_logprob_record(token, logprobs))
+            output.token_ids.extend(tokens)
+            output.logprobs.extend(_logprob_record(token, top) for token, top in zip(tokens, logprobs) if top is not None)
+        if cursor != len(sampled.token_ids):
+            raise ValueError(f"{len(sampled.token_ids)} sampled rows for the {cursor} the step's work samples")
+        self.rows.append_tokens(np.array(single_rows, dtype=np.int64), single_tokens)
         return decoded
 
 

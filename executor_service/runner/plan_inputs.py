@@ -38,11 +38,21 @@ class ScheduledWork:
     # (n, slot): keep the recurrent state after the first n of these tokens in slot
     # (StepPlan.state_checkpoints).
     checkpoints: tuple[tuple[int, int], ...] = ()
+    # Tokens proposed to follow the request's (ContinuingRequest.draft_token_ids): the step
+    # computes them after its last token, num_tokens counting them, and samples at each.
+    draft_token_ids: tuple[int, ...] = ()
 
     @property
     def samples(self) -> bool:
-        """A token is sampled when this step's computation reaches the end of the known tokens."""
-        return self.state.num_computed_tokens + self.num_tokens == self.state.num_tokens
+        """A token is sampled when this step's computation reaches the end of the known tokens
+        (and of the drafts after them)."""
+        return self.state.num_computed_tokens + self.num_tokens - len(self.draft_token_ids) == self.state.num_tokens
+
+    @property
+    def num_samples(self) -> int:
+        """Rows the step samples for it: one per computed position from its last known token on
+        (that token's, then each draft's), none when it does not reach its end."""
+        return 1 + len(self.draft_token_ids) if self.samples else 0
 
 
 @dataclass(slots=True, frozen=True)
@@ -60,8 +70,10 @@ class StepInputs:
     input_ids: torch.Tensor
     position_ids: torch.Tensor
     attention: StepAttention
-    # Flattened-batch index of the last token of each sampling request, in work order.
+    # Flattened-batch index of the last token of each sampling request, in work order; of its
+    # last token and each of its drafts for a request with drafts (ScheduledWork.num_samples).
     logits_indices: torch.Tensor
+    # Per sampled row, its request (repeated for each row of a request with drafts).
     sampled: list[RequestState]
     # The sampled requests' rows (RequestRows), and per row whether only its argmax is read.
     sampled_rows: np.ndarray
@@ -105,14 +117,17 @@ def build_step_inputs(
                 block_ids=tuple(item.state.block_ids),
             )
         )
-        token_ids.extend(item.state.tokens(start, end))
+        # Drafts follow the request's known tokens, as a prefill chunk's tokens would.
+        token_ids.extend(item.state.tokens(start, end - len(item.draft_token_ids)))
+        token_ids.extend(item.draft_token_ids)
         positions.extend(range(start, end))
         if rope_lengths:
             lengths.extend(token_lengths(item.state.num_prompt_tokens, start, end))
-        if item.samples:
-            logits_indices.append(len(token_ids) - 1)
-            sampled.append(item.state)
-            masked.append(bool(item.allowed_token_bitmask) or item.bitmask_follows)
+        rows = item.num_samples
+        if rows:
+            logits_indices.extend(range(len(token_ids) - rows, len(token_ids)))
+            sampled.extend([item.state] * rows)
+            masked.extend([bool(item.allowed_token_bitmask) or item.bitmask_follows] * rows)
         if item.state.sampling.want_prompt_logprobs:
             # Position p scores prompt token p + 1; the last prompt position is the sampled row.
             scored = min(end, item.state.num_prompt_tokens - 1) - start

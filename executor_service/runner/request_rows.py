@@ -92,11 +92,14 @@ class RequestState:
     def num_output_tokens(self) -> int:
         return self.num_tokens - self.num_prompt_tokens
 
-    def seeded_generator(self) -> torch.Generator | None:
-        """The generator, re-seeded for the position of the token about to be sampled."""
+    def seeded_generator(self, drafts_before: int = 0) -> torch.Generator | None:
+        """The generator, re-seeded for the position of the token about to be sampled, or of the
+        one after that many drafts (ContinuingRequest.draft_token_ids). A draft's row gets a
+        generator of its own: the request's rows of one step draw side by side."""
         if self.generator is None or self.sampling.seed is None:
             return None
-        return self.generator.manual_seed(position_seed(self.sampling.seed, self.num_tokens))
+        generator = torch.Generator(device=self.generator.device) if drafts_before else self.generator
+        return generator.manual_seed(position_seed(self.sampling.seed, self.num_tokens + drafts_before))
 
 
 class RequestRows:
@@ -203,6 +206,21 @@ class RequestRows:
         if len(rows):
             self._append(rows, self.ints[rows], token_ids)
 
+    def extend_tokens(self, state: RequestState, token_ids: Sequence[int]) -> None:
+        """The request has these tokens more (output), as many decodes would have appended
+        them: a verify step's answer (ContinuingRequest.draft_token_ids). Counts no penalties:
+        validation refuses drafts for a request with them."""
+        row = state.row
+        if self.flags[row, PENALISED]:
+            raise ValueError(f"request {state.request_id!r} counts penalties, which drafts' tokens do not update")
+        start = int(self.ints[row, NUM_TOKENS])
+        end = start + len(token_ids)
+        if end > self.tokens.shape[1]:
+            self.tokens = _widened(self.tokens, end)
+        self.tokens[row, start:end] = token_ids
+        self.ints[row, NUM_TOKENS] = end
+        self.ints[row, LAST_TOKEN] = token_ids[-1]
+
     def decoded(self, rows: np.ndarray, token_ids: Sequence[int]) -> None:
         """A steady step ran: each row's last token is computed and its next one sampled; rows
         are distinct."""
@@ -242,18 +260,27 @@ class RequestRows:
         if penalties is not None:
             self.penalty_counts.record(penalties.counts_rows, torch.from_numpy(tokens).to(self.device)[penalties.index])
 
-    def sampling(self, rows: np.ndarray) -> SamplingBatch:
-        """The sampling batch of these rows, in their order, for each row's next token."""
+    def sampling(self, rows: np.ndarray, drafts_before: np.ndarray | None = None) -> SamplingBatch:
+        """The sampling batch of these rows, in their order, for each row's next token.
+        drafts_before: per row, how many drafts (ContinuingRequest.draft_token_ids) come between
+        the request's known tokens and the token it samples, which it samples as a decode would
+        after them (its seed's position, its count of outputs); a request with drafts names its
+        row once per position. None: no drafts."""
         static = self._static_sampling(rows)
         batch = static.batch
         if static.seeded.size:
             generators = list(batch.generators)
             for i in static.seeded.tolist():
-                generators[i] = self.states[rows[i]].seeded_generator()  # type: ignore[union-attr]
+                ahead = 0 if drafts_before is None else int(drafts_before[i])
+                generators[i] = self.states[rows[i]].seeded_generator(ahead)  # type: ignore[union-attr]
             batch = replace(batch, generators=generators)
         if static.stop_rows.size:
             stop_rows = rows[static.stop_rows]
-            masked = static.stop_rows[_masks_stop_ids(self.ints[stop_rows], self.flags[stop_rows])]
+            ints = self.ints[stop_rows]
+            if drafts_before is not None:
+                # A copy (fancy indexing): the drafts before a row count as its outputs.
+                ints[:, NUM_TOKENS] += drafts_before[static.stop_rows]
+            masked = static.stop_rows[_masks_stop_ids(ints, self.flags[stop_rows])]
             batch = replace(
                 batch,
                 stop_masks=[

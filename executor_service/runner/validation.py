@@ -118,7 +118,12 @@ def check_continuing(
     block_ids = [*state.block_ids, *entry.new_block_ids]
     if len(set(block_ids)) != len(block_ids):
         return "new_block_ids repeats a block of the request"
-    num_tokens = state.num_tokens
+    if entry.draft_token_ids:
+        problem = drafts_problem(entry, state, limits)
+        if problem:
+            return problem
+    # Drafts follow the known tokens, and the step computes them too.
+    num_tokens = state.num_tokens + len(entry.draft_token_ids)
     if entry.num_scheduled_tokens == 0:
         return "num_scheduled_tokens must be > 0"
     end = state.num_computed_tokens + entry.num_scheduled_tokens
@@ -127,6 +132,37 @@ def check_continuing(
     if entry.bitmask_follows and entry.allowed_token_bitmask:
         return "bitmask_follows and allowed_token_bitmask are both set"
     return _capacity_problem(end, len(block_ids), limits) or bitmask_problem(entry.allowed_token_bitmask, limits)
+
+
+def drafts_problem(entry: executor_pb2.ContinuingRequest, state: RequestState, limits: Limits) -> str | None:
+    """Why the executor cannot verify an entry's draft_token_ids as decodes one at a time would
+    have sampled the same positions, or None when it can."""
+    drafts = entry.draft_token_ids
+    if limits.num_state_slots:
+        return "draft_token_ids for a model with recurrent layers, whose state cannot go back past a rejected draft"
+    problem = _tokens_problem(drafts, limits)
+    if problem:
+        return f"draft_token_ids: {problem}"
+    if entry.num_scheduled_tokens != 1 + len(drafts):
+        return (
+            f"num_scheduled_tokens {entry.num_scheduled_tokens} with {len(drafts)} draft_token_ids: a step with "
+            f"drafts computes the last sampled token and each draft ({1 + len(drafts)})"
+        )
+    if state.num_computed_tokens + 1 != state.num_tokens:
+        return (
+            f"draft_token_ids need every token but the last sampled one computed; {state.num_computed_tokens} "
+            f"of {state.num_tokens} are"
+        )
+    if state.num_computed_tokens < state.num_prompt_tokens:
+        return f"draft_token_ids before the request's {state.num_prompt_tokens} prompt tokens are computed"
+    if entry.allowed_token_bitmask or entry.bitmask_follows:
+        return "draft_token_ids with an allowed-token bitmask (structured output), which holds for one position only"
+    if state.sampling.has_penalties:
+        return "draft_token_ids for a request with repetition, presence or frequency penalties, which count the tokens before each position"
+    end = state.num_computed_tokens + entry.num_scheduled_tokens
+    if end > limits.max_model_len:
+        return f"the drafts reach position {end - 1}, past max_model_len {limits.max_model_len}"
+    return None
 
 
 def copies_problem(plan: executor_pb2.StepPlan, limits: Limits) -> str | None:

@@ -244,6 +244,10 @@ def build_executor(settings: ExecutorSettings, device: str | None = None) -> Rea
         kv_layout=kv_layout if moves_kv else "",
         role=settings.role,
         num_host_blocks=num_host_blocks,
+        # Verifying drafts computes positions past the last one kept, which K/V in blocks
+        # tolerates (the next step overwrites it) but a recurrent layer's state cannot go back
+        # from. Under tensor parallelism every rank verifies from rank 0's tokens.
+        supports_draft_tokens=recurrent is None,
     )
     graphs = None
     if recurrent is not None and loaded.device.type == "cuda":
