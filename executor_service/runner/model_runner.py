@@ -569,8 +569,6 @@ class ModelRunner:
                 state, entry.num_scheduled_tokens, entry.allowed_token_bitmask, follows, draft_token_ids=drafts
             )
         )
-        if drafts:
-            logger.debug("event=drafts_admitted request_id=%s drafts=%d", entry.request_id, len(drafts))
         return None
 
     def _reject(self, admitted: _Admitted, request_id: str, code: int, problem: str) -> None:
@@ -636,7 +634,9 @@ class ModelRunner:
                 output.prompt_logprobs.extend(state.prompt_logprobs)
                 state.prompt_logprobs.clear()
             output.token_ids.extend(tokens)
-            output.logprobs.extend(_logprob_record(token, top) for token, top in zip(tokens, logprobs) if top is not None)
+            output.logprobs.extend(
+                _logprob_record(token, top) for token, top in zip(tokens, logprobs, strict=True) if top is not None
+            )
         if cursor != len(sampled.token_ids):
             raise ValueError(f"{len(sampled.token_ids)} sampled rows for the {cursor} the step's work samples")
         self.rows.append_tokens(np.array(single_rows, dtype=np.int64), single_tokens)
