@@ -69,6 +69,8 @@ def test_describe_reports_the_slots_no_block_copies_and_kv_transfer_with_the_sta
     assert info.num_state_slots == 8
     assert info.state_slot_bytes == ready.runner.loaded.recurrent.layout.bytes_per_slot() > 0
     assert info.supports_state_checkpoints and not info.supports_block_copies
+    # A rejected draft's positions would stay in the recurrent state.
+    assert not info.supports_draft_tokens
     # Recurrent state travels with the blocks, so kv_layout names its layout too.
     assert info.supports_kv_transfer
     assert info.kv_layout.endswith(f" state_bytes={info.state_slot_bytes} state={info.kv_layout[-16:]}")
