@@ -7,6 +7,12 @@ from dataclasses import dataclass, replace
 
 from scheduler_service.core.policy import Policy, StepMode
 
+# Proposers of speculative decoding (core/speculation.py).
+SPECULATIVE_METHODS = ("ngram", "suffix")
+# A decode batch from which steps carry no drafts: where a GPU's decode starts being compute-bound
+# for a small model, a guess to tune per deployment (--speculative-max-batch).
+DEFAULT_SPECULATIVE_MAX_BATCH = 16
+
 
 @dataclass(slots=True, frozen=True)
 class SchedulerConfig:
@@ -47,6 +53,13 @@ class SchedulerConfig:
     # K/V is swapped there instead of being recomputed, and cached prefix blocks leaving the
     # device go there. 0: none.
     num_host_blocks: int = 0
+    # Speculative decoding (core/speculation.py): who proposes drafts, the most drafts a request
+    # gets in one step (0: none; the lane sets it only for an executor that
+    # supports_draft_tokens), and the decode batch from which a step carries no drafts. Off for
+    # a hybrid model (see __post_init__).
+    speculative_method: str = "ngram"
+    num_speculative_tokens: int = 0
+    speculative_max_batch: int = DEFAULT_SPECULATIVE_MAX_BATCH
 
     @property
     def max_seq_len(self) -> int:
@@ -55,10 +68,12 @@ class SchedulerConfig:
         return min(self.max_model_len, self.num_kv_blocks * self.block_size)
 
     def __post_init__(self) -> None:
-        for name in ("num_kv_blocks", "block_size", "max_model_len", "max_num_seqs", "max_num_batched_tokens"):
+        for name in ("num_kv_blocks", "block_size", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "speculative_max_batch"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
-        for name in ("num_state_slots", "state_checkpoint_blocks"):
+        if self.speculative_method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative_method must be one of {', '.join(SPECULATIVE_METHODS)}, got {self.speculative_method!r}")
+        for name in ("num_state_slots", "state_checkpoint_blocks", "num_speculative_tokens"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must not be negative, got {getattr(self, name)}")
         if self.num_state_slots:
@@ -72,6 +87,8 @@ class SchedulerConfig:
             if not self.state_checkpoint_blocks:
                 object.__setattr__(self, "enable_prefix_caching", False)
             object.__setattr__(self, "block_copies", False)
+            # The recurrent state cannot be wound back past drafts the executor rejected.
+            object.__setattr__(self, "num_speculative_tokens", 0)
 
     @property
     def state_checkpoint_tokens(self) -> int:

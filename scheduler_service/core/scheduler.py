@@ -33,6 +33,7 @@ from scheduler_service.core.prefix_tracker import PrefixTracker
 from scheduler_service.core.request import FinishReason, Request, RequestStatus
 from scheduler_service.core.request_queue import WaitingQueue
 from scheduler_service.core.scheduler_moves import RequestMoves
+from scheduler_service.core.speculation import Speculation
 from scheduler_service.core.step_plan import (
     ContinuingRequestPlan,
     LateBitmasks,
@@ -48,6 +49,7 @@ from scheduler_service.core.stop_checker import (
     may_sample_more,
     stop_reason_of_bulk_decode,
 )
+from scheduler_service.core.suffix_proposer import SuffixTable
 
 
 @dataclass(slots=True, frozen=True)
@@ -61,6 +63,8 @@ class _InFlight:
     num_computed_tokens: int
     # Whether the step samples a token for it.
     samples: bool
+    # Drafts it verifies (speculation.py).
+    drafts: tuple[int, ...] = ()
 
 
 @dataclass(slots=True)
@@ -94,6 +98,7 @@ class Scheduler(RequestMoves):
         eos_token_ids: Collection[int] = (),
         clock: Callable[[], float] = time.monotonic,
         share: FairShare | None = None,
+        suffixes: SuffixTable | None = None,
     ) -> None:
         self.config = config
         # The fair policy's books: the engine's, shared by every executor's scheduler, or this
@@ -147,6 +152,9 @@ class Scheduler(RequestMoves):
         # step id -> (position in its decode_handles, request, epoch) of steady decodes swapped
         # out while that step was in flight: their tokens still count.
         self._kept_bulk: dict[int, list[tuple[int, Request, int]]] = {}
+        # Drafts for running decodes; suffixes: the engine's table of recent outputs, shared by
+        # every executor's scheduler, for the suffix proposer.
+        self.speculation = Speculation(config, suffixes)
 
     @property
     def on_executor(self) -> frozenset[str]:
@@ -312,6 +320,7 @@ class Scheduler(RequestMoves):
     def _unplace(self, request: Request) -> None:
         del self.requests[request.request_id]
         self._prefixes.leave(request)
+        self.speculation.leave(request)
 
     def _unqueue(self, request: Request) -> bool:
         """Takes a waiting request out of the queue (or the held-back list)."""
@@ -390,16 +399,19 @@ class Scheduler(RequestMoves):
         scheduled: dict[Request, int] = {}
         new_blocks: dict[str, list[int]] = {}
         admitted: list[Request] = []
+        drafted: dict[Request, list[int]] = {}
         if self._deferred:
             self._release_deferred()
         preempted = self._schedule_retry_alone(budget, scheduled, new_blocks, admitted)
         if scheduled:
             return self._build_plan(scheduled, new_blocks, admitted, _NO_BULK)
+        self.speculation.begin_step(self.running)
         bulk = _NO_BULK
         mode = self.config.mode
         if mode is StepMode.MIXED:
             bulk, budget = self._schedule_decodes(budget)
             budget, running_preempted = self._schedule_running(budget, scheduled, new_blocks, prefill=True, decode=True)
+            budget = self._plan_drafts(budget, scheduled, new_blocks, drafted)
             if not (preempted or bulk.preempted or running_preempted):
                 budget = self._admit_waiting(budget, scheduled, admitted, bulk)
         elif mode is StepMode.PREFILL_FIRST:
@@ -408,14 +420,16 @@ class Scheduler(RequestMoves):
                 budget = self._admit_waiting(budget, scheduled, admitted)
             if not scheduled:
                 bulk, budget = self._schedule_decodes(budget)
-                self._schedule_running(budget, scheduled, new_blocks, prefill=False, decode=True)
+                budget = self._schedule_running(budget, scheduled, new_blocks, prefill=False, decode=True)[0]
+                self._plan_drafts(budget, scheduled, new_blocks, drafted)
         else:
             was_idle = not self.running
             bulk, budget = self._schedule_decodes(budget)
-            self._schedule_running(budget, scheduled, new_blocks, prefill=True, decode=True)
+            budget = self._schedule_running(budget, scheduled, new_blocks, prefill=True, decode=True)[0]
+            budget = self._plan_drafts(budget, scheduled, new_blocks, drafted)
             if was_idle and not preempted:
                 self._admit_waiting(budget, scheduled, admitted, bulk)
-        return self._build_plan(scheduled, new_blocks, admitted, bulk)
+        return self._build_plan(scheduled, new_blocks, admitted, bulk, drafted)
 
     def _schedule_decodes(self, budget: int) -> tuple["_BulkPlan", int]:
         """The steady decodes' part of the step: blocks for those whose next token needs one
@@ -506,6 +520,9 @@ class Scheduler(RequestMoves):
                 continue
             if not request.in_prefill and not may_sample_more(request, self.config.max_seq_len):
                 continue
+            # Drafts in flight, or waiting a step to carry some (speculation.py).
+            if request.num_pending_outputs and self.speculation.sits_out(request):
+                continue
             # A grammar's next mask needs the token in flight: it follows the plan where the
             # executor takes that, else the request waits for its token.
             if request.grammar is not None and request.num_pending_outputs and not (
@@ -526,6 +543,31 @@ class Scheduler(RequestMoves):
                 new_blocks[request.request_id] = ids
                 budget -= num_new
         return budget, preempted
+
+    def _plan_drafts(
+        self,
+        budget: int,
+        scheduled: dict[Request, int],
+        new_blocks: dict[str, list[int]],
+        drafted: dict[Request, list[int]],
+    ) -> int:
+        """Drafts for the step's decodes whose earlier steps have all answered, from the budget
+        the running requests left, in blocks that are free (never preempting for them); see
+        speculation.py for who gets how many."""
+        if not self.speculation.allowed:
+            return budget
+        for request, num_new in scheduled.items():
+            if budget <= 0:
+                break
+            if num_new != 1 or request.in_prefill or request.num_pending_outputs:
+                continue
+            drafts = self.speculation.drafts_for(request, budget)
+            if drafts and (ids := self._allocate(request, 1 + len(drafts))) is not None:
+                scheduled[request] += len(drafts)
+                new_blocks[request.request_id] += ids
+                drafted[request] = drafts
+                budget -= len(drafts)
+        return budget
 
     def _admit_waiting(
         self,
@@ -778,6 +820,7 @@ class Scheduler(RequestMoves):
         new_blocks: dict[str, list[int]],
         admitted: list[Request],
         bulk: "_BulkPlan",
+        drafted: dict[Request, list[int]] | None = None,
     ) -> StepPlan:
         plan = StepPlan(step_id=next(self._step_ids), dropped_request_ids=self._to_drop, block_copies=self._copies)
         self._to_drop, self._copies = [], []
@@ -798,7 +841,8 @@ class Scheduler(RequestMoves):
         if fair and bulk.step is not None:
             self.share.charge_all(self.decodes.live(bulk.step))
         for request, num_new in scheduled.items():
-            samples = request.num_computed_tokens + num_new == request.num_tokens + request.num_pending_outputs
+            drafts = drafted.get(request, []) if drafted else []
+            samples = request.num_computed_tokens + num_new - len(drafts) == request.num_tokens + request.num_pending_outputs
             constrained = samples and request.grammar is not None
             follows = constrained and request.num_pending_outputs > 0
             mask = request.grammar.allowed_token_bitmask() if constrained and not follows else b""
@@ -829,8 +873,10 @@ class Scheduler(RequestMoves):
                 self._on_executor.add(request.request_id)
             else:
                 plan.continuing_requests.append(
-                    ContinuingRequestPlan(request.request_id, num_new, new_blocks[request.request_id], mask, follows)
+                    ContinuingRequestPlan(request.request_id, num_new, new_blocks[request.request_id], mask, follows, drafts)
                 )
+                if drafts:
+                    self.speculation.sent(request)
                 if fair:
                     self.share.charge(request.tenant, num_new)
             if checkpointing:
@@ -843,7 +889,7 @@ class Scheduler(RequestMoves):
                 elif self._decodes_in_bulk(request):
                     joining.append(request)
             in_flight[request.request_id] = _InFlight(
-                request, request.num_preemptions, request.num_computed_tokens, samples
+                request, request.num_preemptions, request.num_computed_tokens, samples, tuple(drafts)
             )
         if checkpointing and bulk.step is not None:
             spans += [(request, end - 1, end) for request, end in self.decodes.reaching(bulk.step, self._checkpoints.interval)]
@@ -868,10 +914,11 @@ class Scheduler(RequestMoves):
     def _decodes_in_bulk(self, request: Request) -> bool:
         """Whether the request, its prefill done, decodes in bulk from now on: the executor
         supports it and nothing about the request needs per-request care (logprobs, stop token
-        ids, min_tokens, a grammar's masks, an isolated retry)."""
+        ids, min_tokens, a grammar's masks, an isolated retry, drafts)."""
         sampling = request.sampling
         return self.config.bulk_decodes and not (
-            request.retry_alone
+            self.speculation.applies_to(request)
+            or request.retry_alone
             or request.grammar is not None
             or sampling.logprobs is not None
             or sampling.stop_token_ids
@@ -921,10 +968,24 @@ class Scheduler(RequestMoves):
             elif sent.samples and not output.sampled.get(request_id):
                 message = f"the executor returned no token for request {request_id}"
                 updates.append(self._end_in_error(request, RequestError(ErrorKind.INTERNAL, message)))
+            elif sent.drafts and (wrong := self.speculation.verified(request, sent.drafts, output.sampled[request_id])):
+                message = f"the executor's answer to request {request_id}'s drafts: {wrong}"
+                updates.append(self._end_in_error(request, RequestError(ErrorKind.INTERNAL, message)))
             else:
-                self.kv.cache_computed(request_id, request.token_ids, sent.num_computed_tokens)
+                computed, tokens = sent.num_computed_tokens, request.token_ids
+                if sent.drafts:
+                    # Computed: its last token and the accepted drafts. The rejected drafts' K/V
+                    # stays in its blocks (the executor's table keeps them, as does ours), to
+                    # be overwritten by its next tokens; no block is cached past `computed`.
+                    sampled = output.sampled[request_id]
+                    rejected = len(sent.drafts) + 1 - len(sampled)
+                    request.num_computed_tokens -= rejected
+                    computed -= rejected
+                    tokens = [*tokens, *sampled[:-1]]
+                    result.verified.append((request_id, len(sent.drafts), len(sampled) - 1))
+                self.kv.cache_computed(request_id, tokens, computed)
                 self._checkpoints.made(output.step_id, request_id)
-                if sent.num_computed_tokens >= request.prefill_target:
+                if computed >= request.prefill_target:
                     self._prefixes.computing.remove(request)
                 if sent.samples:
                     if request.retry_alone:
@@ -1035,6 +1096,8 @@ class Scheduler(RequestMoves):
                 gaps.append(now - request.last_token_at)
             request.last_token_at = now
         grammar = request.grammar
+        # Accepted drafts bring several tokens: those after a stop are dropped, with their logprobs.
+        scored = len(prompt_records)
         for token in sampled:
             if grammar is not None and not grammar.accept(token):
                 message = f"the executor sampled token {token}, which request {request.request_id}'s grammar does not allow"
@@ -1047,5 +1110,6 @@ class Scheduler(RequestMoves):
             if stop is not None:
                 self.finish(request, *stop)
                 update.finished = True
+                update.new_logprobs = update.new_logprobs[: scored + len(update.new_token_ids)]
                 break
         return update

@@ -13,6 +13,10 @@ follows. K/V moves between simulated executors (peers, by address): an offer mak
 readable, and an import copies the offered slots at the start of the next plan (as the real
 executor writes fetched blocks between plans) and reports it in that plan's result. A host tier
 is a second map of slots, which the plan's swap-outs and swap-ins copy to and from.
+Draft tokens are verified as the contract says (executor.proto, ContinuingRequest.draft_token_ids):
+every position computed, the model's token at each compared with the draft after it, and the
+accepted drafts and the token after them answered; the K/V of rejected drafts stays in the slots
+until overwritten.
 """
 
 from collections.abc import Callable, Sequence
@@ -21,6 +25,7 @@ from dataclasses import dataclass, field
 from protos.limits import UNHELD_DECODE_TOKEN
 from scheduler_service.core.errors import ErrorKind, RequestError
 from scheduler_service.core.step_plan import (
+    ContinuingRequestPlan,
     HeldState,
     ImportDone,
     KvImport,
@@ -102,6 +107,9 @@ class SimulatedExecutor:
     # tokens the state an import wrote there follows.
     offer_states: dict[str, list[int]] = field(default_factory=dict)
     imported_states: dict[int, list[int]] = field(default_factory=dict)
+    # Verifies ContinuingRequestPlan.draft_token_ids (ExecutorInfo.supports_draft_tokens); one
+    # that does not refuses an entry with drafts, as the real executor would.
+    supports_draft_tokens: bool = True
 
     def execute(self, plan: StepPlan) -> StepOutput:
         output = self._run(plan)
@@ -141,6 +149,8 @@ class SimulatedExecutor:
             self._copy_block(self.slots, copy.source, self.slots, copy.destination)
         output = StepOutput(step_id=plan.step_id, kv_imports_done=done)
         work: list[tuple[str, int]] = []
+        # Request id -> its drafts and the length of its tokens before them.
+        drafted: dict[str, tuple[list[int], int]] = {}
         # The tokens each constrained request may sample this step (as the plan's bitmask).
         masks = {
             entry.request_id: entry.allowed_token_bitmask
@@ -168,7 +178,14 @@ class SimulatedExecutor:
                 continue
             if state is None:
                 raise PlanMismatch(f"{cont.request_id} continues but is not held")
+            if cont.draft_token_ids and not self.supports_draft_tokens:
+                output.rejected[cont.request_id] = RequestError(ErrorKind.INVALID, "draft tokens are not supported")
+                continue
             state.block_ids.extend(cont.new_block_ids)
+            if cont.draft_token_ids:
+                self._check_drafts(cont, state, cont.request_id in masks)
+                drafted[cont.request_id] = (list(cont.draft_token_ids), len(state.token_ids))
+                state.token_ids.extend(cont.draft_token_ids)
             work.append((cont.request_id, cont.num_scheduled_tokens))
         for handle, block_id in zip(plan.decode_block_handles, plan.decode_block_ids, strict=True):
             if handle in self.handles:
@@ -218,7 +235,9 @@ class SimulatedExecutor:
             state = self.requests[request_id]
             if self.verify_kv:
                 self._check_cached(request_id, state)
-            if state.num_computed == len(state.token_ids):
+            if request_id in drafted:
+                output.sampled[request_id] = self._verify(request_id, state, *drafted[request_id])
+            elif state.num_computed == len(state.token_ids):
                 token = self.next_token(request_id, state.token_ids)
                 if request_id in masks:
                     token = _allowed_token(masks[request_id], token)
@@ -232,6 +251,35 @@ class SimulatedExecutor:
         output.forward_time_s = self.step_overhead_s + self.per_token_s * plan.num_scheduled_tokens
         self.elapsed_s += output.forward_time_s
         return output
+
+    def _check_drafts(self, cont: ContinuingRequestPlan, state: _SimRequest, masked: bool) -> None:
+        """Drafts come only for a request past its prompt whose earlier steps have all
+        answered, after its last token, without a bitmask."""
+        if state.num_computed != len(state.token_ids) - 1:
+            raise PlanMismatch(
+                f"{cont.request_id} has drafts with {len(state.token_ids) - state.num_computed} tokens to compute"
+            )
+        if cont.num_scheduled_tokens != 1 + len(cont.draft_token_ids):
+            raise PlanMismatch(
+                f"{cont.request_id} computes {cont.num_scheduled_tokens} tokens with {len(cont.draft_token_ids)} drafts"
+            )
+        if masked or cont.bitmask_follows:
+            raise PlanMismatch(f"{cont.request_id} has drafts and a bitmask")
+
+    def _verify(self, request_id: str, state: _SimRequest, drafts: list[int], known: int) -> list[int]:
+        """The model's token at each computed position, compared with the draft after it: the
+        accepted drafts and the token after them. Its tokens end with them; its computed ones
+        after its last accepted draft."""
+        answer = []
+        for index, draft in enumerate([*drafts, None]):
+            token = self.next_token(request_id, state.token_ids[: known + index])
+            answer.append(token)
+            if token != draft:
+                break
+        del state.token_ids[known + len(answer) - 1 :]
+        state.token_ids.append(answer[-1])
+        state.num_computed = known + len(answer) - 1
+        return answer
 
     def _copy_block(self, source: dict[int, int], source_block: int, target: dict[int, int], target_block: int) -> None:
         for offset in range(self.block_size):

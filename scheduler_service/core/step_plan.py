@@ -71,7 +71,7 @@ class ContinuingRequestPlan:
 
     request_id: str
     # Tokens to compute this step, from where its last step ended: the next prefill chunk, or
-    # 1 for a decode, whose input is the token the executor itself sampled last.
+    # 1 for a decode, whose input is the token the executor itself sampled last (and its drafts).
     num_scheduled_tokens: int
     # Blocks appended to the request's block table for this step's tokens.
     new_block_ids: list[int]
@@ -79,6 +79,9 @@ class ContinuingRequestPlan:
     allowed_token_bitmask: bytes = b""
     # The bitmask comes after the plan (LateBitmasks), once the token before is back.
     bitmask_follows: bool = False
+    # Speculative decoding: tokens proposed to follow its last one, which the executor verifies
+    # (core/speculation.py); its answer is the accepted ones and the token after them.
+    draft_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass(slots=True, frozen=True)
@@ -177,10 +180,12 @@ class StepPlan:
 
     def prefill_and_decode_tokens(self) -> tuple[int, int]:
         """The step's batch composition: a one-token continuation counts as a decode (a
-        prefill chunk of one token is rare enough not to matter in a picture)."""
-        continuing = [r.num_scheduled_tokens for r in self.continuing_requests]
-        prefill = sum(r.num_scheduled_tokens for r in self.new_requests) + sum(n for n in continuing if n > 1)
-        return prefill, len(self.decode_handles) + continuing.count(1)
+        prefill chunk of one token is rare enough not to matter in a picture), and so does a
+        decode with its drafts, token for token."""
+        decoding = [r.num_scheduled_tokens for r in self.continuing_requests if r.num_scheduled_tokens == 1 or r.draft_token_ids]
+        continuing = sum(r.num_scheduled_tokens for r in self.continuing_requests) - sum(decoding)
+        prefill = sum(r.num_scheduled_tokens for r in self.new_requests) + continuing
+        return prefill, len(self.decode_handles) + sum(decoding)
 
 
 @dataclass(slots=True, frozen=True)
@@ -261,6 +266,8 @@ class StepUpdates:
     inter_token_gaps: list[float] = field(default_factory=list)
     # Bitmasks of steps in flight that can go now: their requests' earlier tokens are all in.
     late_bitmasks: list[LateBitmasks] = field(default_factory=list)
+    # Speculative decoding: (request id, drafts sent, drafts accepted) of each verified entry.
+    verified: list[tuple[str, int, int]] = field(default_factory=list)
     # K/V moves: offers this step's executor now serves (the transfer can start), and imports
     # that ended here, with the request each brought (None: it was cancelled meanwhile).
     offers_ready: list[str] = field(default_factory=list)

@@ -1,0 +1,191 @@
+"""Speculative decoding, the scheduler's side: which running requests get drafts in a step, how
+many, from which proposer, and what each verification says.
+
+The executor verifies (executor.proto, ContinuingRequest.draft_token_ids): it computes a
+request's last sampled token and the drafts after it as one chunk, samples at every position as a
+decode of that position would, and answers the drafts it accepted (each equal to the token
+sampled before it) and the token sampled after the last of them. So greedy outputs, and seeded
+ones, are exactly those of decoding one token at a time; the step just yields 1..k+1 tokens.
+
+Who gets drafts in a step (the rule):
+- speculation is on: SchedulerConfig.num_speculative_tokens (the flag's K) > 0, which the lane
+  sets only for an executor that supports_draft_tokens, and never for a hybrid model;
+- the request may take drafts under the contract: no grammar, no repetition, presence or
+  frequency penalty, its min_tokens reached; and it is not being retried alone after a failed
+  step;
+- every step of it in flight has answered: drafts follow its last token, which must be known;
+- the step's decode batch (running requests past their prompt) is below speculative_max_batch:
+  a batch that large keeps the accelerator busy on its own, and verifying drafts would take
+  compute from plain decodes, so then no request gets any;
+- its drafts fit in the step's token budget left once every running request has its own token
+  or prefill chunk (in rank order, before waiting requests are admitted), and free blocks hold
+  them: drafts never preempt anyone;
+- the proposer has a proposal: it gets min(the request's K, budget left, tokens left before its
+  length limit less one) tokens of it.
+
+Each request's K adapts to its acceptance: it starts at the flag's K with an estimate of drafts
+accepted per verify of K; after a verify that accepted a drafts the estimate e moves to
+e + ALPHA * (a - e), and K becomes round(e) + 1 within 1..the flag's K: one more than the request
+has lately been accepting, so full acceptance climbs back to the flag and none keeps one draft.
+
+Pipelining: no drafts can be planned for a request while a step of it is in flight (they would
+follow a token not yet known). A request with drafts in flight sits out the steps planned
+meanwhile. One with a plain decode in flight sits out (so that its next step can carry drafts)
+only when the proposer already has something for it and waiting a step pays: its estimate says
+a verify yields two tokens or more (e >= 1), or it has pipelined PROBE_AFTER plain decodes since
+its last verify (so acceptance that recovers is noticed); else it decodes as without
+speculation.
+
+A request that may take drafts decodes one entry at a time (a ContinuingRequest), never in the
+bulk decode set (decode_set.py), while speculation is on; one with no proposal decodes one token.
+"""
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from scheduler_service.core.config import SchedulerConfig
+from scheduler_service.core.ngram_proposer import NgramProposer
+from scheduler_service.core.request import Request
+from scheduler_service.core.stop_checker import length_limit
+from scheduler_service.core.suffix_proposer import SuffixProposer, SuffixTable
+
+# Weight of the latest verify in a request's acceptance estimate.
+ALPHA = 0.5
+# Plain decodes a request pipelines, while its estimate says waiting does not pay, before it
+# waits once to try drafts again.
+PROBE_AFTER = 16
+
+
+class Proposer(Protocol):
+    method: str
+
+    def propose(self, request: Request, k: int) -> list[int]: ...
+
+    def leave(self, request: Request) -> None: ...
+
+
+@dataclass(slots=True)
+class _Drafting:
+    """One request's speculation."""
+
+    k: int
+    # Drafts accepted per verify, lately (see ALPHA).
+    accepted: float
+    # Its preemption count when its drafts in flight were planned (-1: none in flight): a
+    # preemption makes them stale, and they are never answered here.
+    in_flight_epoch: int = -1
+    # Plain decodes pipelined since its last verify.
+    plain: int = 0
+
+
+class Speculation:
+    def __init__(self, config: SchedulerConfig, table: SuffixTable | None = None) -> None:
+        self.max_k = config.num_speculative_tokens
+        self.max_batch = config.speculative_max_batch
+        self.max_seq_len = config.max_seq_len
+        self.enabled = self.max_k > 0
+        self.proposer: Proposer = (
+            SuffixProposer(table if table is not None else SuffixTable())
+            if config.speculative_method == "suffix"
+            else NgramProposer()
+        )
+        self._requests: dict[Request, _Drafting] = {}
+        # Whether the step being planned may carry drafts (the batch rule; begin_step).
+        self.allowed = False
+        # Since start: entries verified, drafts sent in them, drafts accepted.
+        self.num_verified = 0
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
+
+    @property
+    def method(self) -> str:
+        return self.proposer.method
+
+    def applies_to(self, request: Request) -> bool:
+        """Whether the request may ever take drafts here (all but its min_tokens, which it
+        reaches in time)."""
+        sampling = request.sampling
+        return (
+            self.enabled
+            and request.grammar is None
+            and sampling.structured_output is None
+            and not request.retry_alone
+            and sampling.repetition_penalty == 1.0
+            and not sampling.presence_penalty
+            and not sampling.frequency_penalty
+        )
+
+    def begin_step(self, running: Iterable[Request]) -> None:
+        """The batch rule for the step about to be planned."""
+        if not self.enabled:
+            return
+        decoding = 0
+        for request in running:
+            decoding += not request.in_prefill
+            if decoding >= self.max_batch:
+                break
+        self.allowed = decoding < self.max_batch
+
+    def sits_out(self, request: Request) -> bool:
+        """Whether a request with a step in flight is left out of the step being planned (see
+        Pipelining in the module docstring)."""
+        if not self.enabled:
+            return False
+        state = self._requests.get(request)
+        if state is not None and state.in_flight_epoch == request.num_preemptions:
+            return True
+        if not self.allowed or not self._may_draft(request):
+            return False
+        state = self._state(request)
+        if (state.accepted >= 1 or state.plain >= PROBE_AFTER) and self.proposer.propose(request, 1):
+            return True
+        state.plain += 1
+        return False
+
+    def drafts_for(self, request: Request, budget: int) -> list[int]:
+        """Drafts for a request whose step computes its last token and whose earlier steps have
+        all answered, at most budget of them; none when the rule says so."""
+        if not self.allowed or not self._may_draft(request):
+            return []
+        state = self._state(request)
+        k = min(state.k, budget, length_limit(request, self.max_seq_len) - request.num_tokens - 1)
+        return self.proposer.propose(request, k) if k > 0 else []
+
+    def sent(self, request: Request) -> None:
+        """Its drafts are in the plan being made."""
+        self._requests[request].in_flight_epoch = request.num_preemptions
+
+    def verified(self, request: Request, drafts: Sequence[int], tokens: Sequence[int]) -> str | None:
+        """Takes the executor's answer to drafts: the accepted drafts and the token after them.
+        Returns what is wrong with it, or None (then the request's K has adapted)."""
+        accepted = len(tokens) - 1
+        if not 0 <= accepted <= len(drafts) or list(tokens[:accepted]) != list(drafts[:accepted]):
+            return f"{list(tokens)} is not a run of the drafts {list(drafts)} and one token"
+        state = self._requests[request]
+        state.in_flight_epoch, state.plain = -1, 0
+        state.accepted += ALPHA * (accepted - state.accepted)
+        state.k = max(1, min(self.max_k, int(state.accepted + 0.5) + 1))
+        self.num_verified += 1
+        self.num_draft_tokens += len(drafts)
+        self.num_accepted_tokens += accepted
+        return None
+
+    def k_of(self, request: Request) -> int:
+        """The request's K now (the flag's until it has been verified)."""
+        state = self._requests.get(request)
+        return state.k if state is not None else self.max_k
+
+    def leave(self, request: Request) -> None:
+        """The request left this scheduler (finished, moved, its executor lost)."""
+        self._requests.pop(request, None)
+        self.proposer.leave(request)
+
+    def _may_draft(self, request: Request) -> bool:
+        return self.applies_to(request) and request.num_output_tokens >= request.sampling.min_tokens
+
+    def _state(self, request: Request) -> _Drafting:
+        state = self._requests.get(request)
+        if state is None:
+            state = self._requests[request] = _Drafting(self.max_k, float(self.max_k))
+        return state
