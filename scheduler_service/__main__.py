@@ -9,6 +9,10 @@ import logging
 import sys
 from pathlib import Path
 
+from scheduler_service.core.config import (
+    DEFAULT_SPECULATIVE_MAX_BATCH,
+    SPECULATIVE_METHODS,
+)
 from scheduler_service.core.policy import Policy, StepMode
 from scheduler_service.core.router import DEFAULT_TOKENS_PER_REQUEST
 from scheduler_service.core.sampling_params import SamplingDefaults
@@ -158,6 +162,32 @@ def parse_args(argv: list[str] | None, prog: str = "python -m scheduler_service"
         "blocks, each in a state slot no running request holds (the executor's, state_slot_bytes "
         "each; running requests take them back first), so a prefix hit resumes from the last one "
         "it covers; 0 turns their prefix caching off, as does an executor without checkpoints",
+    )
+    parser.add_argument(
+        "--speculative-method",
+        choices=SPECULATIVE_METHODS,
+        default="ngram",
+        help="speculative decoding's proposer of draft tokens: ngram looks the request's last "
+        "tokens up in its own tokens (prompt lookup); suffix also in the recent outputs of every "
+        "request on this scheduler",
+    )
+    parser.add_argument(
+        "--num-speculative-tokens",
+        type=non_negative_int,
+        default=0,
+        metavar="K",
+        help="speculative decoding: at most K draft tokens per request and step, which the "
+        "executor verifies in one forward (the outputs are those of decoding one token at a "
+        "time); each request's K adapts to its acceptance. 0: off. Only for executors that "
+        "verify drafts, and not for hybrid models",
+    )
+    parser.add_argument(
+        "--speculative-max-batch",
+        type=positive_int,
+        default=DEFAULT_SPECULATIVE_MAX_BATCH,
+        metavar="N",
+        help="speculative decoding: no drafts in a step while N or more running requests are "
+        "past their prompt (a batch that large keeps the executor busy without them)",
     )
     parser.add_argument(
         "--policy",
@@ -402,6 +432,9 @@ def main(argv: list[str] | None = None, prog: str = "python -m scheduler_service
                 step_timeout_floor_s=args.step_timeout_floor,
                 step_timeout_factor=args.step_timeout_factor,
                 state_checkpoint_blocks=args.state_checkpoint_blocks,
+                speculative_method=args.speculative_method,
+                num_speculative_tokens=args.num_speculative_tokens,
+                speculative_max_batch=args.speculative_max_batch,
             ),
             max_waiting=args.max_waiting,
             route_tokens_per_request=args.route_tokens_per_request,

@@ -40,6 +40,7 @@ from scheduler_service.core.step_plan import (
     StepPlan,
     StepUpdates,
 )
+from scheduler_service.core.suffix_proposer import SuffixTable
 from scheduler_service.core.tenant_quotas import TenantQuotas
 from scheduler_service.core.tenants import TenantTable, load_tenants_file
 from scheduler_service.frontend.draining import refuse_when_draining
@@ -162,6 +163,9 @@ class Engine:
         self.quotas = TenantQuotas(tenants if tenants is not None else TenantTable())
         self.share = FairShare(lambda tenant: self.quotas.table.limits(tenant).weight)
         self.deadlines = DeadlineAdmission()
+        # Recent outputs of the requests on every executor, which the suffix proposer of
+        # speculative decoding continues from (core/suffix_proposer.py).
+        self.suffixes = SuffixTable()
 
     # ---- executors ---------------------------------------------------------------------------
 
@@ -633,6 +637,8 @@ class Engine:
             self.step_trace.result_applied(lane.address, output, updates, lane.scheduler)
         received_ns = time.time_ns() if self.tracing.enabled else 0
         self.metrics.inter_token.observe_all(updates.inter_token_gaps)
+        if updates.verified and lane.scheduler is not None:
+            self.metrics.drafts_verified(lane.scheduler.speculation.method, updates.verified)
         for update in updates.updates:
             self._deliver(lane, update)
         self._deliver_decoded(lane, updates)

@@ -22,12 +22,13 @@ from typing import Protocol
 from protos.executor_access import INSECURE_ACCESS
 from protos.splitserve.executor.v1 import executor_pb2
 from scheduler_service.core.audit import audit_executor
-from scheduler_service.core.config import SchedulerConfig
+from scheduler_service.core.config import DEFAULT_SPECULATIVE_MAX_BATCH, SchedulerConfig
 from scheduler_service.core.fair_share import FairShare
 from scheduler_service.core.policy import Policy, StepMode
 from scheduler_service.core.scheduler import Scheduler
 from scheduler_service.core.step_plan import StepOutput, StepPlan, StepUpdates
 from scheduler_service.core.step_timer import StepTimer
+from scheduler_service.core.suffix_proposer import SuffixTable
 from scheduler_service.planner.executor_link import (
     ExecutorLink,
     ExecutorLost,
@@ -89,6 +90,12 @@ class LaneOptions:
     step_timeout_factor: float = DEFAULT_STEP_TIMEOUT_FACTOR
     # For an executor of a hybrid model that supports checkpoints (SchedulerConfig).
     state_checkpoint_blocks: int = DEFAULT_STATE_CHECKPOINT_BLOCKS
+    # Speculative decoding (core/speculation.py), for an executor that supports_draft_tokens:
+    # the proposer, the most drafts per request and step (0: off), and the decode batch from
+    # which steps carry none.
+    speculative_method: str = "ngram"
+    num_speculative_tokens: int = 0
+    speculative_max_batch: int = DEFAULT_SPECULATIVE_MAX_BATCH
 
 
 class LaneHooks(Protocol):
@@ -96,6 +103,8 @@ class LaneHooks(Protocol):
 
     # The fair policy's books, shared by every lane's scheduler.
     share: FairShare
+    # Recent outputs of every lane's requests, for the suffix proposer (speculative decoding).
+    suffixes: SuffixTable
 
     def refusal(self, lane: ExecutorLane, info: executor_pb2.ExecutorInfo) -> str | None: ...
 
@@ -241,7 +250,13 @@ class ExecutorLane:
                     self.address,
                 )
             eos = frozenset(info.eos_token_ids) | self.extra_eos_token_ids
-            self.scheduler = Scheduler(self._config(info), eos, share=self.hooks.share)
+            self.scheduler = Scheduler(self._config(info), eos, share=self.hooks.share, suffixes=self.hooks.suffixes)
+            if self.options.num_speculative_tokens and not info.supports_draft_tokens:
+                # Said once per connection: an operator who asked for speculation finds why it is off.
+                logger.warning(
+                    "event=speculation_off address=%s reason='the executor does not verify draft tokens'",
+                    self.address,
+                )
             if info.num_state_slots:
                 # Said once per connection: an operator wondering why this executor gets no
                 # prefix hits, or runs fewer requests than max_num_seqs, finds it here.
@@ -349,6 +364,9 @@ class ExecutorLane:
             # An older executor keeps no checkpoints: its hybrid model has no prefix caching.
             state_checkpoint_blocks=options.state_checkpoint_blocks if info.supports_state_checkpoints else 0,
             num_host_blocks=info.num_host_blocks,
+            speculative_method=options.speculative_method,
+            num_speculative_tokens=options.num_speculative_tokens if info.supports_draft_tokens else 0,
+            speculative_max_batch=options.speculative_max_batch,
         )
 
     def _set_state(self, state: LaneState, reason: str) -> None:

@@ -13,6 +13,8 @@ from scheduler_service.core.request import Request
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 TOKEN_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 LENGTH_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000)
+# Drafts accepted in one verify: 0 up to the largest K worth asking for.
+ACCEPTED_BUCKETS = (0, 1, 2, 3, 4, 5, 6, 8, 10, 12, 16)
 # Tenants named in metric labels; later ones (x-splitserve-tenant takes any name) count as "(other)",
 # so a caller cannot grow the scrape without bound.
 MAX_TENANT_LABELS = 100
@@ -148,6 +150,19 @@ class SchedulerMetrics:
             ["tenant", "reason"], registry=r,
         )
         self._tenant_labels: set[str] = set()
+        # Speculative decoding (core/speculation.py), by proposer.
+        self.spec_draft_tokens = Counter(
+            "splitserve:spec_draft_tokens", "Draft tokens verified, by proposer (ngram, suffix).", ["method"], registry=r
+        )
+        self.spec_accepted_tokens = Counter(
+            "splitserve:spec_accepted_tokens", "Draft tokens the executor accepted, by proposer.", ["method"], registry=r
+        )
+        self.spec_accepted_per_verify = Histogram(
+            "splitserve:spec_accepted_tokens_per_verify",
+            "Drafts accepted in each verified request step, by proposer: _sum / _count is the mean "
+            "accepted length (the step yields one token more).",
+            ["method"], buckets=ACCEPTED_BUCKETS, registry=r,
+        )
 
     def tenant_label(self, tenant: str) -> str:
         if tenant in self._tenant_labels:
@@ -197,6 +212,14 @@ class SchedulerMetrics:
         if request.tpot_target_s and first is not None and request.finish_time is not None and request.num_output_tokens > 1:
             per_token = (request.finish_time - first) / (request.num_output_tokens - 1)
             self.tenant_slo.labels(tenant, "tpot", "met" if per_token <= request.tpot_target_s else "missed").inc()
+
+    def drafts_verified(self, method: str, verified: Sequence[tuple[str, int, int]]) -> None:
+        """A step's verified entries: (request id, drafts, accepted) each."""
+        histogram = self.spec_accepted_per_verify.labels(method)
+        for _, _, accepted in verified:
+            histogram.observe(accepted)
+        self.spec_draft_tokens.labels(method).inc(sum(drafts for _, drafts, _ in verified))
+        self.spec_accepted_tokens.labels(method).inc(sum(accepted for _, _, accepted in verified))
 
     def executor_stepped(self, address: str, num_requests: int, kv_usage: float) -> None:
         gauges = self._executor_gauges.get(address)

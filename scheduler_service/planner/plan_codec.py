@@ -78,6 +78,7 @@ def plan_to_proto(plan: StepPlan, eos_token_ids: Collection[int] = ()) -> pb.Ste
                 new_block_ids=cont.new_block_ids,
                 allowed_token_bitmask=cont.allowed_token_bitmask,
                 bitmask_follows=cont.bitmask_follows,
+                draft_token_ids=cont.draft_token_ids,
             )
         )
     if plan.decode_handles:

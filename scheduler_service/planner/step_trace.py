@@ -20,12 +20,13 @@ Events (field "e"), each with "t" (seconds since the trace began) and "x" (execu
           any, "moves": offers made ("exp", [transfer, blocks] each) and ended ("end"), imports
           started ("imp", [transfer, first block, blocks] each) and abandoned ("cancel"),
           transfers named by their first 8 hex digits; with a host tier, when there are any,
-          "swaps": [blocks swapped out, blocks swapped in] before the step
+          "swaps": [blocks swapped out, blocks swapped in] before the step; with speculative
+          decoding, when there are any, "drafts": {id: drafts proposed} (counted in cont's tokens)
   result  its result applied: step, forward seconds, and after it waiting, running, KV blocks
           used and total; preemptions, prefix-hit tokens, blocks allocated and blocks released
           so far (a step's own are the differences from the previous result); and requests
           finished with reason and output length; "imported" ([transfer, ok] each) when
-          imports ended
+          imports ended; "accepted" ({id: drafts accepted}) when drafts were verified
   abort   a request ended by its client
   stop    a request ended by a stop string (found in its text after a result)
   leave   a waiting request moved to another executor
@@ -77,6 +78,8 @@ class StepTrace:
             "enable_prefix_caching": config.enable_prefix_caching, "bulk_decodes": config.bulk_decodes,
             "block_copies": config.block_copies, "num_state_slots": config.num_state_slots,
             "state_checkpoint_blocks": config.state_checkpoint_blocks, "pipeline_depth": pipeline_depth,
+            "speculative_method": config.speculative_method, "num_speculative_tokens": config.num_speculative_tokens,
+            "speculative_max_batch": config.speculative_max_batch,
         })
         track = self._tracks.setdefault(address, len(self._tracks) + 1)
         self._chrome_event({"name": "thread_name", "ph": "M", "pid": _TRACKS_PID, "tid": track, "args": {"name": f"executor {address}"}})
@@ -116,6 +119,9 @@ class StepTrace:
             }
         if plan.swap_out or plan.swap_in:
             hybrid["swaps"] = [len(plan.swap_out), len(plan.swap_in)]
+        drafts = {c.request_id: len(c.draft_token_ids) for c in plan.continuing_requests if c.draft_token_ids}
+        if drafts:
+            hybrid["drafts"] = drafts
         self._write(
             "plan", address, t=t, step=plan.step_id, new=new, cont=continuing, dec=decodes,
             drop=list(plan.dropped_request_ids), prefill_tokens=prefill, decode_tokens=decode, **hybrid,
@@ -138,6 +144,7 @@ class StepTrace:
             blocks_allocated=scheduler.kv.pool.num_allocated, blocks_released=scheduler.kv.pool.num_released,
             finished=finished,
             **({"imported": [[d.transfer_id[:8], d.ok] for d in output.kv_imports_done]} if output.kv_imports_done else {}),
+            **({"accepted": {request_id: accepted for request_id, _, accepted in updates.verified}} if updates.verified else {}),
         )
         track = self._tracks.get(address, 0)
         started = self._planned_at.pop((address, output.step_id), t)

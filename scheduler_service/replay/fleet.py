@@ -24,6 +24,7 @@ from scheduler_service.core.scheduler import Scheduler
 from scheduler_service.core.sim_executor import SimulatedExecutor
 from scheduler_service.core.step_plan import StepOutput
 from scheduler_service.core.step_timer import StepTimer
+from scheduler_service.core.suffix_proposer import SuffixTable
 from scheduler_service.replay.simulate import (
     REPLAY_EOS,
     Replayed,
@@ -32,6 +33,7 @@ from scheduler_service.replay.simulate import (
     planned_step,
     rebuild_requests,
     record_result,
+    recorded_acceptance,
 )
 from scheduler_service.replay.step_cost import StepCost
 from scheduler_service.replay.trace_reader import Timeline, TracedRequest
@@ -62,23 +64,30 @@ def replay_fleet(
     timelines: list[Timeline], config: SchedulerConfig, cost: StepCost, executors: int, depth: int = 2,
     tokens_per_request: int = DEFAULT_TOKENS_PER_REQUEST,
 ) -> list[Replayed]:
-    return replay_requests(_first_placements(timelines), config, cost, executors, depth, tokens_per_request).replays
+    return replay_requests(
+        _first_placements(timelines), config, cost, executors, depth, tokens_per_request,
+        acceptance=recorded_acceptance(timelines),
+    ).replays
 
 
 def replay_requests(
     traced: Sequence[TracedRequest], config: SchedulerConfig, cost: StepCost, executors: int, depth: int = 2,
     tokens_per_request: int = DEFAULT_TOKENS_PER_REQUEST, weight_of: Callable[[str], float] = lambda tenant: 1.0,
+    acceptance: float = 0.0,
 ) -> FleetRun:
     """Replays requests (in arrival order) until every one admitted has ended; weight_of gives
-    each tenant's weight under the fair policy."""
+    each tenant's weight under the fair policy, acceptance the share of drafts a recording that
+    speculated accepted (SyntheticModel)."""
     requests = rebuild_requests(traced, config.block_size)
-    model = SyntheticModel(traced, requests)
+    model = SyntheticModel(traced, requests, acceptance)
     share = FairShare(weight_of)
+    # One table of recent outputs for every executor, as the engine has (suffix proposer).
+    suffixes = SuffixTable()
     admission = DeadlineAdmission()
     clock = 0.0
     lanes = [
         _Lane(
-            Scheduler(config, eos_token_ids=(REPLAY_EOS,), clock=lambda: clock, share=share),
+            Scheduler(config, eos_token_ids=(REPLAY_EOS,), clock=lambda: clock, share=share, suffixes=suffixes),
             SimulatedExecutor(
                 config.num_kv_blocks, config.block_size, next_token=model.next_token, verify_kv=False,
                 num_state_slots=config.num_state_slots,

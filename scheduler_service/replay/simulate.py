@@ -11,11 +11,19 @@ While every plan so far equals the recorded one, plans are made at their recorde
 take their recorded durations, so an unchanged configuration reproduces the recorded schedule
 step for step; from the first plan that differs, the clock is the simulation's own and steps
 take what the fitted StepCost says.
+
+A trace recorded with speculative decoding replays with it (the recorded config's settings, the
+simulated executor verifying the drafts). The recorded text is not in the trace, so the
+synthetic outputs stand in for its repetitiveness: they repeat themselves every ECHO_PERIOD
+tokens, which prompt lookup picks up, except at positions drawn at the rate at which the recording
+rejected drafts (SyntheticModel). Drafts are then proposed and accepted about as often as they
+were: the first draft of each verify at the recorded rate, later ones less often.
 """
 
 from __future__ import annotations
 
 import heapq
+import zlib
 from collections import Counter, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -39,6 +47,10 @@ from scheduler_service.replay.trace_reader import (
 REPLAY_EOS = 2
 # Synthetic token ids: one run of block_size per distinct block digest, then each request's own.
 _FIRST_TOKEN = 10_000
+# Tokens after which a replayed output repeats itself, when the recording speculated.
+ECHO_PERIOD = 16
+# The config's speculative decoding settings as a step trace records them.
+_SPECULATION = ("speculative_method", "num_speculative_tokens", "speculative_max_batch")
 
 
 @dataclass(slots=True)
@@ -120,6 +132,8 @@ def config_of(timeline: Timeline) -> SchedulerConfig:
         # prefix caching no checkpoints.
         num_state_slots=recorded.get("num_state_slots", 0),
         state_checkpoint_blocks=recorded.get("state_checkpoint_blocks", 0),
+        # Traces from before speculative decoding ran without it.
+        **{name: recorded[name] for name in _SPECULATION if name in recorded},
     )
 
 
@@ -140,7 +154,7 @@ class _Simulation:
         self.requests = rebuild_requests(list(timeline.requests.values()), config.block_size)
         self.executor = SimulatedExecutor(
             config.num_kv_blocks, config.block_size,
-            next_token=SyntheticModel(list(timeline.requests.values()), self.requests).next_token,
+            next_token=SyntheticModel(list(timeline.requests.values()), self.requests, recorded_acceptance([timeline])).next_token,
             verify_kv=False, num_state_slots=config.num_state_slots,
         )
         # (time, order, kind, request): arrivals and aborts, in time order.
@@ -195,18 +209,32 @@ class _Simulation:
                 self.scheduler.abort(request.request_id)
                 self.result.finished_s[request.request_id] = at
 
+def recorded_acceptance(timelines: Sequence[Timeline]) -> float:
+    """Drafts accepted of drafts verified in the recording (0 without speculation)."""
+    plans = [plan for timeline in timelines for plan in timeline.plans]
+    drafts = sum(plan.draft_tokens for plan in plans)
+    return sum(plan.accepted_tokens for plan in plans) / drafts if drafts else 0.0
+
+
 class SyntheticModel:
     """The simulated executor's tokens: deterministic, and EOS where the original request
-    stopped (EOS, a stop token or a stop string), after as many outputs as it had then."""
+    stopped (EOS, a stop token or a stop string), after as many outputs as it had then. With an
+    acceptance (a recording that speculated), an output past its first ECHO_PERIOD tokens repeats
+    the token ECHO_PERIOD back at that share of its positions (drawn by position)."""
 
-    def __init__(self, traced: Sequence[TracedRequest], rebuilt: Sequence[Request]) -> None:
+    def __init__(self, traced: Sequence[TracedRequest], rebuilt: Sequence[Request], acceptance: float = 0.0) -> None:
         self._eos_after = {r.request_id: r.outputs for r in traced if r.finish == "stop" and r.outputs > 0}
         self._prompt_len = {r.request_id: len(r.prompt_token_ids) for r in rebuilt}
+        self._acceptance = acceptance
 
     def next_token(self, request_id: str, token_ids: Sequence[int]) -> int:
         produced = len(token_ids) - self._prompt_len[request_id] + 1
         if self._eos_after.get(request_id) == produced:
             return REPLAY_EOS
+        if produced > ECHO_PERIOD and self._acceptance:
+            draw = zlib.crc32(f"{request_id}:{len(token_ids)}".encode()) / 2**32
+            if draw < self._acceptance:
+                return token_ids[-ECHO_PERIOD]
         return default_next_token(request_id, token_ids)
 
 

@@ -54,6 +54,10 @@ class TracedPlan:
     # back) to its result.
     duration_s: float = 0.0
     forward_s: float = 0.0
+    # Speculative decoding: drafts the plan carried and, once its result is in, how many were
+    # accepted.
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
 
 
 @dataclass(slots=True)
@@ -116,6 +120,8 @@ def read_trace(directory: Path) -> list[Timeline]:
                     plan = TracedPlan(
                         t, signature(event["new"], event["cont"], event["dec"], checkpoints, event.get("src")),
                         event["prefill_tokens"], event["decode_tokens"],
+                        # Traces from before speculative decoding have no drafts.
+                        draft_tokens=sum(event.get("drafts", {}).values()),
                     )
                     pending[(address, event["step"])] = plan
                     timeline.plans.append(plan)
@@ -124,6 +130,7 @@ def read_trace(directory: Path) -> list[Timeline]:
                 if plan is not None:
                     plan.duration_s = t - max(plan.planned_s, last_result.get(address, plan.planned_s))
                     plan.forward_s = event["forward_s"]
+                    plan.accepted_tokens = sum(event.get("accepted", {}).values())
                 last_result[address] = t
                 for finished in event["finished"]:
                     _ended(timeline, finished["id"], finished["reason"], finished["outputs"])
