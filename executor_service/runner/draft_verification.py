@@ -5,8 +5,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import numpy as np
-
 from executor_service.runner.plan_inputs import ScheduledWork
 
 
@@ -23,10 +21,10 @@ def accepted_drafts(draft_token_ids: Sequence[int], sampled: Sequence[int]) -> i
     return accepted
 
 
-def drafts_before_rows(sampling: Sequence[ScheduledWork]) -> np.ndarray | None:
+def drafts_before_rows(sampling: Sequence[ScheduledWork]) -> list[tuple[int, ...]] | None:
     """Per sampled row of these sampling items (in work order, ScheduledWork.num_samples rows
-    each), how many of its request's drafts come before the token it samples; None when no item
-    has drafts, so every row samples its request's next token."""
+    each), its request's drafts that come before the token it samples; None when no item has
+    drafts, so every row samples its request's next token."""
     if not any(item.draft_token_ids for item in sampling):
         return None
-    return np.concatenate([np.arange(item.num_samples, dtype=np.int64) for item in sampling])
+    return [item.draft_token_ids[:ahead] for item in sampling for ahead in range(item.num_samples)]

@@ -25,6 +25,7 @@ from executor_service.sampling.penalty_counts import PenaltyCounts
 from executor_service.sampling.position_seed import position_seed
 from executor_service.sampling.sampler_settings import SamplerSettings
 from executor_service.sampling.sampling_batch import (
+    Penalties,
     SamplingBatch,
     logit_shaping_of,
     masks_stop_ids,
@@ -208,11 +209,9 @@ class RequestRows:
 
     def extend_tokens(self, state: RequestState, token_ids: Sequence[int]) -> None:
         """The request has these tokens more (output), as many decodes would have appended
-        them: a verify step's answer (ContinuingRequest.draft_token_ids). Counts no penalties:
-        validation refuses drafts for a request with them."""
+        them, each counted for its penalties: a verify step's answer, the accepted drafts and
+        the token after them (ContinuingRequest.draft_token_ids)."""
         row = state.row
-        if self.flags[row, PENALISED]:
-            raise ValueError(f"request {state.request_id!r} counts penalties, which drafts' tokens do not update")
         start = int(self.ints[row, NUM_TOKENS])
         end = start + len(token_ids)
         if end > self.tokens.shape[1]:
@@ -220,6 +219,12 @@ class RequestRows:
         self.tokens[row, start:end] = token_ids
         self.ints[row, NUM_TOKENS] = end
         self.ints[row, LAST_TOKEN] = token_ids[-1]
+        if self.flags[row, PENALISED]:
+            counts_row = int(self.ints[row, PENALTY_ROW])
+            self.penalty_counts.record(
+                torch.full((len(token_ids),), counts_row, dtype=torch.long, device=self.device),
+                torch.tensor(list(token_ids), dtype=torch.long, device=self.device),
+            )
 
     def decoded(self, rows: np.ndarray, token_ids: Sequence[int]) -> None:
         """A steady step ran: each row's last token is computed and its next one sampled; rows
@@ -260,14 +265,15 @@ class RequestRows:
         if penalties is not None:
             self.penalty_counts.record(penalties.counts_rows, torch.from_numpy(tokens).to(self.device)[penalties.index])
 
-    def sampling(self, rows: np.ndarray, drafts_before: np.ndarray | None = None) -> SamplingBatch:
+    def sampling(self, rows: np.ndarray, drafts: Sequence[Sequence[int]] | None = None) -> SamplingBatch:
         """The sampling batch of these rows, in their order, for each row's next token.
-        drafts_before: per row, how many drafts (ContinuingRequest.draft_token_ids) come between
-        the request's known tokens and the token it samples, which it samples as a decode would
-        after them (its seed's position, its count of outputs); a request with drafts names its
-        row once per position. None: no drafts."""
+        drafts: per row, the drafts (ContinuingRequest.draft_token_ids) between the request's
+        known tokens and the token it samples, which it samples as a decode would after them
+        (its seed's position, its count of outputs, its penalties' counts); a request with
+        drafts names its row once per position. None: no drafts."""
         static = self._static_sampling(rows)
         batch = static.batch
+        drafts_before = None if drafts is None else np.array([len(ahead) for ahead in drafts], dtype=np.int64)
         if static.seeded.size:
             generators = list(batch.generators)
             for i in static.seeded.tolist():
@@ -288,6 +294,8 @@ class RequestRows:
                     for i in masked.tolist()
                 ],
             )
+        if drafts is not None and batch.penalties is not None:
+            batch = replace(batch, penalties=_counting_drafts(batch.penalties, static.penalised, drafts))
         return batch
 
     def argmax_only(self, rows: np.ndarray) -> list[bool]:
@@ -425,6 +433,20 @@ def _widened(table: np.ndarray, width: int) -> np.ndarray:
     grown = np.zeros((table.shape[0], max(width, 2 * table.shape[1])), dtype=table.dtype)
     grown[:, : table.shape[1]] = table
     return grown
+
+
+def _counting_drafts(penalties: Penalties, penalised: np.ndarray, drafts: Sequence[Sequence[int]]) -> Penalties:
+    """The penalties with each penalised row's drafts counted as outputs ahead of its counts.
+    penalised: the penalised rows' places among the rows drafts describes."""
+    places = [i for i, row in enumerate(penalised.tolist()) for _ in drafts[row]]
+    if not places:
+        return penalties
+    tokens = [token for row in penalised.tolist() for token in drafts[row]]
+    device = penalties.counts.device
+    return replace(
+        penalties,
+        ahead=(torch.tensor(places, dtype=torch.long, device=device), torch.tensor(tokens, dtype=torch.long, device=device)),
+    )
 
 
 def _masks_stop_ids(ints: np.ndarray, flags: np.ndarray) -> np.ndarray:

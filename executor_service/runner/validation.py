@@ -157,11 +157,6 @@ def drafts_problem(entry: executor_pb2.ContinuingRequest, state: RequestState, l
         return f"draft_token_ids before the request's {state.num_prompt_tokens} prompt tokens are computed"
     if entry.allowed_token_bitmask or entry.bitmask_follows:
         return "draft_token_ids with an allowed-token bitmask (structured output), which holds for one position only"
-    if state.sampling.has_penalties:
-        return (
-            "draft_token_ids for a request with repetition, presence or frequency penalties, which count the tokens "
-            "before each position"
-        )
     end = state.num_computed_tokens + entry.num_scheduled_tokens
     if end > limits.max_model_len:
         return f"the drafts reach position {end - 1}, past max_model_len {limits.max_model_len}"

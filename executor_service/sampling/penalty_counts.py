@@ -49,12 +49,20 @@ class PenaltyCounts:
         self.host_output = self._host_view()
 
     def record(self, rows: torch.Tensor, token_ids: torch.Tensor) -> None:
-        """One more output of token_ids[i] in rows[i] (int64 tensors on the counts' device)."""
+        """One more output of token_ids[i] in rows[i] (int64 tensors on the counts' device); a
+        row may repeat, each of its entries counting."""
         self._output.index_put_((rows, token_ids), self._one, accumulate=True)
 
-    def gather(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The output counts and prompt-seen marks of these rows, copied."""
-        return self._output[rows], self._prompt_seen[rows]
+    def gather(
+        self, rows: torch.Tensor, ahead: tuple[torch.Tensor, torch.Tensor] | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The output counts and prompt-seen marks of these rows, copied (a row may repeat).
+        ahead: (places, token_ids), outputs not recorded yet: gathered row places[i] counts one
+        more token_ids[i], in the copy only (a verify step's drafts, before they are accepted)."""
+        output = self._output[rows]
+        if ahead is not None:
+            output.index_put_(ahead, self._one, accumulate=True)
+        return output, self._prompt_seen[rows]
 
     def _count(self, token_ids: Sequence[int]) -> torch.Tensor:
         tokens = torch.tensor(token_ids, dtype=torch.long, device=self.device)

@@ -209,7 +209,7 @@ def apply_penalties(logits: torch.Tensor, penalties: Penalties) -> torch.Tensor:
     """vLLM semantics: repetition over prompt and output tokens, presence and frequency over
     output tokens only. Out of place; only the penalised rows change."""
     rows = logits[penalties.index]
-    output_counts, prompt_seen = penalties.counts.gather(penalties.counts_rows)
+    output_counts, prompt_seen = penalties.counts.gather(penalties.counts_rows, penalties.ahead)
     seen = prompt_seen | (output_counts > 0)
     repetition = penalties.repetition[:, None]
     penalised = torch.where(rows > 0, rows / repetition, rows * repetition)

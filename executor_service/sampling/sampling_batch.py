@@ -39,6 +39,10 @@ class Penalties:
     frequency: torch.Tensor
     counts: PenaltyCounts
     counts_rows: torch.Tensor
+    # Outputs some rows have that their counts do not hold yet (PenaltyCounts.gather's ahead):
+    # a verify step's row samples after the drafts before it (ContinuingRequest.draft_token_ids),
+    # which a decode at its position would count; the counts take them only once accepted.
+    ahead: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 @dataclass(slots=True)

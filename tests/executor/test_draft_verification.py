@@ -3,7 +3,8 @@ this process, over a random Llama on the CPU's default float32 path (packed and 
 the C attention kernels), which is batch-invariant: a position's logits have the same bits in a
 chunk of drafts as in a decode. So a request decoded with drafts, whichever drafts are right,
 answers exactly the tokens and logprobs of decoding one token a step, its state ends as those
-decodes leave it, and entries the executor cannot verify are refused saying why."""
+decodes leave it (penalty counts included), and entries the executor cannot verify are refused
+saying why."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import pytest
 import torch
 
 from executor_service.runner.model_runner import ModelRunner
-from executor_service.runner.request_rows import RequestRows
+from executor_service.runner.request_rows import PENALTY_ROW, RequestRows, RequestState
 from executor_service.runner.validation import Limits, check_continuing
 from executor_service.sampling.sampler_settings import SamplerSettings
 from executor_service.serving.settings import ExecutorSettings
@@ -32,6 +33,19 @@ OTHER_PROMPT = [9, 800, 12, 13, 14, 15, 16]
 NEW_TOKENS = 24
 GREEDY = pb.SamplerConfig(temperature=0, want_logprobs=True, num_logprobs=3)
 SEEDED = pb.SamplerConfig(temperature=1.0, has_seed=True, seed=1234, want_logprobs=True, num_logprobs=2)
+# Greedy and seeded among a few tokens, which then repeat, within a step's drafts too, so the
+# penalties decide tokens (over the whole vocab this random model seldom repeats one soon).
+FEW = range(10, 18)
+GREEDY_FEW = pb.SamplerConfig(temperature=0, want_logprobs=True, num_logprobs=3, allowed_token_ids=FEW)
+SEEDED_FEW = pb.SamplerConfig(
+    temperature=1.0, has_seed=True, seed=1234, want_logprobs=True, num_logprobs=2, allowed_token_ids=FEW
+)
+PENALTIES: dict[str, dict[str, float]] = {
+    "repetition": {"repetition_penalty": 1.1},
+    "presence": {"presence_penalty": 0.5},
+    "frequency": {"frequency_penalty": 0.3},
+    "all": {"repetition_penalty": 1.1, "presence_penalty": 0.5, "frequency_penalty": 0.3},
+}
 
 # What to propose after the request's tokens, given the plain decode's continuation from there:
 # the drafts a step sends (each proposal's K is the number of drafts).
@@ -132,7 +146,35 @@ def _speculative(
         # Every token but the last answered one is computed, as after plain decodes.
         assert state.tokens(0, state.num_tokens) == PROMPT + decoded.tokens
         assert state.num_computed_tokens == len(PROMPT) + len(decoded.tokens) - 1
+        if state.sampling.has_penalties:
+            # The penalty counts hold the answered tokens, not the rejected drafts.
+            assert _output_counts(state) == _bincount(decoded.tokens)
     return decoded
+
+
+def _output_counts(state: RequestState) -> list[int]:
+    counts_row = torch.tensor([int(state.rows.ints[state.row, PENALTY_ROW])])
+    return state.rows.penalty_counts.gather(counts_row)[0][0].int().tolist()
+
+
+def _bincount(tokens: list[int]) -> list[int]:
+    return torch.bincount(torch.tensor(tokens), minlength=VOCAB_SIZE).tolist()
+
+
+def _penalised(base: pb.SamplerConfig, penalties: dict[str, float]) -> pb.SamplerConfig:
+    config = pb.SamplerConfig()
+    config.CopyFrom(base)
+    for name, value in penalties.items():
+        setattr(config, name, value)
+    return config
+
+
+def _answered(drafts: list[int], future: list[int]) -> int:
+    """The tokens a verify step answers: the drafts equal to the continuation, then one more."""
+    accepted = 0
+    while accepted < len(drafts) and drafts[accepted] == future[accepted]:
+        accepted += 1
+    return accepted + 1
 
 
 def _right(count: int) -> Proposer:
@@ -172,7 +214,60 @@ def test_drafts_answer_exactly_what_plain_decoding_does(runner: ModelRunner, sam
     assert decoded.logprobs == reference.logprobs[: len(decoded.tokens)]
 
 
-@pytest.mark.parametrize("sampling", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def _repeating(future: list[int]) -> list[int]:
+    """Drafts that repeat the run's own first tokens: right as far as the continuation does."""
+    return [future[0], future[1], future[0], future[1]]
+
+
+def _echoing_first(future: list[int]) -> list[int]:
+    """The right next token, then it again twice: the rows after it count it once, then twice."""
+    return [future[0]] * 3
+
+
+PENALISED_RUN: list[Proposer] = [
+    _right(3),  # all right
+    _right_then_wrong(0, 3),  # first wrong
+    _right_then_wrong(2, 2),  # some right
+    _none,
+    _repeating,
+    _right(4),
+    _echoing_first,
+    _right_then_wrong(1, 1),
+    _right(2),
+]
+
+
+@pytest.mark.parametrize("sampling", [GREEDY_FEW, SEEDED_FEW], ids=["greedy", "seeded"])
+@pytest.mark.parametrize("penalties", PENALTIES.values(), ids=PENALTIES.keys())
+def test_penalised_drafts_answer_exactly_what_plain_decoding_does(
+    runner: ModelRunner, sampling: pb.SamplerConfig, penalties: dict[str, float]
+) -> None:
+    penalised = _penalised(sampling, penalties)
+    reference = _plain(runner, penalised, count=40)
+    expected, have, accepted_runs = [1], 1, []
+    for propose in PENALISED_RUN:
+        future = reference.tokens[have:]
+        expected.append(_answered(propose(future), future))
+        accepted_runs.append(future[: expected[-1] - 1])
+        have += expected[-1]
+    # Some step accepts drafts that repeat a token of their own run: its later rows count it
+    # more than once before it is committed.
+    assert any(len(set(run)) < len(run) for run in accepted_runs)
+    decoded = _speculative(runner, penalised, reference.tokens, PENALISED_RUN)
+    assert decoded.per_step == expected
+    assert decoded.tokens == reference.tokens[: len(decoded.tokens)]
+    assert decoded.logprobs == reference.logprobs[: len(decoded.tokens)]
+
+
+PENALISED_GREEDY = _penalised(GREEDY_FEW, PENALTIES["all"])
+PENALISED_SEEDED = _penalised(SEEDED_FEW, PENALTIES["all"])
+
+
+@pytest.mark.parametrize(
+    "sampling",
+    [GREEDY, SEEDED, PENALISED_GREEDY, PENALISED_SEEDED],
+    ids=["greedy", "seeded", "greedy-penalised", "seeded-penalised"],
+)
 def test_steady_decodes_by_handle_and_verify_steps_take_turns(runner: ModelRunner, sampling: pb.SamplerConfig) -> None:
     # Steady decodes read the request's last token and progress from the rows' tables (in C),
     # so a verify step must leave those as decodes would.
@@ -312,6 +407,48 @@ def test_verify_steps_batched_with_prefills_decodes_and_masks_answer_what_each_a
     assert list(third.decode_token_ids) == other[2:3]
 
 
+def test_penalised_and_plain_requests_verified_in_one_step_answer_what_each_alone_does(
+    runner: ModelRunner,
+) -> None:
+    # Penalised rows among unpenalised ones: each draft row's counts must land on its own row.
+    samplings = {"a": PENALISED_GREEDY, "b": GREEDY, "c": PENALISED_SEEDED}
+    prompts = {"a": PROMPT, "b": OTHER_PROMPT, "c": OTHER_PROMPT}
+    alone = {rid: _plain(runner, samplings[rid], prompt=prompts[rid], count=14) for rid in samplings}
+    steps = Steps(runner)
+    decoded = {rid: Decoded() for rid in samplings}
+    first = steps.run(
+        new_requests=[
+            _new(rid, prompts[rid], i * BLOCKS_PER_REQUEST, samplings[rid]) for i, rid in enumerate(samplings)
+        ]
+    )
+    for output in first.outputs:
+        decoded[output.request_id].take(output)
+    rounds: list[dict[str, Proposer]] = [
+        {"b": _right_then_wrong(2, 1), "a": _repeating, "c": _none},
+        {"c": _right(3), "a": _echoing_first, "b": _none},
+        {"a": _right_then_wrong(1, 2), "c": _repeating, "b": _right(2)},
+    ]
+    for proposers in rounds:
+        entries, expected = [], {}
+        for rid, propose in proposers.items():
+            future = alone[rid].tokens[len(decoded[rid].tokens) :]
+            drafts = propose(future)
+            expected[rid] = _answered(drafts, future)
+            entries.append(_drafts(rid, drafts))
+        result = steps.run(continuing_requests=entries)
+        assert not result.rejected
+        for output in result.outputs:
+            decoded[output.request_id].take(output)
+            assert decoded[output.request_id].per_step[-1] == expected[output.request_id]
+    for rid, reference in alone.items():
+        tokens = decoded[rid].tokens
+        assert tokens == reference.tokens[: len(tokens)]
+        assert decoded[rid].logprobs == reference.logprobs[: len(tokens)]
+        state = runner.requests[rid]
+        if state.sampling.has_penalties:
+            assert _output_counts(state) == _bincount(tokens)
+
+
 def test_describe_says_drafts_are_verified(ready: ReadyExecutor) -> None:
     assert ready.info.supports_draft_tokens
 
@@ -344,8 +481,6 @@ def test_entries_with_drafts_it_cannot_verify_are_refused_saying_why(runner: Mod
     follows = _drafts("r", [3])
     follows.bitmask_follows = True
     assert "structured output" in _refusal(runner, follows)
-    penalised = pb.SamplerConfig(temperature=0, repetition_penalty=1.2)
-    assert "penalties" in _refusal(runner, _drafts("r", [3]), penalised)
     # Two prompt tokens still to compute: drafts would skip them.
     assert "every token but the last sampled one computed" in _refusal(runner, _drafts("r", [3]), scheduled=3)
     # All but the last prompt token computed: that token is the prompt's, not a sampled one.
