@@ -397,14 +397,6 @@ def main(argv: list[str] | None = None, prog: str = "python -m scheduler_service
                 logger.warning("event=metrics_port_ignored advice='a front-end has no metrics: scrape its planner'")
         check_listen_ports(args.host, ports)
         defaults = sampling_defaults(args.generation_config, args.tokenizer)
-        if args.num_speculative_tokens and defaults.repetition_penalty != 1.0:
-            # Otherwise an operator sees no drafts and no reason.
-            logger.warning(
-                "event=speculation_limited reason='the default repetition_penalty %g (from %s) takes no "
-                "drafts' advice='requests that want drafts send repetition_penalty 1.0, or start with "
-                "--generation-config none'",
-                defaults.repetition_penalty, defaults.source,
-            )
         tenants = load_tenants_file(args.tenants_file) if args.tenants_file else TenantTable()
         text = text_processor(args.tokenizer)
         tracing = tracing_of(args)

@@ -10,9 +10,9 @@ ones, are exactly those of decoding one token at a time; the step just yields 1.
 Who gets drafts in a step (the rule):
 - speculation is on: SchedulerConfig.num_speculative_tokens (the flag's K) > 0, which the lane
   sets only for an executor that supports_draft_tokens, and never for a hybrid model;
-- the request may take drafts under the contract: no grammar, no repetition, presence or
-  frequency penalty, its min_tokens reached; and it is not being retried alone after a failed
-  step;
+- the request may take drafts under the contract: no grammar, its min_tokens reached (any
+  repetition, presence or frequency penalty is fine: the executor counts the drafts before a
+  position as a decode there would); and it is not being retried alone after a failed step;
 - every step of it in flight has answered: drafts follow its last token, which must be known;
 - the step's decode batch (running requests past their prompt) is below speculative_max_batch:
   a batch that large keeps the accelerator busy on its own, and verifying drafts would take
@@ -116,9 +116,6 @@ class Speculation:
             and request.grammar is None
             and sampling.structured_output is None
             and not request.retry_alone
-            and sampling.repetition_penalty == 1.0
-            and not sampling.presence_penalty
-            and not sampling.frequency_penalty
         )
 
     def begin_step(self, running: Iterable[Request]) -> None:

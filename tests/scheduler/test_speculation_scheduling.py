@@ -128,15 +128,25 @@ def test_speculation_gives_the_tokens_of_decoding_one_at_a_time_in_fewer_steps(p
     assert len(speculating.plans) < len(plain.plans) * (0.5 if not pipelined else 0.85)
 
 
-def test_speculating_requests_decode_one_entry_each_and_the_others_in_bulk() -> None:
-    penalised = _quoting(9, 20, repetition_penalty=1.1)
-    run = drive(_config(max_num_batched_tokens=256), [_quoting(0, 20), penalised], echo(PERIOD))
-    handles = {handle for plan in run.plans for handle in plan.decode_handles}
-    listed = {c.request_id for plan in run.plans for c in plan.continuing_requests}
-    assert "r0" in listed and "r9" not in listed and len(handles) == 1
-    assert all("r9" not in _drafts(plan) for plan in run.plans)
-    # Without speculation both decode in bulk.
-    off = drive(_config(num_speculative_tokens=0, max_num_batched_tokens=256), [_quoting(0, 20), _quoting(9, 20, repetition_penalty=1.1)], echo(PERIOD))
+def test_penalised_requests_take_drafts_as_entries_like_the_rest_and_decode_in_bulk_without() -> None:
+    # SmolLM2's generation_config asks repetition_penalty 1.1: such requests must speculate.
+    def requests() -> list[Request]:
+        return [
+            _quoting(0, 20),
+            _quoting(8, 20, repetition_penalty=1.1),
+            _quoting(9, 20, repetition_penalty=1.1, presence_penalty=0.5, frequency_penalty=0.3),
+        ]
+
+    model = echo(PERIOD)
+    run = drive(_config(max_num_batched_tokens=256), requests(), model)
+    for request in requests():
+        assert any(request.request_id in _drafts(plan) for plan in run.plans)
+        reference = decode_one_at_a_time(model, request.prompt_token_ids, request.sampling.max_tokens or 0)
+        assert run.outputs[request.request_id] == reference
+    # A request that may take drafts is an entry of its own, never a decode in bulk.
+    assert not any(plan.decode_handles for plan in run.plans)
+    # Without speculation all decode in bulk.
+    off = drive(_config(num_speculative_tokens=0, max_num_batched_tokens=256), requests(), model)
     assert not {c.request_id for plan in off.plans for c in plan.continuing_requests}
 
 
