@@ -1,7 +1,7 @@
 """Speculative decoding through real processes: a scheduler that proposes drafts (ngram, suffix)
 and the executor that verifies them give exactly the outputs of decoding one token at a time,
-greedy and seeded, while drafts are proposed and some accepted; and the scheduler's block books
-agree with the executor's after.
+greedy and seeded, with and without penalties, while drafts are proposed and some accepted; and
+the scheduler's block books agree with the executor's after.
 
 The model is the tests' random Llama with a 16-token vocabulary: its greedy outputs fall into
 short runs and cycles (13 15 13 15 ..., 8 8 8 ...), so the request's own tokens hold what
@@ -47,8 +47,15 @@ def _prompts() -> list[list[int]]:
     return prompts
 
 
-# Greedy, and seeded sampling (its draws depend only on seed and position).
-SAMPLINGS = [{"temperature": 0.0}] * 6 + [{"temperature": 0.8, "seed": 100 + i} for i in range(2)]
+# Greedy, and seeded sampling (its draws depend only on seed and position); then with
+# penalties, which a verify step counts at each position with the drafts before it.
+PENALTIES = {"repetition_penalty": 1.1, "presence_penalty": 0.5, "frequency_penalty": 0.3}
+SAMPLINGS = (
+    [{"temperature": 0.0}] * 6
+    + [{"temperature": 0.8, "seed": 100 + i} for i in range(2)]
+    + [{"temperature": 0.0, "repetition_penalty": 1.1}, {"temperature": 0.0, **PENALTIES}]
+    + [{"temperature": 0.8, "seed": 200, **PENALTIES}]
+)
 
 
 async def _outputs(address: str) -> list[list[int]]:
