@@ -48,19 +48,27 @@ class TenantBooks:
         return not (self.placed or self.held or self.asked)
 
 
+def asked_tokens(request: Request, max_model_len: int | None) -> int:
+    """What a request may use of its tenant's tokens_per_minute: its prompt and its most output
+    (the model's length when it sets no max_tokens; unknown before an executor was reached)."""
+    most = request.sampling.max_tokens
+    if most is None:
+        most = max(0, max_model_len - request.num_prompt_tokens) if max_model_len is not None else 0
+    return request.num_prompt_tokens + most
+
+
 class TenantQuotas:
     def __init__(self, table: TenantTable, clock: Callable[[], float] = time.monotonic) -> None:
         self.table = table
         self.clock = clock
         self.books: dict[str, TenantBooks] = {}
 
-    def admit(self, request: Request, tokens: int | None = None, may_refuse: bool = True) -> bool:
-        """True: place it now; False: it waits here for a seat (held). tokens: what it asks for
-        (prompt and most output; by default prompt and max_tokens). AdmissionRefused when it is
-        over its tenant's quotas, unless it may not be refused (a request the client already
-        streams, submitted again after its planner was lost)."""
-        if tokens is None:
-            tokens = request.num_prompt_tokens + (request.sampling.max_tokens or 0)
+    def admit(self, request: Request, max_model_len: int | None = None, may_refuse: bool = True) -> bool:
+        """True: place it now; False: it waits here for a seat (held). It asks for its
+        asked_tokens. AdmissionRefused when it is over its tenant's quotas, unless it may not be
+        refused (a request the client already streams, submitted again after its planner was
+        lost)."""
+        tokens = asked_tokens(request, max_model_len)
         now = self.clock()
         if len(self.books) > _IDLE_BOOKS:
             self._sweep(now)

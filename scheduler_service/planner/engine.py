@@ -384,7 +384,7 @@ class Engine:
         if intake and not resumed:
             candidates = [(lane.scheduler, lane.step_timer.seconds if lane.step_timer.ready else None) for lane in intake]
             routed = self.deadlines.choose(request, candidates, routed, time.monotonic())
-        if self.quotas.admit(request, self._asked_tokens(request), may_refuse=not resumed):
+        if self.quotas.admit(request, self.info.max_model_len if self.info is not None else None, not resumed):
             return routed
         wait = self.quotas.seat_wait_s(request.tenant)
         time_left = request.ttft_deadline - time.monotonic()
@@ -399,14 +399,6 @@ class Engine:
                 wait,
             )
         return None
-
-    def _asked_tokens(self, request: Request) -> int:
-        """What a request may use of its tenant's tokens_per_minute: its prompt and its most
-        output (the model's length when it sets no max_tokens)."""
-        most = request.sampling.max_tokens
-        if most is None:
-            most = max(0, self.info.max_model_len - request.num_prompt_tokens) if self.info is not None else 0
-        return request.num_prompt_tokens + most
 
     def reload_tenants(self) -> TenantTable:
         """Reads --tenants-file again; ValueError (TenantsFileError) when the file is wrong,

@@ -255,3 +255,12 @@ def test_idle_tenants_books_are_swept() -> None:
     clock.now += WINDOW_S + 1
     books.admit(ask(tenant="late"))
     assert set(books.books) == {"late"}
+
+
+def test_a_request_without_max_tokens_asks_for_the_rest_of_the_model_length() -> None:
+    books, _ = quotas(tokens_per_minute=500)
+    open_ended = Request("open", [1] * 10, SamplingParams(), tenant="acme")
+    assert books.admit(open_ended, max_model_len=400)
+    assert books.books["acme"].asked_tokens == 400
+    with pytest.raises(AdmissionRefused):
+        books.admit(Request("again", [1] * 10, SamplingParams(), tenant="acme"), max_model_len=400)
