@@ -186,6 +186,14 @@ def parse_args(argv: list[str] | None, prog: str = "python -m executor_service")
         "mixing AMX and other hosts, or a request moved between them, no longer gets the same logits",
     )
     parser.add_argument(
+        "--draft-model",
+        type=Path,
+        default=None,
+        help="local model folder of a small model with the same vocabulary (e.g. `python -m "
+        "executor_service.truncated_draft` of this one) that proposes draft tokens for the "
+        "scheduler's --speculative-method draft; it keeps a K/V cache of its own beside the model's",
+    )
+    parser.add_argument(
         "--greedy-screen",
         action=argparse.BooleanOptionalAction,
         default=False,
@@ -320,6 +328,7 @@ def parse_args(argv: list[str] | None, prog: str = "python -m executor_service")
         lease_timeout_s=args.lease_timeout,
         packed_linear=args.packed_linear,
         greedy_screen=args.greedy_screen,
+        draft_model_dir=args.draft_model,
         panel_linear=args.panel_linear,
         amx=args.amx,
         cuda_graph_max_batch=args.cuda_graph_max_batch,
@@ -372,6 +381,11 @@ def check_before_loading(settings: ExecutorSettings) -> None:
         check_model_folder(settings.model_dir, settings.trust_remote_code)
     except FolderError as error:
         raise FolderError(f"--model {error}") from error
+    if settings.draft_model_dir is not None:
+        try:
+            check_model_folder(settings.draft_model_dir, settings.trust_remote_code)
+        except FolderError as error:
+            raise FolderError(f"--draft-model {error}") from error
     check_device(settings.device)
     # Under torchrun only rank 0 serves; the others may run on machines of their own.
     if launched_by_torchrun() and os.environ.get("RANK") != "0":

@@ -21,6 +21,7 @@ from executor_service.recurrent.state_slots import StateSlots
 from executor_service.recurrent.state_transfer import read_slot, write_slot
 from executor_service.runner.block_swaps import run_swaps
 from executor_service.runner.decode_graphs import DecodeGraphs
+from executor_service.runner.draft_model import DraftModel, DraftRequest
 from executor_service.runner.draft_verification import (
     accepted_drafts,
     drafts_before_rows,
@@ -102,7 +103,9 @@ class ModelRunner:
     the ranks' request states (the next step's inputs) never drift apart. argmax: what the
     sampler's greedy rows take, torch's when None. graphs: pure decode steps through captured
     CUDA graphs where a bucket holds them. row_kernels: a steady step's bookkeeping in C
-    (RequestRows), numpy's where None. host: the host tier of K/V blocks (--kv-host-gib), if any."""
+    (RequestRows), numpy's where None. host: the host tier of K/V blocks (--kv-host-gib), if any.
+    draft: the draft model that proposes ContinuingRequest.num_model_drafts (--draft-model), if
+    any."""
 
     def __init__(
         self,
@@ -115,8 +118,10 @@ class ModelRunner:
         graphs: DecodeGraphs | None = None,
         row_kernels: RowKernels | None = None,
         host: HostBlocks | None = None,
+        draft: DraftModel | None = None,
     ) -> None:
         self.loaded = loaded
+        self.draft = draft
         self.host = host
         self.graphs = graphs
         self._agree_on_tokens = agree_on_tokens
@@ -204,6 +209,8 @@ class ModelRunner:
         self.rows.clear()
         if wipe_kv:
             self.kv_cache.wipe()
+            if self.draft is not None:
+                self.draft.kv_cache.wipe()
             if self.host is not None:
                 self.host.forget_all()
             if self.loaded.recurrent is not None and self.loaded.recurrent.states is not None:
@@ -279,6 +286,8 @@ class ModelRunner:
         """The shared part of a step: one forward and one sampling pass for all its work."""
         forward_started = time.perf_counter()
         steady = admitted.steady
+        if any(item.num_model_drafts for item in admitted.work):
+            admitted.work = self._with_model_drafts(admitted.work)
         # Read before the forward, which moves the requests' progress on.
         sampling = [item for item in admitted.work if item.samples] if steady is None else []
         logits = self._steady_logits(steady) if steady is not None else None
@@ -312,6 +321,17 @@ class ModelRunner:
             result.decode_token_ids.extend(
                 [UNHELD_DECODE_TOKEN if s is None else tokens[s.request_id] for s in admitted.decodes]
             )
+
+    def _with_model_drafts(self, work: list[ScheduledWork]) -> list[ScheduledWork]:
+        """The work with the draft model's proposals as the drafts of the items that ask for them
+        (ContinuingRequest.num_model_drafts, which validation lets through only with a draft model)."""
+        assert self.draft is not None
+        asking = [i for i, item in enumerate(work) if item.num_model_drafts]
+        proposals = self.draft.propose([DraftRequest(work[i].state, work[i].num_model_drafts) for i in asking])
+        work = list(work)
+        for i, drafts in zip(asking, proposals, strict=True):
+            work[i] = replace(work[i], draft_token_ids=tuple(drafts))
+        return work
 
     def _token_masks(self, step_id: int, sampling: list[ScheduledWork], late: LateBitmasks | None) -> TokenMasks | None:
         """The step's grammar masks, placed by row among its sampling work (in work order, as
@@ -564,9 +584,15 @@ class ModelRunner:
         continuing = isinstance(entry, executor_pb2.ContinuingRequest)
         follows = continuing and entry.bitmask_follows
         drafts = tuple(entry.draft_token_ids) if continuing else ()
+        model_drafts = entry.num_model_drafts if continuing else 0
         admitted.work.append(
             ScheduledWork(
-                state, entry.num_scheduled_tokens, entry.allowed_token_bitmask, follows, draft_token_ids=drafts
+                state,
+                entry.num_scheduled_tokens,
+                entry.allowed_token_bitmask,
+                follows,
+                draft_token_ids=drafts,
+                num_model_drafts=model_drafts,
             )
         )
         return None
@@ -618,6 +644,9 @@ class ModelRunner:
             accepted = accepted_drafts(drafts, tokens)
             tokens, logprobs = tokens[: accepted + 1], logprobs[: accepted + 1]
             self.rows.advance(state, item.num_tokens - (len(drafts) - accepted))
+            if item.num_model_drafts:
+                # The draft model's K/V past the tokens kept were of rejected drafts.
+                state.num_draft_computed = min(state.num_draft_computed, state.num_computed_tokens)
             if drafts:
                 self.rows.extend_tokens(state, tokens)
                 logger.debug(

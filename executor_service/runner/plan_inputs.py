@@ -41,18 +41,25 @@ class ScheduledWork:
     # Tokens proposed to follow the request's (ContinuingRequest.draft_token_ids): the step
     # computes them after its last token, num_tokens counting them, and samples at each.
     draft_token_ids: tuple[int, ...] = ()
+    # Drafts the draft model proposes (ContinuingRequest.num_model_drafts), which the step puts
+    # in draft_token_ids before its forward.
+    num_model_drafts: int = 0
+
+    @property
+    def num_drafts(self) -> int:
+        return len(self.draft_token_ids) or self.num_model_drafts
 
     @property
     def samples(self) -> bool:
         """A token is sampled when this step's computation reaches the end of the known tokens
         (and of the drafts after them)."""
-        return self.state.num_computed_tokens + self.num_tokens - len(self.draft_token_ids) == self.state.num_tokens
+        return self.state.num_computed_tokens + self.num_tokens - self.num_drafts == self.state.num_tokens
 
     @property
     def num_samples(self) -> int:
         """Rows the step samples for it: one per computed position from its last known token on
         (that token's, then each draft's), none when it does not reach its end."""
-        return 1 + len(self.draft_token_ids) if self.samples else 0
+        return 1 + self.num_drafts if self.samples else 0
 
 
 @dataclass(slots=True, frozen=True)

@@ -61,6 +61,9 @@ class RequestState:
     # Records of the prompt tokens scored so far (want_prompt_logprobs), until the step that
     # samples after the prompt reports them.
     prompt_logprobs: list[executor_pb2.TokenLogprob] = field(default_factory=list)
+    # Leading tokens whose K/V the draft model (draft_model.py) holds in its own cache; a request
+    # rebuilt here starts again from none.
+    num_draft_computed: int = 0
 
     @property
     def num_tokens(self) -> int:

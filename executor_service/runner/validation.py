@@ -26,6 +26,8 @@ class Limits:
     num_state_slots: int = 0
     # Blocks of the host tier (--kv-host-gib); 0: no tier.
     num_host_blocks: int = 0
+    # Whether a draft model proposes ContinuingRequest.num_model_drafts (--draft-model).
+    draft_model: bool = False
 
 
 def check_new(entry: executor_pb2.NewRequest, sampling: SamplerSettings, limits: Limits) -> str | None:
@@ -118,12 +120,12 @@ def check_continuing(
     block_ids = [*state.block_ids, *entry.new_block_ids]
     if len(set(block_ids)) != len(block_ids):
         return "new_block_ids repeats a block of the request"
-    if entry.draft_token_ids:
+    if entry.draft_token_ids or entry.num_model_drafts:
         problem = drafts_problem(entry, state, limits)
         if problem:
             return problem
     # Drafts follow the known tokens, and the step computes them too.
-    num_tokens = state.num_tokens + len(entry.draft_token_ids)
+    num_tokens = state.num_tokens + (len(entry.draft_token_ids) or entry.num_model_drafts)
     if entry.num_scheduled_tokens == 0:
         return "num_scheduled_tokens must be > 0"
     end = state.num_computed_tokens + entry.num_scheduled_tokens
@@ -135,28 +137,35 @@ def check_continuing(
 
 
 def drafts_problem(entry: executor_pb2.ContinuingRequest, state: RequestState, limits: Limits) -> str | None:
-    """Why the executor cannot verify an entry's draft_token_ids as decodes one at a time would
-    have sampled the same positions, or None when it can."""
+    """Why the executor cannot verify an entry's draft_token_ids (or the num_model_drafts its
+    draft model proposes) as decodes one at a time would have sampled the same positions, or None
+    when it can."""
     drafts = entry.draft_token_ids
+    name = "draft_token_ids" if drafts else "num_model_drafts"
+    if drafts and entry.num_model_drafts:
+        return "both draft_token_ids and num_model_drafts: the drafts come from the plan or from the draft model"
+    if entry.num_model_drafts and not limits.draft_model:
+        return "num_model_drafts, but this executor has no draft model (--draft-model)"
     if limits.num_state_slots:
-        return "draft_token_ids for a model with recurrent layers, whose state cannot go back past a rejected draft"
+        return f"{name} for a model with recurrent layers, whose state cannot go back past a rejected draft"
     problem = _tokens_problem(drafts, limits)
     if problem:
         return f"draft_token_ids: {problem}"
-    if entry.num_scheduled_tokens != 1 + len(drafts):
+    count = len(drafts) or entry.num_model_drafts
+    if entry.num_scheduled_tokens != 1 + count:
         return (
-            f"num_scheduled_tokens {entry.num_scheduled_tokens} with {len(drafts)} draft_token_ids: a step with "
-            f"drafts computes the last sampled token and each draft ({1 + len(drafts)})"
+            f"num_scheduled_tokens {entry.num_scheduled_tokens} with {count} {name}: a step with "
+            f"drafts computes the last sampled token and each draft ({1 + count})"
         )
     if state.num_computed_tokens + 1 != state.num_tokens:
         return (
-            f"draft_token_ids need every token but the last sampled one computed; {state.num_computed_tokens} "
+            f"{name} need every token but the last sampled one computed; {state.num_computed_tokens} "
             f"of {state.num_tokens} are"
         )
     if state.num_computed_tokens < state.num_prompt_tokens:
-        return f"draft_token_ids before the request's {state.num_prompt_tokens} prompt tokens are computed"
+        return f"{name} before the request's {state.num_prompt_tokens} prompt tokens are computed"
     if entry.allowed_token_bitmask or entry.bitmask_follows:
-        return "draft_token_ids with an allowed-token bitmask (structured output), which holds for one position only"
+        return f"{name} with an allowed-token bitmask (structured output), which holds for one position only"
     end = state.num_computed_tokens + entry.num_scheduled_tokens
     if end > limits.max_model_len:
         return f"the drafts reach position {end - 1}, past max_model_len {limits.max_model_len}"

@@ -83,6 +83,9 @@ class ExecutorSettings:
     # since its pick is the exact-math argmax, not always the float32 head's, and whether a row
     # is screened depends on the rest of its step.
     greedy_screen: bool = False
+    # A small model of the same tokenizer that proposes drafts for speculative decoding
+    # (ContinuingRequest.num_model_drafts), with a K/V cache of its own; None: none.
+    draft_model_dir: Path | None = None
     # TLS (mutual with a client CA) on the executor API; None serves plaintext.
     tls: ServerTls | None = None
     # How this executor calls other executors to fetch K/V (kv_fetch.peer_tls of tls and the

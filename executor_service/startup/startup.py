@@ -38,9 +38,15 @@ from executor_service.runner.decode_graphs import (
     DecodeGraphs,
     decode_graphs_on,
 )
+from executor_service.runner.draft_model import DraftModel
 from executor_service.runner.model_runner import ModelRunner
 from executor_service.runner.validation import Limits
 from executor_service.serving.settings import ExecutorSettings
+from executor_service.startup.draft_loading import (
+    draft_cache_shape,
+    load_draft_model,
+    share_blocks,
+)
 from executor_service.startup.host_budget import decide_host_blocks
 from executor_service.startup.kv_budget import decide_num_blocks
 from executor_service.startup.self_check import (
@@ -181,7 +187,11 @@ def build_executor(settings: ExecutorSettings, device: str | None = None) -> Rea
         if parallel:
             num_slots = agree_on_min(num_slots)
         recurrent.states = StateSlots(recurrent.layout, num_slots, loaded.device)
+    # Before the budget, so that a GPU's free memory is what the draft model's weights leave.
+    draft = load_draft_model(settings, loaded) if settings.draft_model_dir is not None else None
     num_blocks = decide_num_blocks(loaded, shape, settings, backend, num_slots)
+    if draft is not None and settings.num_kv_blocks is None:
+        num_blocks = share_blocks(num_blocks, shape, draft_cache_shape(draft, settings.block_size))
     if parallel:
         num_blocks = agree_on_min(num_blocks)
     # Taken before fusing and packing, so that the self-check holds everything this executor
@@ -189,19 +199,9 @@ def build_executor(settings: ExecutorSettings, device: str | None = None) -> Rea
     reference = self_check_reference(loaded, settings.block_size, num_blocks)
     # Packing replaces the linear layers, which under TP hold sharded weights and collectives.
     if settings.packed_linear and not parallel and packing_available(loaded.device, loaded.dtype):
-        panels = _panel_kernel(settings.amx) if settings.panel_linear else None
-        kernels = _layer_kernels()
-        fuse_layers(loaded.model, kernels, panels)
-        if kernels is not None:
-            install_kernel_activations(loaded.model, kernels)
-        head = screenable_head(loaded.model) if settings.greedy_screen else None
-        pack_routers(loaded.model, panels)
-        pack_experts(loaded.model, panels)
-        pack_linears(loaded.model, panels, keep=recurrent.weights_read() if recurrent else frozenset())
-        if head is not None:
-            install_greedy_screen(loaded.model, head.weight)
-        loaded.lean = lean_llama(loaded.model)
-        logger.info("event=forward impl=%s", "lean" if loaded.lean is not None else "transformers")
+        _pack(loaded, settings)
+        if draft is not None:
+            _pack(draft, settings)
     kv_cache = PagedKVCache(shape, num_blocks, loaded.device, loaded.attention_layers)
     _self_check(loaded, kv_cache, backend, reference)
     host = HostBlocks(kv_cache, num_host_blocks) if num_host_blocks else None
@@ -215,6 +215,7 @@ def build_executor(settings: ExecutorSettings, device: str | None = None) -> Rea
         max_logprobs=min(settings.max_logprobs, loaded.vocab_size),
         num_state_slots=num_slots,
         num_host_blocks=num_host_blocks,
+        draft_model=draft is not None,
     )
     moves_kv = _moves_kv(shape, recurrent, parallel)
     kv_layout = shape.layout() + (f" {state_layout_name(recurrent.layout)}" if recurrent else "")
@@ -248,6 +249,7 @@ def build_executor(settings: ExecutorSettings, device: str | None = None) -> Rea
         # tolerates (the next step overwrites it) but a recurrent layer's state cannot go back
         # from. Under tensor parallelism every rank verifies from rank 0's tokens.
         supports_draft_tokens=recurrent is None,
+        draft_model=draft.model_id if draft is not None else "",
     )
     graphs = None
     if recurrent is not None and loaded.device.type == "cuda":
@@ -275,5 +277,32 @@ def build_executor(settings: ExecutorSettings, device: str | None = None) -> Rea
         graphs,
         _row_kernels(),
         host,
+        _draft_runner(draft, settings.block_size, num_blocks, backend),
     )
     return ReadyExecutor(runner=runner, info=info)
+
+
+def _pack(loaded: LoadedModel, settings: ExecutorSettings) -> None:
+    """The model's layers fused and its linears packed for the CPU kernels, and its forward the
+    lean one where every layer is fused."""
+    recurrent = loaded.recurrent
+    panels = _panel_kernel(settings.amx) if settings.panel_linear else None
+    kernels = _layer_kernels()
+    fuse_layers(loaded.model, kernels, panels)
+    if kernels is not None:
+        install_kernel_activations(loaded.model, kernels)
+    head = screenable_head(loaded.model) if settings.greedy_screen else None
+    pack_routers(loaded.model, panels)
+    pack_experts(loaded.model, panels)
+    pack_linears(loaded.model, panels, keep=recurrent.weights_read() if recurrent else frozenset())
+    if head is not None:
+        install_greedy_screen(loaded.model, head.weight)
+    loaded.lean = lean_llama(loaded.model)
+    logger.info("event=forward model=%s impl=%s", loaded.model_id, "lean" if loaded.lean is not None else "transformers")
+
+
+def _draft_runner(draft: LoadedModel | None, block_size: int, num_blocks: int, backend: str) -> DraftModel | None:
+    if draft is None:
+        return None
+    cache = PagedKVCache(draft_cache_shape(draft, block_size), num_blocks, draft.device, draft.attention_layers)
+    return DraftModel(draft, cache, backend)
