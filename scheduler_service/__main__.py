@@ -169,7 +169,7 @@ def parse_args(argv: list[str] | None, prog: str = "python -m scheduler_service"
         default="ngram",
         help="speculative decoding's proposer of draft tokens: ngram looks the request's last "
         "tokens up in its own tokens (prompt lookup); suffix also in the recent outputs of every "
-        "request on this scheduler",
+        "request on this scheduler; draft asks the executor's draft model (its --draft-model)",
     )
     parser.add_argument(
         "--num-speculative-tokens",

@@ -8,7 +8,7 @@ from dataclasses import dataclass, replace
 from scheduler_service.core.policy import Policy, StepMode
 
 # Proposers of speculative decoding (core/speculation.py).
-SPECULATIVE_METHODS = ("ngram", "suffix")
+SPECULATIVE_METHODS = ("ngram", "suffix", "draft")
 # A decode batch from which steps carry no drafts: where a GPU's decode starts being compute-bound
 # for a small model, a guess to tune per deployment (--speculative-max-batch).
 DEFAULT_SPECULATIVE_MAX_BATCH = 16

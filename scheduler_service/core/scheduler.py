@@ -33,7 +33,7 @@ from scheduler_service.core.prefix_tracker import PrefixTracker
 from scheduler_service.core.request import FinishReason, Request, RequestStatus
 from scheduler_service.core.request_queue import WaitingQueue
 from scheduler_service.core.scheduler_moves import RequestMoves
-from scheduler_service.core.speculation import Speculation
+from scheduler_service.core.speculation import Drafts, Speculation
 from scheduler_service.core.step_plan import (
     ContinuingRequestPlan,
     LateBitmasks,
@@ -64,7 +64,7 @@ class _InFlight:
     # Whether the step samples a token for it.
     samples: bool
     # Drafts it verifies (speculation.py).
-    drafts: tuple[int, ...] = ()
+    drafts: Drafts = Drafts()
 
 
 @dataclass(slots=True)
@@ -399,7 +399,7 @@ class Scheduler(RequestMoves):
         scheduled: dict[Request, int] = {}
         new_blocks: dict[str, list[int]] = {}
         admitted: list[Request] = []
-        drafted: dict[Request, list[int]] = {}
+        drafted: dict[Request, Drafts] = {}
         if self._deferred:
             self._release_deferred()
         preempted = self._schedule_retry_alone(budget, scheduled, new_blocks, admitted)
@@ -549,7 +549,7 @@ class Scheduler(RequestMoves):
         budget: int,
         scheduled: dict[Request, int],
         new_blocks: dict[str, list[int]],
-        drafted: dict[Request, list[int]],
+        drafted: dict[Request, Drafts],
     ) -> int:
         """Drafts for the step's decodes whose earlier steps have all answered, from the budget
         the running requests left, in blocks that are free (never preempting for them); see
@@ -820,7 +820,7 @@ class Scheduler(RequestMoves):
         new_blocks: dict[str, list[int]],
         admitted: list[Request],
         bulk: "_BulkPlan",
-        drafted: dict[Request, list[int]] | None = None,
+        drafted: dict[Request, Drafts] | None = None,
     ) -> StepPlan:
         plan = StepPlan(step_id=next(self._step_ids), dropped_request_ids=self._to_drop, block_copies=self._copies)
         self._to_drop, self._copies = [], []
@@ -841,7 +841,7 @@ class Scheduler(RequestMoves):
         if fair and bulk.step is not None:
             self.share.charge_all(self.decodes.live(bulk.step))
         for request, num_new in scheduled.items():
-            drafts = drafted.get(request, []) if drafted else []
+            drafts = drafted.get(request, Drafts()) if drafted else Drafts()
             samples = request.num_computed_tokens + num_new - len(drafts) == request.num_tokens + request.num_pending_outputs
             constrained = samples and request.grammar is not None
             follows = constrained and request.num_pending_outputs > 0
@@ -873,7 +873,15 @@ class Scheduler(RequestMoves):
                 self._on_executor.add(request.request_id)
             else:
                 plan.continuing_requests.append(
-                    ContinuingRequestPlan(request.request_id, num_new, new_blocks[request.request_id], mask, follows, drafts)
+                    ContinuingRequestPlan(
+                        request.request_id,
+                        num_new,
+                        new_blocks[request.request_id],
+                        mask,
+                        follows,
+                        list(drafts.token_ids),
+                        drafts.from_model,
+                    )
                 )
                 if drafts:
                     self.speculation.sent(request)
@@ -889,7 +897,7 @@ class Scheduler(RequestMoves):
                 elif self._decodes_in_bulk(request):
                     joining.append(request)
             in_flight[request.request_id] = _InFlight(
-                request, request.num_preemptions, request.num_computed_tokens, samples, tuple(drafts)
+                request, request.num_preemptions, request.num_computed_tokens, samples, drafts
             )
         if checkpointing and bulk.step is not None:
             spans += [(request, end - 1, end) for request, end in self.decodes.reaching(bulk.step, self._checkpoints.interval)]

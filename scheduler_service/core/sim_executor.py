@@ -16,7 +16,8 @@ is a second map of slots, which the plan's swap-outs and swap-ins copy to and fr
 Draft tokens are verified as the contract says (executor.proto, ContinuingRequest.draft_token_ids):
 every position computed, the model's token at each compared with the draft after it, and the
 accepted drafts and the token after them answered; the K/V of rejected drafts stays in the slots
-until overwritten.
+until overwritten. A simulated draft model (draft_token) proposes the drafts of entries that ask
+for num_model_drafts, each its guess after the tokens before it.
 """
 
 from collections.abc import Callable, Sequence
@@ -110,6 +111,9 @@ class SimulatedExecutor:
     # Verifies ContinuingRequestPlan.draft_token_ids (ExecutorInfo.supports_draft_tokens); one
     # that does not refuses an entry with drafts, as the real executor would.
     supports_draft_tokens: bool = True
+    # The draft model's token after a request's tokens (ContinuingRequestPlan.num_model_drafts);
+    # None: no draft model, and an entry that asks for its drafts is refused.
+    draft_token: TokenFn | None = None
 
     def execute(self, plan: StepPlan) -> StepOutput:
         output = self._run(plan)
@@ -181,11 +185,15 @@ class SimulatedExecutor:
             if cont.draft_token_ids and not self.supports_draft_tokens:
                 output.rejected[cont.request_id] = RequestError(ErrorKind.INVALID, "draft tokens are not supported")
                 continue
+            if cont.num_model_drafts and self.draft_token is None:
+                output.rejected[cont.request_id] = RequestError(ErrorKind.INVALID, "num_model_drafts without a draft model")
+                continue
             state.block_ids.extend(cont.new_block_ids)
-            if cont.draft_token_ids:
+            if cont.draft_token_ids or cont.num_model_drafts:
                 self._check_drafts(cont, state, cont.request_id in masks)
-                drafted[cont.request_id] = (list(cont.draft_token_ids), len(state.token_ids))
-                state.token_ids.extend(cont.draft_token_ids)
+                drafts = list(cont.draft_token_ids) or self._propose(cont.request_id, state.token_ids, cont.num_model_drafts)
+                drafted[cont.request_id] = (drafts, len(state.token_ids))
+                state.token_ids.extend(drafts)
             work.append((cont.request_id, cont.num_scheduled_tokens))
         for handle, block_id in zip(plan.decode_block_handles, plan.decode_block_ids, strict=True):
             if handle in self.handles:
@@ -259,12 +267,20 @@ class SimulatedExecutor:
             raise PlanMismatch(
                 f"{cont.request_id} has drafts with {len(state.token_ids) - state.num_computed} tokens to compute"
             )
-        if cont.num_scheduled_tokens != 1 + len(cont.draft_token_ids):
-            raise PlanMismatch(
-                f"{cont.request_id} computes {cont.num_scheduled_tokens} tokens with {len(cont.draft_token_ids)} drafts"
-            )
+        if cont.draft_token_ids and cont.num_model_drafts:
+            raise PlanMismatch(f"{cont.request_id} has both draft_token_ids and num_model_drafts")
+        count = len(cont.draft_token_ids) or cont.num_model_drafts
+        if cont.num_scheduled_tokens != 1 + count:
+            raise PlanMismatch(f"{cont.request_id} computes {cont.num_scheduled_tokens} tokens with {count} drafts")
         if masked or cont.bitmask_follows:
             raise PlanMismatch(f"{cont.request_id} has drafts and a bitmask")
+
+    def _propose(self, request_id: str, token_ids: Sequence[int], count: int) -> list[int]:
+        assert self.draft_token is not None
+        drafts: list[int] = []
+        for _ in range(count):
+            drafts.append(self.draft_token(request_id, [*token_ids, *drafts]))
+        return drafts
 
     def _verify(self, request_id: str, state: _SimRequest, drafts: list[int], known: int) -> list[int]:
         """The model's token at each computed position, compared with the draft after it: the

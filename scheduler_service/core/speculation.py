@@ -7,6 +7,11 @@ decode of that position would, and answers the drafts it accepted (each equal to
 sampled before it) and the token sampled after the last of them. So greedy outputs, and seeded
 ones, are exactly those of decoding one token at a time; the step just yields 1..k+1 tokens.
 
+Proposers: ngram and suffix propose here (the drafts travel in the plan); draft leaves it to the
+executor's draft model (ContinuingRequest.num_model_drafts: the plan says how many), which
+proposes and verifies in the same step. The rule below is the same for all three; the draft
+method always has a proposal.
+
 Who gets drafts in a step (the rule):
 - speculation is on: SchedulerConfig.num_speculative_tokens (the flag's K) > 0, which the lane
   sets only for an executor that supports_draft_tokens, and never for a hybrid model;
@@ -60,6 +65,18 @@ ALPHA = 0.5
 PROBE_AFTER = 16
 
 
+@dataclass(slots=True, frozen=True)
+class Drafts:
+    """One request's drafts in a step: the tokens proposed here, or how many the executor's
+    draft model is to propose."""
+
+    token_ids: tuple[int, ...] = ()
+    from_model: int = 0
+
+    def __len__(self) -> int:
+        return len(self.token_ids) or self.from_model
+
+
 class Proposer(Protocol):
     method: str
 
@@ -88,11 +105,13 @@ class Speculation:
         self.max_batch = config.speculative_max_batch
         self.max_seq_len = config.max_seq_len
         self.enabled = self.max_k > 0
-        self.proposer: Proposer = (
-            SuffixProposer(table if table is not None else SuffixTable())
-            if config.speculative_method == "suffix"
-            else NgramProposer()
-        )
+        self.method = config.speculative_method
+        # None: the executor's draft model proposes.
+        self.proposer: Proposer | None = None
+        if self.method == "suffix":
+            self.proposer = SuffixProposer(table if table is not None else SuffixTable())
+        elif self.method == "ngram":
+            self.proposer = NgramProposer()
         self._requests: dict[Request, _Drafting] = {}
         # Whether the step being planned may carry drafts (the batch rule; begin_step), and
         # whether drafts are in flight then.
@@ -102,10 +121,6 @@ class Speculation:
         self.num_verified = 0
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
-
-    @property
-    def method(self) -> str:
-        return self.proposer.method
 
     def applies_to(self, request: Request) -> bool:
         """Whether the request may ever take drafts here (all but its min_tokens, which it
@@ -147,30 +162,36 @@ class Speculation:
             # (a step's cost is mostly fixed on a small batch): it joins their next step instead.
             return True
         state = self._state(request)
-        if (state.accepted >= 1 or state.plain >= PROBE_AFTER) and self.proposer.propose(request, 1):
+        if (state.accepted >= 1 or state.plain >= PROBE_AFTER) and self._has_proposal(request):
             return True
         state.plain += 1
         return False
 
-    def drafts_for(self, request: Request, budget: int) -> list[int]:
+    def drafts_for(self, request: Request, budget: int) -> Drafts:
         """Drafts for a request whose step computes its last token and whose earlier steps have
         all answered, at most budget of them; none when the rule says so."""
         if not self.allowed or not self._may_draft(request):
-            return []
+            return Drafts()
         state = self._state(request)
         k = min(state.k, budget, length_limit(request, self.max_seq_len) - request.num_tokens - 1)
-        return self.proposer.propose(request, k) if k > 0 else []
+        if k <= 0:
+            return Drafts()
+        if self.proposer is None:
+            return Drafts(from_model=k)
+        return Drafts(tuple(self.proposer.propose(request, k)))
 
     def sent(self, request: Request) -> None:
         """Its drafts are in the plan being made."""
         self._requests[request].in_flight_epoch = request.num_preemptions
 
-    def verified(self, request: Request, drafts: Sequence[int], tokens: Sequence[int]) -> str | None:
+    def verified(self, request: Request, drafts: Drafts, tokens: Sequence[int]) -> str | None:
         """Takes the executor's answer to drafts: the accepted drafts and the token after them.
         Returns what is wrong with it, or None (then the request's K has adapted)."""
         accepted = len(tokens) - 1
-        if not 0 <= accepted <= len(drafts) or list(tokens[:accepted]) != list(drafts[:accepted]):
-            return f"{list(tokens)} is not a run of the drafts {list(drafts)} and one token"
+        if not 0 <= accepted <= len(drafts):
+            return f"{len(tokens)} tokens answer {len(drafts)} drafts"
+        if drafts.token_ids and list(tokens[:accepted]) != list(drafts.token_ids[:accepted]):
+            return f"{list(tokens)} is not a run of the drafts {list(drafts.token_ids)} and one token"
         state = self._requests[request]
         state.in_flight_epoch, state.plain = -1, 0
         state.accepted += ALPHA * (accepted - state.accepted)
@@ -188,7 +209,11 @@ class Speculation:
     def leave(self, request: Request) -> None:
         """The request left this scheduler (finished, moved, its executor lost)."""
         self._requests.pop(request, None)
-        self.proposer.leave(request)
+        if self.proposer is not None:
+            self.proposer.leave(request)
+
+    def _has_proposal(self, request: Request) -> bool:
+        return self.proposer is None or bool(self.proposer.propose(request, 1))
 
     def _may_draft(self, request: Request) -> bool:
         return self.applies_to(request) and request.num_output_tokens >= request.sampling.min_tokens

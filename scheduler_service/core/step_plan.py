@@ -82,6 +82,8 @@ class ContinuingRequestPlan:
     # Speculative decoding: tokens proposed to follow its last one, which the executor verifies
     # (core/speculation.py); its answer is the accepted ones and the token after them.
     draft_token_ids: list[int] = field(default_factory=list)
+    # Or how many the executor's draft model proposes (ContinuingRequest.num_model_drafts).
+    num_model_drafts: int = 0
 
 
 @dataclass(slots=True, frozen=True)

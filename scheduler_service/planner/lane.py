@@ -98,6 +98,14 @@ class LaneOptions:
     speculative_max_batch: int = DEFAULT_SPECULATIVE_MAX_BATCH
 
 
+def _speculates(options: LaneOptions, info: executor_pb2.ExecutorInfo) -> bool:
+    """Whether the executor can verify what the options propose: drafts at all, and with the
+    draft method a draft model of its own."""
+    if options.speculative_method == "draft":
+        return bool(info.draft_model)
+    return info.supports_draft_tokens
+
+
 class LaneHooks(Protocol):
     """What a lane asks of the engine that owns it."""
 
@@ -251,11 +259,14 @@ class ExecutorLane:
                 )
             eos = frozenset(info.eos_token_ids) | self.extra_eos_token_ids
             self.scheduler = Scheduler(self._config(info), eos, share=self.hooks.share, suffixes=self.hooks.suffixes)
-            if self.options.num_speculative_tokens and not info.supports_draft_tokens:
+            if self.options.num_speculative_tokens and not _speculates(self.options, info):
                 # Said once per connection: an operator who asked for speculation finds why it is off.
                 logger.warning(
-                    "event=speculation_off address=%s reason='the executor does not verify draft tokens'",
+                    "event=speculation_off address=%s reason=%r",
                     self.address,
+                    "the executor has no draft model (its --draft-model)"
+                    if info.supports_draft_tokens
+                    else "the executor does not verify draft tokens",
                 )
             if info.num_state_slots:
                 # Said once per connection: an operator wondering why this executor gets no
@@ -365,7 +376,7 @@ class ExecutorLane:
             state_checkpoint_blocks=options.state_checkpoint_blocks if info.supports_state_checkpoints else 0,
             num_host_blocks=info.num_host_blocks,
             speculative_method=options.speculative_method,
-            num_speculative_tokens=options.num_speculative_tokens if info.supports_draft_tokens else 0,
+            num_speculative_tokens=options.num_speculative_tokens if _speculates(options, info) else 0,
             speculative_max_batch=options.speculative_max_batch,
         )
 

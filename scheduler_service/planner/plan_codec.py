@@ -79,6 +79,7 @@ def plan_to_proto(plan: StepPlan, eos_token_ids: Collection[int] = ()) -> pb.Ste
                 allowed_token_bitmask=cont.allowed_token_bitmask,
                 bitmask_follows=cont.bitmask_follows,
                 draft_token_ids=cont.draft_token_ids,
+                num_model_drafts=cont.num_model_drafts,
             )
         )
     if plan.decode_handles:

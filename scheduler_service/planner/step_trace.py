@@ -119,7 +119,11 @@ class StepTrace:
             }
         if plan.swap_out or plan.swap_in:
             hybrid["swaps"] = [len(plan.swap_out), len(plan.swap_in)]
-        drafts = {c.request_id: len(c.draft_token_ids) for c in plan.continuing_requests if c.draft_token_ids}
+        drafts = {
+            c.request_id: len(c.draft_token_ids) or c.num_model_drafts
+            for c in plan.continuing_requests
+            if c.draft_token_ids or c.num_model_drafts
+        }
         if drafts:
             hybrid["drafts"] = drafts
         self._write(

@@ -90,7 +90,7 @@ def replay_requests(
             Scheduler(config, eos_token_ids=(REPLAY_EOS,), clock=lambda: clock, share=share, suffixes=suffixes),
             SimulatedExecutor(
                 config.num_kv_blocks, config.block_size, next_token=model.next_token, verify_kv=False,
-                num_state_slots=config.num_state_slots,
+                num_state_slots=config.num_state_slots, draft_token=model.draft_token,
             ),
             Replayed(f"executor {index}", config),
         )

@@ -17,7 +17,9 @@ simulated executor verifying the drafts). The recorded text is not in the trace,
 synthetic outputs stand in for its repetitiveness: they repeat themselves every ECHO_PERIOD
 tokens, which prompt lookup picks up, except at positions drawn at the rate at which the recording
 rejected drafts (SyntheticModel). Drafts are then proposed and accepted about as often as they
-were: the first draft of each verify at the recorded rate, later ones less often.
+were: the first draft of each verify at the recorded rate, later ones less often. With the draft
+method, the simulated draft model guesses that echo everywhere past the first ECHO_PERIOD
+tokens, so it is right at the same rate.
 """
 
 from __future__ import annotations
@@ -152,10 +154,10 @@ class _Simulation:
         self.clock = 0.0
         self.scheduler = Scheduler(config, eos_token_ids=(REPLAY_EOS,), clock=lambda: self.clock)
         self.requests = rebuild_requests(list(timeline.requests.values()), config.block_size)
+        model = SyntheticModel(list(timeline.requests.values()), self.requests, recorded_acceptance([timeline]))
         self.executor = SimulatedExecutor(
-            config.num_kv_blocks, config.block_size,
-            next_token=SyntheticModel(list(timeline.requests.values()), self.requests, recorded_acceptance([timeline])).next_token,
-            verify_kv=False, num_state_slots=config.num_state_slots,
+            config.num_kv_blocks, config.block_size, next_token=model.next_token, verify_kv=False,
+            num_state_slots=config.num_state_slots, draft_token=model.draft_token,
         )
         # (time, order, kind, request): arrivals and aborts, in time order.
         self._events: list[tuple[float, int, str, Request]] = []
@@ -236,6 +238,11 @@ class SyntheticModel:
             if draw < self._acceptance:
                 return token_ids[-ECHO_PERIOD]
         return default_next_token(request_id, token_ids)
+
+    def draft_token(self, request_id: str, token_ids: Sequence[int]) -> int:
+        """A simulated draft model's guess: the echo, where outputs echo."""
+        produced = len(token_ids) - self._prompt_len[request_id] + 1
+        return token_ids[-ECHO_PERIOD] if produced > ECHO_PERIOD else default_next_token(request_id, token_ids)
 
 
 def rebuild_requests(traced: Sequence[TracedRequest], block_size: int) -> list[Request]:

@@ -1,5 +1,6 @@
-"""Speculative decoding through real processes: a scheduler that proposes drafts (ngram, suffix)
-and the executor that verifies them give exactly the outputs of decoding one token at a time,
+"""Speculative decoding through real processes: a scheduler that proposes drafts (ngram, suffix),
+or asks the executor's draft model for them (draft: a copy of the model's first layer), and the
+executor that verifies them give exactly the outputs of decoding one token at a time,
 greedy and seeded, with and without penalties, while drafts are proposed and some accepted; and
 the scheduler's block books agree with the executor's after.
 
@@ -18,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from clients import AsyncClient
+from executor_service.truncated_draft import truncate
 from tests.helpers.block_audit import assert_books_agree
 from tests.helpers.executor_process import start_executor
 from tests.helpers.metrics_scrape import scrape
@@ -68,10 +70,12 @@ async def _outputs(address: str) -> list[list[int]]:
     return [list(result.token_ids) for result in results]
 
 
-def _serve(model: Path, **flags: object) -> tuple[list[list[int]], dict[str, float]]:
-    """The outputs of one executor and scheduler started with flags, and the scheduler's spec_* samples."""
+def _serve(model: Path, draft: Path | None = None, **flags: object) -> tuple[list[list[int]], dict[str, float]]:
+    """The outputs of one executor (with a draft model, if any) and scheduler started with flags,
+    and the scheduler's spec_* samples."""
     metrics_port = free_port()
-    with start_executor(model, **EXECUTOR_FLAGS) as (executor, _), start_scheduler(executor, metrics_port=metrics_port, **flags) as address:
+    executor_flags = {**EXECUTOR_FLAGS, **({"draft_model": draft} if draft is not None else {})}
+    with start_executor(model, **executor_flags) as (executor, _), start_scheduler(executor, metrics_port=metrics_port, **flags) as address:
         outputs = asyncio.run(_outputs(address))
         samples = {name: value for name, value in scrape(metrics_port)[0].items() if name.startswith("splitserve:spec_")}
         assert_books_agree(address)
@@ -86,11 +90,12 @@ def plain_outputs(model: Path) -> list[list[int]]:
     return outputs
 
 
-@pytest.mark.parametrize("method", ["ngram", "suffix"])
+@pytest.mark.parametrize("method", ["ngram", "suffix", "draft"])
 def test_speculation_gives_the_outputs_of_decoding_one_token_at_a_time(
-    model: Path, plain_outputs: list[list[int]], method: str
+    model: Path, plain_outputs: list[list[int]], method: str, tmp_path: Path
 ) -> None:
-    outputs, samples = _serve(model, speculative_method=method, num_speculative_tokens=4)
+    draft = truncate(model, tmp_path / "draft", layers=1) if method == "draft" else None
+    outputs, samples = _serve(model, draft, speculative_method=method, num_speculative_tokens=4)
     label = f'{{method="{method}"}}'
     drafted = samples.get(f"splitserve:spec_draft_tokens_total{label}", 0.0)
     accepted = samples.get(f"splitserve:spec_accepted_tokens_total{label}", 0.0)

@@ -61,12 +61,13 @@ def drive(
     pipelined: bool = False,
     eos: Iterable[int] = (),
     on_output: Callable[[StepOutput], None] = lambda output: None,
+    draft: TokenFn | None = None,
 ) -> Drive:
     """Runs the requests to their end, one plan on the wire (lockstep) or two (as the lane
     does), checking the block books against the executor's whenever none is, and that no plan
-    continues a request whose drafts are still out."""
+    continues a request whose drafts are still out. draft: the executor's draft model."""
     scheduler = Scheduler(config, eos_token_ids=eos)
-    run = Drive(scheduler, SimulatedExecutor(config.num_kv_blocks, config.block_size, model))
+    run = Drive(scheduler, SimulatedExecutor(config.num_kv_blocks, config.block_size, model, draft_token=draft))
     for request in requests:
         scheduler.add_request(request)
     in_flight: list[tuple[StepPlan, StepOutput]] = []
@@ -78,7 +79,9 @@ def drive(
         plan = scheduler.schedule()
         plan.want_held_requests = True
         assert plan.num_scheduled_tokens <= config.max_num_batched_tokens
-        drafting = {c.request_id for p, _ in in_flight for c in p.continuing_requests if c.draft_token_ids}
+        drafting = {
+            c.request_id for p, _ in in_flight for c in p.continuing_requests if c.draft_token_ids or c.num_model_drafts
+        }
         assert not drafting & set(book.scheduled(plan)), "a request with drafts in flight was planned again"
         run.plans.append(plan)
         output = run.executor.execute(plan)
@@ -107,6 +110,10 @@ def _drafts(plan: StepPlan) -> dict[str, list[int]]:
     return {c.request_id: c.draft_token_ids for c in plan.continuing_requests if c.draft_token_ids}
 
 
+def _model_drafts(plan: StepPlan) -> dict[str, int]:
+    return {c.request_id: c.num_model_drafts for c in plan.continuing_requests if c.num_model_drafts}
+
+
 def _requests() -> list[Request]:
     return [_quoting(i, 30 + 7 * i, logprobs=1 if i == 2 else None) for i in range(5)]
 
@@ -126,6 +133,28 @@ def test_speculation_gives_the_tokens_of_decoding_one_at_a_time_in_fewer_steps(p
     # Fewer steps: in lockstep by half; pipelined, a request sits out the step planned while
     # its drafts are out, and still gains.
     assert len(speculating.plans) < len(plain.plans) * (0.5 if not pipelined else 0.85)
+
+
+@pytest.mark.parametrize("pipelined", [False, True])
+def test_the_executors_draft_model_proposes_with_the_draft_method_and_the_tokens_stay_those_of_decoding_one_at_a_time(
+    pipelined: bool,
+) -> None:
+    """The plan asks for num_model_drafts (never tokens); the executor's draft model, right at
+    most positions and wrong every 7th, proposes them; every request answers the tokens of
+    decoding one at a time, in fewer steps, its K adapting."""
+    model, draft = echo(PERIOD), echo(PERIOD, every=7)
+    plain = drive(_config(num_speculative_tokens=0), _requests(), model, pipelined)
+    run = drive(_config(speculative_method="draft"), _requests(), model, pipelined, draft=draft)
+    for request in _requests():
+        reference = decode_one_at_a_time(model, request.prompt_token_ids, request.sampling.max_tokens or 0)
+        assert run.outputs[request.request_id] == reference
+    assert not any(_drafts(plan) for plan in run.plans)
+    asked = [count for plan in run.plans for count in _model_drafts(plan).values()]
+    assert asked and max(asked) == 4 and min(asked) >= 1
+    speculation = run.scheduler.speculation
+    assert speculation.num_draft_tokens == sum(asked)
+    assert speculation.num_draft_tokens / 2 < speculation.num_accepted_tokens < speculation.num_draft_tokens
+    assert len(run.plans) < len(plain.plans) * (0.6 if not pipelined else 0.9)
 
 
 def test_penalised_requests_take_drafts_as_entries_like_the_rest_and_decode_in_bulk_without() -> None:
@@ -291,13 +320,13 @@ def test_k_climbs_back_to_the_flag_when_drafts_are_accepted() -> None:
         drafts = speculation.drafts_for(request, budget=100)
         assert 1 <= len(drafts) <= 5
         speculation.sent(request)
-        assert speculation.verified(request, drafts, drafts + [7] if accept else [7]) is None
+        assert speculation.verified(request, drafts, [*drafts.token_ids, 7] if accept else [7]) is None
         ks.append(speculation.k_of(request))
     assert ks[5] == 1 and ks[-1] == 5 and max(ks) == 5
     # An answer that is not the drafts' run and one token is refused, naming it.
     drafts = speculation.drafts_for(request, budget=100)
     speculation.sent(request)
-    assert speculation.verified(request, drafts, [drafts[0] + 1, 7]) is not None
+    assert speculation.verified(request, drafts, [drafts.token_ids[0] + 1, 7]) is not None
 
 
 def test_no_drafts_while_the_decode_batch_reaches_the_max() -> None:

@@ -37,7 +37,7 @@ def test_the_flags_reach_the_lane_options() -> None:
     assert (off.speculative_method, off.num_speculative_tokens, off.speculative_max_batch) == ("ngram", 0, 16)
 
 
-@pytest.mark.parametrize(("flag", "value"), [("--speculative-method", "draft"), ("--num-speculative-tokens", "-1"), ("--speculative-max-batch", "0")])
+@pytest.mark.parametrize(("flag", "value"), [("--speculative-method", "eagle"), ("--num-speculative-tokens", "-1"), ("--speculative-max-batch", "0")])
 def test_a_meaningless_speculation_flag_is_refused(flag: str, value: str) -> None:
     with pytest.raises(SystemExit):
         parse_args([flag, value])
@@ -59,6 +59,14 @@ def test_speculation_is_on_only_for_an_executor_that_verifies_drafts() -> None:
         num_kv_blocks=64, block_size=16, max_model_len=1024, supports_draft_tokens=True, num_state_slots=4
     )
     assert _lane_config(hybrid, num_speculative_tokens=4).num_speculative_tokens == 0
+
+
+def test_the_draft_method_is_on_only_for_an_executor_with_a_draft_model() -> None:
+    info = executor_pb2.ExecutorInfo(num_kv_blocks=64, block_size=16, max_model_len=1024, supports_draft_tokens=True)
+    assert _lane_config(info, speculative_method="draft", num_speculative_tokens=4).num_speculative_tokens == 0
+    info.draft_model = "draft-4-layers"
+    on = _lane_config(info, speculative_method="draft", num_speculative_tokens=4)
+    assert (on.speculative_method, on.num_speculative_tokens) == ("draft", 4)
 
 
 def test_drafts_travel_in_the_plan() -> None:
