@@ -2,12 +2,15 @@
 executor accepts, and whether the outputs stay exactly those of decoding one token at a time.
 
     python -m bench.speculation [--model smollm2|random-smollm2|tiny|DIR] [--requests 16]
-        [--concurrency 4] [--max-tokens 160] [--k 4] [--runs 3] [--json OUT]
+        [--concurrency 4] [--max-tokens 160] [--k 4] [--draft-layers 8] [--runs 3]
+        [--workloads quote templates] [--json OUT]
 
 Two workloads of greedy chat requests (bench/speculation_workloads.py):
 
 - quote: "Repeat this text exactly: <a paragraph>", --requests of them, --concurrency at a time,
-  without speculation (off) and with `--speculative-method ngram --num-speculative-tokens K`;
+  without speculation (off), with `--speculative-method ngram --num-speculative-tokens K`, and
+  with `--speculative-method draft`, the executor's draft model being the model's first
+  --draft-layers layers and its head (python -m executor_service.truncated_draft);
 - templates: a few requests asked again with one detail changed, one at a time so the suffix
   table learns from the answers before, off, ngram and suffix.
 
@@ -47,6 +50,7 @@ from bench.speculation_workloads import (
 )
 from bench.throughput_splitserve import wait_all_up
 from clients import AsyncClient
+from executor_service.truncated_draft import truncate
 from protos.splitserve.v1 import admin_pb2, admin_pb2_grpc
 from tests.helpers.executor_process import ExecutorProcess
 from tests.helpers.metrics_scrape import Samples, scrape
@@ -59,7 +63,7 @@ BLOCK_SIZE = 16
 NUM_KV_BLOCKS = 1024
 OFF = "off"
 # The passes of each workload; the first is the one every other's outputs must equal.
-WORKLOADS = {"quote": (OFF, "ngram"), "templates": (OFF, "ngram", "suffix")}
+WORKLOADS = {"quote": (OFF, "ngram", "draft"), "templates": (OFF, "ngram", "suffix")}
 
 
 @dataclass(slots=True, frozen=True)
@@ -81,10 +85,14 @@ class Pass:
 
 
 @contextmanager
-def _serving(model: BenchModel, method: str, k: int) -> Iterator[tuple[str, int]]:
-    """(scheduler address, its metrics port); both processes stopped on any exit."""
+def _serving(model: BenchModel, method: str, k: int, draft: Path | None) -> Iterator[tuple[str, int]]:
+    """(scheduler address, its metrics port); both processes stopped on any exit. draft: the
+    executor's draft model, for the draft method."""
     with ExitStack() as stack:
-        executor = ExecutorProcess(model.path, threads=1, dtype="float32", num_kv_blocks=NUM_KV_BLOCKS, block_size=BLOCK_SIZE)
+        drafting = {"draft_model": draft} if method == "draft" else {}
+        executor = ExecutorProcess(
+            model.path, threads=1, dtype="float32", num_kv_blocks=NUM_KV_BLOCKS, block_size=BLOCK_SIZE, **drafting
+        )
         stack.callback(executor.close)
         executor_address = executor.wait_ready(START_TIMEOUT_S)
         metrics_port = free_port()
@@ -130,9 +138,17 @@ def _audit_clean(address: str) -> bool:
 
 
 def measure_pass(
-    model: BenchModel, workload: str, method: str, run: int, requests: list[Messages], concurrency: int, max_tokens: int, k: int
+    model: BenchModel,
+    workload: str,
+    method: str,
+    run: int,
+    requests: list[Messages],
+    concurrency: int,
+    max_tokens: int,
+    k: int,
+    draft: Path | None = None,
 ) -> tuple[Pass, list[list[int]]]:
-    with _serving(model, method, k) as (address, metrics_port):
+    with _serving(model, method, k, draft) as (address, metrics_port):
         asyncio.run(_send(address, list(WARM_UP), len(WARM_UP), 16))
         before = _spec_figures(scrape(metrics_port)[0], method)
         outputs, seconds = asyncio.run(_send(address, requests, concurrency, max_tokens))
@@ -198,6 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--concurrency", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=160)
     parser.add_argument("--k", type=int, default=4, help="--num-speculative-tokens")
+    parser.add_argument("--draft-layers", type=int, default=8, help="layers of the model the draft method's draft keeps")
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--workloads", nargs="+", choices=list(WORKLOADS), default=list(WORKLOADS))
     parser.add_argument("--json", type=Path)
@@ -211,6 +228,7 @@ def main(argv: list[str] | None = None) -> int:
     identical: dict[tuple[str, str], bool] = {}
     with tempfile.TemporaryDirectory() as directory:
         model = resolve_model(args.model, Path(directory))
+        draft = truncate(model.path, Path(directory) / "draft", args.draft_layers)
         for run in range(args.runs):
             for workload in args.workloads:
                 requests, concurrency = workloads[workload]
@@ -218,7 +236,9 @@ def main(argv: list[str] | None = None) -> int:
                 order = [methods[(run + index) % len(methods)] for index in range(len(methods))]
                 outputs: dict[str, list[list[int]]] = {}
                 for method in order:
-                    result, outputs[method] = measure_pass(model, workload, method, run, requests, concurrency, args.max_tokens, args.k)
+                    result, outputs[method] = measure_pass(
+                        model, workload, method, run, requests, concurrency, args.max_tokens, args.k, draft
+                    )
                     passes.append(result)
                 for method in methods:
                     key = (workload, method)
@@ -226,7 +246,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = summarize(passes, identical)
     print(f"model: {args.model} ({model.description}); {os.cpu_count()} CPU cores shared by the executor (--threads 1), the scheduler and this client")
     print(
-        f"greedy chat requests, up to {args.max_tokens} new tokens, K={args.k}; quote: {args.requests} requests "
+        f"greedy chat requests, up to {args.max_tokens} new tokens, K={args.k}, draft: the first {args.draft_layers} layers; "
+        f"quote: {args.requests} requests "
         f"{args.concurrency} at a time; templates: {args.requests} requests one at a time; median of {args.runs} runs"
     )
     print(format_table(rows))
