@@ -336,8 +336,8 @@ class ModelRunner:
     def _token_masks(self, step_id: int, sampling: list[ScheduledWork], late: LateBitmasks | None) -> TokenMasks | None:
         """The step's grammar masks, placed by row among its sampling work (in work order, as
         both build_step_inputs and the decode graphs sample them); those that follow the plan
-        waited for here, after the forward. An item with a mask has no drafts (validation), so
-        its one row is the first of its ScheduledWork.num_samples."""
+        waited for here, after the forward. An item's mask is for its first row; an item with
+        drafts and masks (ContinuingRequest.draft_bitmasks) has one for each row after."""
         bitmasks = [item.allowed_token_bitmask for item in sampling]
         if late is not None and any(item.bitmask_follows for item in sampling):
             arrived = late.take(step_id)
@@ -349,12 +349,17 @@ class ModelRunner:
                         raise ValueError(f"request {item.state.request_id!r}'s late bitmask: {problem}")
                     bitmasks[i] = bitmask
         first_rows = np.cumsum([0] + [item.num_samples for item in sampling[:-1]]).tolist()
-        places = [i for i, bitmask in enumerate(bitmasks) if bitmask]
-        if not places:
+        rows: list[int] = []
+        masks: list[bytes] = []
+        for i, (item, bitmask) in enumerate(zip(sampling, bitmasks, strict=True)):
+            if bitmask:
+                rows.append(first_rows[i])
+                masks.append(bitmask)
+            rows.extend(range(first_rows[i] + 1, first_rows[i] + 1 + len(item.draft_bitmasks)))
+            masks.extend(item.draft_bitmasks)
+        if not rows:
             return None
-        return token_masks_of(
-            [first_rows[i] for i in places], [bitmasks[i] for i in places], self.limits.vocab_size, self.loaded.device
-        )
+        return token_masks_of(rows, masks, self.limits.vocab_size, self.loaded.device)
 
     def _steady_logits(self, steady: SteadyStep) -> torch.Tensor | None:
         """A steady step's logits from inputs gathered from the rows' tables, or None where
@@ -593,6 +598,7 @@ class ModelRunner:
                 follows,
                 draft_token_ids=drafts,
                 num_model_drafts=model_drafts,
+                draft_bitmasks=tuple(entry.draft_bitmasks) if continuing else (),
             )
         )
         return None

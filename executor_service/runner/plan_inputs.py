@@ -44,6 +44,8 @@ class ScheduledWork:
     # Drafts the draft model proposes (ContinuingRequest.num_model_drafts), which the step puts
     # in draft_token_ids before its forward.
     num_model_drafts: int = 0
+    # The tokens the position after each draft may sample (ContinuingRequest.draft_bitmasks).
+    draft_bitmasks: tuple[bytes, ...] = ()
 
     @property
     def num_drafts(self) -> int:

@@ -120,6 +120,8 @@ def check_continuing(
     block_ids = [*state.block_ids, *entry.new_block_ids]
     if len(set(block_ids)) != len(block_ids):
         return "new_block_ids repeats a block of the request"
+    if entry.draft_bitmasks and not entry.draft_token_ids:
+        return "draft_bitmasks without draft_token_ids"
     if entry.draft_token_ids or entry.num_model_drafts:
         problem = drafts_problem(entry, state, limits)
         if problem:
@@ -164,8 +166,19 @@ def drafts_problem(entry: executor_pb2.ContinuingRequest, state: RequestState, l
         )
     if state.num_computed_tokens < state.num_prompt_tokens:
         return f"{name} before the request's {state.num_prompt_tokens} prompt tokens are computed"
-    if entry.allowed_token_bitmask or entry.bitmask_follows:
-        return f"{name} with an allowed-token bitmask (structured output), which holds for one position only"
+    if entry.bitmask_follows:
+        return f"{name} with bitmask_follows: the masks of a request with drafts come with them (draft_bitmasks)"
+    if entry.num_model_drafts and entry.allowed_token_bitmask:
+        return "num_model_drafts with an allowed-token bitmask: the draft model does not know the grammar"
+    if drafts and bool(entry.allowed_token_bitmask) != bool(entry.draft_bitmasks):
+        return "draft_token_ids with allowed_token_bitmask need draft_bitmasks too, and draft_bitmasks need it"
+    if entry.draft_bitmasks:
+        if len(entry.draft_bitmasks) != len(drafts):
+            return f"{len(entry.draft_bitmasks)} draft_bitmasks for {len(drafts)} draft_token_ids: one per draft"
+        for bitmask in entry.draft_bitmasks:
+            problem = bitmask_problem(bitmask, limits)
+            if problem:
+                return f"draft_bitmasks: {problem}"
     end = state.num_computed_tokens + entry.num_scheduled_tokens
     if end > limits.max_model_len:
         return f"the drafts reach position {end - 1}, past max_model_len {limits.max_model_len}"

@@ -845,7 +845,10 @@ class Scheduler(RequestMoves):
             samples = request.num_computed_tokens + num_new - len(drafts) == request.num_tokens + request.num_pending_outputs
             constrained = samples and request.grammar is not None
             follows = constrained and request.num_pending_outputs > 0
-            mask = request.grammar.allowed_token_bitmask() if constrained and not follows else b""
+            if drafts.bitmasks:
+                mask = drafts.bitmasks[0]
+            else:
+                mask = request.grammar.allowed_token_bitmask() if constrained and not follows else b""
             if follows:
                 late.append((request, request.num_preemptions))
             if request in fresh:
@@ -881,6 +884,7 @@ class Scheduler(RequestMoves):
                         follows,
                         list(drafts.token_ids),
                         drafts.from_model,
+                        list(drafts.bitmasks[1:]),
                     )
                 )
                 if drafts:

@@ -153,8 +153,9 @@ class SimulatedExecutor:
             self._copy_block(self.slots, copy.source, self.slots, copy.destination)
         output = StepOutput(step_id=plan.step_id, kv_imports_done=done)
         work: list[tuple[str, int]] = []
-        # Request id -> its drafts and the length of its tokens before them.
-        drafted: dict[str, tuple[list[int], int]] = {}
+        # Request id -> its drafts, the length of its tokens before them, and (with a grammar)
+        # the mask of each position it samples.
+        drafted: dict[str, tuple[list[int], int, list[bytes]]] = {}
         # The tokens each constrained request may sample this step (as the plan's bitmask).
         masks = {
             entry.request_id: entry.allowed_token_bitmask
@@ -190,9 +191,10 @@ class SimulatedExecutor:
                 continue
             state.block_ids.extend(cont.new_block_ids)
             if cont.draft_token_ids or cont.num_model_drafts:
-                self._check_drafts(cont, state, cont.request_id in masks)
+                position_masks = [masks[cont.request_id], *cont.draft_bitmasks] if cont.request_id in masks else []
+                self._check_drafts(cont, state, position_masks)
                 drafts = list(cont.draft_token_ids) or self._propose(cont.request_id, state.token_ids, cont.num_model_drafts)
-                drafted[cont.request_id] = (drafts, len(state.token_ids))
+                drafted[cont.request_id] = (drafts, len(state.token_ids), position_masks)
                 state.token_ids.extend(drafts)
             work.append((cont.request_id, cont.num_scheduled_tokens))
         for handle, block_id in zip(plan.decode_block_handles, plan.decode_block_ids, strict=True):
@@ -260,9 +262,10 @@ class SimulatedExecutor:
         self.elapsed_s += output.forward_time_s
         return output
 
-    def _check_drafts(self, cont: ContinuingRequestPlan, state: _SimRequest, masked: bool) -> None:
+    def _check_drafts(self, cont: ContinuingRequestPlan, state: _SimRequest, masks: list[bytes]) -> None:
         """Drafts come only for a request past its prompt whose earlier steps have all
-        answered, after its last token, without a bitmask."""
+        answered, after its last token, never with a bitmask to follow; with a grammar, they
+        are the scheduler's, each allowed by the mask before it, and one mask follows each."""
         if state.num_computed != len(state.token_ids) - 1:
             raise PlanMismatch(
                 f"{cont.request_id} has drafts with {len(state.token_ids) - state.num_computed} tokens to compute"
@@ -272,8 +275,15 @@ class SimulatedExecutor:
         count = len(cont.draft_token_ids) or cont.num_model_drafts
         if cont.num_scheduled_tokens != 1 + count:
             raise PlanMismatch(f"{cont.request_id} computes {cont.num_scheduled_tokens} tokens with {count} drafts")
-        if masked or cont.bitmask_follows:
-            raise PlanMismatch(f"{cont.request_id} has drafts and a bitmask")
+        if cont.bitmask_follows:
+            raise PlanMismatch(f"{cont.request_id} has drafts and a bitmask to follow")
+        if masks and (cont.num_model_drafts or len(masks) != 1 + len(cont.draft_token_ids)):
+            raise PlanMismatch(f"{cont.request_id} has {len(masks)} masks for {count} drafts")
+        for draft, mask in zip(cont.draft_token_ids, masks):
+            if _allowed_token(mask, draft) != draft:
+                raise PlanMismatch(f"{cont.request_id}'s draft {draft} is not allowed by its grammar")
+        if cont.draft_bitmasks and not masks:
+            raise PlanMismatch(f"{cont.request_id} has draft_bitmasks without allowed_token_bitmask")
 
     def _propose(self, request_id: str, token_ids: Sequence[int], count: int) -> list[int]:
         assert self.draft_token is not None
@@ -282,13 +292,15 @@ class SimulatedExecutor:
             drafts.append(self.draft_token(request_id, [*token_ids, *drafts]))
         return drafts
 
-    def _verify(self, request_id: str, state: _SimRequest, drafts: list[int], known: int) -> list[int]:
-        """The model's token at each computed position, compared with the draft after it: the
-        accepted drafts and the token after them. Its tokens end with them; its computed ones
-        after its last accepted draft."""
+    def _verify(self, request_id: str, state: _SimRequest, drafts: list[int], known: int, masks: list[bytes]) -> list[int]:
+        """The model's token at each computed position (within its mask, with a grammar),
+        compared with the draft after it: the accepted drafts and the token after them. Its
+        tokens end with them; its computed ones after its last accepted draft."""
         answer = []
         for index, draft in enumerate([*drafts, None]):
             token = self.next_token(request_id, state.token_ids[: known + index])
+            if masks:
+                token = _allowed_token(masks[index], token)
             answer.append(token)
             if token != draft:
                 break

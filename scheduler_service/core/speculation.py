@@ -15,9 +15,12 @@ method always has a proposal.
 Who gets drafts in a step (the rule):
 - speculation is on: SchedulerConfig.num_speculative_tokens (the flag's K) > 0, which the lane
   sets only for an executor that supports_draft_tokens, and never for a hybrid model;
-- the request may take drafts under the contract: no grammar, its min_tokens reached (any
-  repetition, presence or frequency penalty is fine: the executor counts the drafts before a
-  position as a decode there would); and it is not being retried alone after a failed step;
+- the request may take drafts under the contract: its min_tokens reached (any repetition,
+  presence or frequency penalty is fine: the executor counts the drafts before a position as a
+  decode there would); it is not being retried alone after a failed step; and with a grammar,
+  its drafts come from here (ngram, suffix; the executor's draft model does not know it): they
+  are cut before the first token the grammar does not allow (or that ends it), and the step
+  carries the grammar's mask at each position (ContinuingRequest.draft_bitmasks);
 - every step of it in flight has answered: drafts follow its last token, which must be known;
 - the step's decode batch (running requests past their prompt) is below speculative_max_batch:
   a batch that large keeps the accelerator busy on its own, and verifying drafts would take
@@ -72,6 +75,9 @@ class Drafts:
 
     token_ids: tuple[int, ...] = ()
     from_model: int = 0
+    # For a request with a grammar: its mask at the position of its last token, then after each
+    # draft (TokenConstraint.draft_bitmasks).
+    bitmasks: tuple[bytes, ...] = ()
 
     def __len__(self) -> int:
         return len(self.token_ids) or self.from_model
@@ -125,13 +131,11 @@ class Speculation:
     def applies_to(self, request: Request) -> bool:
         """Whether the request may ever take drafts here (all but its min_tokens, which it
         reaches in time)."""
-        sampling = request.sampling
-        return (
-            self.enabled
-            and request.grammar is None
-            and sampling.structured_output is None
-            and not request.retry_alone
-        )
+        if not self.enabled or request.retry_alone:
+            return False
+        if request.grammar is None and request.sampling.structured_output is None:
+            return True
+        return request.grammar is not None and self.proposer is not None
 
     def begin_step(self, running: Iterable[Request]) -> None:
         """The batch rule for the step about to be planned."""
@@ -178,7 +182,12 @@ class Speculation:
             return Drafts()
         if self.proposer is None:
             return Drafts(from_model=k)
-        return Drafts(tuple(self.proposer.propose(request, k)))
+        tokens = self.proposer.propose(request, k)
+        if request.grammar is None or not tokens:
+            return Drafts(tuple(tokens))
+        masks = request.grammar.draft_bitmasks(tokens)
+        allowed = len(masks) - 1
+        return Drafts(tuple(tokens[:allowed]), bitmasks=tuple(masks)) if allowed else Drafts()
 
     def sent(self, request: Request) -> None:
         """Its drafts are in the plan being made."""

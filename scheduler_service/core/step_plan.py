@@ -84,6 +84,8 @@ class ContinuingRequestPlan:
     draft_token_ids: list[int] = field(default_factory=list)
     # Or how many the executor's draft model proposes (ContinuingRequest.num_model_drafts).
     num_model_drafts: int = 0
+    # With a grammar: the tokens the position after each draft may sample (draft_bitmasks).
+    draft_bitmasks: list[bytes] = field(default_factory=list)
 
 
 @dataclass(slots=True, frozen=True)

@@ -3,6 +3,7 @@ the live state that says which tokens may come next. The state is made outside t
 scheduler_service/structured, over xgrammar); the core only advances it and reads its masks."""
 
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -45,3 +46,8 @@ class TokenConstraint(Protocol):
 
     def allowed_token_bitmask(self) -> bytes:
         """The tokens that may come next: bit (t % 32) of little-endian 32-bit word t / 32."""
+
+    def draft_bitmasks(self, drafts: Sequence[int]) -> list[bytes]:
+        """For drafts proposed to follow the tokens so far: the mask of the next position, then
+        the mask after each of the longest run of them the grammar allows and does not end with
+        (so len - 1 of them stand). Leaves the state as it was."""

@@ -80,6 +80,7 @@ def plan_to_proto(plan: StepPlan, eos_token_ids: Collection[int] = ()) -> pb.Ste
                 bitmask_follows=cont.bitmask_follows,
                 draft_token_ids=cont.draft_token_ids,
                 num_model_drafts=cont.num_model_drafts,
+                draft_bitmasks=cont.draft_bitmasks,
             )
         )
     if plan.decode_handles:

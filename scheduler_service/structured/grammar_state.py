@@ -1,7 +1,7 @@
 """One constrained request's place in its grammar: an xgrammar matcher and the buffer its masks
 are filled into."""
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 
@@ -22,6 +22,22 @@ class GrammarState:
     def allowed_token_bitmask(self) -> bytes:
         self._matcher.fill_next_token_bitmask(self._bitmask, 0)
         return self._bitmask.numpy().tobytes()
+
+    def draft_bitmasks(self, drafts: Sequence[int]) -> list[bytes]:
+        masks = [self.allowed_token_bitmask()]
+        taken = 0
+        for token in drafts:
+            if not self._matcher.accept_token(token):
+                break
+            taken += 1
+            if self._matcher.is_terminated():
+                # A draft that ends the sentence stays out: no position follows it to mask, and
+                # the token sampled where it stands may be it all the same.
+                break
+            masks.append(self.allowed_token_bitmask())
+        if taken:
+            self._matcher.rollback(taken)
+        return masks
 
     @property
     def is_terminated(self) -> bool:

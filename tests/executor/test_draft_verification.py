@@ -475,12 +475,18 @@ def test_entries_with_drafts_it_cannot_verify_are_refused_saying_why(runner: Mod
     assert "num_scheduled_tokens 2 with 2 draft_token_ids" in _refusal(runner, wrong_count)
     outside = _drafts("r", [3, VOCAB_SIZE])
     assert f"draft_token_ids: token id {VOCAB_SIZE} outside the vocab" in _refusal(runner, outside)
+    every = b"\xff" * (4 * (-(-VOCAB_SIZE // 32)))
     masked = _drafts("r", [3])
-    masked.allowed_token_bitmask = b"\xff" * (4 * (-(-VOCAB_SIZE // 32)))
-    assert "structured output" in _refusal(runner, masked)
+    masked.allowed_token_bitmask = every
+    assert "need draft_bitmasks too" in _refusal(runner, masked)
+    masked.draft_bitmasks.extend([every, every])
+    assert "2 draft_bitmasks for 1 draft_token_ids: one per draft" in _refusal(runner, masked)
+    unmasked = _drafts("r", [3])
+    unmasked.draft_bitmasks.append(every)
+    assert "need draft_bitmasks too, and draft_bitmasks need it" in _refusal(runner, unmasked)
     follows = _drafts("r", [3])
     follows.bitmask_follows = True
-    assert "structured output" in _refusal(runner, follows)
+    assert "bitmask_follows" in _refusal(runner, follows)
     # Two prompt tokens still to compute: drafts would skip them.
     assert "every token but the last sampled one computed" in _refusal(runner, _drafts("r", [3]), scheduled=3)
     # All but the last prompt token computed: that token is the prompt's, not a sampled one.

@@ -137,7 +137,7 @@ class NewRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[int] = ..., num_scheduled_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplerConfig, _Mapping]] = ..., num_prompt_tokens: _Optional[int] = ..., handle: _Optional[int] = ..., allowed_token_bitmask: _Optional[bytes] = ..., state_slot: _Optional[int] = ..., state_source_slot: _Optional[int] = ..., state_in_slot: _Optional[bool] = ...) -> None: ...
 
 class ContinuingRequest(_message.Message):
-    __slots__ = ("request_id", "num_scheduled_tokens", "new_block_ids", "allowed_token_bitmask", "bitmask_follows", "draft_token_ids", "num_model_drafts")
+    __slots__ = ("request_id", "num_scheduled_tokens", "new_block_ids", "allowed_token_bitmask", "bitmask_follows", "draft_token_ids", "num_model_drafts", "draft_bitmasks")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_SCHEDULED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NEW_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -145,6 +145,7 @@ class ContinuingRequest(_message.Message):
     BITMASK_FOLLOWS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_MODEL_DRAFTS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_BITMASKS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     num_scheduled_tokens: int
     new_block_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -152,7 +153,8 @@ class ContinuingRequest(_message.Message):
     bitmask_follows: bool
     draft_token_ids: _containers.RepeatedScalarFieldContainer[int]
     num_model_drafts: int
-    def __init__(self, request_id: _Optional[str] = ..., num_scheduled_tokens: _Optional[int] = ..., new_block_ids: _Optional[_Iterable[int]] = ..., allowed_token_bitmask: _Optional[bytes] = ..., bitmask_follows: _Optional[bool] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., num_model_drafts: _Optional[int] = ...) -> None: ...
+    draft_bitmasks: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, request_id: _Optional[str] = ..., num_scheduled_tokens: _Optional[int] = ..., new_block_ids: _Optional[_Iterable[int]] = ..., allowed_token_bitmask: _Optional[bytes] = ..., bitmask_follows: _Optional[bool] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., num_model_drafts: _Optional[int] = ..., draft_bitmasks: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class StepPlan(_message.Message):
     __slots__ = ("step_id", "new_requests", "continuing_requests", "dropped_request_ids", "decode_handles", "decode_block_handles", "decode_block_ids", "want_held_requests", "bitmasks_for_step", "late_bitmasks", "copy_block_sources", "copy_block_destinations", "state_checkpoints", "kv_exports", "ended_exports", "kv_imports", "cancelled_imports", "swap_out_device_blocks", "swap_out_host_blocks", "swap_in_host_blocks", "swap_in_device_blocks")
