@@ -293,6 +293,24 @@ class KVCacheManager:
         child.blocks.append(copy)
         return BlockCopy(parent.blocks[num_full].block_id, copy.block_id)
 
+    def keep_tokens(self, request_id: str, num_tokens: int) -> int:
+        """Releases the request's blocks past those that hold its first num_tokens tokens (the
+        blocks of drafts the executor rejected, which held nothing else); returns how many.
+        Those blocks were never entered into the prefix cache (cache_computed stops at computed
+        tokens), so they join the free queue as plain free blocks."""
+        entry = self._requests.get(request_id)
+        if entry is None:
+            return 0
+        keep = -(-num_tokens // self.block_size)
+        extra = entry.blocks[keep:]
+        if not extra:
+            return 0
+        if keep < entry.num_registered:
+            raise ValueError(f"request {request_id}: block {keep} is cached and holds computed tokens")
+        del entry.blocks[keep:]
+        self.pool.release(reversed(extra))
+        return len(extra)
+
     def free(self, request_id: str) -> None:
         """Releases every block of the request (in the host tier too), and its state slot
         (finished, aborted or preempted: whenever it leaves the executor, its state there

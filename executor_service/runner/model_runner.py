@@ -655,6 +655,9 @@ class ModelRunner:
                 state.num_draft_computed = min(state.num_draft_computed, state.num_computed_tokens)
             if drafts:
                 self.rows.extend_tokens(state, tokens)
+                # The blocks past its computed tokens held only rejected drafts: the scheduler
+                # takes them back (ContinuingRequest.draft_token_ids).
+                self.rows.keep_blocks(state, -(-state.num_computed_tokens // self.kv_cache.block_size))
                 logger.debug(
                     "event=drafts_verified request_id=%s drafts=%d accepted=%d", state.request_id, len(drafts), accepted
                 )

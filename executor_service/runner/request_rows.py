@@ -199,6 +199,11 @@ class RequestRows:
         self.blocks[row, start:end] = block_ids
         self.ints[row, NUM_BLOCKS] = end
 
+    def keep_blocks(self, state: RequestState, num_blocks: int) -> None:
+        """The request's block table ends after its first num_blocks blocks (if longer)."""
+        row = state.row
+        self.ints[row, NUM_BLOCKS] = min(int(self.ints[row, NUM_BLOCKS]), num_blocks)
+
     def advance(self, state: RequestState, num_tokens: int) -> None:
         """num_tokens more of the request's tokens are computed."""
         self.ints[state.row, COMPUTED] += num_tokens

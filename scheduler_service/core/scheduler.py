@@ -986,13 +986,14 @@ class Scheduler(RequestMoves):
             else:
                 computed, tokens = sent.num_computed_tokens, request.token_ids
                 if sent.drafts:
-                    # Computed: its last token and the accepted drafts. The rejected drafts' K/V
-                    # stays in its blocks (the executor's table keeps them, as does ours), to
-                    # be overwritten by its next tokens; no block is cached past `computed`.
+                    # Computed: its last token and the accepted drafts. The blocks past them held
+                    # only rejected drafts: the executor's table drops them (the contract), and
+                    # so does ours; a kept block's rejected K/V is overwritten by its next tokens.
                     sampled = output.sampled[request_id]
                     rejected = len(sent.drafts) + 1 - len(sampled)
                     request.num_computed_tokens -= rejected
                     computed -= rejected
+                    self.kv.keep_tokens(request_id, computed)
                     tokens = [*tokens, *sampled[:-1]]
                     result.verified.append((request_id, len(sent.drafts), len(sampled) - 1))
                 self.kv.cache_computed(request_id, tokens, computed)

@@ -15,8 +15,9 @@ executor writes fetched blocks between plans) and reports it in that plan's resu
 is a second map of slots, which the plan's swap-outs and swap-ins copy to and from.
 Draft tokens are verified as the contract says (executor.proto, ContinuingRequest.draft_token_ids):
 every position computed, the model's token at each compared with the draft after it, and the
-accepted drafts and the token after them answered; the K/V of rejected drafts stays in the slots
-until overwritten. A simulated draft model (draft_token) proposes the drafts of entries that ask
+accepted drafts and the token after them answered; the blocks past the computed tokens, which
+held only rejected drafts, leave the request's table (the rest of their K/V stays in the slots
+until overwritten). A simulated draft model (draft_token) proposes the drafts of entries that ask
 for num_model_drafts, each its guess after the tokens before it.
 """
 
@@ -295,7 +296,8 @@ class SimulatedExecutor:
     def _verify(self, request_id: str, state: _SimRequest, drafts: list[int], known: int, masks: list[bytes]) -> list[int]:
         """The model's token at each computed position (within its mask, with a grammar),
         compared with the draft after it: the accepted drafts and the token after them. Its
-        tokens end with them; its computed ones after its last accepted draft."""
+        tokens end with them; its computed ones after its last accepted draft, and its block
+        table after the blocks that hold those."""
         answer = []
         for index, draft in enumerate([*drafts, None]):
             token = self.next_token(request_id, state.token_ids[: known + index])
@@ -307,6 +309,7 @@ class SimulatedExecutor:
         del state.token_ids[known + len(answer) - 1 :]
         state.token_ids.append(answer[-1])
         state.num_computed = known + len(answer) - 1
+        del state.block_ids[-(-state.num_computed // self.block_size) :]
         return answer
 
     def _copy_block(self, source: dict[int, int], source_block: int, target: dict[int, int], target_block: int) -> None:

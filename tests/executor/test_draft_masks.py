@@ -17,6 +17,7 @@ from executor_service.runner.model_runner import ModelRunner
 from executor_service.serving.settings import ExecutorSettings
 from executor_service.startup.startup import build_executor
 from protos.splitserve.executor.v1 import executor_pb2 as pb
+from tests.helpers.draft_blocks import grow_blocks
 from tests.helpers.model_factory import VOCAB_SIZE, build_model
 
 BLOCK_SIZE = 4
@@ -73,7 +74,7 @@ def _decode(runner: ModelRunner, sampling: pb.SamplerConfig, propose: Callable[[
             draft_bitmasks=[grammar(draft) for draft in drafts],
         )
         step += 1
-        result = runner.execute(pb.StepPlan(step_id=step, continuing_requests=[entry]))
+        result = runner.execute(grow_blocks(runner, pb.StepPlan(step_id=step, continuing_requests=[entry])))
 
 
 @pytest.mark.parametrize("sampling", [GREEDY, SEEDED], ids=["greedy", "seeded"])

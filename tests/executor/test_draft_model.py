@@ -20,6 +20,7 @@ from executor_service.startup.startup import ReadyExecutor, build_executor
 from executor_service.truncated_draft import main as truncate_main
 from executor_service.truncated_draft import truncate
 from protos.splitserve.executor.v1 import executor_pb2 as pb
+from tests.helpers.draft_blocks import grow_blocks
 from tests.helpers.model_factory import build_model
 
 BLOCK_SIZE = 4
@@ -66,7 +67,7 @@ class Steps:
         plan = pb.StepPlan(step_id=self.step_id)
         for entry in entries:
             (plan.new_requests if isinstance(entry, pb.NewRequest) else plan.continuing_requests).append(entry)
-        result = self.runner.execute(plan)
+        result = self.runner.execute(grow_blocks(self.runner, plan))
         assert not result.HasField("failure"), result.failure.message
         return result
 

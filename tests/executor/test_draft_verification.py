@@ -23,6 +23,7 @@ from executor_service.serving.settings import ExecutorSettings
 from executor_service.startup.startup import ReadyExecutor, build_executor
 from protos import rpc_codes
 from protos.splitserve.executor.v1 import executor_pb2 as pb
+from tests.helpers.draft_blocks import grow_blocks
 from tests.helpers.model_factory import VOCAB_SIZE, build_model
 
 BLOCK_SIZE = 4
@@ -88,9 +89,11 @@ class Steps:
         self.runner = runner
         self.step_id = 0
 
-    def run(self, **fields: object) -> pb.StepResult:
+    def run(self, grow: bool = True, **fields: object) -> pb.StepResult:
+        """grow: with the blocks the plan's entries need (draft_blocks.py)."""
         self.step_id += 1
-        result = self.runner.execute(pb.StepPlan(step_id=self.step_id, **fields))
+        plan = pb.StepPlan(step_id=self.step_id, **fields)
+        result = self.runner.execute(grow_blocks(self.runner, plan) if grow else plan)
         assert not result.HasField("failure"), result.failure.message
         return result
 
@@ -146,6 +149,8 @@ def _speculative(
         # Every token but the last answered one is computed, as after plain decodes.
         assert state.tokens(0, state.num_tokens) == PROMPT + decoded.tokens
         assert state.num_computed_tokens == len(PROMPT) + len(decoded.tokens) - 1
+        # Its table keeps the blocks of its computed tokens; those of rejected drafts went back.
+        assert len(state.block_ids) == -(-state.num_computed_tokens // BLOCK_SIZE)
         if state.sampling.has_penalties:
             # The penalty counts hold the answered tokens, not the rejected drafts.
             assert _output_counts(state) == _bincount(decoded.tokens)
@@ -500,7 +505,7 @@ def test_drafts_past_the_blocks_are_refused(runner: ModelRunner) -> None:
     new = _new("r", PROMPT, 0, GREEDY)
     del new.block_ids[2:]  # 8 slots: the prompt's 5 tokens, then the sampled one at 5.
     steps.run(new_requests=[new])
-    result = steps.run(continuing_requests=[_drafts("r", [1, 2, 3])])
+    result = steps.run(grow=False, continuing_requests=[_drafts("r", [1, 2, 3])])
     assert "9 tokens do not fit in 2 blocks" in result.rejected[0].message
 
 

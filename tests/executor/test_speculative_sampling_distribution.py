@@ -21,6 +21,7 @@ from executor_service.runner.model_runner import ModelRunner
 from executor_service.serving.settings import ExecutorSettings
 from executor_service.startup.startup import build_executor
 from protos.splitserve.executor.v1 import executor_pb2 as pb
+from tests.helpers.draft_blocks import grow_blocks
 from tests.helpers.model_factory import build_model
 
 VOCAB = 16
@@ -62,7 +63,7 @@ class Steps:
 
     def run(self, **fields: object) -> pb.StepResult:
         self.step_id += 1
-        result = self.runner.execute(pb.StepPlan(step_id=self.step_id, **fields))
+        result = self.runner.execute(grow_blocks(self.runner, pb.StepPlan(step_id=self.step_id, **fields)))
         assert not result.HasField("failure"), result.failure.message
         assert not result.rejected, result.rejected[0].message
         return result

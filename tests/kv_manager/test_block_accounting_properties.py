@@ -1,5 +1,5 @@
-"""Random interleavings of admit / compute / decode / fork / finish / preempt on the KV cache
-manager.
+"""Random interleavings of admit / compute / decode / verify drafts / fork / finish / preempt on
+the KV cache manager.
 
 A shadow model writes each computed token into the slot the manager's block table names (and
 copies blocks as a fork's BlockCopy says), so a prefix-cache hit or a fork is checked against
@@ -124,6 +124,33 @@ class KVManagerMachine(RuleBasedStateMachine):
         self._write(request_id, req, req.computed, req.computed + num_new)
         req.computed += num_new
         # Results come back late, or (pipelined) after the next step was planned.
+        if commit:
+            self.kv.cache_computed(request_id, req.tokens, req.computed)
+            req.committed = req.computed
+
+    @precondition(lambda self: any(r.admitted and r.computed == len(r.tokens) for r in self.requests.values()))
+    @rule(
+        data=st.data(),
+        drafts=st.lists(st.integers(0, 3), min_size=1, max_size=4),
+        accepted=st.integers(0, 4),
+        commit=st.booleans(),
+    )
+    def verify(self, data: st.DataObject, drafts: list[int], accepted: int, commit: bool) -> None:
+        """A decode with drafts: its last token and the drafts computed, some accepted; the
+        blocks past the computed tokens (rejected drafts only) are given back."""
+        ready = sorted(k for k, r in self.requests.items() if r.admitted and r.computed == len(r.tokens))
+        request_id = data.draw(st.sampled_from(ready))
+        req = self.requests[request_id]
+        last = data.draw(st.integers(0, 3))
+        chunk = [last, *drafts]
+        if self.kv.allocate_slots(request_id, [*req.tokens, *chunk], req.computed, len(chunk)) is None:
+            return
+        written = ShadowRequest([*req.tokens, *chunk], req.salt, req.computed)
+        self._write(request_id, written, req.computed, req.computed + len(chunk))
+        accepted = min(accepted, len(drafts))
+        req.tokens += chunk[: 1 + accepted]
+        req.computed = len(req.tokens)
+        self.kv.keep_tokens(request_id, req.computed)
         if commit:
             self.kv.cache_computed(request_id, req.tokens, req.computed)
             req.committed = req.computed
