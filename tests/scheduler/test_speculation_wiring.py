@@ -100,11 +100,13 @@ def test_metrics_count_drafts_and_acceptance_per_proposer() -> None:
     assert value("splitserve:spec_accepted_tokens_total", "suffix") == 4
 
 
-def _record(directory: Path) -> dict[str, list[int]]:
+def _record(directory: Path, method: str = "ngram") -> dict[str, list[int]]:
     """A speculating run written to a step trace as the engine writes it; returns outputs."""
-    config = SchedulerConfig(num_kv_blocks=128, block_size=4, max_model_len=512, num_speculative_tokens=4)
+    config = SchedulerConfig(
+        num_kv_blocks=128, block_size=4, max_model_len=512, num_speculative_tokens=4, speculative_method=method
+    )
     scheduler = Scheduler(config)
-    executor = SimulatedExecutor(128, 4, echo(10))
+    executor = SimulatedExecutor(128, 4, echo(10), draft_token=echo(10, every=7))
     trace = StepTrace(directory)
     trace.executor_up("ex", config, 1)
     for index in range(3):
@@ -124,8 +126,9 @@ def _record(directory: Path) -> dict[str, list[int]]:
     return outputs
 
 
-def test_the_trace_records_drafts_and_acceptance_and_replays_with_speculation(tmp_path: Path) -> None:
-    outputs = _record(tmp_path)
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_the_trace_records_drafts_and_acceptance_and_replays_with_speculation(tmp_path: Path, method: str) -> None:
+    outputs = _record(tmp_path, method)
     events = [json.loads(line) for line in (tmp_path / "steps.jsonl").read_text().splitlines()]
     plans = [e for e in events if e["e"] == "plan" and "drafts" in e]
     results = {e["step"]: e for e in events if e["e"] == "result"}
@@ -138,7 +141,7 @@ def test_the_trace_records_drafts_and_acceptance_and_replays_with_speculation(tm
     drafted = [p for p in timeline.plans if p.draft_tokens]
     assert len(drafted) == len(plans) and sum(p.accepted_tokens for p in drafted) > 0
     config = config_of(timeline)
-    assert config.num_speculative_tokens == 4
+    assert (config.num_speculative_tokens, config.speculative_method) == (4, method)
     replayed = replay_timeline(timeline, None, StepCost(0.001, 0.0001, 0.0001, 0.0, 1.0, 0))
     assert replayed.outputs == {request_id: len(tokens) for request_id, tokens in outputs.items()}
     # The replay verified drafts too (its prompts fit one step: a continuation of several tokens
