@@ -15,17 +15,21 @@ from tests.helpers.service_process import free_port
 
 
 def stream_through_executor_kill(
-    model_dir: Path, jobs: list[tuple[list[int], int]], kill_after_steps: int = 10, **flags: object
+    model_dir: Path,
+    jobs: list[tuple[list[int], int]],
+    kill_after_steps: int = 10,
+    scheduler_flags: dict[str, object] | None = None,
+    **flags: object,
 ) -> tuple[list[list[int]], ServerStatus]:
-    """Streams the jobs (prompt, max_tokens) greedily; once the scheduler has run
-    kill_after_steps steps the executor is killed and replaced. Returns each job's tokens and the
-    scheduler's status at the end."""
+    """Streams the jobs (prompt, max_tokens) greedily; once the scheduler (started with
+    scheduler_flags) has run kill_after_steps steps the executor (started with flags) is killed
+    and replaced. Returns each job's tokens and the scheduler's status at the end."""
     port = free_port()
     first = ExecutorProcess(model_dir, port=port, **flags)
     replacement: ExecutorProcess | None = None
     try:
         address = first.wait_ready()
-        with start_scheduler(address) as scheduler_address:
+        with start_scheduler(address, **(scheduler_flags or {})) as scheduler_address:
 
             async def scenario() -> list[list[int]]:
                 streams = asyncio.create_task(stream_all(scheduler_address, jobs))
