@@ -336,10 +336,15 @@ class Scheduler(RequestMoves):
         self.finish(request, FinishReason.ABORT)
         return True
 
-    def stop_at_string(self, request: Request, stop_string: str) -> None:
+    def stop_at_string(self, request: Request, stop_string: str, num_after_stop: int = 0) -> None:
         """Ends a request whose text reached a stop string (the service layer detects those in
         the detokenized text): the stop string is the reason even when the same tokens also
-        ended it another way (EOS, length)."""
+        ended it another way (EOS, length).
+
+        num_after_stop: how many of its last tokens came after the one that completed the stop
+        string (drafts accepted in the same step). They are dropped, so that its output and
+        usage are those of decoding one token at a time, which would never have sampled them."""
+        del request.token_ids[len(request.token_ids) - num_after_stop :]
         if request.is_finished:
             request.finish_reason, request.stop_reason = FinishReason.STOP, stop_string
         else:

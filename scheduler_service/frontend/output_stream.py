@@ -10,7 +10,7 @@ from protos.splitserve.v1 import generation_pb2 as pb
 from scheduler_service.core.errors import ErrorKind, RequestError
 from scheduler_service.core.request import FinishReason, Request
 from scheduler_service.frontend.stream_backlog import BacklogLimits, PendingMessage
-from scheduler_service.text.detokenizer import IncrementalDetokenizer
+from scheduler_service.text.detokenizer import IncrementalDetokenizer, StringStop
 from scheduler_service.text.tokenizer import TextProcessor
 
 logger = logging.getLogger(__name__)
@@ -83,20 +83,28 @@ class OutputStream:
 
     def add_tokens(
         self, token_ids: list[int], logprobs: Sequence[executor_pb2.TokenLogprob]
-    ) -> tuple[pb.GenerateResponse, str | None]:
-        """The message for newly sampled tokens and the stop string they completed, if any."""
+    ) -> tuple[pb.GenerateResponse, StringStop | None]:
+        """The message for newly sampled tokens and the stop string their text completed, if any.
+
+        The message carries the tokens (and logprob records) up to the one that completed the
+        stop string, as had they come one at a time: the rest (drafts accepted in the same step)
+        are none of the output."""
+        step = self._detokenizer.push(token_ids) if self._detokenizer is not None else None
+        stop = step.stop if step is not None else None
+        if stop is not None:
+            token_ids = token_ids[: stop.num_tokens]
         message = pb.GenerateResponse(request_id=self.request.request_id, token_ids=token_ids)
         if self._prompt_scores_due:
             self._prompt_scores_due = False
             scored = self.request.num_prompt_tokens - 1
             message.prompt_logprobs.extend(self._client_logprob(record) for record in logprobs[:scored])
             logprobs = logprobs[scored:]
+        if stop is not None:
+            logprobs = logprobs[: stop.num_tokens]
         message.logprobs.extend(self._client_logprob(record) for record in logprobs)
-        if self._detokenizer is None:
-            return message, None
-        step = self._detokenizer.push(token_ids)
-        message.text = step.text_delta
-        return message, step.stop_string
+        if step is not None:
+            message.text = step.text_delta
+        return message, stop
 
     def _client_logprob(self, record: executor_pb2.TokenLogprob) -> pb.TokenLogprob:
         """The executor's record as the client API's, which extends it (tests/protos/test_protos.py

@@ -654,11 +654,13 @@ class Engine:
             )
             self._fail(request, update.error)
             return
-        self.metrics.generation_tokens.inc(len(update.new_token_ids))
         stream = _stream_of(request)
-        message, stop_string = stream.add_tokens(update.new_token_ids, update.new_logprobs)
-        if stop_string is not None and lane.scheduler is not None:
-            lane.scheduler.stop_at_string(request, stop_string)
+        message, stop = stream.add_tokens(update.new_token_ids, update.new_logprobs)
+        # Tokens after the one that completed a stop string are none of the output.
+        num_after_stop = 0 if stop is None else len(update.new_token_ids) - stop.num_tokens
+        self.metrics.generation_tokens.inc(len(update.new_token_ids) - num_after_stop)
+        if stop is not None and lane.scheduler is not None:
+            lane.scheduler.stop_at_string(request, stop.stop_string, num_after_stop)
             self._trace_ended(lane, request, "stop")
         if request.is_finished:
             self._close(request, message)
@@ -677,9 +679,9 @@ class Engine:
             return
         for request, token in zip(updates.decoded_requests, token_ids, strict=True):
             stream = _stream_of(request)
-            message, stop_string = stream.add_tokens([token], ())
-            if stop_string is not None and lane.scheduler is not None:
-                lane.scheduler.stop_at_string(request, stop_string)
+            message, stop = stream.add_tokens([token], ())
+            if stop is not None and lane.scheduler is not None:
+                lane.scheduler.stop_at_string(request, stop.stop_string)
                 self._trace_ended(lane, request, "stop")
                 self._close(request, message)
             else:

@@ -8,6 +8,7 @@ from typing import Any, Protocol
 from protos.splitserve.executor.v1 import executor_pb2
 from scheduler_service.core.errors import RequestError
 from scheduler_service.core.request import Request
+from scheduler_service.text.detokenizer import StringStop
 
 
 class RequestSink(Protocol):
@@ -20,9 +21,10 @@ class RequestSink(Protocol):
 
     def add_tokens(
         self, token_ids: list[int], logprobs: Sequence[executor_pb2.TokenLogprob]
-    ) -> tuple[Any, str | None]:
+    ) -> tuple[Any, StringStop | None]:
         """The message carrying newly sampled tokens, and the stop string their text completed
-        (None where stop strings are found elsewhere)."""
+        (None where stop strings are found elsewhere); with one, the message carries only the
+        tokens up to the one that completed it."""
         ...
 
     def send(self, message: Any) -> None:

@@ -36,6 +36,17 @@ MAX_WINDOW_TOKENS = 64
 
 
 @dataclass(slots=True, frozen=True)
+class StringStop:
+    """A stop string that ended the output, and which of the tokens pushed with it ended it."""
+
+    stop_string: str
+    # How many of the pushed tokens are output: those up to the one whose text completed the
+    # stop string. A push of several (a step's accepted drafts) may bring tokens after it, which
+    # decoding one token at a time would never have sampled.
+    num_tokens: int
+
+
+@dataclass(slots=True, frozen=True)
 class DetokenizerStep:
     """What one push made final."""
 
@@ -43,7 +54,7 @@ class DetokenizerStep:
     text_delta: str
     # The stop string that ended the output (the end of text_delta only when it is included),
     # if one appeared.
-    stop_string: str | None = None
+    stop: StringStop | None = None
 
 
 class IncrementalDetokenizer:
@@ -87,17 +98,17 @@ class IncrementalDetokenizer:
     def push(self, new_token_ids: Sequence[int]) -> DetokenizerStep:
         """Adds generated tokens; returns the text that became final and any stop string hit."""
         released: list[str] = []
-        for token_id in new_token_ids:
+        for pushed, token_id in enumerate(new_token_ids, start=1):
             if self._stopped:
                 break
             # Stop strings are checked token by token so that the outcome does not depend on
             # how the tokens were grouped into pushes.
             self._num_tokens += 1
             text = self._push_token(token_id)
-            step = self._release(text) if self._num_tokens >= self._min_tokens else DetokenizerStep(text)
-            released.append(step.text_delta)
-            if step.stop_string is not None:
-                return DetokenizerStep("".join(released), step.stop_string)
+            text, stop_string = self._release(text) if self._num_tokens >= self._min_tokens else (text, None)
+            released.append(text)
+            if stop_string is not None:
+                return DetokenizerStep("".join(released), StringStop(stop_string, pushed))
         return DetokenizerStep("".join(released))
 
     def flush(self) -> str:
@@ -168,10 +179,11 @@ class IncrementalDetokenizer:
         self._read = len(self._window)
         self._prefix_text = tail_text
 
-    def _release(self, text: str) -> DetokenizerStep:
-        """Applies stop strings to newly final text."""
+    def _release(self, text: str) -> tuple[str, str | None]:
+        """Applies stop strings to newly final text: the text to stream now, and the stop string
+        that ended the output, if one appeared."""
         if not self._stops:
-            return DetokenizerStep(text)
+            return text, None
         # Any stop string that began in text returned earlier would have kept its start held
         # back (or in the tail), so searching it plus the new text finds every match.
         searched = self._tail + self._held + text
@@ -179,13 +191,13 @@ class IncrementalDetokenizer:
         if stop_string is not None:
             self._stopped = True
             self._held = ""
-            return DetokenizerStep(searched[len(self._tail) : self._stop_end(position, stop_string)], stop_string)
+            return searched[len(self._tail) : self._stop_end(position, stop_string)], stop_string
         if self._include_stop:
             self._tail = searched[max(len(searched) - self._max_stop_len + 1, 0) :]
-            return DetokenizerStep(text)
+            return text, None
         keep = self._possible_stop_start(searched)
         self._held = searched[len(searched) - keep :]
-        return DetokenizerStep(searched[: len(searched) - keep])
+        return searched[: len(searched) - keep], None
 
     def _stop_end(self, position: int, stop_string: str) -> int:
         """Where the returned text ends for a stop string found at position."""

@@ -246,23 +246,24 @@ class PlannerClient:
         now: float,
     ) -> None:
         request = entry.request
-        request.token_ids.extend(tokens)
         if request.first_token_time is None:
             request.first_token_time = now
-        message, stop_string = entry.stream.add_tokens(tokens, logprobs)
+        message, stop = entry.stream.add_tokens(tokens, logprobs)
+        # Tokens after the one that completed a stop string are none of the output (nor of its usage).
+        request.token_ids.extend(tokens if stop is None else tokens[: stop.num_tokens])
         if handle in messages:
             earlier = messages[handle]
             text = earlier.text + message.text
             earlier.MergeFrom(message)
             earlier.text = text
             message = earlier
-        if stop_string is None:
+        if stop is None:
             messages[handle] = message
             return
         messages.pop(handle, None)
-        self._finish(handle, FinishReason.STOP, stop_string, message)
+        self._finish(handle, FinishReason.STOP, stop.stop_string, message)
         if entry.planner is not None:
-            entry.planner.end(handle, stop_string)
+            entry.planner.end(handle, stop.stop_string)
 
     def _on_lost(self, link: PlannerLink, reason: str) -> None:
         """A planner's stream broke: its requests go to the next planner that is up, with the

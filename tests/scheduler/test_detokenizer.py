@@ -12,7 +12,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from scheduler_service.text.detokenizer import DetokenizerStep, IncrementalDetokenizer
+from scheduler_service.text.detokenizer import (
+    DetokenizerStep,
+    IncrementalDetokenizer,
+    StringStop,
+)
 from scheduler_service.text.token_bytes import TokenBytes
 from tests.helpers.tokenizer_assets import (
     gpt2_tokenizer_dir,
@@ -124,7 +128,7 @@ def test_streamed_text_equals_full_decode(case: TokenizerCase, data: st.DataObje
     expected = full_text[len(prompt_text) :]
     # All of it, but for the replacement characters of a last character cut off unfinished.
     assert expected.startswith(streamed) and set(expected[len(streamed) :]) <= {"\ufffd"}
-    assert all(step.stop_string is None for step in steps)
+    assert all(step.stop is None for step in steps)
 
 
 @PROPERTY_SETTINGS
@@ -171,18 +175,28 @@ def test_stop_strings_are_caught_across_tokens_and_never_streamed(
 
     streamed = ""
     reported = None
-    for step in _stream(detokenizer, _chunks(data, ids)):
+    # Output tokens: those of the chunks up to the stop, and of its chunk those it keeps.
+    kept = 0
+    chunks = _chunks(data, ids)
+    for chunk, step in zip(chunks, _stream(detokenizer, chunks), strict=True):
         streamed += step.text_delta
         # Whatever left must be text before the stop string.
         assert expected.startswith(streamed)
-        if step.stop_string is not None:
+        if step.stop is not None:
             assert reported is None
-            reported = step.stop_string
+            reported = step.stop.stop_string
+            kept += step.stop.num_tokens
+        elif reported is None:
+            kept += len(chunk)
     streamed += detokenizer.flush()
 
     assert streamed == expected
     assert reported == stop
     assert detokenizer.stopped == (stop is not None)
+    # However the tokens were grouped, the output ends on the token it ends on one at a time.
+    one_at_a_time = IncrementalDetokenizer(tokenizer, [], skip_special_tokens=True, stop=stops)
+    ends = (count for count, token in enumerate(ids, start=1) if one_at_a_time.push([token]).stop is not None)
+    assert kept == next(ends, len(ids))
 
 
 def test_stop_string_split_over_tokens(gpt2: PreTrainedTokenizerBase) -> None:
@@ -191,7 +205,7 @@ def test_stop_string_split_over_tokens(gpt2: PreTrainedTokenizerBase) -> None:
     steps = [detokenizer.push([token_id]) for token_id in ids]
 
     assert [step.text_delta for step in steps[:2]] == ["Hell", ""]
-    assert steps[1].stop_string == "o wor"
+    assert steps[1].stop == StringStop("o wor", 1)
     # After the stop, nothing more comes out.
     assert all(step == DetokenizerStep("") for step in steps[2:])
     assert detokenizer.flush() == ""
@@ -204,7 +218,7 @@ def test_stop_strings_apply_only_from_min_tokens_on(gpt2: PreTrainedTokenizerBas
 
     # The first "cat" falls within the first two tokens and is output; the second one stops.
     assert "".join(step.text_delta for step in steps) == "cat and "
-    assert [step.stop_string for step in steps].count("cat") == 1
+    assert [step.stop.stop_string for step in steps if step.stop] == ["cat"]
 
 
 def test_held_back_text_is_released_when_the_stop_string_does_not_follow(

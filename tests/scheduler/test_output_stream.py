@@ -3,10 +3,12 @@ messages queued behind the next one are folded into it, in order, and nothing el
 folded as they arrive, so a backlog costs bytes per token, and it is bounded: a reader that falls
 further behind than the limits is ended with its backlog dropped. A finished call drops what its
 client did not read. With a stream interval, tokens leave in groups, the first token and the end
-at once."""
+at once. Several tokens added at once (a step's accepted drafts) answer what they would one at a
+time: a stop string ends the message on the token that completed it."""
 
 import asyncio
 import tracemalloc
+from pathlib import Path
 
 from protos.splitserve.executor.v1 import executor_pb2
 from protos.splitserve.v1 import generation_pb2 as pb
@@ -15,6 +17,9 @@ from scheduler_service.core.request import FinishReason, Request
 from scheduler_service.core.sampling_params import SamplingParams
 from scheduler_service.frontend.output_stream import OutputStream
 from scheduler_service.frontend.stream_backlog import BacklogLimits
+from scheduler_service.text.detokenizer import StringStop
+from scheduler_service.text.tokenizer import TextProcessor
+from tests.helpers.letter_tokenizer import letter_tokenizer_dir
 
 UNBOUNDED = BacklogLimits(max_tokens=10**9, max_bytes=10**12)
 
@@ -260,3 +265,35 @@ def test_every_field_of_the_executors_logprob_record_reaches_the_client() -> Non
     (copied,) = message.logprobs
     for field in record.DESCRIPTOR.fields:
         assert getattr(copied, field.name) == getattr(record, field.name), field.name
+
+
+def test_a_stop_string_completed_inside_several_tokens_ends_the_message_on_its_last_token(tmp_path: Path) -> None:
+    """Prompt "ab", then c d e f in one update (their records led by the prompt's score) with
+    the stop string "de": the message answers c d e and their records, as one token at a time
+    would have, where the stop string ended the request at e and f was never sampled."""
+    text = TextProcessor.from_pretrained(letter_tokenizer_dir(tmp_path / "letters", vocab_size=16))
+    prompt, (c, d, e, f) = [3, 4], [5, 6, 7, 8]
+    sampling = SamplingParams(stop=("de",), logprobs=0, prompt_logprobs=0)
+
+    def record(token: int) -> executor_pb2.TokenLogprob:
+        return executor_pb2.TokenLogprob(token_id=token, logprob=-float(token))
+
+    at_once = OutputStream(Request("r", prompt, sampling), text)
+    message, stop = at_once.add_tokens([c, d, e, f], [record(4), *map(record, [c, d, e, f])])
+
+    assert stop == StringStop("de", 3)
+    assert list(message.token_ids) == [c, d, e] and message.text == "c"
+    assert [r.token_id for r in message.logprobs] == [c, d, e]
+    assert [r.token_id for r in message.prompt_logprobs] == [4]
+
+    one_at_a_time = OutputStream(Request("r", prompt, sampling), text)
+    messages = [
+        one_at_a_time.add_tokens(tokens, records)
+        for tokens, records in [([c], [record(4), record(c)]), ([d], [record(d)]), ([e], [record(e)])]
+    ]
+    assert [stop is None for _, stop in messages] == [True, True, False]
+    folded = pb.GenerateResponse()
+    for each, _ in messages:
+        folded.MergeFrom(each)
+    folded.text = "".join(each.text for each, _ in messages)
+    assert message == folded

@@ -55,9 +55,9 @@ def test_the_output_ends_with_the_stop_string_that_ended_it(
         position += size
         streamed += step.text_delta
         assert decoded[:end].startswith(streamed)
-        if step.stop_string is not None:
+        if step.stop is not None:
             assert reported is None
-            reported = step.stop_string
+            reported = step.stop.stop_string
     streamed += detokenizer.flush()
 
     assert (streamed, reported) == (decoded[:end], stop)
@@ -79,7 +79,7 @@ def test_a_stop_string_begun_in_text_already_streamed_is_found_and_completed(
     steps = [detokenizer.push([token_id]) for token_id in tokenizer.encode("Hello world, said the cat")]
 
     assert "".join(step.text_delta for step in steps) == "Hello wor"
-    assert [step.stop_string for step in steps if step.stop_string] == ["o wor"]
+    assert [step.stop.stop_string for step in steps if step.stop] == ["o wor"]
     assert detokenizer.stopped and detokenizer.flush() == ""
 
 
