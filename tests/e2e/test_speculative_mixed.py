@@ -1,9 +1,10 @@
 """Speculative decoding among 32 concurrent requests of every kind, through real processes: greedy
 and seeded sampled ones, some asking for logprobs, some ending on stop strings, and constrained
-ones (a regex, a choice), which take no drafts but step beside those that do. With drafts
-proposed and accepted, every request answers exactly what it does without speculation (tokens,
-text, finish, logprobs), the constrained ones follow their constraint, and the scheduler's block
-books agree with the executor's after.
+ones (a regex, a choice), whose ngram and suffix drafts are cut to what their grammar allows
+(the draft method's draft model gives them none). With drafts proposed and accepted, every
+request answers exactly what it does without speculation (tokens, text, finish, logprobs), the
+constrained ones follow their constraint, and the scheduler's block books agree with the
+executor's after.
 
 The model and prompts are test_speculative_decoding.py's (a 16-token random Llama whose outputs
 repeat, so drafts are accepted); the scheduler reads its tokens as the letters a..m
@@ -21,6 +22,7 @@ import pytest
 
 from clients import AsyncClient
 from clients.results import GenerationResult
+from executor_service.truncated_draft import truncate
 from tests.e2e.test_speculative_decoding import EXECUTOR_FLAGS, VOCAB, _prompts, model  # noqa: F401 (a fixture)
 from tests.helpers.block_audit import assert_books_agree
 from tests.helpers.executor_process import start_executor
@@ -122,13 +124,14 @@ class Served:
     spec_samples: dict[str, float]
 
 
-def _serve(model_dir: Path, tokenizer: Path, asks: list[Ask] | None, **flags: object) -> Served:
-    """The answers of one executor and scheduler started with flags (asks None: the stop strings
-    are taken from this server's outputs first), and the scheduler's spec_* samples; the block
-    books must agree after."""
+def _serve(model_dir: Path, tokenizer: Path, asks: list[Ask] | None, draft: Path | None = None, **flags: object) -> Served:
+    """The answers of one executor (with a draft model, if any) and scheduler started with flags
+    (asks None: the stop strings are taken from this server's outputs first), and the
+    scheduler's spec_* samples; the block books must agree after."""
     metrics_port = free_port()
+    executor_flags = {**EXECUTOR_FLAGS, **({"draft_model": draft} if draft is not None else {})}
     with (
-        start_executor(model_dir, **EXECUTOR_FLAGS) as (executor, _),
+        start_executor(model_dir, **executor_flags) as (executor, _),
         start_scheduler(executor, metrics_port=metrics_port, tokenizer=tokenizer, **flags) as address,
     ):
         asks = asks if asks is not None else _with_stops(address, _asks())
@@ -164,11 +167,12 @@ def _answer(result: GenerationResult) -> tuple[object, ...]:
     return (result.token_ids, result.text, result.finish_reason, result.stop_reason, result.logprobs)
 
 
-@pytest.mark.parametrize("method", ["ngram", "suffix"])
+@pytest.mark.parametrize("method", ["ngram", "suffix", "draft"])
 def test_mixed_concurrent_requests_answer_with_drafts_what_they_do_without(
-    model: Path, tokenizer: Path, plain: Served, method: str  # noqa: F811 (the imported fixture)
+    model: Path, tokenizer: Path, plain: Served, method: str, tmp_path: Path  # noqa: F811 (the imported fixture)
 ) -> None:
-    served = _serve(model, tokenizer, plain.asks, speculative_method=method, **SPECULATION)
+    draft = truncate(model, tmp_path / "draft", layers=1) if method == "draft" else None
+    served = _serve(model, tokenizer, plain.asks, draft, speculative_method=method, **SPECULATION)
     label = f'{{method="{method}"}}'
     drafted = served.spec_samples.get(f"splitserve:spec_draft_tokens_total{label}", 0.0)
     accepted = served.spec_samples.get(f"splitserve:spec_accepted_tokens_total{label}", 0.0)
