@@ -96,8 +96,6 @@ class TokenArrays:
 class NgramProposer:
     """Proposes from the request's own tokens (see the module docstring)."""
 
-    method = "ngram"
-
     def __init__(self) -> None:
         self.arrays = TokenArrays()
 

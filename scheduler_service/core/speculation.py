@@ -28,6 +28,9 @@ Who gets drafts in a step (the rule):
 - its drafts fit in the step's token budget left once every running request has its own token
   or prefill chunk (in rank order, before waiting requests are admitted), and free blocks hold
   them: drafts never preempt anyone;
+- drafting pays for it: its estimate says a verify yields two tokens or more (e >= 1), or it has
+  decoded PROBE_AFTER tokens without drafts since its last verify (a probe, so that acceptance
+  that recovers is noticed);
 - the proposer has a proposal: it gets min(the request's K, budget left, tokens left before its
   length limit less one) tokens of it.
 
@@ -42,10 +45,11 @@ meanwhile, and so does every request that may take drafts while any drafts are i
 plain decode pipelined then would make a step of its own beside theirs, and a small batch's step
 costs mostly the same whatever its tokens (SmolLM2 on one CPU thread: 12.4 ms for one token,
 15.4 for four, 38 for twenty), so the requests that speculate step together. Otherwise one with
-a plain decode in flight sits out (so that its next step can carry drafts) only when the
-proposer already has something for it and waiting a step pays: its estimate says a verify yields
-two tokens or more (e >= 1), or it has pipelined PROBE_AFTER plain decodes since its last verify
-(so acceptance that recovers is noticed); else it decodes as without speculation.
+a plain decode in flight sits out (so that its next step can carry drafts) only when drafting
+pays for it (the rule above) and the proposer already has something for it; else it decodes as
+without speculation. A request whose drafts do not pay thus decodes plain, pipelined, between
+probes, whatever proposes: the executor's draft model always has a proposal, and a draft that is
+seldom right would otherwise hold every request to unpipelined verify steps of one token.
 
 A request that may take drafts decodes one entry at a time (a ContinuingRequest), never in the
 bulk decode set (decode_set.py), while speculation is on; one with no proposal decodes one token.
@@ -84,8 +88,6 @@ class Drafts:
 
 
 class Proposer(Protocol):
-    method: str
-
     def propose(self, request: Request, k: int) -> list[int]: ...
 
     def leave(self, request: Request) -> None: ...
@@ -166,7 +168,7 @@ class Speculation:
             # (a step's cost is mostly fixed on a small batch): it joins their next step instead.
             return True
         state = self._state(request)
-        if (state.accepted >= 1 or state.plain >= PROBE_AFTER) and self._has_proposal(request):
+        if self._pays(state) and self._has_proposal(request):
             return True
         state.plain += 1
         return False
@@ -177,6 +179,9 @@ class Speculation:
         if not self.allowed or not self._may_draft(request):
             return Drafts()
         state = self._state(request)
+        if not self._pays(state):
+            state.plain += 1
+            return Drafts()
         k = min(state.k, budget, length_limit(request, self.max_seq_len) - request.num_tokens - 1)
         if k <= 0:
             return Drafts()
@@ -220,6 +225,10 @@ class Speculation:
         self._requests.pop(request, None)
         if self.proposer is not None:
             self.proposer.leave(request)
+
+    @staticmethod
+    def _pays(state: _Drafting) -> bool:
+        return state.accepted >= 1 or state.plain >= PROBE_AFTER
 
     def _has_proposal(self, request: Request) -> bool:
         return self.proposer is None or bool(self.proposer.propose(request, 1))

@@ -126,8 +126,6 @@ def _context_hashes(tokens: np.ndarray, n: int) -> np.ndarray:
 class SuffixProposer:
     """Proposes from the table, or from the request's own tokens (see the module docstring)."""
 
-    method = "suffix"
-
     def __init__(self, table: SuffixTable) -> None:
         self.table = table
         self._own = NgramProposer()

@@ -6,7 +6,7 @@ the batch and budget rules."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import pytest
@@ -18,7 +18,7 @@ from scheduler_service.core.request import FinishReason, Request, RequestStatus
 from scheduler_service.core.sampling_params import SamplingParams
 from scheduler_service.core.scheduler import Scheduler
 from scheduler_service.core.sim_executor import SimulatedExecutor, TokenFn
-from scheduler_service.core.speculation import Speculation
+from scheduler_service.core.speculation import PROBE_AFTER, Speculation
 from scheduler_service.core.step_plan import StepOutput, StepPlan
 from scheduler_service.core.suffix_proposer import SuffixTable
 from tests.helpers.sched_harness import HandleBook
@@ -155,6 +155,24 @@ def test_the_executors_draft_model_proposes_with_the_draft_method_and_the_tokens
     assert speculation.num_draft_tokens == sum(asked)
     assert speculation.num_draft_tokens / 2 < speculation.num_accepted_tokens < speculation.num_draft_tokens
     assert len(run.plans) < len(plain.plans) * (0.6 if not pipelined else 0.9)
+
+
+def test_a_draft_model_that_is_never_right_costs_only_probes() -> None:
+    """The draft model always has a proposal; once its requests' estimates say drafts do not
+    pay, they decode plain and pipelined, verifying only every PROBE_AFTER tokens."""
+    model = echo(PERIOD)
+
+    def wrong(request_id: str, tokens: Sequence[int]) -> int:
+        return model(request_id, tokens) + 1
+
+    run = drive(_config(speculative_method="draft"), _requests(), model, pipelined=True, draft=wrong)
+    for request in _requests():
+        assert run.outputs[request.request_id] == decode_one_at_a_time(model, request.prompt_token_ids, request.sampling.max_tokens or 0)
+    verifies = [count for plan in run.plans for count in _model_drafts(plan).values()]
+    outputs = sum(map(len, run.outputs.values()))
+    assert run.scheduler.speculation.num_accepted_tokens == 0
+    # A few verifies each while the estimate falls, then one per PROBE_AFTER tokens.
+    assert len(verifies) <= len(run.outputs) * 3 + outputs / PROBE_AFTER
 
 
 def test_penalised_requests_take_drafts_as_entries_like_the_rest_and_decode_in_bulk_without() -> None:
@@ -311,18 +329,28 @@ def test_k_shrinks_under_low_acceptance_and_never_passes_the_flag() -> None:
     assert run.outputs["r"] == decode_one_at_a_time(babble(5), rng_prompt, 300)
 
 
-def test_k_climbs_back_to_the_flag_when_drafts_are_accepted() -> None:
+def test_drafts_that_do_not_pay_wait_for_a_probe_and_k_climbs_back_to_the_flag_when_accepted() -> None:
     speculation = Speculation(_config(num_speculative_tokens=5))
     request = _quoting(0, 500)
     speculation.begin_step([request])
     ks = []
-    for accept in [False] * 6 + [True] * 8:
+
+    def verify(accept: bool) -> None:
         drafts = speculation.drafts_for(request, budget=100)
         assert 1 <= len(drafts) <= 5
         speculation.sent(request)
         assert speculation.verified(request, drafts, [*drafts.token_ids, 7] if accept else [7]) is None
         ks.append(speculation.k_of(request))
-    assert ks[5] == 1 and ks[-1] == 5 and max(ks) == 5
+
+    for _ in range(3):
+        verify(False)
+    # Its estimate now says a verify yields under two tokens: it decodes without drafts until
+    # it has so decoded PROBE_AFTER tokens, then probes.
+    assert ks[-1] <= 2
+    assert [len(speculation.drafts_for(request, budget=100)) for _ in range(PROBE_AFTER)] == [0] * PROBE_AFTER
+    for _ in range(8):
+        verify(True)
+    assert ks[-1] == 5 and max(ks) == 5
     # An answer that is not the drafts' run and one token is refused, naming it.
     drafts = speculation.drafts_for(request, budget=100)
     speculation.sent(request)
