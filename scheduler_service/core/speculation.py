@@ -29,8 +29,12 @@ Who gets drafts in a step (the rule):
   or prefill chunk (in rank order, before waiting requests are admitted), and free blocks hold
   them: drafts never preempt anyone;
 - drafting pays for it: its estimate says a verify yields two tokens or more (e >= 1), or it has
-  decoded PROBE_AFTER tokens without drafts since its last verify (a probe, so that acceptance
-  that recovers is noticed);
+  decoded its probe interval of tokens without drafts since its last verify (a probe, so that
+  acceptance that recovers is noticed). The interval starts at PROBE_AFTER and doubles, up to
+  MAX_PROBE_AFTER, with each probe that accepts nothing (a proposer that is seldom right costs a
+  few probes per request, not one per PROBE_AFTER tokens: a probe holds its step's whole batch
+  to it, and the draft model's first catches up on the request's tokens); any accepted draft
+  brings it back;
 - the proposer has a proposal: it gets min(the request's K, budget left, tokens left before its
   length limit less one) tokens of it.
 
@@ -68,8 +72,10 @@ from scheduler_service.core.suffix_proposer import SuffixProposer, SuffixTable
 # Weight of the latest verify in a request's acceptance estimate.
 ALPHA = 0.5
 # Plain decodes a request pipelines, while its estimate says waiting does not pay, before it
-# waits once to try drafts again.
+# waits once to try drafts again; doubled after each probe that accepts nothing, up to
+# MAX_PROBE_AFTER.
 PROBE_AFTER = 16
+MAX_PROBE_AFTER = 256
 
 
 @dataclass(slots=True, frozen=True)
@@ -103,8 +109,9 @@ class _Drafting:
     # Its preemption count when its drafts in flight were planned (-1: none in flight): a
     # preemption makes them stale, and they are never answered here.
     in_flight_epoch: int = -1
-    # Plain decodes pipelined since its last verify.
+    # Plain decodes pipelined since its last verify, and how many make a probe due.
     plain: int = 0
+    probe_after: int = PROBE_AFTER
 
 
 class Speculation:
@@ -207,9 +214,14 @@ class Speculation:
         if drafts.token_ids and list(tokens[:accepted]) != list(drafts.token_ids[:accepted]):
             return f"{list(tokens)} is not a run of the drafts {list(drafts.token_ids)} and one token"
         state = self._requests[request]
+        probe = not self._pays_by_estimate(state)
         state.in_flight_epoch, state.plain = -1, 0
         state.accepted += ALPHA * (accepted - state.accepted)
         state.k = max(1, min(self.max_k, int(state.accepted + 0.5) + 1))
+        if accepted:
+            state.probe_after = PROBE_AFTER
+        elif probe:
+            state.probe_after = min(2 * state.probe_after, MAX_PROBE_AFTER)
         self.num_verified += 1
         self.num_draft_tokens += len(drafts)
         self.num_accepted_tokens += accepted
@@ -227,8 +239,11 @@ class Speculation:
             self.proposer.leave(request)
 
     @staticmethod
-    def _pays(state: _Drafting) -> bool:
-        return state.accepted >= 1 or state.plain >= PROBE_AFTER
+    def _pays_by_estimate(state: _Drafting) -> bool:
+        return state.accepted >= 1
+
+    def _pays(self, state: _Drafting) -> bool:
+        return self._pays_by_estimate(state) or state.plain >= state.probe_after
 
     def _has_proposal(self, request: Request) -> bool:
         return self.proposer is None or bool(self.proposer.propose(request, 1))

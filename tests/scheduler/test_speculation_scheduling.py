@@ -329,32 +329,43 @@ def test_k_shrinks_under_low_acceptance_and_never_passes_the_flag() -> None:
     assert run.outputs["r"] == decode_one_at_a_time(babble(5), rng_prompt, 300)
 
 
-def test_drafts_that_do_not_pay_wait_for_a_probe_and_k_climbs_back_to_the_flag_when_accepted() -> None:
+def test_drafts_that_do_not_pay_wait_for_probes_that_back_off_and_k_climbs_back_to_the_flag_when_accepted() -> None:
     speculation = Speculation(_config(num_speculative_tokens=5))
     request = _quoting(0, 500)
     speculation.begin_step([request])
     ks = []
 
-    def verify(accept: bool) -> None:
+    def attempt(accept: bool) -> bool:
+        """One step's drafts for the request, verified (all accepted or none); False when it
+        got none (a plain decode)."""
         drafts = speculation.drafts_for(request, budget=100)
-        assert 1 <= len(drafts) <= 5
+        if not drafts:
+            return False
+        assert len(drafts) <= 5
         speculation.sent(request)
         assert speculation.verified(request, drafts, [*drafts.token_ids, 7] if accept else [7]) is None
         ks.append(speculation.k_of(request))
+        return True
 
-    for _ in range(3):
-        verify(False)
+    def plain(count: int) -> None:
+        assert not any(attempt(False) for _ in range(count))
+
+    assert all(attempt(False) for _ in range(3))
     # Its estimate now says a verify yields under two tokens: it decodes without drafts until
-    # it has so decoded PROBE_AFTER tokens, then probes.
+    # it has so decoded PROBE_AFTER tokens, then probes; each probe that accepts nothing doubles
+    # the wait.
     assert ks[-1] <= 2
-    assert [len(speculation.drafts_for(request, budget=100)) for _ in range(PROBE_AFTER)] == [0] * PROBE_AFTER
-    for _ in range(8):
-        verify(True)
+    plain(PROBE_AFTER)
+    assert attempt(False)
+    plain(2 * PROBE_AFTER)
+    assert attempt(False)
+    plain(4 * PROBE_AFTER)
+    # Accepted drafts bring the wait back to PROBE_AFTER, and K climbs back to the flag.
+    assert attempt(True)
+    plain(PROBE_AFTER - 1)
+    for _ in range(100):
+        attempt(True)
     assert ks[-1] == 5 and max(ks) == 5
-    # An answer that is not the drafts' run and one token is refused, naming it.
-    drafts = speculation.drafts_for(request, budget=100)
-    speculation.sent(request)
-    assert speculation.verified(request, drafts, [drafts.token_ids[0] + 1, 7]) is not None
 
 
 def test_no_drafts_while_the_decode_batch_reaches_the_max() -> None:
