@@ -38,10 +38,14 @@ Who gets drafts in a step (the rule):
 - the proposer has a proposal: it gets min(the request's K, budget left, tokens left before its
   length limit less one) tokens of it.
 
-Each request's K adapts to its acceptance: it starts at the flag's K with an estimate of drafts
-accepted per verify of K; after a verify that accepted a drafts the estimate e moves to
-e + ALPHA * (a - e), and K becomes round(e) + 1 within 1..the flag's K: one more than the request
-has lately been accepting, so full acceptance climbs back to the flag and none keeps one draft.
+Each request's K adapts to its acceptance: after a verify that accepted a drafts its estimate e
+of drafts accepted per verify moves to e + ALPHA * (a - e), and K becomes round(e) + 1 within
+1..the flag's K: one more than the request has lately been accepting, so full acceptance climbs
+back to the flag and none keeps one draft. A new request starts from the proposer's recent
+acceptance over every request (an average over all verifies with the slower weight
+RECENT_ALPHA, from the flag's K), not from the flag's K: where the proposer has lately been
+wrong, as a draft model that is seldom right, a new request starts with a probe rather than with
+a run of verifies of K drafts that fail.
 
 Pipelining: no drafts can be planned for a request while a step of it is in flight (they would
 follow a token not yet known). A request with drafts in flight sits out the steps planned
@@ -69,8 +73,10 @@ from scheduler_service.core.request import Request
 from scheduler_service.core.stop_checker import length_limit
 from scheduler_service.core.suffix_proposer import SuffixProposer, SuffixTable
 
-# Weight of the latest verify in a request's acceptance estimate.
+# Weight of the latest verify in a request's acceptance estimate, and in the proposer's over
+# every request (which a run of one request's rejections must not sink).
 ALPHA = 0.5
+RECENT_ALPHA = 0.1
 # Plain decodes a request pipelines, while its estimate says waiting does not pay, before it
 # waits once to try drafts again; doubled after each probe that accepts nothing, up to
 # MAX_PROBE_AFTER.
@@ -136,6 +142,8 @@ class Speculation:
         self.num_verified = 0
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
+        # Drafts accepted per verify lately, over every request: a new request's estimate.
+        self._recent = float(self.max_k)
 
     def applies_to(self, request: Request) -> bool:
         """Whether the request may ever take drafts here (all but its min_tokens, which it
@@ -217,7 +225,8 @@ class Speculation:
         probe = not self._pays_by_estimate(state)
         state.in_flight_epoch, state.plain = -1, 0
         state.accepted += ALPHA * (accepted - state.accepted)
-        state.k = max(1, min(self.max_k, int(state.accepted + 0.5) + 1))
+        state.k = self._k(state.accepted)
+        self._recent += RECENT_ALPHA * (accepted - self._recent)
         if accepted:
             state.probe_after = PROBE_AFTER
         elif probe:
@@ -254,5 +263,8 @@ class Speculation:
     def _state(self, request: Request) -> _Drafting:
         state = self._requests.get(request)
         if state is None:
-            state = self._requests[request] = _Drafting(self.max_k, float(self.max_k))
+            state = self._requests[request] = _Drafting(self._k(self._recent), self._recent)
         return state
+
+    def _k(self, estimate: float) -> int:
+        return max(1, min(self.max_k, int(estimate + 0.5) + 1))

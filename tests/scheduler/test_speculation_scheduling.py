@@ -157,6 +157,34 @@ def test_the_executors_draft_model_proposes_with_the_draft_method_and_the_tokens
     assert len(run.plans) < len(plain.plans) * (0.6 if not pipelined else 0.9)
 
 
+def test_a_new_request_starts_from_the_proposers_recent_acceptance() -> None:
+    speculation = Speculation(_config(num_speculative_tokens=4))
+    requests = [_quoting(i, 500) for i in range(13)]
+    speculation.begin_step(requests)
+
+    def verify_all(request: Request, accept: bool) -> int:
+        """Verifies the request's drafts until it gets none; returns how many verifies."""
+        count = 0
+        while drafts := speculation.drafts_for(request, budget=100):
+            speculation.sent(request)
+            assert speculation.verified(request, drafts, [*drafts.token_ids, 7] if accept else [7]) is None
+            count += 1
+            if count == 20:
+                break
+        return count
+
+    # Each request in turn, its drafts failing: the first starts at the flag's K and verifies
+    # until its estimate sinks; later ones start lower, and soon with no verify at all (their
+    # first drafts wait for a probe).
+    assert speculation.k_of(requests[0]) == 4
+    failed = [verify_all(request, accept=False) for request in requests[:12]]
+    assert failed[0] == 3 and failed == sorted(failed, reverse=True) and failed[-2:] == [0, 0], failed
+    assert [len(speculation.drafts_for(requests[11], budget=100)) for _ in range(PROBE_AFTER - 1)] == [0] * (PROBE_AFTER - 1)
+    # Once drafts are accepted again, new requests start high.
+    assert verify_all(requests[11], accept=True) == 20
+    assert len(speculation.drafts_for(requests[12], budget=100)) >= 3
+
+
 def test_a_draft_model_that_is_never_right_costs_only_probes() -> None:
     """The draft model always has a proposal; once its requests' estimates say drafts do not
     pay, they decode plain and pipelined, verifying only every PROBE_AFTER tokens."""
