@@ -7,9 +7,6 @@ time; the grammar's state is left as it was by a proposal."""
 
 from __future__ import annotations
 
-import numpy as np
-import pytest
-
 from scheduler_service.core.config import SchedulerConfig
 from scheduler_service.core.request import FinishReason, Request
 from scheduler_service.core.sampling_params import SamplingParams
@@ -18,28 +15,11 @@ from scheduler_service.core.sim_executor import SimulatedExecutor
 from scheduler_service.core.structured_output import GrammarKind, StructuredOutput
 from scheduler_service.structured.grammars import Grammars
 from scheduler_service.text.tokenizer import TextProcessor
-from tests.helpers.tokenizer_assets import gpt2_tokenizer_dir
+from tests.helpers.gpt2_grammars import EOS, VOCAB_SIZE, allowed
 
-VOCAB_SIZE = 50_257
-EOS = 50_256
 # Lines of the same shape, which prompt lookup finds in the prompt and in the output so far.
 SHAPE = StructuredOutput(GrammarKind.REGEX, source=r"(item [0-9]: (red|green|blue)\n){3,12}")
 PROMPT = "item 1: red\nitem 2: green\nitem 3: blue\nitem 4: red\nitem 5: green\n" * 2
-
-
-@pytest.fixture(scope="module")
-def text(tmp_path_factory: pytest.TempPathFactory) -> TextProcessor:
-    return TextProcessor.from_pretrained(gpt2_tokenizer_dir(tmp_path_factory.mktemp("gpt2")))
-
-
-@pytest.fixture(scope="module")
-def grammars(text: TextProcessor) -> Grammars:
-    return Grammars(text)
-
-
-def _allowed(bitmask: bytes) -> set[int]:
-    bits = np.unpackbits(np.frombuffer(bitmask, dtype=np.uint8), bitorder="little")
-    return set(np.flatnonzero(bits[:VOCAB_SIZE]).tolist())
 
 
 def _requests(grammars: Grammars, text: TextProcessor) -> list[Request]:
@@ -67,7 +47,7 @@ def _run(requests: list[Request], k: int) -> tuple[dict[str, list[int]], Schedul
             if entry.draft_token_ids:
                 # A mask for the last token's position and one after each draft.
                 assert entry.allowed_token_bitmask and len(entry.draft_bitmasks) == len(entry.draft_token_ids)
-                assert all(_allowed(mask) for mask in entry.draft_bitmasks)
+                assert all(allowed(mask) for mask in entry.draft_bitmasks)
                 drafted.append(len(entry.draft_token_ids))
         for update in scheduler.update(executor.execute(plan)):
             assert update.error is None, update.error
@@ -102,8 +82,8 @@ def test_a_proposal_is_cut_before_what_the_grammar_refuses_and_leaves_its_state(
     assert len(masks) == 1 + len(line)
     assert masks[0] == before and state.allowed_token_bitmask() == before
     for token, mask in zip(line, masks, strict=False):
-        assert token in _allowed(mask)
-    assert bad[0] not in _allowed(masks[-1])
+        assert token in allowed(mask)
+    assert bad[0] not in allowed(masks[-1])
     # The state goes on from where it was: the same line is accepted token by token.
     assert all(state.accept(token) for token in line)
     # A draft that ends the sentence stays out: three lines and EOS.

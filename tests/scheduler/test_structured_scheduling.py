@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 
-import numpy as np
 import pytest
 
 from scheduler_service.core.config import SchedulerConfig
@@ -19,27 +18,10 @@ from scheduler_service.core.sim_executor import SimulatedExecutor
 from scheduler_service.core.structured_output import GrammarKind, StructuredOutput
 from scheduler_service.structured.grammars import Grammars
 from scheduler_service.text.tokenizer import TextProcessor
-from tests.helpers.tokenizer_assets import gpt2_tokenizer_dir
+from tests.helpers.gpt2_grammars import EOS, VOCAB_SIZE, allowed
 
-VOCAB_SIZE = 50_257
-EOS = 50_256
 ANSWERS = ("yes indeed", "no way", "maybe so")
 CHOICE = StructuredOutput(GrammarKind.CHOICE, choices=ANSWERS)
-
-
-@pytest.fixture(scope="module")
-def text(tmp_path_factory: pytest.TempPathFactory) -> TextProcessor:
-    return TextProcessor.from_pretrained(gpt2_tokenizer_dir(tmp_path_factory.mktemp("gpt2")))
-
-
-@pytest.fixture(scope="module")
-def grammars(text: TextProcessor) -> Grammars:
-    return Grammars(text)
-
-
-def allowed(bitmask: bytes) -> set[int]:
-    bits = np.unpackbits(np.frombuffer(bitmask, dtype=np.uint8), bitorder="little")
-    return set(np.flatnonzero(bits[:VOCAB_SIZE]).tolist())
 
 
 def constrained(grammars: Grammars, request_id: str, prompt: list[int], spec: StructuredOutput = CHOICE) -> Request:
@@ -147,7 +129,6 @@ def test_without_a_tokenizer_a_grammar_is_unsupported_and_the_core_refuses_bad_c
     ]
     empty = SamplingParams(structured_output=StructuredOutput(GrammarKind.REGEX, " ")).problems(VOCAB_SIZE, 0)
     assert empty == ["structured_output regex is empty"]
-
 
 
 def test_with_late_bitmasks_a_constrained_request_pipelines_and_its_bitmask_follows_the_plan(
