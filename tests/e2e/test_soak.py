@@ -59,6 +59,8 @@ MAX_RSS_GROWTH = 0.10
 # Bounds, each far above what a healthy run needs, so a hang fails with a message.
 REQUEST_BOUND_S = 120.0
 READMIT_BOUND_S = 120.0
+# How long past its planned second the kill may wait for the victim to run a request.
+VICTIM_BUSY_BOUND_S = 20.0
 SETTLE_BOUND_S = 60.0
 # Seeded sampling runs on a few prompts and seeds so that the same request recurs often.
 SEEDED_PROMPTS = 4
@@ -398,7 +400,16 @@ class Soak:
     async def kill_and_restart(self, at_s: float, measures: Measures) -> None:
         await asyncio.sleep(at_s)
         victim_address = f"127.0.0.1:{self.ports[0]}"
-        before = next(e for e in (await _status(self.address)).executors if e.address == victim_address)
+
+        def victim_of(status: pb.ServerStatus) -> pb.ExecutorStatus:
+            return next(e for e in status.executors if e.address == victim_address)
+
+        # Killed while it runs requests, so that the scheduler must move them: under this load
+        # that is most moments, not every one (one run found it idle at the planned second).
+        status = await _wait_for_status(
+            self.address, lambda s: victim_of(s).num_running > 0, VICTIM_BUSY_BOUND_S, "request running on the victim"
+        )
+        before = victim_of(status)
         measures.victim_running_at_kill = before.num_running
         self.executors[0].process.kill()
         await asyncio.sleep(RESTART_AFTER_S)
