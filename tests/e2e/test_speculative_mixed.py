@@ -167,7 +167,8 @@ def _answer(result: GenerationResult) -> tuple[object, ...]:
     return (result.token_ids, result.text, result.finish_reason, result.stop_reason, result.logprobs)
 
 
-@pytest.mark.parametrize("method", ["ngram", "suffix", "draft"])
+# The draft method's run is make test-slow's: test_speculative_decoding.py runs it in make test.
+@pytest.mark.parametrize("method", ["ngram", "suffix", pytest.param("draft", marks=pytest.mark.slow)])
 def test_mixed_concurrent_requests_answer_with_drafts_what_they_do_without(
     model: Path, tokenizer: Path, plain: Served, method: str, tmp_path: Path  # noqa: F811 (the imported fixture)
 ) -> None:
