@@ -157,8 +157,23 @@ def test_the_executors_draft_model_proposes_with_the_draft_method_and_the_tokens
     assert len(run.plans) < len(plain.plans) * (0.6 if not pipelined else 0.9)
 
 
-def test_a_new_request_starts_from_the_proposers_recent_acceptance() -> None:
+def test_ngram_drafts_are_not_held_back_by_a_low_estimate() -> None:
+    """A proposal from the scheduler costs only its verify rows when wrong: a request whose
+    estimate sank still takes drafts wherever its tokens hold a match, at K 1."""
     speculation = Speculation(_config(num_speculative_tokens=4))
+    request = _quoting(0, 500)
+    speculation.begin_step([request])
+    for _ in range(6):
+        drafts = speculation.drafts_for(request, budget=100)
+        assert drafts.token_ids
+        speculation.sent(request)
+        assert speculation.verified(request, drafts, [7]) is None
+    assert speculation.k_of(request) == 1
+    assert len(speculation.drafts_for(request, budget=100)) == 1
+
+
+def test_a_new_request_starts_from_the_proposers_recent_acceptance() -> None:
+    speculation = Speculation(_config(num_speculative_tokens=4, speculative_method="draft"))
     requests = [_quoting(i, 500) for i in range(13)]
     speculation.begin_step(requests)
 
@@ -167,7 +182,7 @@ def test_a_new_request_starts_from_the_proposers_recent_acceptance() -> None:
         count = 0
         while drafts := speculation.drafts_for(request, budget=100):
             speculation.sent(request)
-            assert speculation.verified(request, drafts, [*drafts.token_ids, 7] if accept else [7]) is None
+            assert speculation.verified(request, drafts, [7] * len(drafts) + [7] if accept else [7]) is None
             count += 1
             if count == 20:
                 break
@@ -357,8 +372,8 @@ def test_k_shrinks_under_low_acceptance_and_never_passes_the_flag() -> None:
     assert run.outputs["r"] == decode_one_at_a_time(babble(5), rng_prompt, 300)
 
 
-def test_drafts_that_do_not_pay_wait_for_probes_that_back_off_and_k_climbs_back_to_the_flag_when_accepted() -> None:
-    speculation = Speculation(_config(num_speculative_tokens=5))
+def test_draft_model_drafts_that_do_not_pay_wait_for_probes_that_back_off_and_k_climbs_back_to_the_flag_when_accepted() -> None:
+    speculation = Speculation(_config(num_speculative_tokens=5, speculative_method="draft"))
     request = _quoting(0, 500)
     speculation.begin_step([request])
     ks = []
@@ -371,7 +386,7 @@ def test_drafts_that_do_not_pay_wait_for_probes_that_back_off_and_k_climbs_back_
             return False
         assert len(drafts) <= 5
         speculation.sent(request)
-        assert speculation.verified(request, drafts, [*drafts.token_ids, 7] if accept else [7]) is None
+        assert speculation.verified(request, drafts, [7] * len(drafts) + [7] if accept else [7]) is None
         ks.append(speculation.k_of(request))
         return True
 
