@@ -45,6 +45,7 @@ from bench.disaggregation import SMOLLM2, resolve_model
 from bench.speculation_workloads import (
     WARM_UP,
     Messages,
+    add_workload_arguments,
     quote_requests,
     template_requests,
 )
@@ -209,11 +210,7 @@ def format_table(rows: list[Row]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default=SMOLLM2)
-    parser.add_argument("--requests", type=int, default=16)
-    parser.add_argument("--concurrency", type=int, default=4)
-    parser.add_argument("--max-tokens", type=int, default=160)
-    parser.add_argument("--k", type=int, default=4, help="--num-speculative-tokens")
+    add_workload_arguments(parser, SMOLLM2)
     parser.add_argument("--draft-layers", type=int, default=8, help="layers of the model the draft method's draft keeps")
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--workloads", nargs="+", choices=list(WORKLOADS), default=list(WORKLOADS))

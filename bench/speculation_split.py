@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from bench.disaggregation import SMOLLM2, resolve_model
-from bench.speculation_workloads import quote_requests
+from bench.speculation_workloads import add_workload_arguments, quote_requests
 from executor_service.runner.model_runner import ModelRunner
 from executor_service.serving.settings import ExecutorSettings
 from executor_service.startup.startup import build_executor
@@ -122,11 +122,7 @@ def format_table(off: Split, on: Split) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default=SMOLLM2)
-    parser.add_argument("--requests", type=int, default=16)
-    parser.add_argument("--concurrency", type=int, default=4)
-    parser.add_argument("--max-tokens", type=int, default=160)
-    parser.add_argument("--k", type=int, default=4, help="--num-speculative-tokens")
+    add_workload_arguments(parser, SMOLLM2)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)

@@ -1,4 +1,4 @@
-"""The chat requests bench.speculation sends.
+"""The chat requests bench.speculation and bench.speculation_split send, and their flags for them.
 
 - quote: "Repeat this text exactly: <a paragraph>", each paragraph its own (four sentences of a
   pool, starting one further along each time): the answer is in the prompt, which is what the
@@ -9,6 +9,8 @@
 """
 
 from __future__ import annotations
+
+import argparse
 
 SENTENCES = (
     "The river runs past the old mill and under the stone bridge before it reaches the sea.",
@@ -70,6 +72,15 @@ def template_requests(count: int) -> list[Messages]:
         for variant in range(variants) for template, details in zip(TEMPLATES, DETAILS, strict=True)
     ]
     return [ordered[index % len(ordered)] for index in range(count)]
+
+
+def add_workload_arguments(parser: argparse.ArgumentParser, default_model: str) -> None:
+    """The flags both speculation benches take for the model and the quote workload's size."""
+    parser.add_argument("--model", default=default_model)
+    parser.add_argument("--requests", type=int, default=16)
+    parser.add_argument("--concurrency", type=int, default=4)
+    parser.add_argument("--max-tokens", type=int, default=160)
+    parser.add_argument("--k", type=int, default=4, help="--num-speculative-tokens")
 
 
 WARM_UP = (_chat("Say hello."), _chat("What is two plus two?"))
