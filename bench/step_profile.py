@@ -86,10 +86,10 @@ class PhaseClock:
 @contextmanager
 def timed_runner(clock: PhaseClock) -> Iterator[None]:
     """The runner's input building, forward and sampling, and our attention function, timed."""
-    originals = {name: getattr(model_runner, name) for name in ("build_step_inputs", "compute_logits", "sample")}
+    originals = {name: getattr(model_runner, name) for name in ("build_step_inputs", "compute_logits", "sample_batch")}
     setattr(model_runner, "build_step_inputs", clock.wrap("inputs", originals["build_step_inputs"]))
     setattr(model_runner, "compute_logits", clock.wrap("forward", originals["compute_logits"]))
-    setattr(model_runner, "sample", clock.wrap("sampling", originals["sample"]))
+    setattr(model_runner, "sample_batch", clock.wrap("sampling", originals["sample_batch"]))
     AttentionInterface.register(ATTENTION_NAME, clock.wrap("attention", paged_attention_forward))
     try:
         yield
