@@ -196,12 +196,11 @@ def parse_args(argv: list[str] | None, prog: str = "python -m executor_service")
     parser.add_argument(
         "--greedy-screen",
         action=argparse.BooleanOptionalAction,
-        default=False,
-        help="pick greedy rows' tokens through the int8 screen (CPU, float32, with packed linears, "
-        "where oneDNN's int8 linear is exact): the head's cost about halves, but the pick is the "
-        "argmax of the exact logits, which on a near-tie can differ from the float32 head's, and "
-        "whether a row is screened depends on the other rows of its step (it pauses after steps "
-        "with wide rows), so a greedy request's tokens may then depend on its batch",
+        default=True,
+        help="pick greedy rows' tokens through the int8 screen (CPU, float32, on the panel kernel's "
+        "float path, where oneDNN's int8 linear is exact): the head's cost about halves, and the "
+        "token is the float32 head's, bit for bit (the kept tokens' logits are computed as the "
+        "packed head computes them); costs the head's int8 copy, a quarter of its float32 size",
     )
     parser.add_argument(
         "--cuda-graph-max-batch",

@@ -4,11 +4,14 @@ A greedy row needs only its argmax, and the head is a decode step's largest matm
 hidden rows and the weight rows are rounded to int8, each with a scale of its own, and oneDNN's
 int8 linear, with the weight levels packed once, gives their integer products (VNNI does four
 times the multiply-adds of fp32 per instruction). From the rounding residuals the C pass
-(kernels/greedy_screen.c) bounds how far each true logit can be from its screen value, keeps
+(kernels/greedy_screen.c) bounds how far each float32 logit can be from its screen value, keeps
 every token the bound cannot rule out (a few dozen of 32,000 on the models measured), and
-computes those logits from the fp32 weights in double precision; every other logit is -inf. The
-argmax of the row is then the argmax of the exact logits: no token a float32 matmul could make
-the largest is dropped. docs/cpu-executor.md ("Measured") has the times.
+computes those logits as the packed head does (the panel kernel's float path: one chain of fused
+multiply-adds per output), bit for bit; every other logit is -inf. The row's first largest index
+is then the packed head's: the screen changes no greedy token, so a greedy request's tokens
+depend on its own rows alone, screened or not. It is installed only over a head the panel kernel
+computes on its float path (not AMX's tiles, not oneDNN), and only after a check that its kept
+logits are that head's bits. docs/cpu-executor.md ("Measured") has the times.
 
 A channel far above the rest of its row (SmolLM2's final hidden states carry one far above the
 others on random text) would set the row's int8 scale and leave the bound loose for every other
@@ -20,9 +23,11 @@ fp32 weight columns, with its own rounding in the bound.
 
 Rows that read more than the argmax (sampling, penalties, logprobs, min-tokens masking) take
 the plain head, as does a row whose bound keeps more than an eighth of the vocabulary; after a
-call where a quarter of the rows were that wide, the next 64 calls skip the screen. Memory:
-the int8 levels (a quarter of the fp32 weight), and for an untied head its plain fp32 weight
-beside the packed one (a tied head's is the embedding's).
+call where a quarter of the rows were that wide, the next 64 calls skip the screen. Which rows
+are screened (this pause, the outlier set learned so far) decides only what a step costs: a
+screened row's token is the plain head's. Memory: the int8 levels (a quarter of the fp32
+weight), and for an untied head its plain fp32 weight beside the packed one (a tied head's is
+the embedding's).
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from executor_service.cpu_forward.packed_linear import PackedLinear
 from executor_service.kernels.cpu_kernels import (
     KernelUnavailable,
     declare,
@@ -68,6 +74,8 @@ MAX_OUTLIERS = 16
 # Calls are checked for new outlier channels one in this many, the first included: the check
 # (a median over every row) cost 0.15-0.4 ms of a ~30 ms random-Llama step that never finds any.
 OUTLIER_CHECK_EVERY = 16
+# Rows the start-up check (GreedyScreen.matches) compares with the packed head.
+CHECK_ROWS = 8
 # Rows of the weight quantized at a time at start, to bound the float64 scratch.
 QUANTIZE_CHUNK = 4096
 FLOAT32_UNIT = 2.0**-24
@@ -187,16 +195,35 @@ class GreedyScreen:
     def is_exact(self) -> bool:
         return int8_head_is_exact(self.int8_head, self.quantized.levels)
 
+    def matches(self, head: nn.Module) -> bool:
+        """Whether the logits the screen keeps are head's bits, on rows near a few vocabulary rows
+        (which it narrows to a few tokens each)."""
+        generator = torch.Generator().manual_seed(0)
+        picked = self.weight[torch.randint(0, self.vocab, (CHECK_ROWS,), generator=generator)]
+        noise = torch.randn(picked.shape, generator=generator) * picked.abs().mean(dim=1, keepdim=True)
+        rows = 4 * picked + noise
+        rows = rows[torch.tensor(self.screenable_rows(rows))]
+        if rows.shape[0] == 0:
+            return False
+        logits, wide = self.logits(rows, learn=False)
+        kept = torch.isfinite(logits)
+        kept[wide] = False
+        with torch.inference_mode():
+            plain = head(rows[None])[0]
+        return bool(kept.any()) and torch.equal(logits[kept], plain[kept])
+
     def screenable_rows(self, hidden: torch.Tensor) -> list[bool]:
         """Which of [rows, dim] hidden rows are finite and small enough to screen."""
         return (hidden.norm(dim=1) <= self.max_row_norm).tolist()
 
-    def logits(self, hidden: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
-        """[rows, dim] screenable float32 hidden rows -> ([rows, vocab] logits whose argmax is the
-        fp32 head's, the rows the screen could not narrow enough, left for the caller to compute)."""
+    def logits(self, hidden: torch.Tensor, learn: bool = True) -> tuple[torch.Tensor, list[int]]:
+        """[rows, dim] screenable float32 hidden rows -> ([rows, vocab] logits: the packed head's
+        where kept, -inf elsewhere; the rows the screen could not narrow enough, left for the
+        caller to compute). learn=False leaves the outlier set as it is."""
         hidden = hidden.contiguous()
         rows = hidden.shape[0]
-        self._learn_outliers(hidden)
+        if learn:
+            self._learn_outliers(hidden)
         rounded, offsets, outlier_norm = hidden, None, None
         if self.outliers:
             picked = hidden[:, self._outlier_index]
@@ -324,9 +351,24 @@ def screenable_head(model: nn.Module) -> nn.Linear | None:
     return head
 
 
+def float_panel_problem(head: nn.Module) -> str | None:
+    """Why the screen's kept logits could not be head's bits, or None: it must be a linear the
+    panel kernel computes on its float path."""
+    if not isinstance(head, PackedLinear) or head.panels is None:
+        return "the head is not on the panel kernel (no AVX-512F, or --no-panel-linear)"
+    if head.panels.amx:
+        return "the head multiplies on AMX's tiles (--amx), whose bits the screen does not reproduce"
+    return None
+
+
 def install_greedy_screen(model: nn.Module, weight: torch.Tensor) -> bool:
-    """Wraps the model's (possibly packed) lm_head, whose fp32 weight is `weight`; False with an
+    """Wraps the model's packed lm_head, whose fp32 weight is `weight`; False with an
     event=greedy_screen line saying why when it cannot be had here."""
+    head = model.get_output_embeddings()
+    problem = float_panel_problem(head)
+    if problem is not None:
+        logger.info("event=greedy_screen enabled=false reason=%r", problem)
+        return False
     try:
         library = load_kernel_library()
     except KernelUnavailable as error:
@@ -339,6 +381,9 @@ def install_greedy_screen(model: nn.Module, weight: torch.Tensor) -> bool:
     if not screen.is_exact():
         logger.info("event=greedy_screen enabled=false reason='the int8 linear is not exact on this CPU'")
         return False
-    model.set_output_embeddings(ScreenedHead(model.get_output_embeddings(), screen))
+    if not screen.matches(head):
+        logger.warning("event=greedy_screen enabled=false reason='its kept logits are not the packed head's bits'")
+        return False
+    model.set_output_embeddings(ScreenedHead(head, screen))
     logger.info("event=greedy_screen enabled=true vocab=%d dim=%d", screen.vocab, screen.dim)
     return True

@@ -16,11 +16,13 @@
    offset computed in float32: the screen value becomes s t_v Q_v + offset, and the caller adds
    the offset's rounding (a multiple of |h_O| |W_v|) to the |W_v| term.
 
-   A token whose upper bound is below some token's lower bound cannot be the argmax. The kept
-   tokens get their logit from a double-precision dot product of h and W_v; every other token
-   gets -inf, so the first largest index of the row is the greedy token. The bound is widened
-   for float32 rounding (the scales, the products, a full-precision matmul's own summation), so
-   no token a float32 matmul could make the largest is ever dropped. */
+   A token whose upper bound is below some token's lower bound cannot be the argmax. The bound
+   is widened for float32 rounding (the scales, the products, a float32 matmul's own summation in
+   any order), so no token a float32 matmul could make the largest is ever dropped. The kept
+   tokens get their logits as the packed head computes them (panel_linear.c's float path: one
+   chain of fused multiply-adds over k = 0..K-1 from zero), bit for bit; every other token gets
+   -inf. The first largest index of the row is then the first largest index of the packed
+   head's row: the same greedy token, whatever the screen kept or the rows beside it. */
 #include <math.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -35,7 +37,7 @@ typedef uint32_t __attribute__((may_alias)) float_bits;
 #define SCREEN_ROUNDING 0x1p-21f
 /* Absolute widening for underflow: logits this small are kept whole, never screened. */
 #define UNDERFLOW_FLOOR 0x1p-100f
-/* -inf, written as bits: -ffast-math lets the compiler assume no infinities in arithmetic. */
+/* -inf, stored as bits. */
 #define NEGATIVE_INFINITY_BITS 0xff800000u
 
 /* hidden: rows of dim floats, row r at hidden + r * stride, finite and small enough that no
@@ -67,10 +69,32 @@ void quantize_rows(const float *hidden, int64_t rows, int64_t dim, int64_t strid
     }
 }
 
-static double dot(const float *x, const float *y, int64_t n) {
-    double acc = 0.0;
-    for (int64_t i = 0; i < n; i++) acc += (double)x[i] * (double)y[i];
-    return acc;
+/* Tokens whose chains run side by side: each chain keeps its own order, and eight of them in
+   flight cover the fused multiply-add's latency. */
+enum { CHAIN_GROUP = 8 };
+
+/* logits[v] for each v in tokens: h . W_v as panel_linear.c's float path gives it (a chain of
+   fused multiply-adds over k in order, from zero, and the absent bias's + 0). */
+static void head_logits(const float *h, const float *weight, int64_t dim, const int32_t *tokens, int64_t n,
+                        float *logits) {
+    int64_t i = 0;
+    for (; i + CHAIN_GROUP <= n; i += CHAIN_GROUP) {
+        const float *w[CHAIN_GROUP];
+        float acc[CHAIN_GROUP];
+        for (int j = 0; j < CHAIN_GROUP; j++) {
+            w[j] = weight + (int64_t)tokens[i + j] * dim;
+            acc[j] = 0.0f;
+        }
+        for (int64_t k = 0; k < dim; k++)
+            for (int j = 0; j < CHAIN_GROUP; j++) acc[j] = fmaf(h[k], w[j][k], acc[j]);
+        for (int j = 0; j < CHAIN_GROUP; j++) logits[tokens[i + j]] = acc[j] + 0.0f;
+    }
+    for (; i < n; i++) {
+        const float *w = weight + (int64_t)tokens[i] * dim;
+        float acc = 0.0f;
+        for (int64_t k = 0; k < dim; k++) acc = fmaf(h[k], w[k], acc);
+        logits[tokens[i]] = acc + 0.0f;
+    }
 }
 
 /* One token's screen value and the half-width of the interval that holds its logit. */
@@ -132,14 +156,16 @@ void screened_logits(const float *products, const float *offsets, int64_t rows, 
         }
         counts[r] = kept;
         if (kept > cap) continue;
-        const float *h = hidden + r * hidden_stride;
+        int32_t tokens[kept > 0 ? kept : 1];
+        int64_t n = 0;
         for (int64_t start = 0, chunk = 0; start < vocab; start += CHUNK, chunk++) {
             if (!hit_chunks[chunk]) continue;
             const int64_t end = start + CHUNK < vocab ? start + CHUNK : vocab;
             for (int64_t v = start; v < end; v++) {
                 screen_at(row, offset, v, s, a, b, vocab_scale, vocab_error, vocab_norm, &screen, &bound);
-                if (screen + bound >= floor) logits[v] = (float)dot(h, weight + v * dim, dim);
+                if (screen + bound >= floor) tokens[n++] = (int32_t)v;
             }
         }
+        head_logits(hidden + r * hidden_stride, weight, dim, tokens, n, logits);
     }
 }

@@ -79,10 +79,9 @@ class ExecutorSettings:
     amx: bool = False
     # Pure decode steps of up to this many rows replay CUDA graphs (CUDA, one rank); 0: never.
     cuda_graph_max_batch: int = DEFAULT_CUDA_GRAPH_MAX_BATCH
-    # Greedy rows' lm_head through the int8 screen (greedy_head.py), with packed linears: opt-in,
-    # since its pick is the exact-math argmax, not always the float32 head's, and whether a row
-    # is screened depends on the rest of its step.
-    greedy_screen: bool = False
+    # Greedy rows' lm_head through the int8 screen (greedy_head.py), where the head is on the
+    # panel kernel's float path: the same token as that head, at about half its cost.
+    greedy_screen: bool = True
     # A small model of the same tokenizer that proposes drafts for speculative decoding
     # (ContinuingRequest.num_model_drafts), with a K/V cache of its own; None: none.
     draft_model_dir: Path | None = None

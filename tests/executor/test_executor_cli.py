@@ -48,10 +48,10 @@ def test_flags_reach_the_settings() -> None:
     assert not parse_args([*MODEL, "--port", "0", "--no-packed-linear"]).packed_linear
 
 
-def test_shortcuts_that_make_tokens_depend_on_the_batch_or_the_host_are_opt_in() -> None:
+def test_amx_which_changes_the_bits_by_host_is_opt_in_and_the_exact_greedy_screen_is_on() -> None:
     settings = parse_args([*MODEL])
-    assert not settings.greedy_screen and not settings.amx
-    assert parse_args([*MODEL, "--greedy-screen"]).greedy_screen
+    assert settings.greedy_screen and not settings.amx
+    assert parse_args([*MODEL, "--amx"]).amx
     assert not parse_args([*MODEL, "--no-greedy-screen"]).greedy_screen
 
 

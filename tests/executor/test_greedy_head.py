@@ -1,11 +1,13 @@
 """The int8 screen of greedy rows keeps every token a float32 lm_head could make the largest,
-gives the kept tokens their logits and every other token -inf; rows that read more than the
-argmax, rows it cannot narrow and non-finite rows get the plain head's logits; an executor
-installs it where it applies and its greedy tokens stay those of the plain head."""
+gives the kept tokens the packed head's logits bit for bit and every other token -inf, so its
+greedy token is the packed head's, near-ties included; rows that read more than the argmax, rows
+it cannot narrow and non-finite rows get the plain head's logits; an executor installs it only
+over a head on the panel kernel's float path, and its tokens stay those of the plain head."""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -21,25 +23,45 @@ from executor_service.cpu_forward.greedy_head import (
     GreedyScreen,
     Int8Head,
     ScreenedHead,
+    float_panel_problem,
     int8_head_is_exact,
     matmul_rounding,
     quantize_vocab,
     screenable_head,
 )
 from executor_service.cpu_forward.packed_linear import PackedLinear
-from executor_service.kernels.cpu_kernels import load_kernel_library
+from executor_service.kernels.cpu_kernels import cpu_flags, load_kernel_library
+from executor_service.kernels.panel_linear import PanelKernel
 from executor_service.runner.request_rows import RequestRows
 from executor_service.sampling.sampler_settings import SamplerSettings
 from executor_service.serving.settings import ExecutorSettings
 from executor_service.startup import startup
 from protos.splitserve.executor.v1 import executor_pb2 as pb
-from tests.helpers.c_kernels import load_or_skip
+from tests.helpers.c_kernels import load_or_skip, panels_without_amx
 from tests.helpers.model_factory import build_config, build_model
 
 
 @pytest.fixture(scope="module")
 def library() -> object:
     return load_or_skip(load_kernel_library)
+
+
+@pytest.fixture(scope="module")
+def panels() -> Iterator[PanelKernel]:
+    """The head's kernel wherever the screen is installed: the panel kernel's float path."""
+    yield from panels_without_amx()
+
+
+def packed_head(weight: torch.Tensor, panels: PanelKernel) -> PackedLinear:
+    linear = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False)
+    with torch.no_grad():
+        linear.weight.copy_(weight)
+    return PackedLinear(linear, panels)
+
+
+def head_logits(weight: torch.Tensor, hidden: torch.Tensor, panels: PanelKernel) -> torch.Tensor:
+    with torch.inference_mode():
+        return packed_head(weight, panels)(hidden[None])[0]
 
 
 def int8_linear_is_exact_here() -> bool:
@@ -60,17 +82,21 @@ def exact_logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return hidden.double() @ weight.double().t()
 
 
-def assert_screen_keeps_every_contender(hidden: torch.Tensor, weight: torch.Tensor, logits: torch.Tensor) -> None:
-    """Every token within float32 rounding of the row's largest exact logit is kept, with its
-    exact logit rounded to float32; every other token is -inf."""
+def assert_screen_keeps_every_contender(
+    hidden: torch.Tensor, weight: torch.Tensor, logits: torch.Tensor, panels: PanelKernel
+) -> None:
+    """Every token within float32 rounding of the row's largest exact logit is kept, with the
+    packed head's logit, bit for bit; every other token is -inf; the row's greedy token is the
+    packed head's."""
     exact = exact_logits(hidden, weight)
     band = matmul_rounding(weight.shape[1]) * hidden.double().norm(dim=1)[:, None] * weight.double().norm(dim=1)
     contenders = exact + band >= (exact - band).amax(dim=1, keepdim=True)
     kept = torch.isfinite(logits)
     assert bool((kept | ~contenders).all()), "a token that could be the argmax was dropped"
     assert bool((logits[~kept] == -math.inf).all())
-    # The C dot product adds in another order than torch's: one float32 step apart at most.
-    assert torch.allclose(logits[kept].double(), exact[kept], rtol=2**-22, atol=1e-30)
+    plain = head_logits(weight, hidden, panels)
+    assert torch.equal(logits[kept], plain[kept]), "a kept token's logit is not the packed head's"
+    assert torch.equal(logits.argmax(dim=1), plain.argmax(dim=1))
 
 
 def on_int8_grid(values: torch.Tensor) -> torch.Tensor:
@@ -140,7 +166,8 @@ def heads(draw: st.DrawFn) -> tuple[torch.Tensor, torch.Tensor]:
 @settings(max_examples=300, deadline=None)
 @given(head=heads(), threads=st.sampled_from([1, 2]), stale_outliers=st.integers(0, 3))
 def test_the_screen_keeps_every_token_that_could_be_the_argmax(
-    exact_library: object, head: tuple[torch.Tensor, torch.Tensor], threads: int, stale_outliers: int
+    exact_library: object, panels: PanelKernel, head: tuple[torch.Tensor, torch.Tensor], threads: int,
+    stale_outliers: int,
 ) -> None:
     weight, hidden = head
     screen = GreedyScreen(exact_library, weight)
@@ -162,18 +189,42 @@ def test_the_screen_keeps_every_token_that_could_be_the_argmax(
     finally:
         torch.set_num_threads(previous)
     narrowed = [r for r in range(hidden.shape[0]) if r not in wide]
-    assert_screen_keeps_every_contender(hidden[narrowed], weight, logits[narrowed])
+    assert_screen_keeps_every_contender(hidden[narrowed], weight, logits[narrowed], panels)
 
 
-def test_a_random_llama_head_keeps_a_few_dozen_tokens_and_the_float32_argmax(library: object) -> None:
+def test_a_random_llama_head_keeps_a_few_dozen_tokens_and_the_float32_argmax(
+    library: object, panels: PanelKernel
+) -> None:
     torch.manual_seed(0)
     weight = torch.randn(32000, 512) * 0.02
     hidden = torch.randn(64, 512)
     logits, wide = GreedyScreen(library, weight).logits(hidden)
     assert wide == []
     assert int(torch.isfinite(logits).sum(dim=1).max()) < 200
-    assert torch.equal(logits.argmax(dim=1), (hidden @ weight.t()).argmax(dim=1))
-    assert_screen_keeps_every_contender(hidden, weight, logits)
+    assert_screen_keeps_every_contender(hidden, weight, logits, panels)
+
+
+def test_on_near_ties_the_screen_picks_the_packed_heads_token_not_the_exact_maths(
+    library: object, panels: PanelKernel
+) -> None:
+    """Twin vocabulary rows one float32 step apart in a few coordinates, under hidden rows lined
+    up with them: the exact logits and the float32 head's order the twins differently on some
+    rows, and the screen must follow the head (scoring kept tokens in double precision did not)."""
+    generator = torch.Generator().manual_seed(3)
+    dim, vocab, rows = 512, 4096, 512
+    weight = torch.randn(vocab, dim, generator=generator) * 0.02
+    twins = torch.arange(0, 2 * rows, 2) % vocab
+    nudged = torch.randint(0, dim, (rows, 4), generator=generator)
+    for twin, channels in zip(twins.tolist(), nudged):
+        weight[twin + 1] = weight[twin]
+        weight[twin + 1, channels] = torch.nextafter(weight[twin, channels], torch.tensor(math.inf))
+    hidden = 3 * weight[twins] + 0.01 * torch.randn(rows, dim, generator=generator)
+    logits, wide = GreedyScreen(library, weight).logits(hidden)
+    assert wide == []
+    plain = head_logits(weight, hidden, panels)
+    exact_picks = exact_logits(hidden, weight).argmax(dim=1)
+    assert int((exact_picks != plain.argmax(dim=1)).sum()) > 0, "no near-tie here: the test would prove nothing"
+    assert_screen_keeps_every_contender(hidden, weight, logits, panels)
 
 
 def test_a_row_the_bound_cannot_narrow_is_left_to_the_plain_head(library: object) -> None:
@@ -184,7 +235,7 @@ def test_a_row_the_bound_cannot_narrow_is_left_to_the_plain_head(library: object
     assert int(logits[1].argmax()) == 5
 
 
-def test_outlier_channels_are_learned_on_one_call_in_sixteen_and_kept(library: object) -> None:
+def test_outlier_channels_are_learned_on_one_call_in_sixteen_and_kept(library: object, panels: PanelKernel) -> None:
     screen = GreedyScreen(library, torch.randn(300, 64))
 
     def rows_with_outlier(channel: int) -> torch.Tensor:
@@ -200,38 +251,45 @@ def test_outlier_channels_are_learned_on_one_call_in_sixteen_and_kept(library: o
     rows = rows_with_outlier(5)
     logits, wide = screen.logits(rows)
     assert screen.outliers == [3, 5] and wide == []
-    assert_screen_keeps_every_contender(rows, screen.weight, logits)
+    assert_screen_keeps_every_contender(rows, screen.weight, logits, panels)
 
 
-def wrapped_head(library: object, vocab: int = 500, dim: int = 32) -> tuple[ScreenedHead, torch.nn.Linear]:
+def wrapped_head(library: object, panels: PanelKernel, vocab: int = 500, dim: int = 32) -> tuple[ScreenedHead, PackedLinear]:
     torch.manual_seed(1)
-    linear = torch.nn.Linear(dim, vocab, bias=False)
-    return ScreenedHead(PackedLinear(linear), GreedyScreen(library, linear.weight.detach())), linear
+    weight = torch.nn.Linear(dim, vocab, bias=False).weight.detach()
+    plain = packed_head(weight, panels)
+    return ScreenedHead(packed_head(weight, panels), GreedyScreen(library, weight)), plain
 
 
-def test_rows_that_read_more_than_the_argmax_get_the_plain_heads_logits(library: object) -> None:
-    head, linear = wrapped_head(library)
+def test_rows_that_read_more_than_the_argmax_get_the_plain_heads_logits(library: object, panels: PanelKernel) -> None:
+    head, plain_head = wrapped_head(library, panels)
     hidden = torch.randn(1, 5, 32)
     hidden[0, 3, 0] = math.nan
     hidden[0, 4] *= 1e36
-    plain = PackedLinear(linear)(hidden)
+    plain = plain_head(hidden)
     with head.argmax_only_rows([True, False, True, True, True]):
         logits = head(hidden)
     assert logits.shape == plain.shape
     # The sampled row, and the NaN row and the row near float32's range that the screen refuses,
-    # are the plain head's (computed over fewer rows, which oneDNN may add in another order).
-    torch.testing.assert_close(logits[0, [1, 3, 4]], plain[0, [1, 3, 4]], rtol=1e-6, atol=1e-6, equal_nan=True)
+    # are the plain head's (the panel kernel's rows do not depend on the rows beside them).
+    torch.testing.assert_close(logits[0, [1, 3, 4]], plain[0, [1, 3, 4]], rtol=0, atol=0, equal_nan=True)
+    kept = torch.isfinite(logits[0, [0, 2]])
+    assert torch.equal(logits[0, [0, 2]][kept], plain[0, [0, 2]][kept])
     assert torch.equal(logits[0, [0, 2]].argmax(dim=-1), plain[0, [0, 2]].argmax(dim=-1))
     assert bool(torch.isinf(logits[0, 0]).any()) and bool(torch.isinf(logits[0, 2]).any())
     # Outside the context every row is the plain head's.
     torch.testing.assert_close(head(hidden), plain, rtol=0, atol=0, equal_nan=True)
 
 
-def test_after_a_call_it_could_not_narrow_the_screen_pauses(library: object, monkeypatch: pytest.MonkeyPatch) -> None:
-    head, _ = wrapped_head(library)
+def test_after_a_call_it_could_not_narrow_the_screen_pauses(
+    library: object, panels: PanelKernel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    head, _ = wrapped_head(library, panels)
     calls: list[int] = []
     screen_logits = head.screen.logits
-    monkeypatch.setattr(head.screen, "logits", lambda rows: calls.append(len(rows)) or screen_logits(rows))
+    monkeypatch.setattr(
+        head.screen, "logits", lambda rows, learn=True: calls.append(len(rows)) or screen_logits(rows, learn)
+    )
     # Zero rows tie every token: too wide to narrow, the plain head answers them.
     for _ in range(1 + PAUSE_CALLS):
         with head.argmax_only_rows([True] * 4):
@@ -240,6 +298,27 @@ def test_after_a_call_it_could_not_narrow_the_screen_pauses(library: object, mon
     with head.argmax_only_rows([True] * 4):
         head(torch.randn(1, 4, 32))
     assert calls == [4, 4]
+
+
+def test_the_screen_goes_only_over_a_head_whose_bits_it_gives(library: object, panels: PanelKernel) -> None:
+    torch.manual_seed(2)
+    weight = torch.randn(1000, 64)
+    linear = torch.nn.Linear(64, 1000, bias=False)
+    with torch.no_grad():
+        linear.weight.copy_(weight)
+    assert float_panel_problem(packed_head(weight, panels)) is None
+    assert "not on the panel kernel" in float_panel_problem(PackedLinear(linear))
+    assert "not on the panel kernel" in float_panel_problem(linear)
+    panels.use_amx(True)
+    try:
+        if panels.amx:
+            assert "AMX" in float_panel_problem(packed_head(weight, panels))
+    finally:
+        panels.use_amx(False)
+    screen = GreedyScreen(library, weight)
+    assert screen.matches(packed_head(weight, panels))
+    # A head whose logits differ in their last bits is refused.
+    assert not screen.matches(packed_head(weight * (1 + 2.0**-20), panels))
 
 
 def test_only_plain_float32_heads_are_screened() -> None:
@@ -310,13 +389,14 @@ def test_an_executor_screens_greedy_rows_and_every_row_samples_as_with_the_plain
         "stop-masked": ([4, 4], pb.SamplerConfig(min_tokens=3, min_tokens_stop_ids=[2])),
     }
     outputs = {}
-    exact_here = int8_linear_is_exact_here()
+    # Where the int8 linear is exact and the head is on the panel kernel (AVX-512F).
+    screened_here = int8_linear_is_exact_here() and "avx512f" in cpu_flags()
     for screen in (True, False):
         settings = ExecutorSettings(
             model_dir=model_dir, device="cpu", num_kv_blocks=8, block_size=8, greedy_screen=screen
         )
         runner = startup.build_executor(settings).runner
-        assert isinstance(runner.loaded.model.get_output_embeddings(), ScreenedHead) == (screen and exact_here)
+        assert isinstance(runner.loaded.model.get_output_embeddings(), ScreenedHead) == (screen and screened_here)
         outputs[screen] = run_steps(runner, requests, steps=6)
     for name in requests:
         (tokens, logprobs), (plain_tokens, plain_logprobs) = outputs[True][name], outputs[False][name]
