@@ -20,14 +20,26 @@
 /* Keys per online-softmax step: the fastest of 32-128 on AMD EPYCs (SmolLM2 shapes). */
 #define CHUNK 64
 
+/* Cache rows to ask memory for while a chunk is read, one with each key: with key j of the chunk
+ * (first <= j < first + count), the row of slot slots[j - first], `floats` floats from `rows`
+ * on (rows of `stride` floats per slot). Asked for a fixed distance ahead, one row per key, the
+ * reads form a steady stream; a chunk's rows asked for at once overflow the core's miss buffers
+ * and stall it. Only memory traffic: no result depends on them. */
+typedef struct {
+    const float *rows;
+    const int64_t *slots;
+    int64_t first, count, stride, floats;
+} RowsAhead;
+
 /* queries[r][d] = src[r][d] * scale for one row of key_dim floats. */
 void scale_row(const float *src, float scale, float *dst, int64_t key_dim);
 /* scores[r][j] for rows r < nrows (rows KD floats apart, scores rows CHUNK apart) and keys
  * j < count: row r against the key row of KV head kh + r / rows_per_head in cache slot
- * slots[j], read where it lies (a position's heads one after another). */
+ * slots[j], read where it lies (a position's heads one after another). ahead: NULL, or
+ * num_ahead RowsAhead asked for along the way. */
 void chunk_scores(const float *rows, int64_t nrows, int64_t rows_per_head, const float *key_cache,
                   const int64_t *slots, int64_t count, int64_t kv_heads, int64_t kh,
-                  float *scores, int64_t key_dim);
+                  float *scores, int64_t key_dim, const RowsAhead *ahead, int num_ahead);
 /* One row's online softmax over the chunk's scores w[lo, hi) (softcap > 0 caps them first):
  * w becomes the weights (0 outside [lo, hi)), and peak, total and rescale (the factor the
  * row's value sums so far are to be multiplied by) are updated. lo >= hi leaves the row as it
@@ -45,10 +57,12 @@ void chunk_values(const float *value_cache, const int64_t *slots, int64_t kv_hea
  * positions outermost so that each position's value rows are read once, front to back, as the
  * decode kernel streams them; acc stays in memory between positions. Each row gets exactly
  * chunk_values' operations in the same order (its rescale, then one fused product per key in
- * key order, its odd columns multiplied and added apart), so the bits are the same. */
+ * key order, its odd columns multiplied and added apart), so the bits are the same. ahead: NULL,
+ * or rows asked for along the way (keys counted from c0). */
 void chunk_values_by_position(const float *value_cache, const int64_t *slots, int64_t kv_heads, int64_t kh0,
                               int64_t value_dim, int64_t nrows, int64_t rows_per_head, const float *weights,
-                              const float *rescale, float *acc, int64_t c0, int64_t j0, int64_t j1);
+                              const float *rescale, float *acc, int64_t c0, int64_t j0, int64_t j1,
+                              const RowsAhead *ahead);
 /* dst[0..VD) = acc / total (0 where the total is 0). */
 void finish_row(const float *acc, float total, float *dst, int64_t value_dim);
 #endif

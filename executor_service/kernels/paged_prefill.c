@@ -31,7 +31,8 @@
 
 /* Query tokens per task: the fastest of 8-36 on AMD EPYCs (SmolLM2 shapes: 7 sequences of
  * 98-500 tokens, 9/3 heads of 64) when the kernel multiplied register blocks of rows; not
- * measured again since rows are scored one at a time (attention_chunk.c). A row's result does
+ * measured again since each row is scored against 16 keys at a time (attention_chunk.c, which
+ * needs 16 rows or more a tile to do so). A row's result does
  * not depend on its tile: chunks start at multiples of CHUNK, and chunks a row cannot see leave
  * it unchanged (attention_chunk.h). */
 #define TILE 18
@@ -79,7 +80,7 @@ static inline __attribute__((always_inline)) int attend(const Args *a, int64_t s
     for (int64_t c = first_key / CHUNK; c * CHUNK < last_key; c++) {
         const int64_t c0 = c * CHUNK;
         chunk_scores(queries, rows, rows, a->key_cache, slots + c0, context - c0 < CHUNK ? context - c0 : CHUNK,
-                     a->kv_heads, kh, weights, KD);
+                     a->kv_heads, kh, weights, KD, NULL, 0);
         for (int64_t r = 0; r < rows; r++) {
             const int64_t lo = (bounds[2 * r] > c0 ? bounds[2 * r] : c0) - c0;
             const int64_t hi = (bounds[2 * r + 1] < c0 + CHUNK ? bounds[2 * r + 1] : c0 + CHUNK) - c0;
