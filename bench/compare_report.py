@@ -79,6 +79,10 @@ class WorkloadReport:
     rows: list[SystemRow]
     # Where every system ran and in what precision, e.g. "cpu, float32".
     placement: str = "cpu, float32"
+    # The most output tok/s any float32 system can reach on this workload here
+    # (bench.workload_floor), and the measured rates it was computed from; None where not measured.
+    ceiling_tok_s: float | None = None
+    ceiling_basis: str = ""
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -167,18 +171,20 @@ def format_table(report: WorkloadReport) -> str:
         "",
         f"{report.model_description}. {report.workload_description}: {report.prompt_tokens} prompt tokens, "
         f"{report.output_tokens} output tokens. Greedy, EOS ignored, {report.placement}, {report.threads} CPU threads; "
-        f"every figure the median of {report.runs} run(s).",
+        f"every figure the median of {report.runs} timed run(s). Each run starts the system fresh, runs the "
+        "workload's shapes with other token ids once untimed in the same process (the warm-up), then times the "
+        "workload.",
         "",
         "| system | output tok/s | total tok/s | TTFT p50 s | TTFT p99 s | ITL p50 ms | ITL p99 ms "
         "| peak RSS MiB | prompt tokens computed | ratio to splitserve | run-by-run ratio ‡ "
-        "| greedy = transformers |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| share of ceiling § | greedy = transformers |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     marked = False
     for row in report.rows:
         m = row.median
         if m is None:
-            lines.append(f"| {row.label} | failed: {first_line(row.error)} |" + " |" * 11)
+            lines.append(f"| {row.label} | failed: {first_line(row.error)} |" + " |" * 12)
             continue
         mark = ""
         if row.itl_kind == ItlKind.REQUEST_MEAN:
@@ -196,6 +202,7 @@ def format_table(report: WorkloadReport) -> str:
             _num(m.prompt_tokens_computed, ".0f"),
             _num(row.ratio_to_baseline, ".2f"),
             run_ratio_cell(row.run_ratios),
+            "n/a" if report.ceiling_tok_s is None else f"{m.output_tok_s / report.ceiling_tok_s:.0%}",
             matching,
         ]
         lines.append("| " + " | ".join(cells) + " |")
@@ -206,6 +213,9 @@ def format_table(report: WorkloadReport) -> str:
             lines += ["", f"{row.label} differs from transformers: {listed}{more}."]
     lines += ["", "‡ output tok/s over splitserve's in the same run number (runs are taken in turn, so a "
               "pair shares the machine's state): median (least-most)."]
+    if report.ceiling_tok_s is not None:
+        lines += ["", f"§ output tok/s over the workload's ceiling here, {report.ceiling_tok_s:.0f} tok/s "
+                  f"(bench.workload_floor: {report.ceiling_basis})."]
     if marked:
         lines += ["", "† per-request mean inter-token latency ((last - first token) / (tokens - 1), from the "
                   "engine's timestamps): vLLM's offline API gives no per-token times."]

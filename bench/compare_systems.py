@@ -1,5 +1,7 @@
 """One measured run of one system over one workload, each system started fresh for it (an empty
-prefix cache, its own memory high-water marks) and stopped after:
+prefix cache, its own memory high-water marks), warmed up by an untimed run of the workload's
+shapes with other token ids (compare_workloads.warm_up_of) in the same process, timed over the
+workload itself, and stopped after:
 
 - splitserve: an executor and the scheduler as processes (bench.throughput_splitserve), every
   request streamed at once through AsyncClient; peak RSS of both processes;
@@ -100,17 +102,26 @@ def kv_blocks(workload: Workload, block_size: int) -> int:
 
 
 def measure(
-    variant: Variant, model: BenchModel, workload: Workload, requests_file: Path, settings: RunSettings, tag: str
+    variant: Variant,
+    model: BenchModel,
+    workload: Workload,
+    requests_file: Path,
+    warm_up: Workload,
+    warm_up_file: Path,
+    settings: RunSettings,
+    tag: str,
 ) -> Measurement:
-    """tag names this run's files in settings.work_dir."""
+    """warm_up: the untimed run first (requests_file and warm_up_file: the two as peer_io request
+    files); tag names this run's files in settings.work_dir."""
     if variant.system in SPLITSERVE_PATHS or variant.system.startswith(BASE_PREFIX):
         paths = SPLITSERVE_PATHS.get(variant.system, {})
         flags = {**paths, "device": settings.device, "dtype": settings.dtype}
         tree = settings.base[1] if settings.base and variant.system == BASE_PREFIX + settings.base[0] else REPO_ROOT
-        return measure_splitserve(model, workload, settings, variant.prefix_caching, flags, tree)
+        return measure_splitserve(model, workload, warm_up, settings, variant.prefix_caching, flags, tree)
     out = settings.work_dir / f"{tag}.result.json"
     log = settings.work_dir / f"{tag}.log"
-    common = ["--model", str(model.path), "--prompts", str(requests_file), "--out", str(out)]
+    common = ["--model", str(model.path), "--prompts", str(requests_file), "--warmup", str(warm_up_file)]
+    common += ["--out", str(out)]
     common += ["--threads", str(settings.threads)]
     if variant.system == "vllm":
         kv_tokens = kv_blocks(workload, VLLM_CPU_BLOCK_SIZE) * VLLM_CPU_BLOCK_SIZE
@@ -133,6 +144,7 @@ def measure(
 def measure_splitserve(
     model: BenchModel,
     workload: Workload,
+    warm_up: Workload,
     settings: RunSettings,
     prefix_caching: bool,
     executor_flags: dict[str, object],
@@ -155,6 +167,11 @@ def measure_splitserve(
         label += f", from {tree}"
     services_started = running_services(model.path, config, executor_flags, tree=tree)
     with services_started as services, PeakRss(services.pids) as rss:
-        result = asyncio.run(drive(services.address, workload.prompts, workload.new_tokens, label, prefix_caching))
+        result = asyncio.run(
+            drive(
+                services.address, workload.prompts, workload.new_tokens, label, prefix_caching,
+                (warm_up.prompts, warm_up.new_tokens),
+            )
+        )
     run = run_result_of(result, workload.prompt_tokens - result.cached_prompt_tokens)
     return Measurement(run, rss.peak_bytes, dict(rss.by_process))

@@ -5,6 +5,9 @@ every system, drawn from a seed (ids 0-2 are left out: special tokens in both mo
 - varied: the same prompts, new tokens uniform in [min_new_tokens, max_new_tokens] per request;
 - shared-prefix: shared_requests prompts of one shared_prefix-token system prompt followed by a
   distinct shared_tail-token tail, shared_new_tokens each.
+
+Each has a warm-up (warm_up_of): the same shapes with other token ids, which every system runs
+untimed before its timed run.
 """
 
 from __future__ import annotations
@@ -96,3 +99,23 @@ def build_workload(name: str, sizes: WorkloadSizes, vocab: int) -> Workload:
             [sizes.shared_new_tokens] * sizes.shared_requests,
         )
     raise ValueError(f"unknown workload {name!r}; choose from {', '.join(WORKLOADS)}")
+
+
+def warm_up_of(workload: Workload, vocab: int) -> Workload:
+    """The untimed run every system gets before the timed one, in the same process: the workload's
+    shapes (every prompt's length, every request's output tokens, the prompts' shared prefixes)
+    with each id moved half the ordinary range along, so it warms up every batch shape, compiled
+    graph and allocation the timed run will meet but leaves nothing in a prefix cache that the
+    timed prompts could reuse."""
+    span = vocab - FIRST_ORDINARY_ID
+    shift = span // 2
+
+    def moved(ids: list[int]) -> list[int]:
+        return [FIRST_ORDINARY_ID + (token - FIRST_ORDINARY_ID + shift) % span for token in ids]
+
+    return Workload(
+        f"{workload.name} warm-up",
+        f"{workload.description}, other token ids",
+        [moved(prompt) for prompt in workload.prompts],
+        list(workload.new_tokens),
+    )

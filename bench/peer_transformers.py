@@ -1,11 +1,12 @@
 """One measured run of a transformers peer, in a process of its own (so its peak RSS is its own):
 
     python -m bench.peer_transformers {static,batch} --model DIR --prompts requests.json \
-        --out result.json [--threads 2] [--device cpu] [--dtype float32] [--page-size 16]
-        [--max-batch-tokens 2048]
+        --out result.json [--warmup requests.json] [--threads 2] [--device cpu] [--dtype float32]
+        [--page-size 16] [--max-batch-tokens 2048]
 
 static: batched `generate` (bench.throughput_peer); batch: continuous batching
-(bench.peer_transformers_batch). Files as in bench.peer_io.
+(bench.peer_transformers_batch). Files as in bench.peer_io. --warmup: requests run the same way
+first, untimed, in the same process (bench.compare passes its workload's warm-up).
 """
 
 from __future__ import annotations
@@ -30,10 +31,17 @@ from bench.throughput_peer import run_transformers
 
 
 def run_static(
-    model_dir: Path, requests: list[PeerRequest], threads: int, device: str, dtype: torch.dtype
+    model_dir: Path,
+    requests: list[PeerRequest],
+    threads: int,
+    device: str,
+    dtype: torch.dtype,
+    warm_up: list[PeerRequest] | None = None,
 ) -> RunResult:
+    warm = None if warm_up is None else ([r.prompt_token_ids for r in warm_up], [r.max_tokens for r in warm_up])
     result = run_transformers(
-        model_dir, [r.prompt_token_ids for r in requests], [r.max_tokens for r in requests], threads, device, dtype
+        model_dir, [r.prompt_token_ids for r in requests], [r.max_tokens for r in requests], threads, device, dtype,
+        warm,
     )
     # No prefix cache: every prompt token is computed (left padding besides).
     return run_result_of(result, sum(len(r.prompt_token_ids) for r in requests))
@@ -45,6 +53,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--model", type=Path, required=True)
     parser.add_argument("--prompts", type=Path, required=True, help="requests file (bench.peer_io)")
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--warmup", type=Path, help="requests file run first, untimed (default: two short requests)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda")
     parser.add_argument("--dtype", default="float32", choices=PEER_DTYPES)
@@ -59,12 +68,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parse_args(argv)
     requests = load_requests(args.prompts)
+    warm_up = load_requests(args.warmup) if args.warmup else None
     dtype = getattr(torch, args.dtype)
     if args.mode == "static":
-        result = run_static(args.model, requests, args.threads, args.device, dtype)
+        result = run_static(args.model, requests, args.threads, args.device, dtype, warm_up)
     else:
         result = run_transformers_batch(
-            args.model, requests, args.threads, args.page_size, args.max_batch_tokens, args.device, dtype
+            args.model, requests, args.threads, args.page_size, args.max_batch_tokens, args.device, dtype, warm_up
         )
     write_result(args.out, result)
     return 0

@@ -108,7 +108,9 @@ def run_transformers_batch(
     max_batch_tokens: int,
     device: str = "cpu",
     dtype: torch.dtype = torch.float32,
+    warm_up: list[PeerRequest] | None = None,
 ) -> RunResult:
+    """warm_up: requests run the same way first, untimed; without it, two short ones."""
     torch.set_num_threads(threads)
     model: Any = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
     longest = max(len(r.prompt_token_ids) + r.max_tokens for r in requests)
@@ -135,8 +137,12 @@ def run_transformers_batch(
         ) as manager,
     ):
         attention = model.config._attn_implementation
-        # Warm-up outside the timing; shorter than a page, so it leaves nothing to share.
-        warm = [PeerRequest(requests[0].prompt_token_ids[:4], 2), PeerRequest(requests[-1].prompt_token_ids[:8], 2)]
+        # Warm-up outside the timing; the short default is under a page, so it leaves nothing to
+        # share.
+        warm = warm_up or [
+            PeerRequest(requests[0].prompt_token_ids[:4], 2),
+            PeerRequest(requests[-1].prompt_token_ids[:8], 2),
+        ]
         collect(manager, submit(manager, warm, "warmup-"))
         hits.tokens = 0
         start = time.perf_counter()

@@ -72,15 +72,21 @@ def run_transformers(
     threads: int,
     device: str = "cpu",
     dtype: torch.dtype = torch.float32,
+    warm_up: tuple[list[list[int]], list[int]] | None = None,
 ) -> SystemResult:
-    """prompts[i] wants new_tokens[i] tokens; the batch runs the most any request wants."""
+    """prompts[i] wants new_tokens[i] tokens; the batch runs the most any request wants.
+    warm_up: prompts and token counts generated the same way first, untimed; without it, two
+    short rows."""
     torch.set_num_threads(threads)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
     # No EOS: every row runs all its tokens, as splitserve's requests do with ignore_eos. Nothing
     # else of the folder's generation config either (no penalties, no sampling defaults).
     model.generation_config = GenerationConfig(pad_token_id=model.generation_config.pad_token_id, eos_token_id=None)
     # Warm-up outside the timing (first-call allocations and kernel selection), as splitserve gets.
-    generate(model, [prompts[0][:8], prompts[-1][:4]], 2, StepClock())
+    if warm_up is None:
+        generate(model, [prompts[0][:8], prompts[-1][:4]], 2, StepClock())
+    else:
+        generate(model, warm_up[0], max(warm_up[1]), StepClock())
     clock = StepClock()
     start = time.perf_counter()
     tokens = generate(model, prompts, max(new_tokens), clock)

@@ -118,15 +118,28 @@ async def drive(
     new_tokens: list[int],
     label: str,
     share_prefixes: bool = True,
+    warm_up: tuple[list[list[int]], list[int]] | None = None,
 ) -> SystemResult:
     """Streams every prompt at once, prompts[i] for new_tokens[i] tokens. share_prefixes=False
     gives each request a cache salt of its own, so no request reuses another's cached blocks
-    (the scheduler has no switch for prefix caching)."""
+    (the scheduler has no switch for prefix caching). warm_up: prompts and token counts streamed
+    the same way first, untimed (bench.compare's warm-up of the workload's shapes); without it,
+    one short request."""
     salts = [None if share_prefixes else f"request-{index}" for index in range(len(prompts))]
     async with AsyncClient(address) as client:
-        # Warm-up outside the timing: channel set-up and the executor's first-step costs. Under
-        # one block long, so it leaves nothing in the prefix cache for the measured prompts.
-        await stream_one(client, prompts[0][:4], 2, StreamTiming())
+        if warm_up is None:
+            # Channel set-up and the executor's first-step costs. Under one block long, so it
+            # leaves nothing in the prefix cache for the measured prompts.
+            await stream_one(client, prompts[0][:4], 2, StreamTiming())
+        else:
+            warm_prompts, warm_tokens = warm_up
+            warm_salts = [None if share_prefixes else f"warm-up-{index}" for index in range(len(warm_prompts))]
+            await asyncio.gather(
+                *(
+                    stream_one(client, p, n, StreamTiming(), s)
+                    for p, n, s in zip(warm_prompts, warm_tokens, warm_salts, strict=True)
+                )
+            )
         timings = [StreamTiming() for _ in prompts]
         start = time.perf_counter()
         await asyncio.gather(

@@ -5,7 +5,7 @@ vllm it imports only bench.peer_io (standard library), from the repository root:
 
     .venv-vllm/bin/python -m bench.vllm_peer --model DIR --prompts requests.json --out result.json \
         [--max-num-seqs 32] [--enable-prefix-caching] [--threads 2] [--dtype float32] \
-        [--kv-cache-gib 1] [--enforce-eager] [--no-warmup]
+        [--kv-cache-gib 1] [--enforce-eager] [--warmup requests.json | --no-warmup]
 
 requests.json is what bench.peer_io.write_requests writes. Token ids go in directly (the
 tokenizer is never loaded, so DIR needs only config and weights). Every request is greedy
@@ -14,7 +14,10 @@ submit to the last token; engine start and a small warm-up are outside it. The r
 bench.peer_io.RunResult: output token ids; TTFT per request from vLLM's request metrics; as
 inter-token latency each request's mean, (last token - first token) / (tokens - 1) from the
 engine core's timestamps (the offline API streams nothing, so no per-token times); prompt tokens
-computed, from each request's num_cached_tokens.
+computed, from each request's num_cached_tokens. --warmup runs a requests file through the same
+engine first, untimed (bench.compare passes its workload's shapes with other ids, so vLLM's first
+full-size batch, its compiled graphs for those shapes and its allocator's growth land outside the
+timing, as they do for every other system); without it, two short requests.
 """
 
 from __future__ import annotations
@@ -73,7 +76,8 @@ def run(args: argparse.Namespace) -> RunResult:
     from vllm.inputs import TokensPrompt
 
     requests = load_requests(args.prompts)
-    longest = max(len(r.prompt_token_ids) + r.max_tokens for r in requests)
+    warm_up = load_requests(args.warmup) if args.warmup is not None else []
+    longest = max(len(r.prompt_token_ids) + r.max_tokens for r in [*requests, *warm_up])
     llm = LLM(
         model=str(args.model),
         skip_tokenizer_init=True,
@@ -91,8 +95,10 @@ def run(args: argparse.Namespace) -> RunResult:
     def params(max_tokens: int) -> Any:
         return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False)
 
-    if not args.no_warmup:
-        # Outside the timing (first-call allocations, kernel selection), as the other peers get.
+    if warm_up:
+        warm = [TokensPrompt(prompt_token_ids=r.prompt_token_ids) for r in warm_up]
+        llm.generate(warm, [params(r.max_tokens) for r in warm_up], use_tqdm=False)
+    elif not args.no_warmup:
         # Shorter than a block, so it leaves nothing in the prefix cache.
         warm = [TokensPrompt(prompt_token_ids=[3] * 8), TokensPrompt(prompt_token_ids=[4] * 4)]
         llm.generate(warm, [params(2), params(2)], use_tqdm=False)
@@ -144,7 +150,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dtype", default="float32", help="float32 (splitserve's), bfloat16, auto")
     p.add_argument("--kv-cache-gib", type=float, default=1.0)
     p.add_argument("--enforce-eager", action="store_true", help="no torch.compile (faster start)")
-    p.add_argument("--no-warmup", action="store_true")
+    p.add_argument("--warmup", type=Path, help="requests file run first, untimed (default: two short requests)")
+    p.add_argument("--no-warmup", action="store_true", help="no warm-up at all")
     return p.parse_args(argv)
 
 

@@ -14,7 +14,7 @@ import torch
 
 from bench.compare import available_systems, parse_args
 from bench.compare_report import RunFigures, SystemRow, run_ratio_cell, set_ratios
-from bench.compare_workloads import WorkloadSizes, build_workload
+from bench.compare_workloads import FIRST_ORDINARY_ID, WorkloadSizes, build_workload, warm_up_of
 from bench.peer_io import token_gaps
 from bench.peer_process import run_peer
 from bench.vllm_preload import preload_env, preload_paths, venv_of
@@ -78,6 +78,15 @@ def test_splitserve_and_transformers_peers_in_one_run(tmp_path: Path) -> None:
         "splitserve-exact",
     }
     assert shared["requests"] == 4 and shared["output_tokens"] == 4 * 8
+    assert "once untimed in the same process (the warm-up)" in stdout
+    assert shared["ceiling_tok_s"] > 0 and "§ output tok/s over the workload's ceiling" in stdout
+    share = table_rows(stdout, "shared-prefix")["splitserve"][-2]
+    assert share.endswith("%") and float(share[:-1]) > 0
+    # The warm-up left nothing the timed prompts could reuse: splitserve computed the shared
+    # prefix at least once and every tail (a warm-up of the same ids would leave it the tails'
+    # last tokens at most).
+    computed = rows_by_label(shared)["splitserve"]["median"]["prompt_tokens_computed"]
+    assert computed >= 32 + 4 * 8
     for row in shared["rows"]:
         assert row["error"] is None
         assert len(row["runs"]) == 1
@@ -228,6 +237,22 @@ def test_workloads_are_deterministic_and_shaped_as_asked() -> None:
     assert len(shared.prompts) == 5 and all(len(p) == 15 for p in shared.prompts)
     assert len({tuple(p[:12]) for p in shared.prompts}) == 1
     assert len({tuple(p[12:]) for p in shared.prompts}) == 5
+
+
+@pytest.mark.parametrize("name", ["fixed", "varied", "shared-prefix"])
+def test_the_warm_up_has_the_workloads_shapes_and_shares_no_token_with_it(name: str) -> None:
+    sizes = WorkloadSizes(requests=6, min_prompt=5, max_prompt=40, shared_requests=5, shared_prefix=32, shared_tail=3)
+    workload = build_workload(name, sizes, vocab=100)
+    warm = warm_up_of(workload, vocab=100)
+    assert [len(p) for p in warm.prompts] == [len(p) for p in workload.prompts]
+    assert warm.new_tokens == workload.new_tokens
+    for warm_prompt, prompt in zip(warm.prompts, workload.prompts, strict=True):
+        assert all(FIRST_ORDINARY_ID <= t < 100 for t in warm_prompt)
+        # No position holds the timed prompt's token: no block of it can come from a prefix cache.
+        assert all(w != t for w, t in zip(warm_prompt, prompt, strict=True))
+    # Prompts that share a prefix in the workload share it in the warm-up.
+    same_start = [p[:32] == workload.prompts[0][:32] for p in workload.prompts]
+    assert [p[:32] == warm.prompts[0][:32] for p in warm.prompts] == same_start
 
 
 def test_token_gaps_split_a_shared_arrival_evenly() -> None:
