@@ -287,6 +287,12 @@ class ScreenedHead(nn.Module):
         # Calls left that skip the screen after one where it could not narrow enough rows.
         self._calls_unscreened = 0
 
+    @property
+    def weight(self) -> torch.Tensor:
+        """The wrapped head's weight (a packed head's stand-in of its shape and dtype): model code
+        reads it, e.g. transformers' Mamba casts its hidden states to lm_head.weight.dtype."""
+        return self.head.weight
+
     @contextmanager
     def argmax_only_rows(self, marks: list[bool]) -> Iterator[None]:
         """marks: one per row of the next call, True where only the row's argmax is read."""

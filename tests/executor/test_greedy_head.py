@@ -279,6 +279,8 @@ def test_rows_that_read_more_than_the_argmax_get_the_plain_heads_logits(library:
     assert bool(torch.isinf(logits[0, 0]).any()) and bool(torch.isinf(logits[0, 2]).any())
     # Outside the context every row is the plain head's.
     torch.testing.assert_close(head(hidden), plain, rtol=0, atol=0, equal_nan=True)
+    # Model code reads the head's weight (transformers' Mamba casts to lm_head.weight.dtype).
+    assert head.weight.dtype == torch.float32 and head.weight.shape == plain_head.weight.shape
 
 
 def test_after_a_call_it_could_not_narrow_the_screen_pauses(
