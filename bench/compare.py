@@ -37,7 +37,6 @@ figures to --json and a bar chart to --png. Exit status 1 when a system failed.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import signal
 import subprocess
@@ -45,10 +44,8 @@ import sys
 import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, fields
+from dataclasses import fields
 from pathlib import Path
-
-import torch
 
 from bench.compare_models import (
     RANDOM_LLAMA,
@@ -79,7 +76,6 @@ from bench.compare_systems import (
 )
 from bench.compare_workloads import (
     WORKLOADS,
-    Workload,
     WorkloadSizes,
     build_workload,
     warm_up_of,
@@ -94,12 +90,7 @@ from bench.vllm_preload import (
     preload_paths,
     venv_of,
 )
-from bench.workload_floor import (
-    Dims,
-    measure_bandwidth,
-    measure_peak_flops,
-    workload_floor,
-)
+from bench.workload_floor import MachineRates, model_dims, workload_floor_of
 from executor_service.prepare_model import MODEL_NAME
 
 logger = logging.getLogger("bench.compare")
@@ -201,33 +192,6 @@ def model_for(spec: str, args: argparse.Namespace, build_dir: Path) -> BenchMode
     return resolve_model(spec, dims_with_seed, build_dir, smollm2_dir, longest_any(workload_sizes(args)))
 
 
-@dataclass(slots=True, frozen=True)
-class MachineRates:
-    """This machine's fastest float32 GEMM and its memory bandwidth, for the workloads' ceilings."""
-
-    peak_flops: float
-    bandwidth: float
-
-    @classmethod
-    def measure(cls, threads: int) -> MachineRates:
-        previous = torch.get_num_threads()
-        torch.set_num_threads(threads)
-        try:
-            return cls(measure_peak_flops(), measure_bandwidth())
-        finally:
-            torch.set_num_threads(previous)
-
-    def ceiling(self, model: BenchModel, workload: Workload) -> float:
-        """The most output tok/s any float32 system reaches on workload here."""
-        dims = Dims.from_config(json.loads((model.path / "config.json").read_text()))
-        floor = workload_floor(dims, [len(p) for p in workload.prompts], workload.new_tokens)
-        return floor.output_tokens / floor.seconds(self.peak_flops, self.bandwidth)
-
-    @property
-    def basis(self) -> str:
-        return f"GEMM {self.peak_flops / 1e9:.0f} GFLOP/s, memory {self.bandwidth / 1e9:.1f} GB/s, measured at start"
-
-
 def compare_workload(
     model: BenchModel,
     workload_name: str,
@@ -283,8 +247,10 @@ def compare_workload(
         threads=args.threads,
         rows=rows,
         placement=f"{args.device}, {args.dtype}",
-        ceiling_tok_s=rates.ceiling(model, workload) if args.device == "cpu" else None,
-        ceiling_basis=rates.basis,
+        ceiling_tok_s=rates.most_output_tok_s(workload_floor_of(model_dims(str(model.path)), workload))
+        if args.device == "cpu"
+        else None,
+        ceiling_basis=f"{rates}, measured at start",
     )
 
 
@@ -347,7 +313,7 @@ def main(argv: list[str] | None = None) -> int:
     args.png = args.png or args.out_dir / "results.png"
     reports: list[WorkloadReport] = []
     rates = MachineRates.measure(args.threads)
-    logger.info("event=machine_rates %s", rates.basis)
+    logger.info("event=machine_rates %s", rates)
     with tempfile.TemporaryDirectory(prefix="bench-compare-") as build_dir, base_checkout(args.base_rev) as tree:
         args.base_tree = tree
         if args.base_rev:

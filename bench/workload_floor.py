@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from bench.compare_models import FP32_BYTES, RANDOM_LLAMA, RandomLlamaDims
-from bench.compare_workloads import WorkloadSizes, build_workload
+from bench.compare_workloads import Workload, WorkloadSizes, build_workload
 from executor_service.cpu_forward.packed_linear import PackedLinear
 from executor_service.kernels.cpu_kernels import KernelUnavailable
 from executor_service.kernels.panel_linear import load_panel_kernel
@@ -100,6 +100,35 @@ def workload_floor(dims: Dims, prompts: list[int], new_tokens: list[int]) -> Flo
     return Floor(sum(new_tokens), gemm, prefill_attention, decode_attention, kv)
 
 
+def workload_floor_of(dims: Dims, workload: Workload) -> Floor:
+    return workload_floor(dims, [len(p) for p in workload.prompts], workload.new_tokens)
+
+
+@dataclass(slots=True, frozen=True)
+class MachineRates:
+    """This machine's fastest float32-accurate GEMM rate and its memory bandwidth."""
+
+    peak_flops: float
+    bandwidth: float
+
+    @classmethod
+    def measure(cls, threads: int) -> MachineRates:
+        """Both measured on `threads` torch threads (the caller's count is restored after)."""
+        previous = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            return cls(measure_peak_flops(), measure_bandwidth())
+        finally:
+            torch.set_num_threads(previous)
+
+    def most_output_tok_s(self, floor: Floor) -> float:
+        """The most output tok/s any float32 engine reaches on the floor's workload here."""
+        return floor.output_tokens / floor.seconds(self.peak_flops, self.bandwidth)
+
+    def __str__(self) -> str:
+        return f"GEMM {self.peak_flops / 1e9:.0f} GFLOP/s, memory {self.bandwidth / 1e9:.1f} GB/s"
+
+
 def measure_peak_flops(seconds: float = 1.0) -> float:
     """The fastest float32-accurate GEMM rate here, at a prefill MLP's shape: oneDNN's packed
     sgemm, and where the CPU has AVX-512 the panel kernel (on AMX's tiles where it has those)
@@ -160,21 +189,22 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--bandwidth-gbs", type=float, help="memory bandwidth to use instead of measuring it")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    peak = args.peak_gflops * 1e9 if args.peak_gflops else measure_peak_flops()
-    bandwidth = args.bandwidth_gbs * 1e9 if args.bandwidth_gbs else measure_bandwidth()
-    print(f"GEMM {peak / 1e9:.0f} GFLOP/s, memory {bandwidth / 1e9:.1f} GB/s, {args.threads} threads\n")
+    rates = MachineRates(
+        args.peak_gflops * 1e9 if args.peak_gflops else measure_peak_flops(),
+        args.bandwidth_gbs * 1e9 if args.bandwidth_gbs else measure_bandwidth(),
+    )
+    print(f"{rates}, {args.threads} threads\n")
     print("| model | workload | GFLOP linear | GFLOP attention | decode K/V GB | floor s | most output tok/s |")
     print("|---|---|---:|---:|---:|---:|---:|")
     for spec in args.models.split(","):
         dims = model_dims(spec)
         for name in args.workloads.split(","):
-            workload = build_workload(name, WorkloadSizes(), dims.vocab)
-            floor = workload_floor(dims, [len(p) for p in workload.prompts], workload.new_tokens)
-            seconds = floor.seconds(peak, bandwidth)
+            floor = workload_floor_of(dims, build_workload(name, WorkloadSizes(), dims.vocab))
+            seconds = floor.seconds(rates.peak_flops, rates.bandwidth)
             attention = floor.prefill_attention_flops + floor.decode_attention_flops
             print(
                 f"| {Path(spec).name} | {name} | {floor.gemm_flops / 1e9:.0f} | {attention / 1e9:.0f} | "
-                f"{floor.decode_kv_bytes / 1e9:.1f} | {seconds:.2f} | {floor.output_tokens / seconds:.0f} |"
+                f"{floor.decode_kv_bytes / 1e9:.1f} | {seconds:.2f} | {rates.most_output_tok_s(floor):.0f} |"
             )
 
 
