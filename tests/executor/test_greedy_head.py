@@ -52,11 +52,15 @@ def panels() -> Iterator[PanelKernel]:
     yield from panels_without_amx()
 
 
-def packed_head(weight: torch.Tensor, panels: PanelKernel) -> PackedLinear:
+def linear_of(weight: torch.Tensor) -> torch.nn.Linear:
     linear = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False)
     with torch.no_grad():
         linear.weight.copy_(weight)
-    return PackedLinear(linear, panels)
+    return linear
+
+
+def packed_head(weight: torch.Tensor, panels: PanelKernel) -> PackedLinear:
+    return PackedLinear(linear_of(weight), panels)
 
 
 def head_logits(weight: torch.Tensor, hidden: torch.Tensor, panels: PanelKernel) -> torch.Tensor:
@@ -305,9 +309,7 @@ def test_after_a_call_it_could_not_narrow_the_screen_pauses(
 def test_the_screen_goes_only_over_a_head_whose_bits_it_gives(library: object, panels: PanelKernel) -> None:
     torch.manual_seed(2)
     weight = torch.randn(1000, 64)
-    linear = torch.nn.Linear(64, 1000, bias=False)
-    with torch.no_grad():
-        linear.weight.copy_(weight)
+    linear = linear_of(weight)
     assert float_panel_problem(packed_head(weight, panels)) is None
     assert "not on the panel kernel" in float_panel_problem(PackedLinear(linear))
     assert "not on the panel kernel" in float_panel_problem(linear)
