@@ -125,26 +125,24 @@ async def drive(
     (the scheduler has no switch for prefix caching). warm_up: prompts and token counts streamed
     the same way first, untimed (bench.compare's warm-up of the workload's shapes); without it,
     one short request."""
-    salts = [None if share_prefixes else f"request-{index}" for index in range(len(prompts))]
     async with AsyncClient(address) as client:
+
+        async def stream_all(prompts: list[list[int]], tokens: list[int], tag: str) -> list[StreamTiming]:
+            timings = [StreamTiming() for _ in prompts]
+            salts = [None if share_prefixes else f"{tag}-{index}" for index in range(len(prompts))]
+            await asyncio.gather(
+                *(stream_one(client, p, n, t, s) for p, n, t, s in zip(prompts, tokens, timings, salts, strict=True))
+            )
+            return timings
+
         if warm_up is None:
             # Channel set-up and the executor's first-step costs. Under one block long, so it
             # leaves nothing in the prefix cache for the measured prompts.
             await stream_one(client, prompts[0][:4], 2, StreamTiming())
         else:
-            warm_prompts, warm_tokens = warm_up
-            warm_salts = [None if share_prefixes else f"warm-up-{index}" for index in range(len(warm_prompts))]
-            await asyncio.gather(
-                *(
-                    stream_one(client, p, n, StreamTiming(), s)
-                    for p, n, s in zip(warm_prompts, warm_tokens, warm_salts, strict=True)
-                )
-            )
-        timings = [StreamTiming() for _ in prompts]
+            await stream_all(*warm_up, "warm-up")
         start = time.perf_counter()
-        await asyncio.gather(
-            *(stream_one(client, p, n, t, s) for p, n, t, s in zip(prompts, new_tokens, timings, salts, strict=True))
-        )
+        timings = await stream_all(prompts, new_tokens, "request")
     end = max(t.done_at or start for t in timings)
     logger.info("event=splitserve_done wall_s=%.2f", end - start)
     return SystemResult(
