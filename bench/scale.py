@@ -4,6 +4,10 @@ requests each, the requests coming from L load-generator processes (bench.load_g
 real client streams, so delivering every token to a client is part of the cost. The scheduler
 runs as `python -m scheduler_service --frontends N`: with 1, one process does everything; with
 N >= 2, a planner process and N front-end processes behind the client port (process/all_in_one.py).
+With 0, a planner alone (--role planner) whose front-ends are bench.planner_load processes that
+submit and read through the Planner API in packed batches: no client streams, so this machine
+can hold a load whose delivery would take more front-end cores than it has, and the planner's
+cost per token is measured at the load it is meant for.
 
     python -m bench.scale [--executors 16] [--running 256] [--step-ms 20 5] [--frontends 1 2]
         [--load-processes 8] [--warmup-s 8] [--settle-timeout-s 120] [--measure-s 10] [--runs 3]
@@ -30,6 +34,7 @@ import json
 import logging
 import os
 import re
+import secrets
 import shutil
 import statistics
 import subprocess
@@ -43,11 +48,12 @@ from pathlib import Path
 from bench.throughput_splitserve import wait_all_up
 from bench.tier_cpu import snapshot, used_between
 from tests.helpers.executor_token import token_file
-from tests.helpers.scheduler_process import SchedulerProcess
+from tests.helpers.scheduler_process import SchedulerProcess, scheduler_command
 from tests.helpers.service_process import ServiceProcess
 
 logger = logging.getLogger("bench.scale")
 EXECUTOR_READY = re.compile(r"event=executor_ready address=(\S+):(\d+)")
+PLANNER_READY = re.compile(r"event=planner_ready address=(\S+):(\d+)")
 START_TIMEOUT_S = 120.0
 BLOCK_SIZE = 16
 
@@ -62,7 +68,8 @@ class ScaleConfig:
     max_tokens: int
     warmup_s: float
     measure_s: float
-    # Front-end processes of the scheduler (--frontends); 1: everything in one process.
+    # Front-end processes of the scheduler (--frontends); 1: everything in one process; 0: a
+    # planner alone, its front-ends played by bench.planner_load processes.
     frontends: int = 1
     # After the warm-up, how long to wait at most for every stream to be delivering.
     settle_timeout_s: float = 120.0
@@ -127,6 +134,50 @@ def _wait_until_delivering(load_files: list[Path], streams: int, timeout_s: floa
     return delivering
 
 
+def _start_tier(config: ScaleConfig, addresses: list[str], stack: ExitStack, stats: Path) -> tuple[int, list[list[str]]]:
+    """Starts the scheduler tier on the executors; returns the pid whose CPU (with its
+    children's) is the tier's, and the load processes' commands, each given its share of the
+    streams. With --frontends 0 the tier is a planner alone, loaded by bench.planner_load."""
+    streams = config.executors * config.running
+    shares = [streams // config.load_processes + (i < streams % config.load_processes) for i in range(config.load_processes)]
+    flags: dict[str, object] = {
+        "max_num_seqs": config.running,
+        "max_num_batched_tokens": config.running * config.prompt_len,
+        "max_waiting": streams * 2,
+    }
+    if config.frontends == 0:
+        planner_token = stats / "planner-token"
+        planner_token.write_text(secrets.token_hex(16) + "\n")
+        command = scheduler_command(addresses, role="planner", planner_token_file=planner_token, frontends=None, **flags)
+        planner = ServiceProcess(command, PLANNER_READY, "planner")
+        stack.callback(planner.close)
+        stack.callback(shutil.copyfile, planner.log_path, stats / "scheduler.log")
+        address = planner.wait_ready(START_TIMEOUT_S)
+        return planner.process.pid, [
+            [
+                sys.executable, "-m", "bench.planner_load", "--planner", address, "--token-file", str(planner_token),
+                "--requests", str(share), "--executors", str(config.executors), "--prompt-len", str(config.prompt_len),
+                "--max-tokens", str(config.max_tokens), "--seed", str(index), "--stats-file", str(stats / f"load-{index}.json"),
+            ]
+            for index, share in enumerate(shares)
+        ]
+    scheduler = SchedulerProcess(addresses, frontends=config.frontends, stream_interval=config.stream_interval, **flags)
+    stack.callback(scheduler.close)
+    # Its log (front-ends' included) is removed when it closes: copied beside the others.
+    stack.callback(shutil.copyfile, scheduler.log_path, stats / "scheduler.log")
+    address = scheduler.wait_ready(START_TIMEOUT_S)
+    wait_all_up(address, config.executors)
+    return scheduler.process.pid, [
+        [
+            sys.executable, "-m", "bench.load_generator", "--server", address,
+            "--streams", str(share), "--prompt-len", str(config.prompt_len),
+            "--max-tokens", str(config.max_tokens), "--seed", str(index),
+            "--stats-file", str(stats / f"load-{index}.json"),
+        ]
+        for index, share in enumerate(shares)
+    ]
+
+
 def _stop(process: subprocess.Popen[bytes]) -> None:
     process.terminate()
     try:
@@ -156,28 +207,9 @@ def run_once(config: ScaleConfig, workdir: Path | None = None) -> ScaleResult:
             stack.callback(process.close)
             executors.append(process)
         addresses = [process.wait_ready(START_TIMEOUT_S) for process in executors]
-        scheduler = SchedulerProcess(
-            addresses,
-            max_num_seqs=config.running,
-            max_num_batched_tokens=config.running * config.prompt_len,
-            max_waiting=config.executors * config.running * 2,
-            frontends=config.frontends,
-            stream_interval=config.stream_interval,
-        )
-        stack.callback(scheduler.close)
-        # Its log (front-ends' included) is removed when it closes: copied beside the others.
-        stack.callback(shutil.copyfile, scheduler.log_path, stats / "scheduler.log")
-        address = scheduler.wait_ready(START_TIMEOUT_S)
-        wait_all_up(address, config.executors)
         streams = config.executors * config.running
-        for index in range(config.load_processes):
-            share = streams // config.load_processes + (index < streams % config.load_processes)
-            command = [
-                sys.executable, "-m", "bench.load_generator", "--server", address,
-                "--streams", str(share), "--prompt-len", str(config.prompt_len),
-                "--max-tokens", str(config.max_tokens), "--seed", str(index),
-                "--stats-file", str(stats / f"load-{index}.json"),
-            ]
+        tier, load_commands = _start_tier(config, addresses, stack, stats)
+        for index, command in enumerate(load_commands):
             log = stack.enter_context((stats / f"load-{index}.log").open("wb"))
             load = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
             stack.callback(_stop, load)
@@ -187,11 +219,11 @@ def run_once(config: ScaleConfig, workdir: Path | None = None) -> ScaleResult:
         delivering = _wait_until_delivering(load_files, streams, config.settle_timeout_s)
         before = [_read(f) for f in executor_files]
         loads_before = [_read(f) for f in load_files]
-        cpu_before, wall_before = snapshot(scheduler.process.pid), time.monotonic()
+        cpu_before, wall_before = snapshot(tier), time.monotonic()
         time.sleep(config.measure_s)
         after = [_read(f) for f in executor_files]
         loads_after = [_read(f) for f in load_files]
-        cpu_after, wall_after = snapshot(scheduler.process.pid), time.monotonic()
+        cpu_after, wall_after = snapshot(tier), time.monotonic()
     idle = [
         1.0 - (b["busy_s"] - a["busy_s"]) / (b["at"] - a["at"]) for a, b in zip(before, after, strict=True)
     ]
@@ -206,7 +238,7 @@ def run_once(config: ScaleConfig, workdir: Path | None = None) -> ScaleResult:
             f"not {config.frontends}: one died or was restarted (see the scheduler's log)"
         )
     tier_s = used.planner_s + used.frontends_s
-    split = config.frontends > 1
+    split = config.frontends != 1
     return ScaleResult(
         config=config,
         idle_shares=idle,
@@ -218,7 +250,7 @@ def run_once(config: ScaleConfig, workdir: Path | None = None) -> ScaleResult:
         delivering_streams=delivering,
         scheduler_cpu_us_per_token=_us_per_token(tier_s, window_s, tokens_per_s),
         planner_cpu_us_per_token=_us_per_token(used.planner_s, window_s, tokens_per_s) if split else None,
-        frontend_cpu_us_per_token=_us_per_token(used.frontends_s, window_s, tokens_per_s) if split else None,
+        frontend_cpu_us_per_token=_us_per_token(used.frontends_s, window_s, tokens_per_s) if config.frontends > 1 else None,
     )
 
 
@@ -258,8 +290,9 @@ def role_costs(runs: list[ScaleResult]) -> list[RoleCost]:
     planner's and the front-ends' apart; runs are of one configuration."""
     ideal = runs[0].ideal_tokens_per_s
     figures = {"scheduler": [r.scheduler_cpu_us_per_token for r in runs]}
-    if runs[0].config.frontends > 1:
+    if runs[0].config.frontends != 1:
         figures["planner"] = [r.planner_cpu_us_per_token or 0.0 for r in runs]
+    if runs[0].config.frontends > 1:
         figures["front-ends"] = [r.frontend_cpu_us_per_token or 0.0 for r in runs]
     costs = []
     for role, values in figures.items():
@@ -289,7 +322,8 @@ def main() -> None:
     parser.add_argument("--step-ms", type=float, nargs="+", default=[20.0, 5.0])
     parser.add_argument(
         "--frontends", type=int, nargs="+", default=[1],
-        help="the scheduler's --frontends: 1 runs it in one process, N >= 2 as a planner and N front-ends",
+        help="the scheduler's --frontends: 1 runs it in one process, N >= 2 as a planner and N front-ends; "
+        "0: a planner alone, loaded through the Planner API by bench.planner_load (no client streams)",
     )
     parser.add_argument("--load-processes", type=int, default=8)
     parser.add_argument("--prompt-len", type=int, default=64)
