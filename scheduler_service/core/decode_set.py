@@ -12,7 +12,10 @@ logprobs, no stop token ids, no min_tokens, not retried after a failed step). It
 finishes, is preempted or its executor goes. While it is here these arrays are the only home of
 its progress (computed tokens, pending outputs, time of its last token): join and leave move it
 (Request.move_progress), and meanwhile the request reads and writes its slot, so no one needs to
-know where it decodes.
+know where it decodes. Its newest tokens wait in its row of `recent` until its token list is
+read (which takes them in: Request.token_ids), the row fills, or it leaves: appending every
+request's token to its own list at every step touched each request's list, a cache miss apiece,
+and was the largest per-token cost of a step.
 Its stops are stop_checker's rules for such requests, in vector form: the length limit it is
 given (stop_checker.length_limit) and the EOS ids.
 """
@@ -23,9 +26,12 @@ from dataclasses import dataclass
 import numpy as np
 
 from protos.limits import UNHELD_DECODE_TOKEN as UNHELD_TOKEN
-from scheduler_service.core.request import Request
+from scheduler_service.core.request import Request, token_list_of
 
 _GROWTH = 2
+# Tokens a slot holds before its request's list takes them, in blocks: a list is read (and so
+# takes them) whenever a block of it fills, so the row rarely fills first.
+_RECENT_BLOCKS = 2
 
 
 @dataclass(slots=True)
@@ -83,6 +89,9 @@ class DecodeSet:
         self.key = np.zeros(capacity, dtype=np.int64)
         # When the last token came back (NaN: none yet).
         self.last_token_at = np.full(capacity, np.nan)
+        # Tokens sampled that the request's token list has not taken yet, num_recent of them.
+        self.recent = np.zeros((capacity, _RECENT_BLOCKS * block_size), dtype=np.int64)
+        self.num_recent = np.zeros(capacity, dtype=np.int64)
 
     def __len__(self) -> int:
         return len(self._slot_of)
@@ -112,6 +121,12 @@ class DecodeSet:
         self.active[slot] = False
         self.epoch[slot] += 1
         self._free.append(slot)
+
+    def flush_tokens(self, slot: int, tokens: list[int]) -> None:
+        count = int(self.num_recent[slot])
+        if count:
+            tokens.extend(self.recent[slot, :count].tolist())
+            self.num_recent[slot] = 0
 
     def slot_of(self, request: Request) -> tuple[int, int]:
         """The request's slot and that slot's epoch (what a BulkStep records)."""
@@ -170,7 +185,7 @@ class DecodeSet:
         return [(self._requests[step.slots[i]], int(step.computed[i])) for i in at]  # type: ignore[misc]
 
     def apply(self, step: BulkStep, token_ids: Sequence[int], now: float) -> BulkResult:
-        """Appends each token to its request (received at now), and says who stops and whose
+        """Adds each token to its request (received at now), and says who stops and whose
         blocks filled."""
         tokens = np.asarray(token_ids, dtype=np.int64)
         slots = step.slots
@@ -196,10 +211,16 @@ class DecodeSet:
             stops |= on_eos & (tokens == eos)
         filled = computed % self.block_size == 0
         requests = self._requests
+        at = self.num_recent[slots]
+        full = at >= self.recent.shape[1]
+        if full.any():
+            for slot in slots[full].tolist():
+                self.flush_tokens(slot, token_list_of(requests[slot]))  # type: ignore[arg-type]
+            at[full] = 0
+        self.recent[slots, at] = tokens
+        self.num_recent[slots] = at + 1
         token_list = tokens.tolist()
         live_requests: list[Request] = [requests[s] for s in slots.tolist()]  # type: ignore[misc]
-        for request, token in zip(live_requests, token_list):
-            request.token_ids.append(token)
         if stops.any():
             stop_at = np.flatnonzero(stops).tolist()
             result.stopped = [(live_requests[i], token_list[i]) for i in stop_at]
@@ -218,11 +239,11 @@ class DecodeSet:
     def _grow(self) -> None:
         old = len(self._requests)
         new = max(64, old * _GROWTH)
-        names = ("handle", "computed", "pending", "cover", "last_sample_at", "stops_on_eos", "active", "epoch", "key", "last_token_at")
+        names = ("handle", "computed", "pending", "cover", "last_sample_at", "stops_on_eos", "active", "epoch", "key", "last_token_at", "num_recent", "recent")
         for name in names:
             array = getattr(self, name)
             if array.shape[0] < new:
-                grown = np.zeros(new, dtype=array.dtype)
+                grown = np.zeros((new, *array.shape[1:]), dtype=array.dtype)
                 grown[: array.shape[0]] = array
                 setattr(self, name, grown)
         self._requests.extend([None] * (new - old))

@@ -33,6 +33,9 @@ class ProgressHome(Protocol):
     # NaN: no token yet.
     last_token_at: np.ndarray
 
+    def flush_tokens(self, slot: int, tokens: list[int]) -> None:
+        """Appends the tokens the slot holds for the request to its list, and empties the slot's."""
+
 
 @dataclass(slots=True, eq=False)
 class Request:
@@ -44,6 +47,7 @@ class Request:
     an _InDecodeSet meanwhile, whose properties read and write that slot under the same names:
     whoever reads a request's progress gets the true figure without asking where it decodes,
     and a request planned one entry at a time pays nothing for it (plain fields, no property).
+    Its newest tokens wait in that slot too, and token_ids takes them in when read.
     """
 
     request_id: str
@@ -136,6 +140,9 @@ class Request:
         """Makes `home` (at `slot`) the home of its progress, or its own fields when None,
         carrying the figures over (DecodeSet calls it on join and leave)."""
         computed, pending, last = self.num_computed_tokens, self.num_pending_outputs, self.last_token_at
+        if self._home is not None:
+            # Leaving (or changing) its set: its list takes the tokens waiting in its slot.
+            self._home.flush_tokens(self._slot, token_list_of(self))
         self.__class__ = Request if home is None else _InDecodeSet
         self._home, self._slot = home, slot
         self.num_computed_tokens, self.num_pending_outputs, self.last_token_at = computed, pending, last
@@ -180,12 +187,36 @@ class Request:
         return self.status is RequestStatus.FINISHED
 
 
+# The list Request.token_ids holds, under the property _InDecodeSet puts over it.
+_TOKEN_IDS = Request.token_ids
+
+
+def token_list_of(request: Request) -> list[int]:
+    """The request's own token list, without the tokens its DecodeSet slot holds (for that set
+    to hand them over)."""
+    tokens: list[int] = _TOKEN_IDS.__get__(request)
+    return tokens
+
+
 class _InDecodeSet(Request):
     """A request while it decodes in bulk: its progress is its slot of its DecodeSet's arrays
-    (the fields of the same names are shadowed and unused until it leaves)."""
+    (the fields of the same names are shadowed and unused until it leaves), and its tokens are
+    its list followed by those its slot holds, which the list takes in when token_ids is read."""
 
     __slots__ = ()
     _home: ProgressHome
+
+    @property  # type: ignore[override]
+    def token_ids(self) -> list[int]:
+        tokens = token_list_of(self)
+        self._home.flush_tokens(self._slot, tokens)
+        return tokens
+
+    @token_ids.setter
+    def token_ids(self, value: list[int]) -> None:
+        # The whole list is given: the slot's tokens are dropped, not added to it.
+        self._home.flush_tokens(self._slot, [])
+        _TOKEN_IDS.__set__(self, value)
 
     @property  # type: ignore[override]
     def num_computed_tokens(self) -> int:
