@@ -1,13 +1,14 @@
 """The scale benchmark runs real processes end to end and measures what it claims (not how
 fast): simulated executors busy for their step time, clients receiving every token, and the CPU
-of the scheduler's processes (one, or a planner and its front-ends) counted per token delivered."""
+of the scheduler's processes (one, or a planner and its front-ends, or a planner fed in packed
+batches by bench.planner_load) counted per token delivered."""
 
 import pytest
 
 from bench.scale import ScaleConfig, format_costs, format_table, role_costs, run_once
 
 
-@pytest.mark.parametrize("frontends", [pytest.param(1, marks=pytest.mark.slow), 2])
+@pytest.mark.parametrize("frontends", [pytest.param(1, marks=pytest.mark.slow), 2, 0])
 def test_scale_benchmark_drives_simulated_executors_from_client_streams(frontends: int) -> None:
     config = ScaleConfig(
         executors=2, running=8, step_ms=20.0, load_processes=1, prompt_len=16, max_tokens=32,
@@ -29,6 +30,11 @@ def test_scale_benchmark_drives_simulated_executors_from_client_streams(frontend
     if frontends == 1:
         assert result.planner_cpu_us_per_token is None and result.frontend_cpu_us_per_token is None
         assert list(roles) == ["scheduler"]
+    elif frontends == 0:
+        # A planner alone (bench.planner_load plays its front-ends): the tier is the planner.
+        assert result.frontend_cpu_us_per_token is None
+        assert result.planner_cpu_us_per_token == pytest.approx(result.scheduler_cpu_us_per_token)
+        assert list(roles) == ["scheduler", "planner"]
     else:
         planner, frontend = result.planner_cpu_us_per_token, result.frontend_cpu_us_per_token
         assert planner is not None and planner > 0 and frontend is not None and frontend > 0
