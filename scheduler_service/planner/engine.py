@@ -166,6 +166,7 @@ class Engine:
         # Recent outputs of the requests on every executor, which the suffix proposer of
         # speculative decoding continues from (core/suffix_proposer.py).
         self.suffixes = SuffixTable()
+        metrics.count_when_scraped(lambda: self.num_running, lambda: self.num_waiting, self._kv_usage)
 
     # ---- executors ---------------------------------------------------------------------------
 
@@ -490,15 +491,28 @@ class Engine:
         for request in self._every_request():
             self._abort(request)
 
+    # The totals are read by the metrics' scrape too, from its own thread: they iterate over a
+    # copy of the lanes (made in one step), and read each lane's planner once.
+
     @property
     def num_waiting(self) -> int:
         return len(self.unplaced) + self.quotas.num_held + sum(
-            lane.scheduler.num_waiting for lane in self.lanes.values() if lane.scheduler
+            scheduler.num_waiting for lane in list(self.lanes.values()) if (scheduler := lane.scheduler)
         )
 
     @property
     def num_running(self) -> int:
-        return sum(len(lane.scheduler.running) for lane in self.lanes.values() if lane.scheduler)
+        return sum(len(scheduler.running) for lane in list(self.lanes.values()) if (scheduler := lane.scheduler))
+
+    def _kv_usage(self) -> float:
+        """Share of the serving executors' KV blocks in use."""
+        total = free = 0
+        for lane in list(self.lanes.values()):
+            scheduler = lane.scheduler
+            if lane.serving and scheduler is not None:
+                total += scheduler.kv.pool.num_blocks
+                free += scheduler.kv.num_free_blocks
+        return 1.0 - free / total if total else 0.0
 
     # ---- lane hooks --------------------------------------------------------------------------
 
@@ -641,7 +655,7 @@ class Engine:
             requests = [update.request for update in updates.updates] + updates.decoded_requests
             self.tracing.step_done(lane.address, output, requests, received_ns)
         self._count(lane)
-        self._observe_queues(lane)
+        self._observe_lane(lane)
 
     # ---- internals ---------------------------------------------------------------------------
 
@@ -872,16 +886,9 @@ class Engine:
                 self.num_recomputed_tokens += tokens - seen.get(reason, 0)
                 seen[reason] = tokens
 
-    def _observe_queues(self, stepped: ExecutorLane) -> None:
-        """After a lane's step: the totals, and that lane's own gauges (each lane's change as
-        it steps, not every lane's at every step of any)."""
-        self.metrics.running.set(self.num_running)
-        self.metrics.waiting.set(self.num_waiting)
-        total = free = 0
-        for lane in self._serving_lanes():
-            total += lane.scheduler.kv.pool.num_blocks
-            free += lane.scheduler.kv.num_free_blocks
-        self.metrics.kv_usage.set(1.0 - free / total if total else 0.0)
+    def _observe_lane(self, stepped: ExecutorLane) -> None:
+        """After a lane's step, that lane's own gauges (the totals over every lane are read
+        when scraped: SchedulerMetrics.count_when_scraped)."""
         scheduler = stepped.scheduler
         if scheduler is not None:
             lane_total = scheduler.kv.pool.num_blocks

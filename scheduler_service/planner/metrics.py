@@ -3,7 +3,7 @@ dashboards map over by the prefix; one scheduler serves one model, so there is n
 label. The executors export their own step timings (executor_service/serving/metrics.py)."""
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -220,6 +220,16 @@ class SchedulerMetrics:
             histogram.observe(accepted)
         self.spec_draft_tokens.labels(method).inc(sum(drafts for _, drafts, _ in verified))
         self.spec_accepted_tokens.labels(method).inc(sum(accepted for _, _, accepted in verified))
+
+    def count_when_scraped(
+        self, running: Callable[[], float], waiting: Callable[[], float], kv_usage: Callable[[], float]
+    ) -> None:
+        """The totals over every executor, read when a scrape asks rather than set after every
+        step of any executor (a sum over the executors each time: at 16 executors stepping every
+        20 ms, ~30 us of each step). The scrape calls them from its own thread."""
+        self.running.set_function(running)
+        self.waiting.set_function(waiting)
+        self.kv_usage.set_function(kv_usage)
 
     def executor_stepped(self, address: str, num_requests: int, kv_usage: float) -> None:
         gauges = self._executor_gauges.get(address)
