@@ -237,6 +237,18 @@ class KVCacheManager:
             self.pool.register(block, host_block.block_hash)
         return [b.block_id for b in new_blocks]
 
+    def append_block_each(self, request_ids: Sequence[str]) -> list[int] | None:
+        """One more block at the end of each request's table, in order: what allocate_slots
+        gives a request whose next token falls just past its blocks, for many requests at once
+        (the steady decodes crossing a block boundary in one step). Returns the new blocks' ids,
+        or None, changing nothing, when fewer blocks than requests are free."""
+        if len(request_ids) > self.pool.num_free:
+            return None
+        blocks = self.pool.allocate(len(request_ids))
+        for request_id, block in zip(request_ids, blocks, strict=True):
+            self._requests[request_id].blocks.append(block)
+        return [block.block_id for block in blocks]
+
     def cache_computed(self, request_id: str, token_ids: Sequence[int], num_computed_tokens: int) -> None:
         """Enters the request's full blocks up to num_computed_tokens into the prefix cache.
 

@@ -153,6 +153,9 @@ class DecodeSet:
     def add_cover(self, request: Request, tokens: int) -> None:
         self.cover[self._slot_of[request]] += tokens
 
+    def add_cover_each(self, requests: Sequence[Request], tokens: int) -> None:
+        self.cover[[self._slot_of[request] for request in requests]] += tokens
+
     def needing_blocks(self) -> list[Request]:
         """Requests that will decode but whose next token falls past their blocks."""
         size = len(self._requests)

@@ -441,7 +441,17 @@ class Scheduler(RequestMoves):
         (preempting as for any running request), then one token each, in bulk."""
         block_size = self.config.block_size
         plan = _BulkPlan()
-        for request in self.decodes.needing_blocks():
+        needing = self.decodes.needing_blocks()
+        # Each needs one block for its next token: when the pool has them all, they are taken at
+        # once, as one allocate_slots each would (the request after a block boundary, about one
+        # decode in block_size, every step).
+        appended = self.kv.append_block_each([request.request_id for request in needing]) if needing else None
+        if appended is not None:
+            self.decodes.add_cover_each(needing, block_size)
+            plan.block_handles.extend(request.handle for request in needing)
+            plan.block_ids.extend(appended)
+            needing = []
+        for request in needing:
             if request not in self.decodes:
                 continue
             computed = request.num_computed_tokens
@@ -514,7 +524,13 @@ class Scheduler(RequestMoves):
     ) -> tuple[int, bool]:
         preempted = False
         decodes = self.decodes
-        for request in list(self.running) if only is None else [only]:
+        if only is not None:
+            candidates = [only]
+        else:
+            # Steady decodes are planned in bulk and skipped here: with nothing else running
+            # (the usual step under load), the loop is not run at all.
+            candidates = list(self.running) if len(self.running) > len(decodes) else []
+        for request in candidates:
             if budget <= 0:
                 break
             if request in decodes or request.status is not RequestStatus.RUNNING or request in scheduled or request.moving:

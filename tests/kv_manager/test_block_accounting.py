@@ -68,6 +68,21 @@ def test_allocation_that_does_not_fit_changes_nothing() -> None:
     assert kv.block_ids("a") == [0, 1]
 
 
+def test_a_block_each_at_once_is_what_one_allocation_each_gives() -> None:
+    """Requests decoding past their last block get one more each, in order, as allocate_slots
+    for each one's next token would give them; too few free blocks changes nothing."""
+    at_once, one_by_one = KVCacheManager(num_blocks=6, block_size=4), KVCacheManager(num_blocks=6, block_size=4)
+    for kv in (at_once, one_by_one):
+        for request_id, first in (("a", 0), ("b", 100)):
+            admit(kv, request_id, list(range(first, first + 8)))
+    assert at_once.append_block_each(["b", "a"]) == [
+        block for request_id in ("b", "a") for block in one_by_one.allocate_slots(request_id, [], 8, 1) or []
+    ]
+    assert at_once.block_ids("a") == one_by_one.block_ids("a") and at_once.block_ids("b") == one_by_one.block_ids("b")
+    assert at_once.append_block_each(["a", "b"]) is None, "no block is free"
+    assert at_once.block_ids("a") == one_by_one.block_ids("a") and at_once.stats() == one_by_one.stats()
+
+
 def test_disabled_prefix_caching_never_hits() -> None:
     kv = KVCacheManager(num_blocks=8, block_size=4, enable_prefix_caching=False)
     admit(kv, "a", list(range(9)))
