@@ -124,7 +124,9 @@ class ExecutorLink:
         """The next result; ExecutorLost if the stream breaks or nothing comes within timeout_s
         (an executor that is alive but frozen)."""
         try:
-            result = await asyncio.wait_for(self._require_call().read(), timeout_s)
+            # asyncio.timeout, not wait_for: no task of its own for every result read.
+            async with asyncio.timeout(timeout_s):
+                result = await self._require_call().read()
         except TimeoutError as error:
             raise ExecutorLost(f"no step result within {timeout_s:.1f} s") from error
         except grpc.aio.AioRpcError as error:
