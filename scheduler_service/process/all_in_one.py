@@ -15,9 +15,10 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 from protos.executor_access import write_token_file
 from scheduler_service.process.planner_server import (
@@ -90,7 +91,9 @@ class Frontends:
                     self.processes[index] = self._spawn(index)
 
 
-def run_all_in_one(settings: ServerSettings, count: int, argv: Sequence[str]) -> int:
+def run_all_in_one(
+    settings: ServerSettings, count: int, argv: Sequence[str], run: Callable[[Coroutine[Any, Any, int]], int] = asyncio.run
+) -> int:
     holder = reserve_port(settings.host, settings.port)
     client_port = holder.getsockname()[1]
     secrets = Path(tempfile.mkdtemp(prefix="splitserve-planner-"))
@@ -135,7 +138,7 @@ def run_all_in_one(settings: ServerSettings, count: int, argv: Sequence[str]) ->
 
     planner_settings = replace(settings, port=0)
     try:
-        return asyncio.run(
+        return run(
             serve_planner(
                 planner_settings,
                 PlannerOptions(token=token, api_host="127.0.0.1", drain_on_stop=True),

@@ -1,0 +1,30 @@
+"""The event loop the scheduler's processes run on: uvloop (libuv's loop) where it is installed,
+else asyncio's own. Every token a front-end streams and every plan the planner sends is a few
+event-loop turns and gRPC completions; on uvloop the front-ends spend ~17 % less CPU per token
+delivered and the planner ~10 % less per step (bench.scale, 2 x 256 at 40 ms, two front-ends:
+48.7-49.0 against 40.0-40.9 us per token). --event-loop asyncio keeps asyncio's loop."""
+
+import asyncio
+import importlib.util
+import logging
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+EVENT_LOOPS = ("auto", "uvloop", "asyncio")
+
+
+def event_loop_runner(choice: str) -> Callable[[Coroutine[Any, Any, Any]], Any]:
+    """What runs the process's main coroutine: uvloop.run or asyncio.run. auto: uvloop when
+    installed. ValueError when uvloop is asked for and not installed."""
+    installed = importlib.util.find_spec("uvloop") is not None
+    if choice == "uvloop" and not installed:
+        raise ValueError("--event-loop uvloop: uvloop is not installed (pip install uvloop, or --event-loop asyncio)")
+    use_uvloop = installed and choice != "asyncio"
+    logger.info("event=event_loop loop=%s asked=%s", "uvloop" if use_uvloop else "asyncio", choice)
+    if use_uvloop:
+        import uvloop
+
+        return uvloop.run
+    return asyncio.run
