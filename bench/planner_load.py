@@ -58,6 +58,8 @@ class PackedLoad:
         self._rng = random.Random(args.seed)
         self._handles = itertools.count(1)
         self._outbox: asyncio.Queue[planner_pb2.FrontendBatch] = asyncio.Queue()
+        # Handles of the requests that got their first token and have not ended.
+        self._started: set[int] = set()
         self.counts = Counts()
 
     def submitted(self, count: int) -> planner_pb2.FrontendBatch:
@@ -77,13 +79,16 @@ class PackedLoad:
     def take(self, batch: planner_pb2.PlannerBatch) -> None:
         counts = self.counts
         counts.tokens += len(batch.token_ids)
-        counts.delivering += len(batch.started)
-        ended = len(batch.finished) + len(batch.failed)
+        self._started.update(batch.started)
         counts.finished += len(batch.finished)
         counts.failed += len(batch.failed)
-        counts.delivering -= len(batch.finished)
+        for finished in batch.finished:
+            self._started.discard(finished.handle)
         for failure in batch.failed:
+            self._started.discard(failure.handle)
             logger.warning("event=request_failed code=%d message=%r", failure.code, failure.message)
+        counts.delivering = len(self._started)
+        ended = len(batch.finished) + len(batch.failed)
         if ended:
             self._outbox.put_nowait(self.submitted(ended))
 
