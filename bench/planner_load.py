@@ -7,8 +7,8 @@ planner's own cost per token (bench.scale --planner-only).
     python -m bench.planner_load --planner HOST:PORT --token-file F --requests 4096
         [--executors 16] [--prompt-len 64] [--max-tokens 1024] [--stats-file F]
 
-Its stats file is bench.load_generator's: tokens received so far, requests finished and failed,
-and how many are delivering now (started and not ended).
+Its stats file is bench.load_generator's (the same counts and writer): tokens received so far,
+requests finished and failed, and how many are delivering now (started and not ended).
 """
 
 from __future__ import annotations
@@ -16,18 +16,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import itertools
-import json
 import logging
-import os
 import random
 import signal
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
 
-from bench.load_generator import STATS_INTERVAL_S
+from bench.load_generator import Counts, write_stats
 from protos.executor_access import read_token_file
 from protos.limits import MAX_MESSAGE_BYTES
 from protos.splitserve.planner.v1 import planner_pb2, planner_pb2_grpc
@@ -39,14 +36,6 @@ from scheduler_service.tier.request_codec import sampling_to_proto
 
 logger = logging.getLogger("bench.planner_load")
 UP_TIMEOUT_S = 120.0
-
-
-@dataclass(slots=True)
-class Counts:
-    tokens: int = 0
-    finished: int = 0
-    failed: int = 0
-    delivering: int = 0
 
 
 class PackedLoad:
@@ -132,16 +121,6 @@ async def _wait_executors_up(stub: planner_pb2_grpc.PlannerStub, metadata: tuple
         if time.monotonic() > deadline:
             raise RuntimeError(f"{count} executors not up behind the planner after {UP_TIMEOUT_S} s")
         await asyncio.sleep(0.1)
-
-
-async def write_stats(path: Path, counts: Counts) -> None:
-    partial = path.with_suffix(".partial")
-    while True:
-        snapshot = {"at": time.monotonic(), "tokens": counts.tokens, "finished": counts.finished,
-                    "failed": counts.failed, "delivering": counts.delivering, "longest_gap_s": 0.0}
-        partial.write_text(json.dumps(snapshot))
-        os.replace(partial, path)
-        await asyncio.sleep(STATS_INTERVAL_S)
 
 
 async def run(args: argparse.Namespace) -> Counts:
