@@ -2,7 +2,7 @@
 through the Planner API (Connect, packed token batches), starting a new request whenever one
 ends, until told to stop (SIGTERM). It tokenizes, detokenizes and streams nothing, so a benchmark
 can load a planner at a rate no front-end on this machine could deliver, and measure the
-planner's own cost per token (bench.scale --planner-only).
+planner's own cost per token (bench.scale --frontends 0).
 
     python -m bench.planner_load --planner HOST:PORT --token-file F --requests 4096
         [--executors 16] [--prompt-len 64] [--max-tokens 1024] [--stats-file F]

@@ -149,28 +149,22 @@ def _start_tier(config: ScaleConfig, addresses: list[str], stack: ExitStack, sta
         planner_token = stats / "planner-token"
         planner_token.write_text(secrets.token_hex(16) + "\n")
         command = scheduler_command(addresses, role="planner", planner_token_file=planner_token, frontends=None, **flags)
-        planner = ServiceProcess(command, PLANNER_READY, "planner")
-        stack.callback(planner.close)
-        stack.callback(shutil.copyfile, planner.log_path, stats / "scheduler.log")
-        address = planner.wait_ready(START_TIMEOUT_S)
-        return planner.process.pid, [
-            [
-                sys.executable, "-m", "bench.planner_load", "--planner", address, "--token-file", str(planner_token),
-                "--requests", str(share), "--executors", str(config.executors), "--prompt-len", str(config.prompt_len),
-                "--max-tokens", str(config.max_tokens), "--seed", str(index), "--stats-file", str(stats / f"load-{index}.json"),
-            ]
-            for index, share in enumerate(shares)
-        ]
-    scheduler = SchedulerProcess(addresses, frontends=config.frontends, stream_interval=config.stream_interval, **flags)
-    stack.callback(scheduler.close)
+        tier: ServiceProcess = ServiceProcess(command, PLANNER_READY, "planner")
+    else:
+        tier = SchedulerProcess(addresses, frontends=config.frontends, stream_interval=config.stream_interval, **flags)
+    stack.callback(tier.close)
     # Its log (front-ends' included) is removed when it closes: copied beside the others.
-    stack.callback(shutil.copyfile, scheduler.log_path, stats / "scheduler.log")
-    address = scheduler.wait_ready(START_TIMEOUT_S)
-    wait_all_up(address, config.executors)
-    return scheduler.process.pid, [
+    stack.callback(shutil.copyfile, tier.log_path, stats / "scheduler.log")
+    address = tier.wait_ready(START_TIMEOUT_S)
+    if config.frontends == 0:
+        load = ["bench.planner_load", "--planner", address, "--token-file", str(planner_token)]
+        load += ["--executors", str(config.executors), "--requests"]
+    else:
+        wait_all_up(address, config.executors)
+        load = ["bench.load_generator", "--server", address, "--streams"]
+    return tier.process.pid, [
         [
-            sys.executable, "-m", "bench.load_generator", "--server", address,
-            "--streams", str(share), "--prompt-len", str(config.prompt_len),
+            sys.executable, "-m", *load, str(share), "--prompt-len", str(config.prompt_len),
             "--max-tokens", str(config.max_tokens), "--seed", str(index),
             "--stats-file", str(stats / f"load-{index}.json"),
         ]

@@ -92,8 +92,9 @@ class Frontends:
 
 
 def run_all_in_one(
-    settings: ServerSettings, count: int, argv: Sequence[str], run: Callable[[Coroutine[Any, Any, int]], int] = asyncio.run
+    settings: ServerSettings, count: int, argv: Sequence[str], run: Callable[[Coroutine[Any, Any, int]], int]
 ) -> int:
+    """run: what runs the planner's coroutine (asyncio.run or uvloop.run: process/event_loop.py)."""
     holder = reserve_port(settings.host, settings.port)
     client_port = holder.getsockname()[1]
     secrets = Path(tempfile.mkdtemp(prefix="splitserve-planner-"))
