@@ -1,6 +1,12 @@
 """The planner's side of one front-end's Connect stream: the requests it submitted, by handle,
-and the batch of tokens and ends gathered for it in this turn of the event loop, sent as one
-PlannerBatch when the turn ends (one message per executor step, never one per token)."""
+and the batch of tokens and ends gathered for it, sent as one PlannerBatch (never one message
+per token).
+
+A batch is queued as soon as its first entry is gathered and goes on gathering until the stream's
+writer takes it: one step's tokens when the writer is idle (it takes the batch once the turn of
+the event loop that gathered them ends), the tokens of every step that came back meanwhile when
+it is still sending the last one. So a busy planner sends fewer, larger messages, with no token
+held back to make them."""
 
 import asyncio
 import logging
@@ -57,8 +63,10 @@ class FrontendLink:
         self.index = index
         # What the stream submitted and has not seen end, by handle.
         self.requests: dict[int, "RemoteSink"] = {}
-        # Batches ready to send, in order; None ends the stream.
-        self.outbox: asyncio.Queue[planner_pb2.PlannerBatch | None] = asyncio.Queue()
+        # What to send, in order: batches (the last still gathering until taken), statuses, and
+        # None, which ends the stream.
+        self.outbox: asyncio.Queue[_Gathered | planner_pb2.PlannerBatch | None] = asyncio.Queue()
+        # The batch queued and not yet taken, which what is gathered joins.
         self._gathered: _Gathered | None = None
 
     def tokens(
@@ -118,25 +126,28 @@ class FrontendLink:
         )
 
     def status(self, status: planner_pb2.PlannerStatus) -> None:
-        """Sent at once, after whatever was gathered before it."""
-        self.flush()
+        """Sent after whatever was gathered before it, and before anything gathered after."""
+        self._gathered = None
         self.outbox.put_nowait(planner_pb2.PlannerBatch(status=status))
 
     def close(self) -> None:
-        self.flush()
+        self._gathered = None
         self.outbox.put_nowait(None)
+
+    def take(self, item: "_Gathered | planner_pb2.PlannerBatch") -> planner_pb2.PlannerBatch:
+        """What the writer sends for an item it took from the outbox: a gathered batch gathers
+        no more from here on."""
+        if isinstance(item, planner_pb2.PlannerBatch):
+            return item
+        if item is self._gathered:
+            self._gathered = None
+        return item.message()
 
     def _gather(self) -> _Gathered:
         if self._gathered is None:
             self._gathered = _Gathered()
-            # Everything gathered in this turn of the loop leaves together.
-            asyncio.get_running_loop().call_soon(self.flush)
+            self.outbox.put_nowait(self._gathered)
         return self._gathered
-
-    def flush(self) -> None:
-        gathered, self._gathered = self._gathered, None
-        if gathered is not None:
-            self.outbox.put_nowait(gathered.message())
 
 
 class RemoteSink:

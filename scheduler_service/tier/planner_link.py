@@ -119,15 +119,16 @@ class PlannerLink:
     async def _write(self, call: grpc.aio.StreamStreamCall) -> None:
         while True:
             batch = await self._outbox.get()
+            if batch is self._gathered:
+                self._gathered = None
             await call.write(batch)
 
     def _gather(self) -> planner_pb2.FrontendBatch:
+        """The batch queued and not yet taken by the writer, which goes on gathering until it
+        is: one turn of the event loop's submissions while the writer is idle, all of them since
+        its last write while it is busy (what a stream gathers while it is down is dropped when
+        it is reached again: what it held is submitted afresh then)."""
         if self._gathered is None:
             self._gathered = planner_pb2.FrontendBatch()
-            asyncio.get_running_loop().call_soon(self._flush)
+            self._outbox.put_nowait(self._gathered)
         return self._gathered
-
-    def _flush(self) -> None:
-        gathered, self._gathered = self._gathered, None
-        if gathered is not None and self._call is not None:
-            self._outbox.put_nowait(gathered)

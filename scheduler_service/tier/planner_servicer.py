@@ -66,8 +66,8 @@ class PlannerServicer(planner_pb2_grpc.PlannerServicer):
         await self._take(link, first)
         reader = asyncio.create_task(self._read(link, request_iterator))
         try:
-            while (batch := await link.outbox.get()) is not None:
-                yield batch
+            while (item := await link.outbox.get()) is not None:
+                yield link.take(item)
         finally:
             reader.cancel()
             del self.links[link.index]

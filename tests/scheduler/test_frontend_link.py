@@ -1,6 +1,6 @@
-"""The planner gathers a turn's tokens for one front-end into one PlannerBatch: steady decodes
-(one token each) leave num_tokens out; once an entry has another count, every entry's count is
-in it, so the front-end reads each entry's tokens back exactly."""
+"""The planner gathers tokens for one front-end into one PlannerBatch until the stream's writer
+takes it: steady decodes (one token each) leave num_tokens out; once an entry has another count,
+every entry's count is in it, so the front-end reads each entry's tokens back exactly."""
 
 import asyncio
 import itertools
@@ -27,9 +27,9 @@ async def _gather(sent: list[tuple[int, list[int]]]) -> planner_pb2.PlannerBatch
         message, _ = sinks[handle].add_tokens(tokens, ())
         sinks[handle].send(message)
     await asyncio.sleep(0)
-    batch = link.outbox.get_nowait()
-    assert batch is not None and link.outbox.empty(), "one turn's tokens leave as one batch"
-    return batch
+    item = link.outbox.get_nowait()
+    assert item is not None and link.outbox.empty(), "one turn's tokens leave as one batch"
+    return link.take(item)
 
 
 def test_steady_decodes_leave_num_tokens_out() -> None:
@@ -59,6 +59,59 @@ def test_bulk_tokens_after_an_entry_of_several_tokens_are_counted_as_one_each() 
         sink.send(sink.add_tokens([70, 71], ())[0])
         link.bulk_tokens([8, 9], [80, 90])
         await asyncio.sleep(0)
-        return link.outbox.get_nowait()
+        item = link.outbox.get_nowait()
+        assert item is not None
+        return link.take(item)
 
     assert _entries(asyncio.run(gather())) == [(7, [70, 71]), (8, [80]), (9, [90])]
+
+
+def _sent(link: FrontendLink) -> list[planner_pb2.PlannerBatch | None]:
+    """Everything in the outbox, as the Connect stream's writer would send it."""
+    sent: list[planner_pb2.PlannerBatch | None] = []
+    while not link.outbox.empty():
+        item = link.outbox.get_nowait()
+        sent.append(None if item is None else link.take(item))
+    return sent
+
+
+def test_steps_that_come_back_while_the_writer_is_busy_leave_in_one_batch() -> None:
+    async def steps() -> list[planner_pb2.PlannerBatch | None]:
+        link = FrontendLink("frontend", "peer", 1)
+        # Three steps' tokens, each in a turn of its own, while the writer is still sending.
+        for step in range(3):
+            link.bulk_tokens([1, 2], [10 + step, 20 + step])
+            await asyncio.sleep(0)
+        return _sent(link)
+
+    sent = asyncio.run(steps())
+    assert len(sent) == 1 and sent[0] is not None
+    assert _entries(sent[0]) == [(1, [10]), (2, [20]), (1, [11]), (2, [21]), (1, [12]), (2, [22])]
+
+
+def test_tokens_after_the_writer_took_a_batch_go_in_the_next() -> None:
+    async def steps() -> list[planner_pb2.PlannerBatch | None]:
+        link = FrontendLink("frontend", "peer", 1)
+        link.bulk_tokens([1], [10])
+        first = link.take(link.outbox.get_nowait())  # type: ignore[arg-type]
+        link.bulk_tokens([1], [11])
+        return [first, *_sent(link)]
+
+    sent = asyncio.run(steps())
+    assert [_entries(batch) for batch in sent if batch is not None] == [[(1, [10])], [(1, [11])]]
+
+
+def test_a_status_and_the_end_stay_in_order_with_the_tokens_around_them() -> None:
+    async def steps() -> list[planner_pb2.PlannerBatch | None]:
+        link = FrontendLink("frontend", "peer", 1)
+        link.bulk_tokens([1], [10])
+        link.status(planner_pb2.PlannerStatus(serving=False, reason="draining"))
+        link.bulk_tokens([1], [11])
+        link.close()
+        return _sent(link)
+
+    sent = asyncio.run(steps())
+    assert len(sent) == 4 and sent[3] is None
+    assert _entries(sent[0]) == [(1, [10])]  # type: ignore[arg-type]
+    assert sent[1] is not None and sent[1].HasField("status") and sent[1].status.reason == "draining"
+    assert _entries(sent[2]) == [(1, [11])]  # type: ignore[arg-type]
