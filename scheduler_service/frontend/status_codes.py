@@ -4,15 +4,21 @@ stream (tier/frontend_link.py) sends a failed request's code by it, and a front-
 (tier/planner_client.py) reads the kind back from that code."""
 
 import math
+from typing import NoReturn
 
 import grpc
 
 from scheduler_service.core.errors import ErrorKind, RequestError
 
+# A request that can never fit this deployment (its KV cache, a tenant's whole quota) is
+# FAILED_PRECONDITION, as gRPC says of what the system's setup must change for: under
+# RESOURCE_EXHAUSTED, as overload is, clients retried it (OpenAI's SDKs retry a 429 twice, gRPC
+# retry policies name that code), and it could only fail again. vLLM answers it 400, as the
+# OpenAI gateway does FAILED_PRECONDITION.
 STATUS_CODES = {
     ErrorKind.INVALID: grpc.StatusCode.INVALID_ARGUMENT,
     ErrorKind.UNSUPPORTED: grpc.StatusCode.FAILED_PRECONDITION,
-    ErrorKind.TOO_LARGE: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    ErrorKind.TOO_LARGE: grpc.StatusCode.FAILED_PRECONDITION,
     ErrorKind.OVERLOADED: grpc.StatusCode.RESOURCE_EXHAUSTED,
     ErrorKind.DUPLICATE: grpc.StatusCode.ALREADY_EXISTS,
     ErrorKind.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
@@ -30,8 +36,9 @@ KINDS_BY_CODE = {code.value[0]: kind for kind, code in reversed(STATUS_CODES.ite
 RETRY_AFTER_METADATA = "retry-after"
 
 
-async def abort_call(context: grpc.aio.ServicerContext, error: RequestError) -> None:
-    """Ends the call with the error's status, and its retry-after hint when it has one."""
+async def abort_call(context: grpc.aio.ServicerContext, error: RequestError) -> NoReturn:
+    """Ends the call with the error's status, and its retry-after hint when it has one (raises,
+    as context.abort does)."""
     if error.retry_after_s is not None:
         context.set_trailing_metadata(((RETRY_AFTER_METADATA, str(max(1, math.ceil(error.retry_after_s)))),))
     await context.abort(STATUS_CODES[error.kind], error.message)

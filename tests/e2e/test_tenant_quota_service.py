@@ -198,8 +198,9 @@ def test_tokens_per_minute_refuses_with_retry_after(served: Served) -> None:
     # The first request's 64 tokens leave the window a minute after it was asked for.
     retry = _assert_refused_with_retry_after(past, "tenant 't'", "tokens_per_minute")
     assert 30 <= retry <= 60
-    # Larger than the whole quota: no wait makes it fit, so no retry-after.
-    assert never.code == grpc.StatusCode.RESOURCE_EXHAUSTED and never.retry_after is None, never
+    # Larger than the whole quota: no wait makes it fit, so not a code clients retry, and no
+    # retry-after.
+    assert never.code == grpc.StatusCode.FAILED_PRECONDITION and never.retry_after is None, never
     assert "tokens_per_minute" in never.details and "max_tokens" in never.details
 
 
