@@ -9,7 +9,7 @@ import asyncio
 import re
 import signal
 import time
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -65,7 +65,9 @@ def executors(model_dir: Path) -> Iterator[list[str]]:
         yield [executor.wait_ready() for executor in started]
 
 
-async def _sampled(address: str, jobs: list[tuple[list[int], int]]) -> list[list[int]]:
+async def _sampled(
+    address: str, jobs: list[tuple[list[int], int]], on_tokens: Callable[[int], None] = lambda count: None
+) -> list[list[int]]:
     async with AsyncClient(address) as client:
 
         async def one(index: int, prompt: list[int], max_tokens: int) -> list[int]:
@@ -75,19 +77,32 @@ async def _sampled(address: str, jobs: list[tuple[list[int], int]]) -> list[list
                 seed=1000 + index, ignore_eos=True,
             ):
                 tokens.extend(delta.token_ids)
+                on_tokens(len(delta.token_ids))
             return tokens
 
         return await asyncio.gather(*(one(i, p, m) for i, (p, m) in enumerate(jobs)))
 
 
-async def _with_fault(address: str, streams, fault, after_steps: int) -> list[list[int]]:  # type: ignore[no-untyped-def]
-    """Runs streams(address); once the planner has run after_steps steps, calls fault()."""
-    task = asyncio.create_task(streams(address))
-    async with AsyncClient(address) as client:
-        while (await client.server_status()).num_steps < after_steps:
-            await asyncio.sleep(0.02)
-    fault()
-    return await task
+Streams = Callable[[str, Callable[[int], None]], Awaitable[list[list[int]]]]
+
+
+async def _with_fault(address: str, streams: Streams, fault: Callable[[], None], after_tokens: int) -> list[list[int]]:
+    """Runs streams(address, on_tokens) and calls fault() the moment its clients have had
+    after_tokens tokens in all: mid-generation whatever the machine's speed (waiting for the
+    planner's step count through a status call let fast streams end before the fault)."""
+    received = 0
+    struck = False
+
+    def on_tokens(count: int) -> None:
+        nonlocal received, struck
+        received += count
+        if not struck and received >= after_tokens:
+            struck = True
+            fault()
+
+    outputs = await streams(address, on_tokens)
+    assert struck, f"the streams ended after {received} tokens, before the fault at {after_tokens}"
+    return outputs
 
 
 @pytest.mark.parametrize(
@@ -106,7 +121,8 @@ def test_a_planner_lost_under_load_is_replaced_and_no_stream_notices(
             first.process.send_signal(signals[fault])
 
         started = time.monotonic()
-        outputs = asyncio.run(_with_fault(address, lambda a: stream_all(a, jobs), lose_the_first, after_steps=8))
+        # 32 x 40 tokens: struck a few steps in.
+        outputs = asyncio.run(_with_fault(address, lambda a, heard: stream_all(a, jobs, heard), lose_the_first, 96))
         took = time.monotonic() - started
         if fault == "freeze":
             first.process.send_signal(signal.SIGKILL)
@@ -129,8 +145,8 @@ def test_seeded_sampled_streams_continue_exactly_across_a_planner_kill(
         address = front.wait_ready()
         undisturbed = asyncio.run(_sampled(address, jobs))
         disturbed = asyncio.run(
-            _with_fault(address, lambda a: _sampled(a, jobs), lambda: first.process.send_signal(signal.SIGKILL),
-                        after_steps=8 + _steps(address))
+            _with_fault(address, lambda a, heard: _sampled(a, jobs, heard),
+                        lambda: first.process.send_signal(signal.SIGKILL), 64)
         )
     assert disturbed == undisturbed
 
@@ -138,11 +154,6 @@ def test_seeded_sampled_streams_continue_exactly_across_a_planner_kill(
 def _executors_up(address: str) -> int:
     with Client(address) as client:
         return sum(e.state == pb.EXECUTOR_STATE_UP for e in client.server_status().executors)
-
-
-def _steps(address: str) -> int:
-    with Client(address) as client:
-        return client.server_status().num_steps
 
 
 def test_a_frontend_killed_under_load_costs_only_its_own_streams(
@@ -162,11 +173,15 @@ def test_a_frontend_killed_under_load_costs_only_its_own_streams(
 
         async def both() -> tuple[list[list[int]], BaseException | list[list[int]]]:
             kept = asyncio.create_task(stream_all(survivor, mine))
-            lost = asyncio.create_task(stream_all(victim, theirs))
-            async with AsyncClient(survivor) as client:
-                while (await client.server_status()).num_steps < 8:
-                    await asyncio.sleep(0.02)
-            fronts[1].process.send_signal(signal.SIGKILL)
+
+            async def theirs_until_killed(address: str, heard: Callable[[int], None]) -> list[list[int]]:
+                return await stream_all(address, theirs, heard)
+
+            # Struck once the victim's clients have 32 of their 768 tokens: both front-ends'
+            # streams are mid-generation.
+            lost = asyncio.create_task(
+                _with_fault(victim, theirs_until_killed, lambda: fronts[1].process.send_signal(signal.SIGKILL), 32)
+            )
             results = await asyncio.gather(kept, lost, return_exceptions=True)
             return results[0], results[1]  # type: ignore[return-value]
 

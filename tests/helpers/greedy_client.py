@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+from collections.abc import Callable
 
 from clients import AsyncClient
 
@@ -34,7 +35,11 @@ def workload(count: int, seed: int) -> list[tuple[list[int], int]]:
     ]
 
 
-async def stream_all(address: str, jobs: list[tuple[list[int], int]]) -> list[list[int]]:
+async def stream_all(
+    address: str, jobs: list[tuple[list[int], int]], on_tokens: Callable[[int], None] = lambda count: None
+) -> list[list[int]]:
+    """Each job's greedy output, every stream open at once; on_tokens(count) hears of each
+    message's tokens as it arrives (a fault test strikes on it, mid-generation)."""
     async with AsyncClient(address) as client:
 
         async def one(prompt: list[int], max_tokens: int) -> list[int]:
@@ -43,6 +48,7 @@ async def stream_all(address: str, jobs: list[tuple[list[int], int]]) -> list[li
                 prompt_token_ids=prompt, max_tokens=max_tokens, temperature=0, ignore_eos=True
             ):
                 tokens.extend(delta.token_ids)
+                on_tokens(len(delta.token_ids))
                 if delta.finish_reason is not None:
                     assert delta.finish_reason == "length" and delta.usage is not None
                     assert delta.usage.completion_tokens == max_tokens
