@@ -43,8 +43,10 @@ class Backend(Protocol):
         ...
 
     async def abort_request(self, request_id: str) -> bool:
-        """Ends the request with this client id, wherever it runs; whether one was found."""
+        """Ends the request with this client id, wherever it runs; whether one was found.
+        RequestRejected when whoever runs it could not be asked."""
         ...
 
     async def server_status(self) -> pb.ServerStatus:
+        """RequestRejected when whoever holds the status could not be asked."""
         ...

@@ -109,7 +109,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             stream.discard()
 
     async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
-        return pb.AbortResponse(found=await self.engine.abort_request(request.request_id))
+        try:
+            return pb.AbortResponse(found=await self.engine.abort_request(request.request_id))
+        except RequestRejected as rejected:
+            await abort_call(context, rejected.as_error())
 
     async def Tokenize(self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext) -> pb.TokenizeResponse:
         info = self.engine.info
@@ -153,7 +156,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     async def GetServerStatus(
         self, request: pb.GetServerStatusRequest, context: grpc.aio.ServicerContext
     ) -> pb.ServerStatus:
-        return await self.engine.server_status()
+        try:
+            return await self.engine.server_status()
+        except RequestRejected as rejected:
+            await abort_call(context, rejected.as_error())
 
     async def _require_info(self, context: grpc.aio.ServicerContext) -> executor_pb2.ExecutorInfo:
         try:

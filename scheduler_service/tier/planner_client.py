@@ -11,6 +11,8 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+import grpc
+
 from protos.splitserve.executor.v1 import executor_pb2
 from protos.splitserve.planner.v1 import planner_pb2
 from protos.splitserve.v1 import generation_pb2 as pb
@@ -160,12 +162,20 @@ class PlannerClient:
             return True
         if self.current is None:
             return False
-        return await self.current.abort(request_id)
+        link = self.current
+        try:
+            return await link.abort(request_id)
+        except grpc.aio.AioRpcError as error:
+            raise _unanswered(link, error) from None
 
     async def server_status(self) -> pb.ServerStatus:
         if self.current is None:
             return pb.ServerStatus()
-        return await self.current.server_status()
+        link = self.current
+        try:
+            return await link.server_status()
+        except grpc.aio.AioRpcError as error:
+            raise _unanswered(link, error) from None
 
     # ---- running ------------------------------------------------------------------------------
 
@@ -373,3 +383,11 @@ class PlannerClient:
         if serving != self._serving:
             self._serving = serving
             self._on_serving(serving)
+
+
+def _unanswered(link: PlannerLink, error: grpc.aio.AioRpcError) -> RequestRejected:
+    """A call the front-end passed on to its planner, failed: with the planner's code (most
+    often UNAVAILABLE, the planner lost or not yet replaced: worth retrying), not gRPC's UNKNOWN
+    for an exception in the handler."""
+    kind = KINDS_BY_CODE.get(error.code().value[0], ErrorKind.UNAVAILABLE)
+    return RequestRejected(kind, f"the planner at {link.address} did not answer: {error.code().name}: {error.details()}")

@@ -1,0 +1,40 @@
+"""A front-end passes GetServerStatus and Abort on to its planner; when the planner does not
+answer (lost, and not yet replaced), the client gets the planner's code, UNAVAILABLE, which it
+may retry, and a message naming the planner, not gRPC's UNKNOWN for a handler's exception."""
+
+import asyncio
+import socket
+
+import pytest
+
+from scheduler_service.core.errors import ErrorKind, RequestRejected
+from scheduler_service.tier.planner_client import PlannerClient
+
+
+def _closed_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@pytest.mark.parametrize("call", ["server_status", "abort_request"])
+def test_a_planner_that_does_not_answer_is_unavailable(call: str) -> None:
+    address = f"127.0.0.1:{_closed_port()}"
+
+    async def ask() -> RequestRejected:
+        client = PlannerClient([address], None, None, "frontend-1")
+        # Chosen while it was up; its process is gone now.
+        client.current = client.links[0]
+        try:
+            with pytest.raises(RequestRejected) as refused:
+                if call == "server_status":
+                    await client.server_status()
+                else:
+                    await client.abort_request("someone-elses-request")
+        finally:
+            await client.close()
+        return refused.value
+
+    refused = asyncio.run(ask())
+    assert refused.kind is ErrorKind.UNAVAILABLE
+    assert f"the planner at {address} did not answer: UNAVAILABLE" in str(refused)
