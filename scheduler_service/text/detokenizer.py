@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 from transformers import PreTrainedTokenizerBase
 
+from scheduler_service.text.token_decoder import token_decoder
+
 logger = logging.getLogger(__name__)
 
 REPLACEMENT_CHAR = "\ufffd"
@@ -69,11 +71,10 @@ class IncrementalDetokenizer:
         min_tokens: int = 0,
         include_stop_str_in_output: bool = False,
     ) -> None:
-        self._tokenizer = tokenizer
+        self._decode = token_decoder(tokenizer, skip_special_tokens)
         # Stop strings apply from this many output tokens on (vLLM's min_tokens semantics).
         self._min_tokens = min_tokens
         self._num_tokens = 0
-        self._skip_special_tokens = skip_special_tokens
         # The prompt's last tokens are the first window's context: the first output token must
         # decode as it would following the prompt (e.g. keep its leading space).
         self._window: list[int] = list(prompt_token_ids[-(CONTEXT_TOKENS + CUT_SEARCH_TOKENS) :])
@@ -228,6 +229,3 @@ class IncrementalDetokenizer:
             if any(stop_string.startswith(suffix) for stop_string in self._stops):
                 return length
         return 0
-
-    def _decode(self, token_ids: list[int]) -> str:
-        return self._tokenizer.decode(token_ids, skip_special_tokens=self._skip_special_tokens)
