@@ -1,8 +1,9 @@
-"""The event loop the scheduler's processes run on: asyncio's own (the default), or uvloop
-(libuv's loop), which costs the front-ends ~17 % less CPU per token delivered (bench.scale,
-2 x 256 at 40 ms, two front-ends, paired runs: 48.7-49.0 against 40.0-40.9 us per token). It is
-not the default yet: the end-to-end suites passed on it, but one run of four tier and failover
-test files failed once, unexplained, in five tries (none in three on asyncio's loop)."""
+"""The event loop the scheduler's processes run on: uvloop (libuv's loop) where it is installed,
+as it is with the package (auto, the default), or asyncio's own. uvloop costs the front-ends
+~17 % less CPU per token delivered (bench.scale, 2 x 256 at 40 ms, two front-ends, paired runs:
+48.7-49.0 against 40.0-40.9 us per token). The tier test failures that kept it opt-in at first
+were the tests' own race (a fault struck after the streams it was to interrupt had ended, which
+uvloop's faster front-ends made likelier), not the loop's."""
 
 import asyncio
 import importlib.util

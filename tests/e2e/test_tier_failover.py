@@ -214,8 +214,11 @@ def test_the_all_in_one_schedulers_front_ends_end_with_it_even_when_it_is_killed
         address = scheduler.wait_ready(timeout_s=120.0)
         with Client(address) as client:
             assert client.generate(prompt_token_ids=[5, 6, 7], max_tokens=3, ignore_eos=True).token_ids
-        pids = [int(pid) for pid in re.findall(r"event=frontend_started index=\d+ pid=(\d+)", scheduler.log_text())]
+        log = scheduler.log_text()
+        pids = [int(pid) for pid in re.findall(r"event=frontend_started index=\d+ pid=(\d+)", log)]
         assert len(pids) == 2
+        # By default the planner and both front-ends run on uvloop.
+        assert log.count("event=event_loop loop=uvloop asked=auto") == 3, log
         scheduler.process.send_signal(signal.SIGKILL)
         wait_for(lambda: not any(is_running(pid) for pid in pids), timeout_s=20.0, what="the front-ends to end")
     finally:

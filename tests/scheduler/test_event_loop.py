@@ -1,6 +1,6 @@
-"""The scheduler's processes run on asyncio's loop by default, on uvloop when asked for (or with
-auto, where it is installed: it is a dependency), and refuse to start when uvloop is asked for
-and missing."""
+"""The scheduler's processes run on uvloop by default (auto: where it is installed, and it is a
+dependency), on asyncio's loop when asked for, and refuse to start when uvloop is asked for and
+missing."""
 
 import asyncio
 import importlib.util
