@@ -6,7 +6,7 @@ spaces when the tokenizer asks for one, behind transformers' argument handling (
 Where the tokenizer's class keeps transformers' own decode and asks for no clean-up, the
 backend's decode is called directly; any other tokenizer goes through decode(). Qwen3's
 tokenizer, 6 tokens: 3.3 µs through decode(), 1.1 µs direct; a streamed token through the
-detokenizer, 8.9 µs before.
+detokenizer (1,000 tokens of README text, three times over): 8.9 -> 4.6-4.9 µs.
 """
 
 from collections.abc import Callable
