@@ -1,9 +1,10 @@
 """The event loop the scheduler's processes run on: uvloop (libuv's loop) where it is installed,
 as it is with the package (auto, the default), or asyncio's own. uvloop costs the front-ends
 ~17 % less CPU per token delivered (bench.scale, 2 x 256 at 40 ms, two front-ends, paired runs
-on two days: 48.7-49.0 against 40.0-40.9 us per token, then 55.4-56.3 against 44.0-48.2). The tier test failures that kept it opt-in at first
-were the tests' own race (a fault struck after the streams it was to interrupt had ended, which
-uvloop's faster front-ends made likelier), not the loop's."""
+on two days: 48.7-49.0 against 40.0-40.9 us per token, then 55.4-56.3 against 44.0-48.2). The
+tier test failures that kept it opt-in at first were the tests' own race (a fault struck after
+the streams it was to interrupt had ended, which uvloop's faster front-ends made likelier), not
+the loop's."""
 
 import asyncio
 import importlib.util

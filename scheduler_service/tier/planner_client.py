@@ -389,5 +389,6 @@ def _unanswered(link: PlannerLink, error: grpc.aio.AioRpcError) -> RequestReject
     """A call the front-end passed on to its planner, failed: with the planner's code (most
     often UNAVAILABLE, the planner lost or not yet replaced: worth retrying), not gRPC's UNKNOWN
     for an exception in the handler."""
-    kind = KINDS_BY_CODE.get(error.code().value[0], ErrorKind.UNAVAILABLE)
-    return RequestRejected(kind, f"the planner at {link.address} did not answer: {error.code().name}: {error.details()}")
+    code = error.code()
+    kind = KINDS_BY_CODE.get(code.value[0], ErrorKind.UNAVAILABLE)
+    return RequestRejected(kind, f"the planner at {link.address} did not answer: {code.name}: {error.details()}")

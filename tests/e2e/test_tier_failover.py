@@ -180,8 +180,7 @@ def test_a_frontend_killed_under_load_costs_only_its_own_streams(
             async def theirs_until_killed(address: str, heard: Callable[[int], None]) -> list[list[int]]:
                 return await stream_all(address, theirs, heard)
 
-            # Struck once the victim's clients have 32 of their 6,400 tokens: both front-ends'
-            # streams are mid-generation.
+            # Struck once the victim's clients have 32 of their 6,400 tokens: mid-generation.
             lost = asyncio.create_task(
                 _with_fault(victim, theirs_until_killed, lambda: fronts[1].process.send_signal(signal.SIGKILL), 32)
             )
