@@ -48,8 +48,8 @@ class _Held:
     handle: int
     # Its block table as the plans build it, for the scheduler's audit (Admin/Audit).
     block_ids: list[int] = field(default_factory=list)
-    # What its tokens vary with besides their position (_token).
-    seed: int = 0
+    # What its tokens vary with besides their position (_token): its id's hash, taken once.
+    seed: int = field(init=False, default=0)
 
     def __post_init__(self) -> None:
         self.seed = zlib.crc32(self.request_id.encode())

@@ -176,13 +176,10 @@ def test_a_frontend_killed_under_load_costs_only_its_own_streams(
 
         async def both() -> tuple[list[list[int]], BaseException | list[list[int]]]:
             kept = asyncio.create_task(stream_all(survivor, mine))
-
-            async def theirs_until_killed(address: str, heard: Callable[[int], None]) -> list[list[int]]:
-                return await stream_all(address, theirs, heard)
-
             # Struck once the victim's clients have 32 of their 6,400 tokens: mid-generation.
             lost = asyncio.create_task(
-                _with_fault(victim, theirs_until_killed, lambda: fronts[1].process.send_signal(signal.SIGKILL), 32)
+                _with_fault(victim, lambda a, heard: stream_all(a, theirs, heard),
+                            lambda: fronts[1].process.send_signal(signal.SIGKILL), 32)
             )
             results = await asyncio.gather(kept, lost, return_exceptions=True)
             return results[0], results[1]  # type: ignore[return-value]
