@@ -9,6 +9,9 @@ workload itself, and stopped after:
   operations transformers itself runs; no packed weights, no decode kernel);
 - splitserve-eager: the same with no decode step replayed from a CUDA graph (on CUDA, what the
   graphs buy; on the CPU the same as splitserve);
+- splitserve-no-weight-blocks: the same with every weight read as float32, including those made
+  of 4-bit blocks (the default SmolLM2 copy's), as an ordinary checkpoint's would be read: the
+  lead that generalises beyond such checkpoints;
 - splitserve@REV (--base-rev REV): splitserve as the git revision REV has it, both services run
   from a checkout of it, to measure a change against the code before it in the same run;
 - vllm: bench.vllm_peer under the vLLM virtualenv's python, with the libraries its CPU guide
@@ -42,8 +45,12 @@ SPLITSERVE_PATHS: dict[str, dict[str, object]] = {
     "splitserve": {},
     "splitserve-exact": {"no_packed_linear": True, "attention_backend": "sdpa"},
     "splitserve-eager": {"cuda_graph_max_batch": 0},
+    "splitserve-no-weight-blocks": {"no_weight_blocks": True},
 }
-SYSTEMS = ("splitserve", "splitserve-exact", "splitserve-eager", "vllm", "transformers", "transformers-cb")
+SYSTEMS = (
+    "splitserve", "splitserve-exact", "splitserve-eager", "splitserve-no-weight-blocks", "vllm", "transformers",
+    "transformers-cb",
+)
 # What a run measures unless --systems says otherwise.
 DEFAULT_SYSTEMS = ("splitserve", "vllm", "transformers", "transformers-cb")
 # Systems whose prefix caching the shared-prefix workload also measures switched off.

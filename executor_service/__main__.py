@@ -186,6 +186,15 @@ def parse_args(argv: list[str] | None, prog: str = "python -m executor_service")
         "mixing AMX and other hosts, or a request moved between them, no longer gets the same logits",
     )
     parser.add_argument(
+        "--weight-blocks",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="read weights whose every 32 inputs are d q + m (q in 0..15: a dequantized GGUF Q4_1 "
+        "checkpoint, as the default SmolLM2's) as those 4-bit blocks, ~0.75 bytes a weight instead "
+        "of 4, with the same bits (CPU, float32, panel kernel); --no-weight-blocks reads every "
+        "weight as float32, as an ordinary checkpoint's, to measure what the blocks give",
+    )
+    parser.add_argument(
         "--draft-model",
         type=Path,
         default=None,
@@ -330,6 +339,7 @@ def parse_args(argv: list[str] | None, prog: str = "python -m executor_service")
         draft_model_dir=args.draft_model,
         panel_linear=args.panel_linear,
         amx=args.amx,
+        weight_blocks=args.weight_blocks,
         cuda_graph_max_batch=args.cuda_graph_max_batch,
         tls=tls,
         peer_tls=peer,

@@ -29,6 +29,7 @@ what each of these choices measured against oneDNN.
 
 from __future__ import annotations
 
+import copy
 import ctypes
 import functools
 
@@ -73,6 +74,16 @@ class PanelKernel:
         self._amx_use = declare(library.panel_amx_use, [size], size)
         # Whether calls multiply on AMX's tiles (kernels/panel_amx.c).
         self.amx = bool(self._amx_use(1))
+        # Whether pack_blocks keeps weights made of 4-bit blocks as such (without_blocks).
+        self.reads_blocks = True
+
+    def without_blocks(self) -> PanelKernel:
+        """This kernel with pack_blocks keeping no weight as 4-bit blocks: every weight is read
+        as float32 panels, as an ordinary checkpoint's would be (the executor's
+        --no-weight-blocks). The bits are the same either way; only the memory traffic differs."""
+        plain = copy.copy(self)
+        plain.reads_blocks = False
+        return plain
 
     def use_amx(self, want: bool) -> bool:
         """Turns the AMX path on (where the CPU, the compiler and the OS allow it) or off, for
@@ -93,7 +104,10 @@ class PanelKernel:
 
     def pack_blocks(self, weight: torch.Tensor) -> torch.Tensor | None:
         """[out, in] float32 weight -> its 4-bit blocks (a flat uint8 tensor), or None where some
-        value is not d q + m of its block (or in is not a whole number of blocks)."""
+        value is not d q + m of its block (or in is not a whole number of blocks), or where this
+        kernel reads no blocks (without_blocks)."""
+        if not self.reads_blocks:
+            return None
         weight = float32_cpu(weight.detach(), KERNEL).contiguous()
         out_features, in_features = weight.shape
         blocks = torch.empty(self._block_bytes(out_features, in_features), dtype=torch.uint8)

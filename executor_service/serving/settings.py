@@ -77,6 +77,9 @@ class ExecutorSettings:
     # Linear layers multiplied on AMX's bf16 tiles (panel_amx.c) where the CPU has them: faster, but
     # not the float path's bits (the same on every AVX-512 CPU), hence opt-in.
     amx: bool = False
+    # Weights made of 4-bit blocks (a dequantized GGUF Q4_1 checkpoint, the default SmolLM2's)
+    # read as those blocks by the panel kernel: the same bits from under a fifth of the traffic.
+    weight_blocks: bool = True
     # Pure decode steps of up to this many rows replay CUDA graphs (CUDA, one rank); 0: never.
     cuda_graph_max_batch: int = DEFAULT_CUDA_GRAPH_MAX_BATCH
     # Greedy rows' lm_head through the int8 screen (greedy_head.py), where the head is on the

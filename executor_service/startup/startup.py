@@ -82,17 +82,18 @@ def _layer_kernels() -> LayerKernels | None:
         return None
 
 
-def _panel_kernel(amx: bool) -> PanelKernel | None:
-    """The C panel linear kernel, AMX on where wanted and available, or None (oneDNN) where it
-    cannot be had, which an event=panel_linear line says with the reason; event=linears_packed
-    names the backend and whether AMX is on."""
+def _panel_kernel(amx: bool, weight_blocks: bool) -> PanelKernel | None:
+    """The C panel linear kernel, AMX on where wanted and available, reading weights made of
+    4-bit blocks as such where weight_blocks, or None (oneDNN) where it cannot be had, which an
+    event=panel_linear line says with the reason; event=linears_packed names the backend,
+    whether AMX is on and how many weights are read as blocks."""
     try:
         panels = load_panel_kernel()
     except KernelUnavailable as error:
         logger.info("event=panel_linear enabled=false reason=%r", str(error))
         return None
     panels.use_amx(amx)
-    return panels
+    return panels if weight_blocks else panels.without_blocks()
 
 
 def _row_argmax(device: torch.device) -> RowArgmax | None:
@@ -286,7 +287,7 @@ def _pack(loaded: LoadedModel, settings: ExecutorSettings) -> None:
     """The model's layers fused and its linears packed for the CPU kernels, and its forward the
     lean one where every layer is fused."""
     recurrent = loaded.recurrent
-    panels = _panel_kernel(settings.amx) if settings.panel_linear else None
+    panels = _panel_kernel(settings.amx, settings.weight_blocks) if settings.panel_linear else None
     kernels = _layer_kernels()
     fuse_layers(loaded.model, kernels, panels)
     if kernels is not None:

@@ -63,7 +63,7 @@ def test_splitserve_and_transformers_peers_in_one_run(tmp_path: Path) -> None:
     # fixed one does, and splitserve without its prefix cache besides.
     stdout, report = run_compare(
         tmp_path,
-        "--systems", "splitserve,transformers,transformers-cb,splitserve-exact",
+        "--systems", "splitserve,transformers,transformers-cb,splitserve-exact,splitserve-no-weight-blocks",
         "--workloads", "shared-prefix",
         "--models", "random-llama",
         *NARROW_HEADS, *TINY_LLAMA, *TINY_WORKLOADS,
@@ -76,6 +76,7 @@ def test_splitserve_and_transformers_peers_in_one_run(tmp_path: Path) -> None:
         "transformers",
         "transformers-cb",
         "splitserve-exact",
+        "splitserve-no-weight-blocks",
     }
     assert shared["requests"] == 4 and shared["output_tokens"] == 4 * 8
     assert "once untimed in the same process (the warm-up)" in stdout

@@ -13,7 +13,6 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from executor_service.cpu_forward.decode_program import decode_program
 from executor_service.cpu_forward.packed_linear import PackedLinear
 from executor_service.kernels.panel_linear import load_panel_kernel
 from executor_service.runner import model_runner
@@ -128,7 +127,7 @@ def _four_bit(weight: torch.Tensor) -> torch.Tensor:
 def test_four_bit_weights_give_the_float_weights_logits_and_kv(tmp_path: Path, amx: bool) -> None:
     """A model dequantized from 4-bit blocks (as the default SmolLM2 copy is): its linears keep
     the blocks, decode steps read them (through the program and the loop alike), and every step's
-    logits and K/V are those of the same weights read as floats: their bits on the float path,
+    logits and K/V are those of the same weights read as floats (--no-weight-blocks): their bits on the float path,
     within float32 rounding on AMX's tiles (which every call with blocks takes, prefill too)."""
     panels = load_or_skip(load_panel_kernel, "avx512f")
     if amx:
@@ -148,13 +147,15 @@ def _compare_four_bit_with_floats(model_dir: Path, amx: bool) -> None:
     def same(got: torch.Tensor, expected: torch.Tensor) -> bool:
         return torch.allclose(got, expected, rtol=1e-5, atol=1e-5) if amx else torch.equal(got, expected)
 
-    with_blocks, as_floats = _runner(model_dir, amx=amx), _runner(model_dir, amx=amx)
-    linears = [m for m in as_floats.loaded.model.modules() if isinstance(m, PackedLinear)]
-    assert sum(m.blocks is not None for m in linears) == len(linears) - 1  # all but the lm_head
-    for linear in linears:
-        linear.blocks = None
-    lean = as_floats.loaded.lean
-    lean.program = decode_program(lean.layers)
+    with_blocks, as_floats = _runner(model_dir, amx=amx), _runner(model_dir, amx=amx, weight_blocks=False)
+
+    def linears(runner: model_runner.ModelRunner) -> list[PackedLinear]:
+        return [m for m in runner.loaded.model.modules() if isinstance(m, PackedLinear)]
+
+    assert sum(m.blocks is not None for m in linears(with_blocks)) == len(linears(with_blocks)) - 1  # all but the lm_head
+    # --no-weight-blocks: the same weights, every one read as floats.
+    assert linears(as_floats) and all(m.blocks is None for m in linears(as_floats))
+    assert as_floats.loaded.lean.program is not None
     logits: dict[int, list[torch.Tensor]] = {id(with_blocks): [], id(as_floats): []}
     original = model_runner.compute_logits
     for runner in (with_blocks, as_floats):

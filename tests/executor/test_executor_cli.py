@@ -55,6 +55,11 @@ def test_amx_which_changes_the_bits_by_host_is_opt_in_and_the_exact_greedy_scree
     assert not parse_args([*MODEL, "--no-greedy-screen"]).greedy_screen
 
 
+def test_weights_of_4_bit_blocks_are_read_as_blocks_unless_asked_not_to() -> None:
+    assert parse_args([*MODEL]).weight_blocks
+    assert not parse_args([*MODEL, "--no-weight-blocks"]).weight_blocks
+
+
 def test_the_role_is_both_unless_chosen() -> None:
     assert parse_args([*MODEL]).role == "both"
     assert parse_args([*MODEL, "--role", "prefill"]).role == "prefill"
