@@ -31,7 +31,9 @@ tokens/s, TTFT and inter-token latency p50/p99, peak RSS of the system's process
 computed (the rest came from a prefix cache), the ratio to splitserve's output tokens/s, each
 system's share of the workload's ceiling on this machine (bench.workload_floor, from the GEMM
 rate and memory bandwidth measured at start), and how many greedy outputs equal transformers
-static generate's token for token. Writes every run's
+static generate's token for token; below it, for splitserve's systems, the CPU seconds its
+executors, scheduler and client (this process) used over the timed run, since on a machine whose
+cores the executor's threads fill, the other two take theirs from it. Writes every run's
 figures to --json and a bar chart to --png. Exit status 1 when a system failed.
 """
 

@@ -17,6 +17,8 @@ class Measurement:
     peak_rss_bytes: int
     # "process (pid)" -> its own peak RSS.
     rss_by_process: dict[str, int] = field(default_factory=dict)
+    # CPU seconds over the timed run by role (SystemResult.cpu_s); splitserve's systems only.
+    cpu_s: dict[str, float] = field(default_factory=dict)
 
 
 def run_result_of(result: SystemResult, prompt_tokens_computed: int) -> RunResult:

@@ -14,6 +14,7 @@ import numpy as np
 from bench.compare_records import Measurement
 from bench.compare_workloads import Workload
 from bench.peer_io import ItlKind
+from bench.throughput_workload import CLIENT_ROLE, EXECUTOR_ROLE, SCHEDULER_ROLE
 
 MiB = 1 << 20
 REFERENCE = "transformers"  # greedy outputs are compared with its
@@ -32,6 +33,11 @@ class RunFigures:
     itl_p99_s: float | None
     peak_rss_mib: float
     prompt_tokens_computed: int | None
+    # CPU seconds over the timed run of the executors, the scheduler and the client (the
+    # benchmark's process); None for the peers, which run in one process of their own.
+    executor_cpu_s: float | None = None
+    scheduler_cpu_s: float | None = None
+    client_cpu_s: float | None = None
 
 
 @dataclass(slots=True, frozen=True)
@@ -103,6 +109,9 @@ def run_figures(measurement: Measurement, workload: Workload) -> RunFigures:
         itl_p99_s=percentile(itl, 99) if itl else None,
         peak_rss_mib=measurement.peak_rss_bytes / MiB,
         prompt_tokens_computed=result.prompt_tokens_computed,
+        executor_cpu_s=measurement.cpu_s.get(EXECUTOR_ROLE),
+        scheduler_cpu_s=measurement.cpu_s.get(SCHEDULER_ROLE),
+        client_cpu_s=measurement.cpu_s.get(CLIENT_ROLE),
     )
 
 
@@ -216,10 +225,30 @@ def format_table(report: WorkloadReport) -> str:
     if report.ceiling_tok_s is not None:
         lines += ["", f"§ output tok/s over the workload's ceiling here, {report.ceiling_tok_s:.0f} tok/s "
                   f"(bench.workload_floor: {report.ceiling_basis})."]
+    lines += cpu_lines(report)
     if marked:
         lines += ["", "† per-request mean inter-token latency ((last - first token) / (tokens - 1), from the "
                   "engine's timestamps): vLLM's offline API gives no per-token times."]
     return "\n".join(lines)
+
+
+def cpu_lines(report: WorkloadReport) -> list[str]:
+    """Where splitserve's CPU went over the timed run: on a machine whose every core the
+    executor's threads use, the scheduler and the client take theirs from it."""
+    lines = []
+    for row in report.rows:
+        m = row.median
+        if m is None or m.executor_cpu_s is None or m.scheduler_cpu_s is None or m.client_cpu_s is None:
+            continue
+        beside = m.scheduler_cpu_s + m.client_cpu_s
+        lines += [
+            "",
+            f"¶ {row.label}: CPU seconds over the timed run (medians), executor {m.executor_cpu_s:.2f}, "
+            f"scheduler {m.scheduler_cpu_s:.2f}, client {m.client_cpu_s:.2f}: scheduler and client "
+            f"{beside / (report.threads * m.wall_s):.1%} of the {report.threads} threads' time "
+            f"({m.wall_s:.2f} s wall).",
+        ]
+    return lines
 
 
 def first_line(text: str | None) -> str:

@@ -177,8 +177,8 @@ def measure_splitserve(
         result = asyncio.run(
             drive(
                 services.address, workload.prompts, workload.new_tokens, label, prefix_caching,
-                (warm_up.prompts, warm_up.new_tokens),
+                (warm_up.prompts, warm_up.new_tokens), services.cpu_roles,
             )
         )
     run = run_result_of(result, workload.prompt_tokens - result.cached_prompt_tokens)
-    return Measurement(run, rss.peak_bytes, dict(rss.by_process))
+    return Measurement(run, rss.peak_bytes, dict(rss.by_process), result.cpu_s)

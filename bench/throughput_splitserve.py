@@ -7,12 +7,19 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bench.throughput_workload import BenchConfig, SystemResult
+from bench.throughput_workload import (
+    CLIENT_ROLE,
+    EXECUTOR_ROLE,
+    SCHEDULER_ROLE,
+    BenchConfig,
+    SystemResult,
+)
+from bench.tier_cpu import cpu_seconds
 from clients import AsyncClient, Client
 from protos.splitserve.v1.generation_pb2 import EXECUTOR_STATE_UP
 from tests.helpers.executor_process import ExecutorProcess
@@ -40,8 +47,18 @@ class StreamTiming:
 @dataclass(slots=True, frozen=True)
 class Services:
     address: str
-    # The executors' and the scheduler's, for whoever measures them (memory, profilers).
-    pids: list[int]
+    executor_pids: list[int]
+    scheduler_pid: int
+
+    @property
+    def pids(self) -> list[int]:
+        """The executors' and the scheduler's, for whoever measures them (memory, profilers)."""
+        return [*self.executor_pids, self.scheduler_pid]
+
+    @property
+    def cpu_roles(self) -> dict[str, list[int]]:
+        """Each role's processes, as drive() counts their CPU."""
+        return {EXECUTOR_ROLE: self.executor_pids, SCHEDULER_ROLE: [self.scheduler_pid]}
 
 
 @contextmanager
@@ -85,7 +102,7 @@ def running_services(
         address = scheduler.wait_ready(START_TIMEOUT_S)
         logger.info("event=scheduler_up pid=%d address=%s", scheduler.process.pid, address)
         wait_all_up(address, config.executors)
-        yield Services(address, [executor.process.pid for executor in executors] + [scheduler.process.pid])
+        yield Services(address, [executor.process.pid for executor in executors], scheduler.process.pid)
 
 
 def wait_all_up(address: str, count: int) -> None:
@@ -119,12 +136,14 @@ async def drive(
     label: str,
     share_prefixes: bool = True,
     warm_up: tuple[list[list[int]], list[int]] | None = None,
+    cpu_roles: Mapping[str, Sequence[int]] | None = None,
 ) -> SystemResult:
     """Streams every prompt at once, prompts[i] for new_tokens[i] tokens. share_prefixes=False
     gives each request a cache salt of its own, so no request reuses another's cached blocks
     (the scheduler has no switch for prefix caching). warm_up: prompts and token counts streamed
     the same way first, untimed (bench.compare's warm-up of the workload's shapes); without it,
-    one short request."""
+    one short request. cpu_roles: role -> pids (Services.cpu_roles) whose CPU seconds over the
+    timed streams the result reports, with this process's own as the client's."""
     async with AsyncClient(address) as client:
 
         async def stream_all(prompts: list[list[int]], tokens: list[int], tag: str) -> list[StreamTiming]:
@@ -141,8 +160,10 @@ async def drive(
             await stream_one(client, prompts[0][:4], 2, StreamTiming())
         else:
             await stream_all(*warm_up, "warm-up")
+        cpu_before = _cpu_by_role(cpu_roles or {})
         start = time.perf_counter()
         timings = await stream_all(prompts, new_tokens, "request")
+        cpu_after = _cpu_by_role(cpu_roles or {})
     end = max(t.done_at or start for t in timings)
     logger.info("event=splitserve_done wall_s=%.2f", end - start)
     return SystemResult(
@@ -153,7 +174,16 @@ async def drive(
         outputs=[t.tokens for t in timings],
         token_times_s=[[at - start for at in t.token_times] for t in timings],
         cached_prompt_tokens=sum(t.cached_prompt_tokens for t in timings),
+        cpu_s={role: cpu_after[role] - cpu_before[role] for role in cpu_before} if cpu_roles else {},
     )
+
+
+def _cpu_by_role(roles: Mapping[str, Sequence[int]]) -> dict[str, float]:
+    """CPU seconds so far of each role's processes (a process gone counts nothing), and of this
+    process as the client: its streams, and the few samples bench.process_memory's thread takes."""
+    used = {role: sum(cpu_seconds(pid) or 0.0 for pid in pids) for role, pids in roles.items()}
+    used[CLIENT_ROLE] = time.process_time()
+    return used
 
 
 def splitserve_label(config: BenchConfig) -> str:

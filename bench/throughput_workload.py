@@ -6,6 +6,10 @@ import random
 import statistics
 from dataclasses import dataclass, field
 
+# The roles whose CPU over a timed run SystemResult.cpu_s reports: splitserve's services'
+# processes, and the benchmark's own, whose client streams every request.
+EXECUTOR_ROLE, SCHEDULER_ROLE, CLIENT_ROLE = "executor", "scheduler", "client"
+
 
 @dataclass(slots=True, frozen=True)
 class BenchConfig:
@@ -61,6 +65,9 @@ class SystemResult:
     token_times_s: list[list[float]] = field(default_factory=list)
     # Prompt tokens served from a prefix cache instead of being computed.
     cached_prompt_tokens: int = 0
+    # CPU seconds over the timed run by role (throughput_splitserve.drive's cpu_roles and the
+    # client); empty where not measured.
+    cpu_s: dict[str, float] = field(default_factory=dict)
 
     @property
     def tokens_per_s(self) -> float:

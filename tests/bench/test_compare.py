@@ -100,6 +100,14 @@ def test_splitserve_and_transformers_peers_in_one_run(tmp_path: Path) -> None:
         # Every system's greedy tokens are transformers static generate's.
         assert row["matching"] == 4, row["label"]
     shared_rows = rows_by_label(shared)
+    # Where splitserve's CPU went over the timed run, each role apart; the peers run in one
+    # process of their own and have no such split.
+    # (/proc counts in 10 ms ticks, and this tiny run takes a few of them.)
+    ours = shared_rows["splitserve"]["median"]
+    assert all(ours[f"{role}_cpu_s"] >= 0 for role in ("executor", "scheduler", "client"))
+    assert ours["executor_cpu_s"] + ours["scheduler_cpu_s"] > 0 and ours["client_cpu_s"] > 0
+    assert shared_rows["transformers"]["median"]["scheduler_cpu_s"] is None
+    assert "¶ splitserve: CPU seconds over the timed run (medians), executor " in stdout
     assert shared_rows["splitserve"]["ratio_to_baseline"] == 1.0
     assert shared_rows["splitserve"]["run_ratios"] == [1.0]
     assert len(shared_rows["transformers"]["run_ratios"]) == 1
