@@ -187,7 +187,9 @@ def fuse_layers(model: nn.Module, kernels: LayerKernels | None, panels: PanelKer
                 replacements.append((parent, name, FusedRMSNorm(child, kernels)))
     for parent, name, fused in replacements:
         setattr(parent, name, fused)
+    linears = [m for _, _, fused in replacements for m in fused.modules() if isinstance(m, PackedLinear)]
     logger.info(
-        "event=layers_fused modules=%d elementwise=%s", len(replacements), "c" if kernels else "torch"
+        "event=layers_fused modules=%d elementwise=%s linears=%d four_bit_blocks=%d",
+        len(replacements), "c" if kernels else "torch", len(linears), sum(m.blocks is not None for m in linears),
     )
     return len(replacements)

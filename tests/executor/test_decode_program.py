@@ -6,6 +6,8 @@ them at decode sizes, with the float weights' bits (AMX off) or within float32 r
 
 from __future__ import annotations
 
+import logging
+import re
 from pathlib import Path
 from typing import Any
 
@@ -124,7 +126,9 @@ def _four_bit(weight: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("amx", [False, True], ids=["float-path", "amx"])
-def test_four_bit_weights_give_the_float_weights_logits_and_kv(tmp_path: Path, amx: bool) -> None:
+def test_four_bit_weights_give_the_float_weights_logits_and_kv(
+    tmp_path: Path, amx: bool, caplog: pytest.LogCaptureFixture
+) -> None:
     """A model dequantized from 4-bit blocks (as the default SmolLM2 copy is): its linears keep
     the blocks, decode steps read them (through the program and the loop alike), and every step's
     logits and K/V are those of the same weights read as floats (--no-weight-blocks): their bits on the float path,
@@ -137,7 +141,15 @@ def test_four_bit_weights_give_the_float_weights_logits_and_kv(tmp_path: Path, a
     weights = load_file(path)
     save_file({name: _four_bit(t) if name.endswith("proj.weight") else t for name, t in weights.items()}, path)
     try:
-        _compare_four_bit_with_floats(model_dir, amx)
+        with caplog.at_level(logging.INFO, logger="executor_service.cpu_forward.fused_layers"):
+            _compare_four_bit_with_floats(model_dir, amx)
+        # The start-up log says how many of the fused layers' linears read blocks: every one,
+        # then none with --no-weight-blocks.
+        fused = [r.getMessage() for r in caplog.records if r.getMessage().startswith("event=layers_fused")]
+        counts = [re.search(r"linears=(\d+) four_bit_blocks=(\d+)$", line) for line in fused]
+        assert len(counts) == 2 and all(counts)
+        (linears, with_blocks), (also_linears, without) = (map(int, m.groups()) for m in counts if m)
+        assert linears == also_linears > 0 and with_blocks == linears and without == 0
         assert panels.amx == amx
     finally:
         panels.use_amx(True)
