@@ -1,5 +1,5 @@
 """The step planner: which requests run this step, how many tokens each computes, which blocks
-they use; and the bookkeeping when the step's tokens come back."""
+they use. The bookkeeping when the step's tokens come back is in step_results.py."""
 
 import itertools
 import time
