@@ -131,8 +131,9 @@ def test_four_bit_weights_give_the_float_weights_logits_and_kv(
 ) -> None:
     """A model dequantized from 4-bit blocks (as the default SmolLM2 copy is): its linears keep
     the blocks, decode steps read them (through the program and the loop alike), and every step's
-    logits and K/V are those of the same weights read as floats (--no-weight-blocks): their bits on the float path,
-    within float32 rounding on AMX's tiles (which every call with blocks takes, prefill too)."""
+    logits and K/V are those of the same weights read as floats (--no-weight-blocks): their bits
+    on the float path, within float32 rounding on AMX's tiles (which every call with blocks
+    takes, prefill too)."""
     panels = load_or_skip(load_panel_kernel, "avx512f")
     if amx:
         skip_without_amx()
