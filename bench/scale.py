@@ -24,7 +24,9 @@ says how many cores that role needs. The window opens after the warm-up, once ev
 receives tokens (or the settle timeout has passed: the table says how many did), so that it
 measures delivery rather than admission; CPU counts over the window only. Everything shares
 this machine's cores, so it may not hold the load; CPU per delivered token depends on that much
-less, which is why the costs are per token.
+less, which is why the costs are per token. Where the front-ends fall behind, the planner's
+tokens wait for them and its cost per delivered token carries tokens not yet delivered, so its
+cost per token the executors sampled is printed beside it.
 """
 
 from __future__ import annotations
@@ -101,6 +103,10 @@ class ScaleResult:
     scheduler_cpu_us_per_token: float
     planner_cpu_us_per_token: float | None
     frontend_cpu_us_per_token: float | None
+    # The planner's CPU per token the executors sampled (None with one process). Where the
+    # machine cannot hold the load, the front-ends fall behind and the planner's tokens wait for
+    # them: per delivered token, its figure then carries tokens not yet delivered.
+    planner_cpu_us_per_generated_token: float | None = None
 
     @property
     def worst_idle(self) -> float:
@@ -245,6 +251,7 @@ def run_once(config: ScaleConfig, workdir: Path | None = None) -> ScaleResult:
         scheduler_cpu_us_per_token=_us_per_token(tier_s, window_s, tokens_per_s),
         planner_cpu_us_per_token=_us_per_token(used.planner_s, window_s, tokens_per_s) if split else None,
         frontend_cpu_us_per_token=_us_per_token(used.frontends_s, window_s, tokens_per_s) if config.frontends > 1 else None,
+        planner_cpu_us_per_generated_token=_us_per_token(used.planner_s, window_s, generated_per_s) if split else None,
     )
 
 
@@ -298,6 +305,9 @@ def role_costs(runs: list[ScaleResult]) -> list[RoleCost]:
 def format_costs(runs: list[ScaleResult]) -> str:
     c = runs[0].config
     parts = [f"{cost.role} {cost.us_per_token:.1f} us/token -> {cost.cores:.2f} cores" for cost in role_costs(runs)]
+    generated = [r.planner_cpu_us_per_generated_token for r in runs if r.planner_cpu_us_per_generated_token is not None]
+    if generated:
+        parts.append(f"planner per generated token {statistics.median(generated):.1f} us")
     return (
         f"{c.step_ms:g} ms, {c.executors} x {c.running}, {c.frontends} front-end(s), "
         f"stream interval {c.stream_interval}: "

@@ -27,15 +27,22 @@ def test_scale_benchmark_drives_simulated_executors_from_client_streams(frontend
     assert result.scheduler_cpu > 0 and result.scheduler_cpu_us_per_token > 0
     assert f"| 20 | 2 x 8 | {frontends} |" in format_table([result])
     roles = {cost.role: cost for cost in role_costs([result])}
+    # A planner's cost per token sampled as well as per token delivered: they part where the
+    # front-ends fall behind.
+    per_generated = result.planner_cpu_us_per_generated_token
     if frontends == 1:
         assert result.planner_cpu_us_per_token is None and result.frontend_cpu_us_per_token is None
+        assert per_generated is None
         assert list(roles) == ["scheduler"]
-    elif frontends == 0:
+    else:
+        assert per_generated is not None and per_generated > 0
+        assert f"planner per generated token {per_generated:.1f} us" in format_costs([result])
+    if frontends == 0:
         # A planner alone (bench.planner_load plays its front-ends): the tier is the planner.
         assert result.frontend_cpu_us_per_token is None
         assert result.planner_cpu_us_per_token == pytest.approx(result.scheduler_cpu_us_per_token)
         assert list(roles) == ["scheduler", "planner"]
-    else:
+    elif frontends > 1:
         planner, frontend = result.planner_cpu_us_per_token, result.frontend_cpu_us_per_token
         assert planner is not None and planner > 0 and frontend is not None and frontend > 0
         # The whole scheduler is its planner and its front-ends, nothing else.
