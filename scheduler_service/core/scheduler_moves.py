@@ -25,6 +25,7 @@ from scheduler_service.core.prefix_tracker import PrefixTracker
 from scheduler_service.core.request import Request, RequestStatus
 from scheduler_service.core.request_queue import WaitingQueue
 from scheduler_service.core.step_plan import KvExport, KvImport, StepPlan
+from scheduler_service.core.step_results import InFlight
 
 
 class RequestMoves:
@@ -51,7 +52,7 @@ class RequestMoves:
     _allocate: Callable[..., list[int] | None]
     # Waiting requests in admission order (a property of the Scheduler).
     queued: list[Request]
-    _in_flight: dict[int, dict[str, object]]
+    _in_flight: dict[int, dict[str, InFlight]]
 
 
     def begin_move(self, request: Request) -> None:
