@@ -154,6 +154,17 @@ def parse_args(argv: list[str] | None, prog: str = "python -m scheduler_service"
     parser.add_argument("--max-num-seqs", type=positive_int, default=256, help="most requests running at once")
     parser.add_argument("--max-num-batched-tokens", type=positive_int, default=2048, help="most tokens computed per step")
     parser.add_argument(
+        "--target-itl-ms",
+        type=non_negative_float,
+        default=0.0,
+        metavar="MS",
+        help="while requests decode, hold each step to about MS milliseconds (by the executor's "
+        "step times so far): the decodes go first and prefill chunks get the tokens left, at least "
+        "32, so a long prompt's prefill is spread over several steps rather than stalling every "
+        "stream for one. Lowers the inter-token latency's tail at the cost of later first tokens "
+        "for long prompts. 0: off, prefill chunks fill --max-num-batched-tokens",
+    )
+    parser.add_argument(
         "--state-checkpoint-blocks",
         type=non_negative_int,
         default=DEFAULT_STATE_CHECKPOINT_BLOCKS,
@@ -444,6 +455,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m scheduler_service
                 speculative_method=args.speculative_method,
                 num_speculative_tokens=args.num_speculative_tokens,
                 speculative_max_batch=args.speculative_max_batch,
+                target_itl_s=args.target_itl_ms / 1000,
             ),
             max_waiting=args.max_waiting,
             route_tokens_per_request=args.route_tokens_per_request,

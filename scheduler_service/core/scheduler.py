@@ -58,6 +58,9 @@ class _BulkPlan:
 
 
 _NO_BULK = _BulkPlan()
+# Prefill tokens a step that carries decodes gets under a step token limit, however tight: a
+# long prompt still advances while a large decode batch alone fills the limit.
+MIN_PREFILL_TOKENS = 32
 
 
 class _AwaitFork:
@@ -355,7 +358,7 @@ class Scheduler(RequestMoves, StepResults):
 
     # ---- planning ----------------------------------------------------------------------------
 
-    def schedule(self) -> StepPlan:
+    def schedule(self, step_token_limit: int | None = None) -> StepPlan:
         """Plans the next step under max_num_batched_tokens tokens and max_num_seqs requests.
 
         In order:
@@ -379,6 +382,12 @@ class Scheduler(RequestMoves, StepResults):
         Admission stops at the first waiting request that does not fit, so no later request
         overtakes it. The plan is a diff (see step_plan); requests preempted or finished since
         the last plan are listed for the executor to drop.
+
+        step_token_limit (mixed mode; the lane's --target-itl-ms as its step timer reads it):
+        a step that carries decodes is held to about that many tokens. The decodes (and their
+        drafts) are planned first, then prefill chunks and admissions share what the limit
+        leaves, at least MIN_PREFILL_TOKENS, so that a long prompt's prefill is spread over
+        several steps instead of stalling every decoding stream for one long step.
         """
         budget = self.config.max_num_batched_tokens
         scheduled: dict[Request, int] = {}
@@ -393,7 +402,17 @@ class Scheduler(RequestMoves, StepResults):
         self.speculation.begin_step(self.running)
         bulk = _NO_BULK
         mode = self.config.mode
-        if mode is StepMode.MIXED:
+        if mode is StepMode.MIXED and step_token_limit is not None:
+            bulk, budget = self._schedule_decodes(budget)
+            budget, running_preempted = self._schedule_running(budget, scheduled, new_blocks, prefill=False, decode=True)
+            budget = self._plan_drafts(budget, scheduled, new_blocks, drafted)
+            decoding = sum(scheduled.values()) + (len(bulk.step.handles) if bulk.step is not None else 0)
+            if decoding:
+                budget = min(budget, max(step_token_limit - decoding, MIN_PREFILL_TOKENS))
+            budget, prefill_preempted = self._schedule_running(budget, scheduled, new_blocks, prefill=True, decode=False)
+            if not (preempted or bulk.preempted or running_preempted or prefill_preempted):
+                self._admit_waiting(budget, scheduled, admitted, bulk)
+        elif mode is StepMode.MIXED:
             bulk, budget = self._schedule_decodes(budget)
             budget, running_preempted = self._schedule_running(budget, scheduled, new_blocks, prefill=True, decode=True)
             budget = self._plan_drafts(budget, scheduled, new_blocks, drafted)

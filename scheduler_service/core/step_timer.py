@@ -38,8 +38,24 @@ class StepTimer:
         """The predicted time of a step computing this many tokens (0 before any step)."""
         if not self._weight:
             return 0.0
+        mean_x, mean_y, slope = self._fit()
+        return max(0.0, mean_y + slope * (tokens - mean_x))
+
+    def tokens_within(self, seconds: float) -> int | None:
+        """The most tokens a step may compute and still be predicted to take at most `seconds`
+        (0 when even an empty step would take longer); None while the fit is not ready or tells
+        no cost per token, as when every step seen had the same size."""
+        if not self.ready:
+            return None
+        mean_x, mean_y, slope = self._fit()
+        if slope <= 0.0:
+            return None
+        return max(0, int(mean_x + (seconds - mean_y) / slope))
+
+    def _fit(self) -> tuple[float, float, float]:
+        """Mean tokens, mean seconds and seconds per token of the steps seen (weighted)."""
         mean_x, mean_y = self._sum_x / self._weight, self._sum_y / self._weight
         spread = self._sum_xx / self._weight - mean_x * mean_x
         # Steps all of one size tell no slope: the mean time is the best guess for any size.
         slope = max(0.0, (self._sum_xy / self._weight - mean_x * mean_y) / spread) if spread > 1e-9 else 0.0
-        return max(0.0, mean_y + slope * (tokens - mean_x))
+        return mean_x, mean_y, slope

@@ -96,6 +96,9 @@ class LaneOptions:
     speculative_method: str = "ngram"
     num_speculative_tokens: int = 0
     speculative_max_batch: int = DEFAULT_SPECULATIVE_MAX_BATCH
+    # A step that carries decodes is planned to take about this long at most, by the
+    # executor's step times so far (Scheduler.schedule's step_token_limit); 0: no such limit.
+    target_itl_s: float = 0.0
 
 
 def _speculates(options: LaneOptions, info: executor_pb2.ExecutorInfo) -> bool:
@@ -311,7 +314,7 @@ class ExecutorLane:
                 self.hooks.lane_idle(self)
             while len(in_flight) < self.options.pipeline_depth and not self.audits.wanted:
                 planned_at = time.monotonic()
-                plan = scheduler.schedule()
+                plan = scheduler.schedule(self._step_token_limit())
                 if not plan.has_work and not plan.dropped_request_ids and not plan.has_moves:
                     break
                 await self._send(plan, planned_at, in_flight)
@@ -319,7 +322,7 @@ class ExecutorLane:
                 # Nothing on the wire: the executor's answer to this plan and the scheduler's
                 # books after its result cover the same plans.
                 planned_at = time.monotonic()
-                plan = scheduler.schedule()
+                plan = scheduler.schedule(self._step_token_limit())
                 plan.want_held_requests = True
                 await self._send(plan, planned_at, in_flight)
                 self.audits.sent(plan.step_id)
@@ -351,6 +354,13 @@ class ExecutorLane:
             if result.draining and self.state is LaneState.UP:
                 self.rejoin_after_drain = True
                 self.hooks.executor_draining(self)
+
+    def _step_token_limit(self) -> int | None:
+        """The options' target_itl_s as tokens per step, by the step timer's fit; None while
+        there is no target or the fit cannot tell yet."""
+        if not self.options.target_itl_s:
+            return None
+        return self.step_timer.tokens_within(self.options.target_itl_s)
 
     async def _send(self, plan: StepPlan, planned_at: float, in_flight: deque[tuple[float, int]]) -> None:
         assert self.scheduler is not None

@@ -17,7 +17,9 @@ LinkT = TypeVar("LinkT", bound=ExecutorLink)
 
 
 @asynccontextmanager
-async def engine_over(address: str, link_type: type[LinkT]) -> AsyncIterator[tuple[Engine, list[LinkT]]]:
+async def engine_over(
+    address: str, link_type: type[LinkT], options: EngineOptions | None = None
+) -> AsyncIterator[tuple[Engine, list[LinkT]]]:
     """Yields the serving engine and the links it made (one per connection); stops it on exit."""
     links: list[LinkT] = []
 
@@ -26,7 +28,7 @@ async def engine_over(address: str, link_type: type[LinkT]) -> AsyncIterator[tup
         links.append(link_type(address, scheduler_id, token=token()))
         return links[-1]
 
-    engine = Engine("test", None, EngineOptions(), SchedulerMetrics(), link_factory=make_link)
+    engine = Engine("test", None, options or EngineOptions(), SchedulerMetrics(), link_factory=make_link)
     engine.add_executor(address)
     await engine.wait_until_serving()
     runner = asyncio.create_task(engine.run())

@@ -77,9 +77,11 @@ def run(
     fail_step: FailFn | None = None,
     before_step: Callable[[int, Scheduler], None] | None = None,
     next_token: TokenFn = default_next_token,
+    step_token_limit: int | None = None,
 ) -> Run:
     """Adds arrivals[n] before planning step n (1-based) and runs until every request finished.
-    before_step(n, scheduler) runs after step n's arrivals, before it is planned."""
+    before_step(n, scheduler) runs after step n's arrivals, before it is planned; every step is
+    planned under step_token_limit (Scheduler.schedule)."""
     executor = SimulatedExecutor(
         config.num_kv_blocks, config.block_size, next_token, fail_step=fail_step, num_state_slots=config.num_state_slots
     )
@@ -93,7 +95,7 @@ def run(
             result.scheduler.add_request(request)
         if before_step is not None:
             before_step(step, result.scheduler)
-        plan = result.scheduler.schedule()
+        plan = result.scheduler.schedule(step_token_limit)
         order = [r.request_id for r in result.scheduler.running]
         updates = result.scheduler.update(result.executor.execute(plan))
         for update in updates:

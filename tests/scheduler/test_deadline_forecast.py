@@ -61,6 +61,43 @@ def test_step_timer_recovers_overhead_and_per_token_cost(overhead: float, per_to
         assert timer.seconds(tokens) == pytest.approx(overhead + per_token * tokens, rel=1e-6, abs=1e-9)
 
 
+@settings(max_examples=200, deadline=None)
+@given(
+    overhead=st.floats(0.0005, 0.05),
+    per_token=st.floats(1e-6, 1e-3),
+    sizes=st.lists(st.integers(1, 4096), min_size=MIN_STEPS, max_size=300).filter(lambda s: len(set(s)) > 1),
+    target=st.floats(0.0, 2.0),
+)
+def test_step_timer_tokens_within_are_the_most_that_fit_the_time(
+    overhead: float, per_token: float, sizes: list[int], target: float
+) -> None:
+    timer = StepTimer()
+    for tokens in sizes:
+        timer.observe(tokens, overhead + per_token * tokens)
+    tokens = timer.tokens_within(target)
+    assert tokens is not None
+    if target < overhead * (1 - 1e-6):
+        assert tokens == 0
+    else:
+        # Within one token of the exact answer (float rounding of the fit).
+        assert abs(tokens - (target - overhead) / per_token) <= 1 + 1e-6 * tokens
+
+
+def test_step_timer_tells_no_tokens_within_a_time_until_it_has_a_cost_per_token() -> None:
+    timer = StepTimer()
+    for _ in range(MIN_STEPS - 1):
+        timer.observe(32, 0.02)
+        timer.observe(64, 0.03)
+    assert timer.tokens_within(0.1) is not None
+    flat = StepTimer()
+    for _ in range(MIN_STEPS - 1):
+        flat.observe(32, 0.02)
+    assert flat.tokens_within(0.1) is None
+    flat.observe(32, 0.02)
+    # Ready, but every step had one size: no cost per token to go by.
+    assert flat.ready and flat.tokens_within(0.1) is None
+
+
 def test_step_timer_is_not_ready_before_enough_steps_and_guesses_the_mean_without_a_slope() -> None:
     timer = StepTimer()
     assert timer.seconds(100) == 0.0

@@ -41,6 +41,8 @@ def test_executors_given_replace_the_default() -> None:
         ("--route-tokens-per-request", "-1"),
         ("--max-num-seqs", "0"),
         ("--state-checkpoint-blocks", "-1"),
+        ("--target-itl-ms", "-5"),
+        ("--target-itl-ms", "nan"),
         ("--executor", "no-port"),
         ("--executor", "host:0"),
         ("--executor", "dns:///no-port"),
@@ -57,7 +59,13 @@ def test_a_meaningless_value_is_argparses_error(
 
 @pytest.mark.parametrize(
     ("flag", "value"),
-    [("--port", "0"), ("--drain-timeout", "0"), ("--route-tokens-per-request", "0"), ("--state-checkpoint-blocks", "0")],
+    [
+        ("--port", "0"),
+        ("--drain-timeout", "0"),
+        ("--route-tokens-per-request", "0"),
+        ("--state-checkpoint-blocks", "0"),
+        ("--target-itl-ms", "0"),
+    ],
 )
 def test_edge_values_that_mean_something_are_taken(flag: str, value: str) -> None:
     parse_args([flag, value])
