@@ -162,7 +162,7 @@ def parse_args(argv: list[str] | None, prog: str = "python -m scheduler_service"
         "step times so far): the decodes go first and prefill chunks get the tokens left, at least "
         "32, so a long prompt's prefill is spread over several steps rather than stalling every "
         "stream for one. Lowers the inter-token latency's tail at the cost of later first tokens "
-        "for long prompts. 0: off, prefill chunks fill --max-num-batched-tokens",
+        "for long prompts. Mixed --mode only. 0: off, prefill chunks fill --max-num-batched-tokens",
     )
     parser.add_argument(
         "--state-checkpoint-blocks",
