@@ -433,7 +433,10 @@ class Scheduler(RequestMoves, StepResults):
             budget = self._plan_drafts(budget, scheduled, new_blocks, drafted)
             if was_idle and not preempted:
                 self._admit_waiting(budget, scheduled, admitted, bulk)
-        return self._build_plan(scheduled, new_blocks, admitted, bulk, drafted)
+        plan = self._build_plan(scheduled, new_blocks, admitted, bulk, drafted)
+        if mode is StepMode.MIXED:
+            plan.step_token_limit = step_token_limit
+        return plan
 
     def _schedule_decodes(self, budget: int) -> tuple["_BulkPlan", int]:
         """The steady decodes' part of the step: blocks for those whose next token needs one

@@ -162,6 +162,9 @@ class StepPlan:
     # device block) in.
     swap_out: list[tuple[int, int]] = field(default_factory=list)
     swap_in: list[tuple[int, int]] = field(default_factory=list)
+    # The step token limit it was planned under (Scheduler.schedule; --target-itl-ms), if any:
+    # the step trace records it, so that a replay plans under the same one.
+    step_token_limit: int | None = None
 
     @property
     def num_scheduled_tokens(self) -> int:

@@ -539,7 +539,9 @@ class Engine:
 
     def lane_up(self, lane: ExecutorLane) -> None:
         if self.step_trace is not None and lane.scheduler is not None:
-            self.step_trace.executor_up(lane.address, lane.scheduler.config, lane.options.pipeline_depth)
+            self.step_trace.executor_up(
+                lane.address, lane.scheduler.config, lane.options.pipeline_depth, lane.options.target_itl_s
+            )
         if self.info is None:
             self.info = lane.info
         self._counts_seen[lane.address] = (0, 0)

@@ -10,7 +10,8 @@ hashes, so two prompts sharing a prefix share its digests) and its length, which
 replaying its schedule needs.
 
 Events (field "e"), each with "t" (seconds since the trace began) and "x" (executor address):
-  up      an executor (re)joined: its planner's config
+  up      an executor (re)joined: its planner's config (with "target_itl_s" under
+          --target-itl-ms)
   add     a request placed on an executor: id, prompt length, block digests, priority,
           max_tokens, ignore_eos; "computed" when it arrived with K/V (a move), its tokens
   plan    a plan sent: step, new ids, continuing {id: tokens}, steady-decode ids, dropped ids,
@@ -21,7 +22,8 @@ Events (field "e"), each with "t" (seconds since the trace began) and "x" (execu
           started ("imp", [transfer, first block, blocks] each) and abandoned ("cancel"),
           transfers named by their first 8 hex digits; with a host tier, when there are any,
           "swaps": [blocks swapped out, blocks swapped in] before the step; with speculative
-          decoding, when there are any, "drafts": {id: drafts proposed} (counted in cont's tokens)
+          decoding, when there are any, "drafts": {id: drafts proposed} (counted in cont's tokens);
+          under --target-itl-ms, "limit": the step token limit it was planned under
   result  its result applied: step, forward seconds, and after it waiting, running, KV blocks
           used and total; preemptions, prefix-hit tokens, blocks allocated and blocks released
           so far (a step's own are the differences from the previous result); and requests
@@ -69,7 +71,7 @@ class StepTrace:
     def now(self) -> float:
         return self._clock() - self._start
 
-    def executor_up(self, address: str, config: SchedulerConfig, pipeline_depth: int) -> None:
+    def executor_up(self, address: str, config: SchedulerConfig, pipeline_depth: int, target_itl_s: float = 0.0) -> None:
         self._write("up", address, config={
             "num_kv_blocks": config.num_kv_blocks, "block_size": config.block_size,
             "max_model_len": config.max_model_len, "max_num_seqs": config.max_num_seqs,
@@ -80,6 +82,8 @@ class StepTrace:
             "state_checkpoint_blocks": config.state_checkpoint_blocks, "pipeline_depth": pipeline_depth,
             "speculative_method": config.speculative_method, "num_speculative_tokens": config.num_speculative_tokens,
             "speculative_max_batch": config.speculative_max_batch,
+            # Traces from before --target-itl-ms have none (0: off).
+            **({"target_itl_s": target_itl_s} if target_itl_s else {}),
         })
         track = self._tracks.setdefault(address, len(self._tracks) + 1)
         self._chrome_event({"name": "thread_name", "ph": "M", "pid": _TRACKS_PID, "tid": track, "args": {"name": f"executor {address}"}})
@@ -103,7 +107,8 @@ class StepTrace:
         decodes = [r.request_id for r in decoded]
         prefill, decode = plan.prefill_and_decode_tokens()
         self._planned_at[(address, plan.step_id)] = t
-        # Only a hybrid model's plans have these: other traces stay as they were.
+        # Written only where a plan has them (a hybrid model's, a speculating or limited one):
+        # other traces stay as they were.
         hybrid: dict[str, Any] = {}
         if plan.state_checkpoints:
             hybrid["ckpt"] = [[c.request_id, c.num_tokens, c.slot] for c in plan.state_checkpoints]
@@ -126,6 +131,8 @@ class StepTrace:
         }
         if drafts:
             hybrid["drafts"] = drafts
+        if plan.step_token_limit is not None:
+            hybrid["limit"] = plan.step_token_limit
         self._write(
             "plan", address, t=t, step=plan.step_id, new=new, cont=continuing, dec=decodes,
             drop=list(plan.dropped_request_ids), prefill_tokens=prefill, decode_tokens=decode, **hybrid,

@@ -1,5 +1,6 @@
 """python -m scheduler_service.replay DIR [--policy fcfs,priority,fair] [--mode ...]
-[--max-num-batched-tokens N,...] [--max-num-seqs N,...] [--executors N] [--json OUT] [--png OUT.png]
+[--max-num-batched-tokens N,...] [--max-num-seqs N,...] [--target-itl-ms MS,...] [--executors N]
+[--json OUT] [--png OUT.png]
 python -m scheduler_service.replay --scenario prefill-first|preemption|decode-first --png OUT.png
 python -m scheduler_service.replay --synthesize [TENANTS] [--duration-s S] [--seed N]
 [--policy fcfs,priority,fair] [--executors N] [--prompt-tokens N] [--output-tokens N]
@@ -8,9 +9,9 @@ python -m scheduler_service.replay --synthesize [TENANTS] [--duration-s S] [--se
 
 Replays a step trace (recorded with --trace-dir DIR) through the real scheduler core against the
 simulated executor, whose step time is fitted to the trace, once per combination of the values
-given (unset: as recorded), and prints per configuration TTFT and end-to-end p50/p99,
-throughput, preemptions and KV use; --json writes the same. --png draws the replay of the
-first configuration (or a built-in scenario of the seed document).
+given (unset: as recorded), and prints per configuration TTFT, inter-token latency and
+end-to-end p50/p99, throughput, preemptions and KV use; --json writes the same. --png draws the
+replay of the first configuration (or a built-in scenario of the seed document).
 
 --synthesize replays a synthesised multi-tenant trace instead (replay/tenant_traces.py):
 TENANTS is NAME:key=value[:key=value...] separated by commas, keys rate (requests/s, Poisson),
@@ -34,6 +35,7 @@ import itertools
 import json
 import logging
 import sys
+from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
 
@@ -41,7 +43,12 @@ from scheduler_service.core.config import SchedulerConfig, SchedulingKnobs
 from scheduler_service.core.policy import Policy, StepMode
 from scheduler_service.replay.fleet import replay_fleet, replay_requests
 from scheduler_service.replay.scenarios import SCENARIOS, run_scenario
-from scheduler_service.replay.simulate import Replayed, config_of, replay_timeline
+from scheduler_service.replay.simulate import (
+    Replayed,
+    config_of,
+    recorded_target_itl_s,
+    replay_timeline,
+)
 from scheduler_service.replay.step_cost import StepCost, fit_step_cost
 from scheduler_service.replay.summary import Summary, summarize
 from scheduler_service.replay.tenant_report import markdown_table, tenant_report
@@ -67,6 +74,10 @@ def parse_args(argv: list[str] | None, prog: str) -> argparse.Namespace:
     parser.add_argument("--mode", help="comma-separated: mixed, prefill-first, decode-first")
     parser.add_argument("--max-num-batched-tokens", help="comma-separated token budgets")
     parser.add_argument("--max-num-seqs", help="comma-separated limits on running requests")
+    parser.add_argument(
+        "--target-itl-ms",
+        help="comma-separated values of the scheduler's --target-itl-ms (0: none); unset: as recorded",
+    )
     parser.add_argument(
         "--executors", type=int, help="replay over this many simulated executors, each request routed by the scheduler's router (default: each recorded executor on its own; with --synthesize, 1)"
     )
@@ -117,19 +128,31 @@ def label_of(knobs: SchedulingKnobs | None) -> str:
     return f"{knobs.policy.value}/{knobs.mode.value}/tokens={knobs.max_num_batched_tokens}/seqs={knobs.max_num_seqs}"
 
 
+def target_grid(text: str | None) -> list[float | None]:
+    """--target-itl-ms's values in seconds; [None] (as recorded) when none is given."""
+    values = [float(value) for value in _values(text)]
+    if any(not value >= 0 for value in values):
+        raise ValueError(f"--target-itl-ms values must be 0 or more, got {text!r}")
+    return [value / 1000 for value in values] or [None]
+
+
 def replay_trace(
-    timelines: list[Timeline], grid: list[SchedulingKnobs | None], cost: StepCost, executors: int | None = None
+    timelines: list[Timeline], grid: list[SchedulingKnobs | None], cost: StepCost, executors: int | None = None,
+    targets: Sequence[float | None] = (None,),
 ) -> list[tuple[Summary, list[Replayed]]]:
+    """targets: the --target-itl-ms values to replay each configuration under, in seconds (None:
+    as recorded)."""
     runs = []
-    for knobs in grid:
-        label = label_of(knobs)
+    for knobs, target in itertools.product(grid, targets):
+        label = label_of(knobs) + ("" if target is None else f" itl={target * 1000:g}ms")
         if executors is None:
-            replays = [replay_timeline(timeline, knobs, cost) for timeline in timelines]
+            replays = [replay_timeline(timeline, knobs, cost, target) for timeline in timelines]
         else:
             config = config_of(timelines[0])
             config = knobs.applied_to(config) if knobs is not None else config
             depth = int(timelines[0].config.get("pipeline_depth", 2))
-            replays = replay_fleet(timelines, config, cost, executors, depth)
+            fleet_target = recorded_target_itl_s(timelines[0]) if target is None else target
+            replays = replay_fleet(timelines, config, cost, executors, depth, target_itl_s=fleet_target)
             label = f"{label} x{executors} executors"
         runs.append((summarize(label, replays), replays))
     return runs
@@ -142,11 +165,12 @@ def print_table(summaries: list[Summary], cost: StepCost | None) -> None:
             f"{cost.per_prefill_token_s * 1e6:.1f} us/prefill token + {cost.per_decode_token_s * 1e6:.1f} us/decode token "
             f"(mean abs error {cost.mean_abs_error_pct:.1f} %, R^2 {cost.r_squared:.3f})"
         )
-    header = f"{'configuration':<44} {'reqs':>5} {'TTFT p50':>9} {'p99':>8} {'e2e p50':>8} {'p99':>8} {'out tok/s':>10} {'preempt':>8} {'KV mean':>8} {'KV max':>7} {'steps':>6} {'as recorded':>12}"
+    header = f"{'configuration':<44} {'reqs':>5} {'TTFT p50':>9} {'p99':>8} {'ITL p50':>8} {'p99':>8} {'e2e p50':>8} {'p99':>8} {'out tok/s':>10} {'preempt':>8} {'KV mean':>8} {'KV max':>7} {'steps':>6} {'as recorded':>12}"
     print(header)
     for s in summaries:
         print(
-            f"{s.label:<44} {s.requests:>5} {s.ttft_p50_s:>9.3f} {s.ttft_p99_s:>8.3f} {s.e2e_p50_s:>8.3f} {s.e2e_p99_s:>8.3f} "
+            f"{s.label:<44} {s.requests:>5} {s.ttft_p50_s:>9.3f} {s.ttft_p99_s:>8.3f} {s.itl_p50_s:>8.3f} {s.itl_p99_s:>8.3f} "
+            f"{s.e2e_p50_s:>8.3f} {s.e2e_p99_s:>8.3f} "
             f"{s.output_tokens_per_s:>10.1f} {s.preemptions:>8} {s.kv_usage_mean:>8.1%} {s.kv_usage_max:>7.1%} {s.steps:>6} "
             f"{s.matched_steps:>5}/{s.recorded_steps:<6}"
         )
@@ -230,13 +254,14 @@ def main(argv: list[str] | None = None, prog: str = "python -m scheduler_service
         recorded = SchedulingKnobs.of(config_of(timelines[0]))
         try:
             grid = knob_grid(args, recorded)
+            targets = target_grid(args.target_itl_ms)
         except ValueError as bad:
             logger.error("event=replay_refused reason=%r", str(bad))
             return 2
         if args.executors is not None and args.executors < 1:
             logger.error("event=replay_refused reason=%r", "--executors must be at least 1")
             return 2
-        runs = replay_trace(timelines, grid, cost, args.executors)
+        runs = replay_trace(timelines, grid, cost, args.executors, targets)
         print_table([summary for summary, _ in runs], cost)
     if args.json is not None:
         document = {"configurations": [summary.as_dict() for summary, _ in runs]}

@@ -62,22 +62,23 @@ class FleetRun:
 
 def replay_fleet(
     timelines: list[Timeline], config: SchedulerConfig, cost: StepCost, executors: int, depth: int = 2,
-    tokens_per_request: int = DEFAULT_TOKENS_PER_REQUEST,
+    tokens_per_request: int = DEFAULT_TOKENS_PER_REQUEST, target_itl_s: float = 0.0,
 ) -> list[Replayed]:
     return replay_requests(
         _first_placements(timelines), config, cost, executors, depth, tokens_per_request,
-        acceptance=recorded_acceptance(timelines),
+        acceptance=recorded_acceptance(timelines), target_itl_s=target_itl_s,
     ).replays
 
 
 def replay_requests(
     traced: Sequence[TracedRequest], config: SchedulerConfig, cost: StepCost, executors: int, depth: int = 2,
     tokens_per_request: int = DEFAULT_TOKENS_PER_REQUEST, weight_of: Callable[[str], float] = lambda tenant: 1.0,
-    acceptance: float = 0.0,
+    acceptance: float = 0.0, target_itl_s: float = 0.0,
 ) -> FleetRun:
     """Replays requests (in arrival order) until every one admitted has ended; weight_of gives
     each tenant's weight under the fair policy, acceptance the share of drafts a recording that
-    speculated accepted (SyntheticModel)."""
+    speculated accepted (SyntheticModel), target_itl_s the scheduler's --target-itl-ms in
+    seconds (0: none), each executor's step token limit read from its timer as a lane does."""
     requests = rebuild_requests(traced, config.block_size)
     model = SyntheticModel(traced, requests, acceptance)
     share = FairShare(weight_of)
@@ -105,7 +106,7 @@ def replay_requests(
     placed: dict[int, _Lane] = {}
     while True:
         for lane in lanes:
-            _plan(lane, clock, depth, cost)
+            _plan(lane, clock, depth, cost, target_itl_s)
         results = [(lane.in_flight[0][3].done_s, index) for index, lane in enumerate(lanes) if lane.in_flight]
         next_result = min(results, default=None)
         if events and (next_result is None or events[0][0] <= next_result[0]):
@@ -137,10 +138,10 @@ def replay_requests(
     return run
 
 
-def _plan(lane: _Lane, clock: float, depth: int, cost: StepCost) -> None:
+def _plan(lane: _Lane, clock: float, depth: int, cost: StepCost, target_itl_s: float) -> None:
     scheduler = lane.scheduler
     while len(lane.in_flight) < depth:
-        plan = scheduler.schedule()
+        plan = scheduler.schedule(lane.step_timer.tokens_within(target_itl_s) if target_itl_s else None)
         if not plan.has_work and not plan.dropped_request_ids:
             return
         step = planned_step(scheduler, plan, clock, 0.0)
@@ -153,9 +154,9 @@ def _apply(lane: _Lane, clock: float, admission: DeadlineAdmission) -> None:
     output, tokens, seconds, step = lane.in_flight.popleft()
     if tokens:
         lane.step_timer.observe(tokens, seconds)
-    updates = lane.scheduler.update(output).updates
+    updates = lane.scheduler.update(output)
     record_result(lane.replayed, lane.scheduler, updates, step, clock)
-    for update in updates:
+    for update in updates.updates:
         # As the engine: the mean output its forecasts assume is learned from requests that
         # ended by themselves.
         if update.finished and update.request.finish_reason in (FinishReason.STOP, FinishReason.LENGTH):

@@ -58,10 +58,11 @@ def scenario_request(index: int, prompt_tokens: int, max_tokens: int) -> Request
 def run_scenario(scenario: Scenario, max_steps: int = 500) -> Replayed:
     """Steps in lockstep until every request finished; step n is planned at time n."""
     config = scenario.config
-    scheduler = Scheduler(config)
+    step = 0
+    # Time is the step count, for the scheduler's token gaps as for everything else here.
+    scheduler = Scheduler(config, clock=lambda: float(step))
     executor = SimulatedExecutor(config.num_kv_blocks, config.block_size, num_state_slots=config.num_state_slots)
     replayed = Replayed(scenario.name, config)
-    step = 0
     while scheduler.has_unfinished() or any(s > step for s in scenario.arrivals):
         step += 1
         if step > max_steps:
@@ -72,6 +73,5 @@ def run_scenario(scenario: Scenario, max_steps: int = 500) -> Replayed:
             replayed.arrival_s[request.request_id] = float(step)
         plan = scheduler.schedule()
         step_record = planned_step(scheduler, plan, float(step), float(step))
-        updates = scheduler.update(executor.execute(plan)).updates
-        record_result(replayed, scheduler, updates, step_record, float(step))
+        record_result(replayed, scheduler, scheduler.update(executor.execute(plan)), step_record, float(step))
     return replayed

@@ -20,6 +20,11 @@ rejected drafts (SyntheticModel). Drafts are then proposed and accepted about as
 were: the first draft of each verify at the recorded rate, later ones less often. With the draft
 method, the simulated draft model guesses that echo everywhere past the first ECHO_PERIOD
 tokens, so it is right at the same rate.
+
+A trace recorded under --target-itl-ms replays under it: while the recorded plans are
+followed, each is planned under the step token limit it recorded; after, and under another
+target (replay_timeline's target_itl_s), under the limit a timer of the simulated steps' times
+gives, as the lane's timer does.
 """
 
 from __future__ import annotations
@@ -36,7 +41,8 @@ from scheduler_service.core.request import Request
 from scheduler_service.core.sampling_params import SamplingParams
 from scheduler_service.core.scheduler import Scheduler
 from scheduler_service.core.sim_executor import SimulatedExecutor, default_next_token
-from scheduler_service.core.step_plan import RequestUpdate, StepOutput, StepPlan
+from scheduler_service.core.step_plan import StepOutput, StepPlan, StepUpdates
+from scheduler_service.core.step_timer import StepTimer
 from scheduler_service.replay.step_cost import StepCost
 from scheduler_service.replay.trace_reader import (
     Signature,
@@ -86,6 +92,9 @@ class Replayed:
     # Leading plans equal to the recorded ones.
     matched_steps: int = 0
     num_recorded_steps: int = 0
+    # Seconds between a request's token and its previous one, one figure per request and step
+    # (StepUpdates.inter_token_gaps).
+    token_gaps: list[float] = field(default_factory=list)
 
 
 def planned_step(scheduler: Scheduler, plan: StepPlan, planned_s: float, done_s: float) -> StepRecord:
@@ -103,11 +112,11 @@ def planned_step(scheduler: Scheduler, plan: StepPlan, planned_s: float, done_s:
     return StepRecord(planned_s, done_s, shape, prefill, decode, 0, 0, 0, 0, served)
 
 
-def record_result(
-    replayed: Replayed, scheduler: Scheduler, updates: Sequence[RequestUpdate], step: StepRecord, clock: float
-) -> None:
-    """Notes first tokens and finishes at clock, and the queues and KV use after the step."""
-    for update in updates:
+def record_result(replayed: Replayed, scheduler: Scheduler, updates: StepUpdates, step: StepRecord, clock: float) -> None:
+    """Notes first tokens and finishes at clock, token gaps, and the queues and KV use after the
+    step."""
+    replayed.token_gaps += updates.inter_token_gaps
+    for update in updates.updates:
         request = update.request
         if update.new_token_ids:
             replayed.first_token_s.setdefault(request.request_id, clock)
@@ -139,18 +148,34 @@ def config_of(timeline: Timeline) -> SchedulerConfig:
     )
 
 
-def replay_timeline(timeline: Timeline, knobs: SchedulingKnobs | None, cost: StepCost) -> Replayed:
+def replay_timeline(
+    timeline: Timeline, knobs: SchedulingKnobs | None, cost: StepCost, target_itl_s: float | None = None
+) -> Replayed:
+    """target_itl_s: the scheduler's --target-itl-ms (in seconds) to replay under; None: as
+    recorded."""
     config = config_of(timeline)
     if knobs is not None:
         config = knobs.applied_to(config)
-    return _Simulation(timeline, config, cost).run()
+    return _Simulation(timeline, config, cost, target_itl_s).run()
+
+
+def recorded_target_itl_s(timeline: Timeline) -> float:
+    """The --target-itl-ms a timeline was recorded under, in seconds (0: none)."""
+    return float(timeline.config.get("target_itl_s", 0.0))
 
 
 class _Simulation:
-    def __init__(self, timeline: Timeline, config: SchedulerConfig, cost: StepCost) -> None:
+    def __init__(self, timeline: Timeline, config: SchedulerConfig, cost: StepCost, target_itl_s: float | None) -> None:
         self.timeline = timeline
         self.cost = cost
         self.depth = int(timeline.config.get("pipeline_depth", 2))
+        recorded_target = recorded_target_itl_s(timeline)
+        self.target_itl_s = recorded_target if target_itl_s is None else target_itl_s
+        # Under the recorded target, the recorded plans' limits while they are followed (the
+        # lane's timer saw times this trace does not hold exactly); the simulation's own timer,
+        # as a lane's, otherwise.
+        self._recorded_limits = self.target_itl_s == recorded_target
+        self.step_timer = StepTimer()
         self.clock = 0.0
         self.scheduler = Scheduler(config, eos_token_ids=(REPLAY_EOS,), clock=lambda: self.clock)
         self.requests = rebuild_requests(list(timeline.requests.values()), config.block_size)
@@ -171,7 +196,8 @@ class _Simulation:
 
     def run(self) -> Replayed:
         scheduler, recorded = self.scheduler, self.timeline.plans
-        in_flight: deque[tuple[StepPlan, StepOutput, float, StepRecord]] = deque()
+        # (plan, output, done at, seconds the simulated executor spent on it, record).
+        in_flight: deque[tuple[StepPlan, StepOutput, float, float, StepRecord]] = deque()
         in_sync, last_done = True, 0.0
         while True:
             while len(in_flight) < self.depth:
@@ -179,7 +205,11 @@ class _Simulation:
                 planned = recorded[index].planned_s if in_sync and index < len(recorded) else self.clock
                 self._apply_events_before(max(planned, self.clock))
                 self.clock = max(planned, self.clock)
-                plan = scheduler.schedule()
+                if in_sync and self._recorded_limits and index < len(recorded):
+                    limit = recorded[index].step_token_limit
+                else:
+                    limit = self.step_timer.tokens_within(self.target_itl_s) if self.target_itl_s else None
+                plan = scheduler.schedule(limit)
                 if not plan.has_work and not plan.dropped_request_ids:
                     break
                 step = planned_step(scheduler, plan, self.clock, 0.0)
@@ -188,17 +218,19 @@ class _Simulation:
                 last_done = step.done_s = max(self.clock, last_done) + duration
                 if in_sync:
                     self.result.matched_steps += 1
-                in_flight.append((plan, self.executor.execute(plan), last_done, step))
+                in_flight.append((plan, self.executor.execute(plan), last_done, duration, step))
             if not in_flight:
                 if not self._events:
                     break
                 self.clock = max(self.clock, self._events[0][0])
                 self._apply_events_before(self.clock, inclusive=True)
                 continue
-            _, output, done, step = in_flight.popleft()
+            plan, output, done, duration, step = in_flight.popleft()
+            if plan.num_scheduled_tokens:
+                self.step_timer.observe(plan.num_scheduled_tokens, duration)
             self._apply_events_before(done)
             self.clock = max(self.clock, done)
-            record_result(self.result, scheduler, scheduler.update(output).updates, step, self.clock)
+            record_result(self.result, scheduler, scheduler.update(output), step, self.clock)
         return self.result
 
     def _apply_events_before(self, t: float, inclusive: bool = False) -> None:

@@ -18,6 +18,9 @@ class Summary:
     requests: int
     ttft_p50_s: float
     ttft_p99_s: float
+    # Seconds between a request's token and its previous one (one figure per request and step).
+    itl_p50_s: float
+    itl_p99_s: float
     e2e_p50_s: float
     e2e_p99_s: float
     output_tokens_per_s: float
@@ -36,6 +39,7 @@ class Summary:
 def summarize(label: str, replays: Sequence[Replayed]) -> Summary:
     ttft = [r.first_token_s[i] - r.arrival_s[i] for r in replays for i in r.first_token_s if i in r.arrival_s]
     e2e = [r.finished_s[i] - r.arrival_s[i] for r in replays for i in r.finished_s if i in r.arrival_s]
+    gaps = [gap for r in replays for gap in r.token_gaps]
     arrivals = [t for r in replays for t in r.arrival_s.values()]
     ends = [t for r in replays for t in r.finished_s.values()]
     span = (max(ends) - min(arrivals)) if ends and arrivals else 0.0
@@ -45,6 +49,7 @@ def summarize(label: str, replays: Sequence[Replayed]) -> Summary:
         label=label,
         requests=sum(len(r.arrival_s) for r in replays),
         ttft_p50_s=_percentile(ttft, 50), ttft_p99_s=_percentile(ttft, 99),
+        itl_p50_s=_percentile(gaps, 50), itl_p99_s=_percentile(gaps, 99),
         e2e_p50_s=_percentile(e2e, 50), e2e_p99_s=_percentile(e2e, 99),
         output_tokens_per_s=outputs / span if span > 0 else 0.0,
         preemptions=sum(r.steps[-1].preemptions for r in replays if r.steps),

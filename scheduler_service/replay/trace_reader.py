@@ -58,6 +58,8 @@ class TracedPlan:
     # accepted.
     draft_tokens: int = 0
     accepted_tokens: int = 0
+    # The step token limit it was planned under (--target-itl-ms), if any.
+    step_token_limit: int | None = None
 
 
 @dataclass(slots=True)
@@ -122,6 +124,7 @@ def read_trace(directory: Path) -> list[Timeline]:
                         event["prefill_tokens"], event["decode_tokens"],
                         # Traces from before speculative decoding have no drafts.
                         draft_tokens=sum(event.get("drafts", {}).values()),
+                        step_token_limit=event.get("limit"),
                     )
                     pending[(address, event["step"])] = plan
                     timeline.plans.append(plan)
