@@ -25,7 +25,7 @@ from scheduler_service.core.audit import audit_executor
 from scheduler_service.core.config import DEFAULT_SPECULATIVE_MAX_BATCH, SchedulerConfig
 from scheduler_service.core.fair_share import FairShare
 from scheduler_service.core.policy import Policy, StepMode
-from scheduler_service.core.scheduler import Scheduler
+from scheduler_service.core.scheduler import MIN_PREFILL_TOKENS, Scheduler
 from scheduler_service.core.step_plan import StepOutput, StepPlan, StepUpdates
 from scheduler_service.core.step_timer import StepTimer
 from scheduler_service.core.suffix_proposer import SuffixTable
@@ -167,8 +167,11 @@ class ExecutorLane:
         # executor at the same address is taken back.
         self.rejoin_after_drain = False
         self._step_times: deque[float] = deque(maxlen=STEP_TIME_WINDOW)
-        # The executor's step time by tokens, for deadline admission (core/ttft_forecast.py).
+        # The executor's step time by tokens, for deadline admission (core/ttft_forecast.py)
+        # and the options' target_itl_s.
         self.step_timer = StepTimer()
+        # Whether the log has said that the decodes alone fill target_itl_s (said once).
+        self._target_missed = False
         # Steps with work this executor ran for us, over every connection.
         self.num_steps = 0
         self.audits = PendingAudits()
@@ -355,6 +358,20 @@ class ExecutorLane:
                 self.rejoin_after_drain = True
                 self.hooks.executor_draining(self)
 
+    def _check_target(self, limit: int, decodes: int) -> None:
+        """Logs, once, a step whose decodes alone are forecast past target_itl_s: every step
+        then carries the least prefill, and long prompts wait long for their first token."""
+        if decodes < limit:
+            return
+        self._target_missed = True
+        logger.warning(
+            "event=itl_target_missed address=%s target_itl_ms=%g decode_tokens=%d step_token_limit=%d "
+            "reason=%r",
+            self.address, self.options.target_itl_s * 1000, decodes, limit,
+            "this executor's decodes alone take longer than --target-itl-ms: each step that decodes "
+            f"gets {MIN_PREFILL_TOKENS} prefill tokens; raise the target or lower --max-num-seqs",
+        )
+
     def _step_token_limit(self) -> int | None:
         """The options' target_itl_s as tokens per step, by the step timer's fit; None while
         there is no target or the fit cannot tell yet."""
@@ -364,6 +381,8 @@ class ExecutorLane:
 
     async def _send(self, plan: StepPlan, planned_at: float, in_flight: deque[tuple[float, int]]) -> None:
         assert self.scheduler is not None
+        if plan.step_token_limit is not None and not self._target_missed:
+            self._check_target(plan.step_token_limit, plan.prefill_and_decode_tokens()[1])
         self.hooks.plan_sent(self, plan, planned_at)
         await self.link.send(plan_to_proto(plan, self.scheduler.eos_token_ids))
         in_flight.append((time.monotonic(), plan.num_scheduled_tokens))

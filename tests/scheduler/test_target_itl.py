@@ -7,6 +7,8 @@ import asyncio
 import json
 from pathlib import Path
 
+import pytest
+
 from protos.splitserve.executor.v1 import executor_pb2 as pb
 from scheduler_service.core.config import SchedulerConfig
 from scheduler_service.core.errors import RequestError
@@ -90,7 +92,9 @@ def test_a_prompt_still_advances_when_the_decodes_alone_pass_the_limit() -> None
     assert len(result.outputs["r5"]) == 1
 
 
-def test_the_engine_spreads_a_long_prefill_beside_decodes_and_no_token_changes(tmp_path: Path) -> None:
+def test_the_engine_spreads_a_long_prefill_beside_decodes_and_no_token_changes(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     model_dir = build_model("llama", tmp_path / "llama")
 
     async def scenario(address: str, target_s: float) -> tuple[dict[str, list[int]], list[tuple[int, bool]]]:
@@ -125,7 +129,10 @@ def test_the_engine_spreads_a_long_prefill_beside_decodes_and_no_token_changes(t
 
     with start_executor(model_dir, num_kv_blocks=128, block_size=16) as (address, _):
         plain_outputs, plain_chunks = asyncio.run(scenario(address, 0.0))
+        assert "event=itl_target_missed" not in caplog.text
         spread_outputs, spread_chunks = asyncio.run(scenario(address, UNREACHABLE_TARGET_S))
+    # The operator is told, once, that the decodes alone take longer than the target.
+    assert caplog.text.count("event=itl_target_missed") == 1
     assert plain_chunks[0] == (LONG_PROMPT, True), "without a target the prompt is one chunk"
     assert sum(chunk for chunk, _ in spread_chunks) == LONG_PROMPT
     beside_decodes = [chunk for chunk, decodes in spread_chunks if decodes]
