@@ -84,6 +84,6 @@ bench-setup-vllm:
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis
 
-# The soak test (tests/e2e/test_soak.py) for 30 minutes of load instead of the 70 s of `make test`.
+# The soak test (tests/e2e/test_soak.py) for 30 minutes of load instead of the 50 s of `make test`.
 soak: $(STAMP)
 	SPLITSERVE_SOAK_S=1800 $(BIN)/python -m pytest -k soak tests/e2e/test_soak.py $(PYTEST_ARGS)

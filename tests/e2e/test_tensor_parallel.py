@@ -118,6 +118,9 @@ def test_killing_a_rank_ends_the_executor_and_the_other_executor_finishes_every_
     assert status.num_preemptions >= 1 and status.num_running == status.num_waiting == 0
 
 
+# Slow (make test-slow; CI runs it): torchrun's own start-up is most of its ~45 s on 2 cores, and
+# make test keeps tensor parallelism's outputs and a rank's death in the two tests above.
+@pytest.mark.slow
 def test_under_torchrun_each_rank_is_a_process_of_its_own_and_rank_0_serves(tmp_path: Path) -> None:
     model_dir = build_model("llama", tmp_path / "llama", seed=3)
     reference = Reference(model_dir)
