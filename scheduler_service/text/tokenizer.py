@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from tokenizers import AddedToken, Tokenizer
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from transformers import PreTrainedTokenizerBase
 
 from scheduler_service.text.template_kwargs import (
     TemplateValue,
@@ -80,6 +80,10 @@ class TextProcessor:
         EOS ids also come from the folder's generation_config.json when it has one: chat models
         often end turns with a token the tokenizer does not call EOS (Qwen's <|im_end|>).
         """
+        # Imported here, as a scheduler without a tokenizer never needs it: transformers' auto
+        # classes import torch (its configuration module does), a second or more of start-up.
+        from transformers import AutoTokenizer
+
         folder = Path(tokenizer_dir)
         check_tokenizer_folder(folder)
         try:

@@ -1,5 +1,6 @@
 """The planning core and kv_manager import no torch, no gRPC, no transformers and no protobuf:
-every one of their modules is imported in a fresh interpreter where importing those raises."""
+every one of their modules is imported in a fresh interpreter where importing those raises. A
+scheduler process without a tokenizer loads no torch."""
 
 from __future__ import annotations
 
@@ -38,3 +39,22 @@ def test_the_planning_core_and_kv_manager_import_without_torch_grpc_or_protobuf(
     assert run.returncode == 0, run.stderr
     imported = set(run.stdout.split())
     assert {"scheduler_service.core.scheduler", "kv_manager.block_pool"} <= imported
+
+
+_SERVE_WITHOUT_TOKENIZER = """
+import sys
+import scheduler_service.__main__ as main
+args = main.parse_args(["--executor", "127.0.0.1:1"])
+assert args.tokenizer is None
+print(sorted(m for m in sys.modules if m == "torch" or m.startswith("torch.")))
+"""
+
+
+def test_a_scheduler_without_a_tokenizer_does_not_load_torch() -> None:
+    # torch is a second or more of every scheduler process's start and a few hundred MB of its
+    # memory; only transformers' auto tokenizer (with --tokenizer) brings it in.
+    run = subprocess.run(
+        [sys.executable, "-c", _SERVE_WITHOUT_TOKENIZER], cwd=REPO_ROOT, capture_output=True, text=True
+    )
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == "[]"
