@@ -57,6 +57,11 @@ KILL_AT = 0.4
 RESTART_AFTER_S = 5.0
 FIRST_RSS_AT_S = min(60.0, SOAK_S / 3)
 MAX_RSS_GROWTH = 0.10
+# ... or this much, whichever is more. A scheduler without a tokenizer holds ~90 MB now that it
+# loads no torch, and 10 % of that is less than what the planner of the tier (test-frontends)
+# still takes in warming up under this load after the first sample (~25 MB from 17 s to 50 s;
+# flat in RSS's sawtooth from about 40 s). 32 MiB is what 10 % allowed while it held ~300 MB.
+MIN_RSS_GROWTH_ALLOWED_KIB = 32 << 10
 # Bounds, each far above what a healthy run needs, so a hang fails with a message.
 REQUEST_BOUND_S = 120.0
 READMIT_BOUND_S = 120.0
@@ -497,8 +502,9 @@ def test_soak_with_cancels_disconnects_deadlines_and_a_killed_executor(
         assert endings[kind_and_ending] > 0, f"no {kind_and_ending}: {summary}"
     assert load.seeded_repeats > 0, summary
 
-    growth = measures.rss_end_kib / measures.rss_first_kib - 1
-    assert growth < MAX_RSS_GROWTH, f"scheduler RSS grew {growth:.1%}: {summary}"
+    growth_kib = measures.rss_end_kib - measures.rss_first_kib
+    allowed_kib = max(MAX_RSS_GROWTH * measures.rss_first_kib, MIN_RSS_GROWTH_ALLOWED_KIB)
+    assert growth_kib < allowed_kib, f"scheduler RSS grew {growth_kib} KiB (allowed {allowed_kib:.0f}): {summary}"
 
     assert measures.final is not None
     # The kill caught requests running and the scheduler moved them (their tokens were checked).
