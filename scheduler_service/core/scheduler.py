@@ -402,20 +402,19 @@ class Scheduler(RequestMoves, StepResults):
         self.speculation.begin_step(self.running)
         bulk = _NO_BULK
         mode = self.config.mode
-        if mode is StepMode.MIXED and step_token_limit is not None:
+        if mode is StepMode.MIXED:
+            # Under a step token limit, running prefills wait until the decodes' share is known.
             bulk, budget = self._schedule_decodes(budget)
-            budget, running_preempted = self._schedule_running(budget, scheduled, new_blocks, prefill=False, decode=True)
+            budget, running_preempted = self._schedule_running(
+                budget, scheduled, new_blocks, prefill=step_token_limit is None, decode=True
+            )
             budget = self._plan_drafts(budget, scheduled, new_blocks, drafted)
-            decoding = sum(scheduled.values()) + (len(bulk.step.handles) if bulk.step is not None else 0)
-            if decoding:
-                budget = min(budget, max(step_token_limit - decoding, MIN_PREFILL_TOKENS))
-            budget, prefill_preempted = self._schedule_running(budget, scheduled, new_blocks, prefill=True, decode=False)
-            if not (preempted or bulk.preempted or running_preempted or prefill_preempted):
-                self._admit_waiting(budget, scheduled, admitted, bulk)
-        elif mode is StepMode.MIXED:
-            bulk, budget = self._schedule_decodes(budget)
-            budget, running_preempted = self._schedule_running(budget, scheduled, new_blocks, prefill=True, decode=True)
-            budget = self._plan_drafts(budget, scheduled, new_blocks, drafted)
+            if step_token_limit is not None:
+                decoding = sum(scheduled.values()) + (len(bulk.step.handles) if bulk.step is not None else 0)
+                if decoding:
+                    budget = min(budget, max(step_token_limit - decoding, MIN_PREFILL_TOKENS))
+                budget, prefill_preempted = self._schedule_running(budget, scheduled, new_blocks, prefill=True, decode=False)
+                running_preempted = running_preempted or prefill_preempted
             if not (preempted or bulk.preempted or running_preempted):
                 budget = self._admit_waiting(budget, scheduled, admitted, bulk)
         elif mode is StepMode.PREFILL_FIRST:

@@ -52,6 +52,11 @@ class StepTimer:
             return None
         return max(0, int(mean_x + (seconds - mean_y) / slope))
 
+    def step_token_limit(self, target_s: float) -> int | None:
+        """The step token limit (Scheduler.schedule's) that a --target-itl-ms of target_s
+        seconds gives now: None with no target (0), or while tokens_within cannot tell."""
+        return self.tokens_within(target_s) if target_s else None
+
     def _fit(self) -> tuple[float, float, float]:
         """Mean tokens, mean seconds and seconds per token of the steps seen (weighted)."""
         mean_x, mean_y = self._sum_x / self._weight, self._sum_y / self._weight

@@ -317,7 +317,7 @@ class ExecutorLane:
                 self.hooks.lane_idle(self)
             while len(in_flight) < self.options.pipeline_depth and not self.audits.wanted:
                 planned_at = time.monotonic()
-                plan = scheduler.schedule(self._step_token_limit())
+                plan = scheduler.schedule(self.step_timer.step_token_limit(self.options.target_itl_s))
                 if not plan.has_work and not plan.dropped_request_ids and not plan.has_moves:
                     break
                 await self._send(plan, planned_at, in_flight)
@@ -325,7 +325,7 @@ class ExecutorLane:
                 # Nothing on the wire: the executor's answer to this plan and the scheduler's
                 # books after its result cover the same plans.
                 planned_at = time.monotonic()
-                plan = scheduler.schedule(self._step_token_limit())
+                plan = scheduler.schedule(self.step_timer.step_token_limit(self.options.target_itl_s))
                 plan.want_held_requests = True
                 await self._send(plan, planned_at, in_flight)
                 self.audits.sent(plan.step_id)
@@ -371,13 +371,6 @@ class ExecutorLane:
             "this executor's decodes alone take longer than --target-itl-ms: each step that decodes "
             f"gets {MIN_PREFILL_TOKENS} prefill tokens; raise the target or lower --max-num-seqs",
         )
-
-    def _step_token_limit(self) -> int | None:
-        """The options' target_itl_s as tokens per step, by the step timer's fit; None while
-        there is no target or the fit cannot tell yet."""
-        if not self.options.target_itl_s:
-            return None
-        return self.step_timer.tokens_within(self.options.target_itl_s)
 
     async def _send(self, plan: StepPlan, planned_at: float, in_flight: deque[tuple[float, int]]) -> None:
         assert self.scheduler is not None

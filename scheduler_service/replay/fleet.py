@@ -141,7 +141,7 @@ def replay_requests(
 def _plan(lane: _Lane, clock: float, depth: int, cost: StepCost, target_itl_s: float) -> None:
     scheduler = lane.scheduler
     while len(lane.in_flight) < depth:
-        plan = scheduler.schedule(lane.step_timer.tokens_within(target_itl_s) if target_itl_s else None)
+        plan = scheduler.schedule(lane.step_timer.step_token_limit(target_itl_s))
         if not plan.has_work and not plan.dropped_request_ids:
             return
         step = planned_step(scheduler, plan, clock, 0.0)

@@ -208,7 +208,7 @@ class _Simulation:
                 if in_sync and self._recorded_limits and index < len(recorded):
                     limit = recorded[index].step_token_limit
                 else:
-                    limit = self.step_timer.tokens_within(self.target_itl_s) if self.target_itl_s else None
+                    limit = self.step_timer.step_token_limit(self.target_itl_s)
                 plan = scheduler.schedule(limit)
                 if not plan.has_work and not plan.dropped_request_ids:
                     break

@@ -160,7 +160,7 @@ def _record(directory: Path, target_s: float) -> tuple[int, dict[str, list[int]]
             scheduler.add_request(request)
             trace.request_added("ex", request, scheduler)
         now[0] += 1e-4
-        plan = scheduler.schedule(timer.tokens_within(target_s) if target_s else None)
+        plan = scheduler.schedule(timer.step_token_limit(target_s))
         trace.plan_sent("ex", plan, scheduler.decoded_in(plan), now[0])
         output = executor.execute(plan)
         seconds = COST.seconds(*plan.prefill_and_decode_tokens())
