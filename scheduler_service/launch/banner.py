@@ -10,7 +10,6 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from scheduler_service.launch.children import Child
-from scheduler_service.launch.options import LaunchOptions
 
 
 def print_question(question: str) -> None:
@@ -18,10 +17,10 @@ def print_question(question: str) -> None:
 
 
 def print_banner(
-    options: LaunchOptions,
     address: str,
     executor_address: str,
     gateway: str,
+    metrics: str,
     model_name: str,
     children: Sequence[Child],
 ) -> None:
@@ -42,7 +41,7 @@ splitserve is running; Ctrl-C stops it.
   scheduler  {address}   (client API, grpc.health.v1, reflection)
   executor   {executor_address}   (executor API, grpc.health.v1, reflection)
   gateway    {gateway}/v1   (OpenAI-compatible HTTP API, model {model_name!r})
-  metrics    http://{options.connect_host}:{options.metrics_port}/metrics
+  metrics    {metrics}
   logs       {logs}
 
 Try:

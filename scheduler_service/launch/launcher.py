@@ -37,7 +37,8 @@ logger = logging.getLogger("scheduler_service.launch")
 # Loading SmolLM2 takes seconds, but a cold disk or a busy machine can stretch it a lot.
 READY_TIMEOUT_S = 300.0
 EXECUTOR_READY = re.compile(r"event=executor_ready address=\S+ port=(\d+)")
-SCHEDULER_READY = re.compile(r"event=scheduler_ready address=\S+ port=(\d+)")
+# Its metrics port too: with --metrics-port 0 the scheduler binds one and says which.
+SCHEDULER_READY = re.compile(r"event=scheduler_ready address=\S+ port=(\d+) .*\bmetrics_port=(\d+)")
 GATEWAY_READY = re.compile(r"event=gateway_ready address=\S+:(\d+)")
 
 
@@ -55,25 +56,26 @@ class Launcher:
         # only, so nothing else that reaches the executor's port can drive it.
         token_file = self.secrets / "executor-token"
         write_token_file(token_file)
-        _, executor_port = self.start_service(
+        _, executor_ready = self.start_service(
             "executor", executor_command(self.options, model_dir, token_file), EXECUTOR_READY
         )
-        executor_address = f"{self.options.connect_host}:{executor_port}"
-        scheduler, port = self.start_service(
+        executor_address = f"{self.options.connect_host}:{executor_ready.group(1)}"
+        scheduler, scheduler_ready = self.start_service(
             "scheduler",
             scheduler_command(self.options, model_dir, executor_address, token_file),
             SCHEDULER_READY,
         )
-        address = f"{self.options.connect_host}:{port}"
+        address = f"{self.options.connect_host}:{scheduler_ready.group(1)}"
+        metrics = f"http://{self.options.connect_host}:{scheduler_ready.group(2)}/metrics"
         self.wait_serving(scheduler, address)
-        _, gateway_port = self.start_service(
+        _, gateway_ready = self.start_service(
             "gateway", gateway_command(self.options, model_dir, address), GATEWAY_READY
         )
         status = self.ask(address) if self.options.question is not None else 0
         if self.options.once:
             return status
-        gateway = f"http://{self.options.connect_host}:{gateway_port}"
-        print_banner(self.options, address, executor_address, gateway, model_dir.name, self.children.running)
+        gateway = f"http://{self.options.connect_host}:{gateway_ready.group(1)}"
+        print_banner(address, executor_address, gateway, metrics, model_dir.name, self.children.running)
         self.children.watch()
         return 0
 
@@ -115,9 +117,9 @@ class Launcher:
 
     def start_service(
         self, name: str, command: list[str], ready: re.Pattern[str]
-    ) -> tuple[Child, int]:
-        """Starts a service logging to its own file; returns it and the port of its ready
-        line."""
+    ) -> tuple[Child, re.Match[str]]:
+        """Starts a service logging to its own file; returns it and its ready line's match
+        (the port it bound first)."""
         log_path = self.options.log_dir / f"{name}.log"
         with log_path.open("wb") as log:
             # Its own session: Ctrl-C reaches only the launcher, which then stops the services
@@ -142,9 +144,8 @@ class Launcher:
             self.children.check_stop()
             match = ready.search(log_path.read_text(errors="replace"))
             if match:
-                port = int(match.group(1))
-                logger.info("event=child_ready name=%s port=%d", name, port)
-                return child, port
+                logger.info("event=child_ready name=%s port=%s", name, match.group(1))
+                return child, match
             if child.process.poll() is not None:
                 raise ChildFailed(child, f"exited with status {child.process.returncode}")
             if time.monotonic() > deadline:

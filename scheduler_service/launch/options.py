@@ -9,7 +9,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from scheduler_service.launch.ports import free_port
 from service_support.cli_help import DefaultsHelpFormatter
 from service_support.default_ports import (
     DEFAULT_EXECUTOR_PORT,
@@ -124,7 +123,7 @@ def parse_args(
         host=args.host,
         port=args.port,
         executor_port=args.executor_port,
-        metrics_port=args.metrics_port or free_port(args.host),
+        metrics_port=args.metrics_port,
         gateway_port=args.gateway_port,
         threads=args.threads or default_threads(),
         log_dir=log_dir,

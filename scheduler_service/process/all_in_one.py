@@ -103,9 +103,11 @@ def run_all_in_one(
     frontends: Frontends | None = None
     executors = ",".join(settings.executors)
     state = {"listening": False, "ready": False}
+    metrics_port: int | None = None
 
-    def on_listening(planner_port: int) -> None:
-        nonlocal frontends
+    def on_listening(planner_port: int, planner_metrics_port: int | None) -> None:
+        nonlocal frontends, metrics_port
+        metrics_port = planner_metrics_port
         command = [
             sys.executable, "-m", "scheduler_service", *argv,
             "--role", "frontend", "--planner", f"127.0.0.1:{planner_port}",
@@ -130,7 +132,7 @@ def run_all_in_one(
                     state["ready"] = True
                     logger.info(
                         "event=scheduler_ready address=%s:%d port=%d executors=%s metrics_port=%s frontends=%d",
-                        settings.host, client_port, client_port, executors, settings.metrics_port, count,
+                        settings.host, client_port, client_port, executors, metrics_port, count,
                     )
                     return
                 await asyncio.sleep(0.05)

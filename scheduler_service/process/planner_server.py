@@ -17,7 +17,6 @@ from dataclasses import dataclass
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
-from prometheus_client import start_http_server
 
 from protos.limits import MAX_MESSAGE_BYTES
 from protos.splitserve.planner.v1 import planner_pb2, planner_pb2_grpc
@@ -28,6 +27,7 @@ from scheduler_service.planner.executor_link import KEEPALIVE_OPTIONS, ExecutorL
 from scheduler_service.planner.metrics import SchedulerMetrics
 from scheduler_service.planner.step_trace import StepTrace
 from scheduler_service.process.heap_tuning import fix_mmap_threshold
+from scheduler_service.process.metrics_port import serve_metrics
 from scheduler_service.process.server import SHUTDOWN_GRACE_S, connect_then_run, drain
 from scheduler_service.process.server_settings import ServerSettings
 from scheduler_service.tier.planner_access import PlannerTokenInterceptor
@@ -59,8 +59,9 @@ class PlannerOptions:
 class PlannerHooks:
     """For a process that runs the planner beside front-ends of its own (all_in_one.py)."""
 
-    # Called with the bound port once the Planner API listens.
-    on_listening: Callable[[int], None] = lambda port: None
+    # Called with the bound ports once the Planner API listens: its own, and the metrics
+    # endpoint's (None without one).
+    on_listening: Callable[[int, int | None], None] = lambda port, metrics_port: None
     # Called with the servicer once built (to watch its front-ends).
     on_servicer: Callable[[PlannerServicer], None] = lambda servicer: None
 
@@ -120,8 +121,7 @@ async def serve_planner(settings: ServerSettings, options: PlannerOptions, hooks
     if settings.health_port is not None:
         health_server, health_port = await start_health_port(health_servicer, settings.host, settings.health_port)
         logger.info("event=health_port_listening address=%s:%d", settings.host, health_port)
-    if settings.metrics_port is not None:
-        start_http_server(settings.metrics_port, addr=settings.host, registry=metrics.registry)
+    metrics_port = serve_metrics(settings.metrics_port, settings.host, metrics.registry)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
@@ -137,10 +137,13 @@ async def serve_planner(settings: ServerSettings, options: PlannerOptions, hooks
             "event=planner_insecure advice='anyone who reaches this port can submit requests, read "
             "their tokens and drain executors: use --planner-token-file'"
         )
-    hooks.on_listening(port)
+    hooks.on_listening(port, metrics_port)
 
     def ready() -> None:
-        logger.info("event=planner_ready address=%s:%d port=%d executors=%s", api_host, port, port, executors)
+        logger.info(
+            "event=planner_ready address=%s:%d port=%d executors=%s metrics_port=%s",
+            api_host, port, port, executors, metrics_port,
+        )
 
     runner = asyncio.create_task(connect_then_run(engine, settings, ready))
     waiter = asyncio.create_task(stop.wait())

@@ -10,8 +10,6 @@ import socket
 import time
 from collections.abc import Callable
 
-from prometheus_client import start_http_server
-
 from scheduler_service.frontend.request_intake import Intake
 from scheduler_service.planner.admin_servicer import AdminServicer
 from scheduler_service.planner.discovery import discover
@@ -26,6 +24,7 @@ from scheduler_service.process.client_port import (
 )
 from scheduler_service.process.gc_tuning import tune_gc
 from scheduler_service.process.heap_tuning import fix_mmap_threshold
+from scheduler_service.process.metrics_port import serve_metrics
 from scheduler_service.process.server_settings import (
     DEFAULT_DRAIN_TIMEOUT_S,
     ServerSettings,
@@ -67,8 +66,7 @@ async def serve(settings: ServerSettings) -> int:
     if settings.health_port is not None:
         health_server, health_port = await start_health_port(health_reporter.servicer, settings.host, settings.health_port)
         logger.info("event=health_port_listening address=%s:%d", settings.host, health_port)
-    if settings.metrics_port is not None:
-        start_http_server(settings.metrics_port, addr=settings.host, registry=metrics.registry)
+    metrics_port = serve_metrics(settings.metrics_port, settings.host, metrics.registry)
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -93,7 +91,7 @@ async def serve(settings: ServerSettings) -> int:
     def ready() -> None:
         logger.info(
             "event=scheduler_ready address=%s:%d port=%d executors=%s metrics_port=%s",
-            settings.host, port, port, executors, settings.metrics_port,
+            settings.host, port, port, executors, metrics_port,
         )
 
     runner = asyncio.create_task(connect_then_run(engine, settings, ready))
