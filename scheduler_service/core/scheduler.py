@@ -20,6 +20,7 @@ from scheduler_service.core.config import SchedulerConfig, SchedulingKnobs
 from scheduler_service.core.decode_set import BulkStep, DecodeSet
 from scheduler_service.core.errors import ErrorKind, RequestRejected
 from scheduler_service.core.fair_share import FairShare
+from scheduler_service.core.handles import Handles
 from scheduler_service.core.length_limits import (
     check_room_in_cache,
     check_room_under_model_length,
@@ -117,7 +118,7 @@ class Scheduler(RequestMoves, StepResults):
         # step id -> (request, epoch) of its entries whose bitmask follows the plan, in step
         # order, until the bitmasks go (see _late_bitmasks).
         self._late: dict[int, list[tuple[Request, int]]] = {}
-        self._handles = itertools.count(1)
+        self._handles = Handles(self._held_handles)
         # Block copies for the plan being made (forks' partial blocks).
         self._copies: list[BlockCopy] = []
         # K/V moving to and from this executor (move_books).
@@ -831,6 +832,10 @@ class Scheduler(RequestMoves, StepResults):
         self.num_preemptions += 1
         self.waiting.push_front(request)
 
+    def _held_handles(self) -> list[int]:
+        """What Handles asks when its count wraps: the handles the executor's requests hold."""
+        return [self.requests[i].handle for i in self._on_executor if i in self.requests]
+
     def _forget_on_executor(self, request_id: str) -> None:
         if request_id in self._on_executor:
             self._on_executor.discard(request_id)
@@ -874,7 +879,7 @@ class Scheduler(RequestMoves, StepResults):
             if follows:
                 late.append((request, request.num_preemptions))
             if request in fresh:
-                request.handle = next(self._handles)
+                request.handle = self._handles.take()
                 plan.new_requests.append(
                     NewRequestPlan(
                         request.request_id,

@@ -167,6 +167,8 @@ class SimulatedExecutor:
             self.dropped_by_failure.discard(new.request_id)
             if new.request_id in self.requests:
                 raise PlanMismatch(f"{new.request_id} is new but already held")
+            if new.handle and new.handle in self.handles:
+                raise PlanMismatch(f"{new.request_id}'s handle {new.handle} names {self.handles[new.handle]}")
             self._check_state_slot(new)
             # Its state lives in its slot now, whatever a checkpoint kept there.
             self.checkpoints.pop(new.state_slot, None)

@@ -17,6 +17,7 @@ from protos.splitserve.executor.v1 import executor_pb2
 from protos.splitserve.planner.v1 import planner_pb2
 from protos.splitserve.v1 import generation_pb2 as pb
 from scheduler_service.core.errors import ErrorKind, RequestError, RequestRejected
+from scheduler_service.core.handles import Handles
 from scheduler_service.core.request import FinishReason, Request
 from scheduler_service.core.stop_checker import check_stop
 from scheduler_service.frontend.draining import refuse_when_draining
@@ -69,7 +70,7 @@ class PlannerClient:
         self.current: PlannerLink | None = None
         self._in_flight: dict[int, _InFlight] = {}
         self._handles_by_id: dict[str, int] = {}
-        self._handles = itertools.count(1)
+        self._handles = Handles(self._in_flight.keys)
         self._stream_interval = stream_interval
         self._backlog = backlog
         self._no_planner_timeout_s = no_planner_timeout_s
@@ -129,7 +130,7 @@ class PlannerClient:
                 f"the maximum model length of {info.max_model_len}",
             )
         request.arrival_time = request.arrival_time or time.monotonic()
-        handle = next(self._handles)
+        handle = self._handles.take()
         stream = OutputStream(
             request, self.text, self._stream_interval, self._backlog,
             lambda error: self._end(handle, FinishReason.ABORT, error=error),
