@@ -15,6 +15,7 @@ from scheduler_service.core.policy import Policy
 from scheduler_service.core.queue_forecast import QueueForecast, forecast_queue
 from scheduler_service.core.request import Request
 from scheduler_service.core.scheduler import Scheduler
+from scheduler_service.core.step_timer import StepTimer
 from scheduler_service.core.ttft_forecast import Forecast, forecast_ttft
 
 # A forecast must fit in this share of the time left. Under overload the queue settles where
@@ -28,9 +29,21 @@ DEFAULT_MARGIN = 0.6
 # How fast the mean output length follows finished requests.
 _OUTPUT_SMOOTHING = 0.05
 
-# A candidate executor: its scheduler, and its step time by tokens (None: too few steps seen to
-# forecast).
-Candidate = tuple[Scheduler, Callable[[float], float] | None]
+@dataclass(slots=True, frozen=True)
+class Candidate:
+    """An executor a request may go to."""
+
+    scheduler: Scheduler
+    # Its step time by tokens (its lane's StepTimer); None: too few steps seen to forecast.
+    step_seconds: Callable[[float], float] | None
+    # The step token limit its lane plans under now (--target-itl-ms), if any.
+    step_token_limit: int | None = None
+
+    @classmethod
+    def of_lane(cls, scheduler: Scheduler, timer: StepTimer, target_itl_s: float) -> Candidate:
+        """An executor's lane as a candidate: its scheduler, what its step timer tells, and the
+        step token limit its target gives now."""
+        return cls(scheduler, timer.seconds if timer.ready else None, timer.step_token_limit(target_itl_s))
 
 
 @dataclass(slots=True)
@@ -63,14 +76,15 @@ class DeadlineAdmission:
         # forecast, and that request with its own.
         broken: tuple[Forecast, Request, float] | None = None
         for index in order:
-            scheduler, step_seconds = candidates[index]
+            candidate = candidates[index]
+            scheduler, step_seconds, limit = candidate.scheduler, candidate.step_seconds, candidate.step_token_limit
             if step_seconds is None:
                 return index
             mean_output = self._mean_output(request)
-            forecast = forecast_ttft(scheduler, request, step_seconds, mean_output)
+            forecast = forecast_ttft(scheduler, request, step_seconds, mean_output, limit)
             late = None
             if self._meets(request, forecast, now) and self._may_pass(request, scheduler):
-                queue = forecast_queue(scheduler, request, step_seconds, mean_output)
+                queue = forecast_queue(scheduler, request, step_seconds, mean_output, limit)
                 # The later of the two forecasts of its own first token counts.
                 forecast = replace(forecast, ttft_s=max(forecast.ttft_s, queue.ttft_s[request]))
                 late = self._late(queue, request, scheduler.config.policy, now)

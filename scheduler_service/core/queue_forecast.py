@@ -21,6 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from scheduler_service.core.policy import Policy, rank
+from scheduler_service.core.prefill_share import prefill_within
 from scheduler_service.core.request import Request
 from scheduler_service.core.scheduler import Scheduler
 from scheduler_service.core.ttft_forecast import expected_output, running_ends
@@ -40,7 +41,11 @@ class QueueForecast:
 
 
 def forecast_queue(
-    scheduler: Scheduler, request: Request, step_seconds: Callable[[float], float], mean_output: float
+    scheduler: Scheduler,
+    request: Request,
+    step_seconds: Callable[[float], float],
+    mean_output: float,
+    step_token_limit: int | None = None,
 ) -> QueueForecast:
     config = scheduler.config
     policy = config.policy
@@ -108,7 +113,7 @@ def forecast_queue(
         if admitted is request or (request in ttft_s and admitted.ttft_deadline_s):
             # As forecast_ttft judges a request with those before it in this order ahead.
             decodes = min(config.max_num_seqs, len(scheduler.running) + len(order) + 1)
-            prefill_room = max(1, budget - decodes)
+            prefill_room = max(1, prefill_within(budget - decodes, decodes, step_token_limit))
             steps = max(start + math.ceil(own_prompt / budget), math.ceil((prompts + own_prompt) / prefill_room))
             prefill_per_step = min(prefill_room, (prompts + own_prompt) / max(steps, 1))
             ttft_s[admitted] = steps * step_seconds(decodes + prefill_per_step) + step_seconds(decodes)

@@ -29,6 +29,7 @@ from scheduler_service.core.move_books import (
     MoveBooks,
 )
 from scheduler_service.core.policy import Policy, StepMode, pick_victim, preempts
+from scheduler_service.core.prefill_share import prefill_within
 from scheduler_service.core.prefix_tracker import PrefixTracker
 from scheduler_service.core.request import FinishReason, Request, RequestStatus
 from scheduler_service.core.request_queue import WaitingQueue
@@ -59,10 +60,6 @@ class _BulkPlan:
 
 
 _NO_BULK = _BulkPlan()
-# Prefill tokens a step that carries decodes gets under a step token limit, however tight: a
-# long prompt still advances while a large decode batch alone fills the limit.
-MIN_PREFILL_TOKENS = 32
-
 
 class _AwaitFork:
     """A forking request's source has yet to write the prompt it shares (see _fork_source)."""
@@ -387,7 +384,7 @@ class Scheduler(RequestMoves, StepResults):
         step_token_limit (mixed mode; the lane's --target-itl-ms as its step timer reads it):
         a step that carries decodes is held to about that many tokens. The decodes (and their
         drafts) are planned first, then prefill chunks and admissions share what the limit
-        leaves, at least MIN_PREFILL_TOKENS, so that a long prompt's prefill is spread over
+        leaves, at least MIN_PREFILL_TOKENS (core/prefill_share.py), so that a long prompt's prefill is spread over
         several steps instead of stalling every decoding stream for one long step.
         """
         budget = self.config.max_num_batched_tokens
@@ -412,8 +409,7 @@ class Scheduler(RequestMoves, StepResults):
             budget = self._plan_drafts(budget, scheduled, new_blocks, drafted)
             if step_token_limit is not None:
                 decoding = sum(scheduled.values()) + (len(bulk.step.handles) if bulk.step is not None else 0)
-                if decoding:
-                    budget = min(budget, max(step_token_limit - decoding, MIN_PREFILL_TOKENS))
+                budget = prefill_within(budget, decoding, step_token_limit)
                 budget, prefill_preempted = self._schedule_running(budget, scheduled, new_blocks, prefill=True, decode=False)
                 running_preempted = running_preempted or prefill_preempted
             if not (preempted or bulk.preempted or running_preempted):

@@ -5,7 +5,8 @@ The executor's seats (max_num_seqs) are simulated in steps: each running request
 until it is expected to end (running_seats), each request queued ahead of this one takes the
 first seat to free for its prompt and expected output, and this request takes the next, then
 computes its prompt. The token budget bounds it too: the prompts ahead share
-max_num_batched_tokens a step with the decodes. Steps cost what the executor's StepTimer says a
+max_num_batched_tokens a step with the decodes, and under a step token limit (--target-itl-ms)
+what that leaves them (core/prefill_share.py). Steps cost what the executor's StepTimer says a
 step of that many tokens costs.
 
 Expected output: max_tokens left when the request ignores EOS, else the smaller of that and the
@@ -20,6 +21,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from scheduler_service.core.policy import Policy, rank
+from scheduler_service.core.prefill_share import prefill_within
 from scheduler_service.core.request import Request
 from scheduler_service.core.scheduler import Scheduler
 from scheduler_service.core.stop_checker import length_limit
@@ -42,7 +44,11 @@ def expected_output(request: Request, mean_output: float, max_seq_len: int) -> f
 
 
 def forecast_ttft(
-    scheduler: Scheduler, request: Request, step_seconds: Callable[[float], float], mean_output: float
+    scheduler: Scheduler,
+    request: Request,
+    step_seconds: Callable[[float], float],
+    mean_output: float,
+    step_token_limit: int | None = None,
 ) -> Forecast:
     config = scheduler.config
     budget = config.max_num_batched_tokens
@@ -58,7 +64,7 @@ def forecast_ttft(
     start = heapq.heappop(seats) if seats else 0.0
     own_prompt = request.num_uncomputed_tokens
     decodes = min(config.max_num_seqs, len(scheduler.running) + len(ahead) + 1)
-    prefill_room = max(1, budget - decodes)
+    prefill_room = max(1, prefill_within(budget - decodes, decodes, step_token_limit))
     steps = max(start + math.ceil(own_prompt / budget), math.ceil((prompts + own_prompt) / prefill_room))
     prefill_per_step = min(prefill_room, (prompts + own_prompt) / max(steps, 1))
     step_s = step_seconds(decodes + prefill_per_step)

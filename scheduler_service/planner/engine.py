@@ -20,7 +20,7 @@ import numpy as np
 from protos.splitserve.executor.v1 import executor_pb2
 from protos.splitserve.v1 import generation_pb2 as pb
 from scheduler_service.core.config import SchedulingKnobs
-from scheduler_service.core.deadline_admission import DeadlineAdmission
+from scheduler_service.core.deadline_admission import Candidate, DeadlineAdmission
 from scheduler_service.core.errors import (
     AdmissionRefused,
     ErrorKind,
@@ -383,7 +383,7 @@ class Engine:
         deadline; nothing is booked then."""
         routed = (self._route(request, intake) or 0) if intake else 0
         if intake and not resumed:
-            candidates = [(lane.scheduler, lane.step_timer.seconds if lane.step_timer.ready else None) for lane in intake]
+            candidates = [Candidate.of_lane(lane.scheduler, lane.step_timer, lane.options.target_itl_s) for lane in intake]
             routed = self.deadlines.choose(request, candidates, routed, time.monotonic())
         if self.quotas.admit(request, self.info.max_model_len if self.info is not None else None, not resumed):
             return routed

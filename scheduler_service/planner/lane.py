@@ -25,7 +25,8 @@ from scheduler_service.core.audit import audit_executor
 from scheduler_service.core.config import DEFAULT_SPECULATIVE_MAX_BATCH, SchedulerConfig
 from scheduler_service.core.fair_share import FairShare
 from scheduler_service.core.policy import Policy, StepMode
-from scheduler_service.core.scheduler import MIN_PREFILL_TOKENS, Scheduler
+from scheduler_service.core.prefill_share import MIN_PREFILL_TOKENS
+from scheduler_service.core.scheduler import Scheduler
 from scheduler_service.core.step_plan import StepOutput, StepPlan, StepUpdates
 from scheduler_service.core.step_timer import StepTimer
 from scheduler_service.core.suffix_proposer import SuffixTable

@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
 from scheduler_service.core.config import SchedulerConfig
-from scheduler_service.core.deadline_admission import DeadlineAdmission
+from scheduler_service.core.deadline_admission import Candidate, DeadlineAdmission
 from scheduler_service.core.errors import AdmissionRefused
 from scheduler_service.core.fair_share import FairShare
 from scheduler_service.core.request import FinishReason, Request
@@ -116,7 +116,7 @@ def replay_requests(
             if kind == "add":
                 request.arrival_time = clock
                 choice = route(request, [lane.scheduler for lane in lanes], tokens_per_request)
-                candidates = [(lane.scheduler, lane.step_timer.seconds if lane.step_timer.ready else None) for lane in lanes]
+                candidates = [Candidate.of_lane(lane.scheduler, lane.step_timer, target_itl_s) for lane in lanes]
                 try:
                     index = admission.choose(request, candidates, choice.index if choice is not None else 0, clock)
                 except AdmissionRefused as refused:

@@ -10,15 +10,17 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from scheduler_service.core.config import SchedulerConfig
-from scheduler_service.core.deadline_admission import DeadlineAdmission
+from scheduler_service.core.deadline_admission import Candidate, DeadlineAdmission
 from scheduler_service.core.errors import AdmissionRefused, ErrorKind
 from scheduler_service.core.policy import Policy
+from scheduler_service.core.prefill_share import MIN_PREFILL_TOKENS
 from scheduler_service.core.request import Request
 from scheduler_service.core.sampling_params import SamplingParams
 from scheduler_service.core.scheduler import Scheduler
 from scheduler_service.core.step_timer import MIN_STEPS, StepTimer
 from scheduler_service.core.ttft_forecast import forecast_ttft
 from tests.helpers.lockstep import FakeClock, Lockstep
+from tests.helpers.sched_harness import run
 
 
 def make(index: int, prompt_len: int = 16, max_tokens: int = 16, **fields: object) -> Request:
@@ -193,6 +195,43 @@ def test_under_priority_only_better_ranked_requests_count_as_ahead() -> None:
     assert forecast_ttft(sched, behind, one_second, mean_output=16).ttft_s > 10 * alone.ttft_s
 
 
+@pytest.mark.parametrize("limit", [None, 40])
+def test_the_forecast_counts_the_prefill_steps_the_scheduler_takes_under_a_step_token_limit(limit: int | None) -> None:
+    """A 300-token prompt beside eight decodes: in one step without a limit; under a limit of
+    40 tokens (--target-itl-ms) in steps of 32 (the least a step gives prefill), ten of them.
+    The forecast (one step a second) counts those steps, and one more for the step in flight."""
+    probe = make(999, 300, 4)
+    forecasts = []
+
+    def arrive(step: int, sched: Scheduler) -> None:
+        if step == 3:
+            forecasts.append(forecast_ttft(sched, probe, one_second, mean_output=100, step_token_limit=limit))
+            sched.add_request(probe)
+
+    config = SchedulerConfig(num_kv_blocks=512, block_size=4, max_model_len=1024, max_num_seqs=16, max_num_batched_tokens=512)
+    result = run(config, {1: [make(i, 4, 100) for i in range(8)]}, before_step=arrive, step_token_limit=limit)
+    prefill_steps = sum(any(r.request_id == probe.request_id for r in [*p.new_requests, *p.continuing_requests]) for p in result.plans)
+    assert prefill_steps == (1 if limit is None else math.ceil(300 / MIN_PREFILL_TOKENS))
+    assert forecasts[0].ttft_s == prefill_steps + 1
+
+
+def test_a_deadline_only_a_limited_executor_would_miss_goes_to_the_other() -> None:
+    """Both executors have eight requests decoding; the one whose lane holds steps to 40 tokens
+    would compute the 300-token prompt in ten steps, the other in one."""
+    request = make(999, 300, 4, ttft_deadline_s=5.0, arrival_time=100.0)
+    executors = []
+    for _ in range(2):
+        sched = scheduler(max_num_seqs=16, max_num_batched_tokens=512)
+        for i in range(8):
+            sched.add_request(make(i, 4, 100))
+        sched.schedule()
+        executors.append(sched)
+    candidates = [Candidate(executors[0], one_second, step_token_limit=40), Candidate(executors[1], one_second)]
+    assert DeadlineAdmission(margin=1.0).choose(request, candidates, preferred=0, now=100.0) == 1
+    with pytest.raises(AdmissionRefused):
+        DeadlineAdmission(margin=1.0).choose(request, candidates[:1], preferred=0, now=100.0)
+
+
 # ---- DeadlineAdmission.choose -----------------------------------------------------------------
 
 
@@ -211,43 +250,43 @@ def due(deadline_s: float = 0.0, tpot_s: float = 0.0) -> Request:
 
 def test_choose_keeps_the_preferred_executor_when_it_meets_the_deadline() -> None:
     admission = DeadlineAdmission()
-    candidates = [(loaded(), linear), (scheduler(), linear), (scheduler(), linear)]
+    candidates = [Candidate(loaded(), linear), Candidate(scheduler(), linear), Candidate(scheduler(), linear)]
     assert admission.choose(due(0.5), candidates, preferred=2, now=100.0) == 2
 
 
 def test_choose_moves_to_the_only_executor_that_meets_the_deadline() -> None:
     admission = DeadlineAdmission()
-    candidates = [(loaded(), linear), (loaded(), linear), (scheduler(), linear)]
+    candidates = [Candidate(loaded(), linear), Candidate(loaded(), linear), Candidate(scheduler(), linear)]
     assert admission.choose(due(0.5), candidates, preferred=0, now=100.0) == 2
 
 
 def test_choose_refuses_with_the_reason_and_a_retry_after_when_no_executor_meets_it() -> None:
     admission = DeadlineAdmission()
-    candidates = [(loaded(), linear), (loaded(), linear)]
+    candidates = [Candidate(loaded(), linear), Candidate(loaded(), linear)]
     with pytest.raises(AdmissionRefused, match="ttft_deadline_ms") as refused:
         admission.choose(due(0.5), candidates, preferred=0, now=100.0)
     assert (refused.value.reason, refused.value.kind) == ("deadline", ErrorKind.OVERLOADED)
     assert refused.value.retry_after_s is not None and refused.value.retry_after_s > 0
     # Already waited past most of its deadline: refused even where the queue is empty.
     with pytest.raises(AdmissionRefused) as late:
-        admission.choose(due(0.5), [(scheduler(), linear)], preferred=0, now=100.49)
+        admission.choose(due(0.5), [Candidate(scheduler(), linear)], preferred=0, now=100.49)
     assert late.value.reason == "deadline" and late.value.retry_after_s is not None and late.value.retry_after_s > 0
 
 
 def test_choose_refuses_a_per_token_target_no_executor_meets() -> None:
     admission = DeadlineAdmission()
     with pytest.raises(AdmissionRefused) as refused:
-        admission.choose(due(tpot_s=0.001), [(scheduler(), linear)], preferred=0, now=100.0)
+        admission.choose(due(tpot_s=0.001), [Candidate(scheduler(), linear)], preferred=0, now=100.0)
     assert (refused.value.reason, refused.value.kind) == ("tpot", ErrorKind.OVERLOADED)
     assert refused.value.retry_after_s is not None and refused.value.retry_after_s > 0
-    assert admission.choose(due(tpot_s=0.05), [(scheduler(), linear)], preferred=0, now=100.0) == 0
+    assert admission.choose(due(tpot_s=0.05), [Candidate(scheduler(), linear)], preferred=0, now=100.0) == 0
 
 
 def test_choose_does_not_judge_without_targets_or_without_a_ready_timer() -> None:
     admission = DeadlineAdmission()
-    candidates = [(loaded(), linear), (scheduler(), linear)]
+    candidates = [Candidate(loaded(), linear), Candidate(scheduler(), linear)]
     assert admission.choose(due(), candidates, preferred=0, now=100.0) == 0
-    unready = [(loaded(), None), (scheduler(), linear)]
+    unready = [Candidate(loaded(), None), Candidate(scheduler(), linear)]
     assert admission.choose(due(0.5), unready, preferred=0, now=100.0) == 0
 
 
@@ -261,13 +300,13 @@ def test_choose_learns_the_mean_output_from_finished_requests() -> None:
     request = make(500, 32, 500, ttft_deadline_s=1.0, arrival_time=100.0)
     admission = DeadlineAdmission()
     with pytest.raises(AdmissionRefused):
-        admission.choose(request, [(sched, linear)], preferred=0, now=100.0)
+        admission.choose(request, [Candidate(sched, linear)], preferred=0, now=100.0)
     finished = make(600, 8, 2)
     finished.token_ids += [5, 5]
     for _ in range(100):
         admission.finished(finished)
     assert admission.mean_output == pytest.approx(2.0)
-    assert admission.choose(request, [(sched, linear)], preferred=0, now=100.0) == 0
+    assert admission.choose(request, [Candidate(sched, linear)], preferred=0, now=100.0) == 0
 
 
 # ---- earliest deadline first ------------------------------------------------------------------

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from scheduler_service.core.config import SchedulerConfig
-from scheduler_service.core.deadline_admission import DeadlineAdmission
+from scheduler_service.core.deadline_admission import Candidate, DeadlineAdmission
 from scheduler_service.core.errors import AdmissionRefused
 from scheduler_service.core.policy import Policy
 from scheduler_service.core.queue_forecast import forecast_queue
@@ -44,7 +44,7 @@ def _one_seat_taken(policy: Policy) -> Scheduler:
 
 
 def _choose(scheduler: Scheduler, request: Request) -> int:
-    return DeadlineAdmission(margin=MARGIN).choose(request, [(scheduler, lambda tokens: STEP_S)], 0, now=NOW)
+    return DeadlineAdmission(margin=MARGIN).choose(request, [Candidate(scheduler, lambda tokens: STEP_S)], 0, now=NOW)
 
 
 def test_a_request_that_would_make_a_queued_one_late_is_refused_saying_so() -> None:

@@ -12,9 +12,10 @@ import pytest
 from protos.splitserve.executor.v1 import executor_pb2 as pb
 from scheduler_service.core.config import SchedulerConfig
 from scheduler_service.core.errors import RequestError
+from scheduler_service.core.prefill_share import MIN_PREFILL_TOKENS
 from scheduler_service.core.request import Request
 from scheduler_service.core.sampling_params import SamplingParams
-from scheduler_service.core.scheduler import MIN_PREFILL_TOKENS, Scheduler
+from scheduler_service.core.scheduler import Scheduler
 from scheduler_service.core.sim_executor import SimulatedExecutor
 from scheduler_service.core.step_timer import MIN_STEPS, StepTimer
 from scheduler_service.planner.engine import EngineOptions
