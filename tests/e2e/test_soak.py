@@ -55,6 +55,9 @@ EXECUTOR_FLAGS: dict[str, object] = {"num_kv_blocks": NUM_KV_BLOCKS, "block_size
 SCHEDULER_FLAGS: dict[str, object] = {"max_num_batched_tokens": 512, "step_timeout_floor": 5}
 KILL_AT = 0.4
 RESTART_AFTER_S = 5.0
+# Load runs at least this long after the restarted executor is back, so that both executors
+# step after it however long the restart took on a busy machine.
+LOAD_AFTER_READMISSION_S = 10.0
 FIRST_RSS_AT_S = min(60.0, SOAK_S / 3)
 MAX_RSS_GROWTH = 0.10
 # ... or this much, whichever is more. A scheduler without a tokenizer holds ~90 MB now that it
@@ -308,7 +311,7 @@ class Load:
             return Outcome("seeded", "completed")
         return Outcome("seeded", got.ending, f"seeded: ended {got.ending} after {len(got.tokens)} tokens")
 
-    async def client_task(self, index: int, stop_at: float, outcomes: list[Outcome]) -> None:
+    async def client_task(self, index: int, measures: Measures) -> None:
         rng = random.Random(1000 + index)
         kinds: dict[str, Callable[[AsyncClient, random.Random], Awaitable[Outcome]]] = {
             "complete": self.complete,
@@ -319,7 +322,7 @@ class Load:
             "seeded": self.seeded,
         }
         async with AsyncClient(self.address) as client:
-            while time.monotonic() < stop_at:
+            while time.monotonic() < measures.load_until:
                 kind = rng.choices(list(KIND_WEIGHTS), weights=list(KIND_WEIGHTS.values()))[0]
                 try:
                     outcome = await asyncio.wait_for(kinds[kind](client, rng), REQUEST_BOUND_S)
@@ -328,7 +331,7 @@ class Load:
                 except SplitserveError as error:
                     # A call beside the stream failed, such as Abort.
                     outcome = Outcome(kind, error.code.name, f"{kind}: {error}")
-                outcomes.append(outcome)
+                measures.outcomes.append(outcome)
 
 
 def _rss_kib(pid: int) -> int:
@@ -380,6 +383,8 @@ class Measures:
     # Each executor's steps when the killed one was back, by address.
     steps_at_readmission: dict[str, int] = field(default_factory=dict)
     final: pb.ServerStatus | None = None
+    # When the clients stop sending (monotonic seconds): the planned end, or later.
+    load_until: float = 0.0
 
 
 class Soak:
@@ -431,6 +436,7 @@ class Soak:
 
         status = await _wait_for_status(self.address, readmitted, READMIT_BOUND_S, "readmission")
         measures.steps_at_readmission = {e.address: e.num_steps for e in status.executors}
+        measures.load_until = max(measures.load_until, time.monotonic() + LOAD_AFTER_READMISSION_S)
 
     async def sample_rss(self, at_s: float, measures: Measures) -> None:
         await asyncio.sleep(at_s)
@@ -439,11 +445,11 @@ class Soak:
     async def run(self, load: Load, seconds: float) -> Measures:
         measures = Measures()
         await _wait_for_status(self.address, _all_up, READMIT_BOUND_S, "two executors up")
-        stop_at = time.monotonic() + seconds
+        measures.load_until = time.monotonic() + seconds
         await asyncio.gather(
             self.kill_and_restart(KILL_AT * seconds, measures),
             self.sample_rss(FIRST_RSS_AT_S, measures),
-            *(load.client_task(index, stop_at, measures.outcomes) for index in range(CLIENTS)),
+            *(load.client_task(index, measures) for index in range(CLIENTS)),
         )
         measures.final = await _wait_for_status(
             self.address, _idle_and_free, SETTLE_BOUND_S, "idle scheduler with every block free"
