@@ -5,6 +5,7 @@ trace that replays with it (and older traces read as before)."""
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from typing import cast
 
@@ -116,7 +117,7 @@ def _record(directory: Path, method: str = "ngram") -> dict[str, list[int]]:
     outputs: dict[str, list[int]] = {}
     while scheduler.has_unfinished():
         plan = scheduler.schedule()
-        trace.plan_sent("ex", plan, scheduler.decoded_in(plan), trace.now())
+        trace.plan_sent("ex", plan, scheduler.decoded_in(plan), time.monotonic())
         output = executor.execute(plan)
         updates = scheduler.update(output)
         for update in updates:
