@@ -29,6 +29,7 @@ DEFAULT_MARGIN = 0.6
 # How fast the mean output length follows finished requests.
 _OUTPUT_SMOOTHING = 0.05
 
+
 @dataclass(slots=True, frozen=True)
 class Candidate:
     """An executor a request may go to."""

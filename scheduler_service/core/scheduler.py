@@ -61,6 +61,7 @@ class _BulkPlan:
 
 _NO_BULK = _BulkPlan()
 
+
 class _AwaitFork:
     """A forking request's source has yet to write the prompt it shares (see _fork_source)."""
 
@@ -384,8 +385,9 @@ class Scheduler(RequestMoves, StepResults):
         step_token_limit (mixed mode; the lane's --target-itl-ms as its step timer reads it):
         a step that carries decodes is held to about that many tokens. The decodes (and their
         drafts) are planned first, then prefill chunks and admissions share what the limit
-        leaves, at least MIN_PREFILL_TOKENS (core/prefill_share.py), so that a long prompt's prefill is spread over
-        several steps instead of stalling every decoding stream for one long step.
+        leaves, at least MIN_PREFILL_TOKENS (core/prefill_share.py), so that a long prompt's
+        prefill is spread over several steps instead of stalling every decoding stream for one
+        long step.
         """
         budget = self.config.max_num_batched_tokens
         scheduled: dict[Request, int] = {}
