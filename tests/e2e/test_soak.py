@@ -55,8 +55,8 @@ EXECUTOR_FLAGS: dict[str, object] = {"num_kv_blocks": NUM_KV_BLOCKS, "block_size
 SCHEDULER_FLAGS: dict[str, object] = {"max_num_batched_tokens": 512, "step_timeout_floor": 5}
 KILL_AT = 0.4
 RESTART_AFTER_S = 5.0
-# Load runs at least this long after the restarted executor is back, so that both executors
-# step after it however long the restart took on a busy machine.
+# Load runs until the restarted executor is back and at least this long after, so that both
+# executors step after it however long the restart took on a busy machine.
 LOAD_AFTER_READMISSION_S = 10.0
 FIRST_RSS_AT_S = min(60.0, SOAK_S / 3)
 MAX_RSS_GROWTH = 0.10
@@ -322,7 +322,7 @@ class Load:
             "seeded": self.seeded,
         }
         async with AsyncClient(self.address) as client:
-            while time.monotonic() < measures.load_until:
+            while measures.loading():
                 kind = rng.choices(list(KIND_WEIGHTS), weights=list(KIND_WEIGHTS.values()))[0]
                 try:
                     outcome = await asyncio.wait_for(kinds[kind](client, rng), REQUEST_BOUND_S)
@@ -385,6 +385,11 @@ class Measures:
     final: pb.ServerStatus | None = None
     # When the clients stop sending (monotonic seconds): the planned end, or later.
     load_until: float = 0.0
+    # Whether the killed executor is back; the clients send on until it is.
+    readmitted: bool = False
+
+    def loading(self) -> bool:
+        return not self.readmitted or time.monotonic() < self.load_until
 
 
 class Soak:
@@ -437,6 +442,7 @@ class Soak:
         status = await _wait_for_status(self.address, readmitted, READMIT_BOUND_S, "readmission")
         measures.steps_at_readmission = {e.address: e.num_steps for e in status.executors}
         measures.load_until = max(measures.load_until, time.monotonic() + LOAD_AFTER_READMISSION_S)
+        measures.readmitted = True
 
     async def sample_rss(self, at_s: float, measures: Measures) -> None:
         await asyncio.sleep(at_s)
