@@ -13,13 +13,14 @@ from __future__ import annotations
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from tests.helpers.service_process import free_port
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 # Names that reach a service from another container, and the wildcard a server binds.
@@ -138,14 +139,7 @@ class RunningServices:
 
 
 def free_ports(count: int) -> list[int]:
-    sockets = [socket.socket() for _ in range(count)]
-    try:
-        for sock in sockets:
-            sock.bind(("127.0.0.1", 0))
-        return [sock.getsockname()[1] for sock in sockets]
-    finally:
-        for sock in sockets:
-            sock.close()
+    return [free_port() for _ in range(count)]
 
 
 def wait_healthy(

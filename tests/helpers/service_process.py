@@ -10,7 +10,7 @@ import socket
 import subprocess
 import tempfile
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -42,11 +42,36 @@ def is_running(pid: int) -> bool:
     return state != "Z"
 
 
+# The ports free_port gives lie below the kernel's ephemeral range (32768 and up), from which
+# every bind to port 0 and every outgoing connection draws: a port picked there could be taken by
+# any of them before the service given it binds it (seen as "--metrics-port ... is already in
+# use"). Each pytest-xdist worker draws from a block of its own, and gives each port once.
+_PORT_BASE = 20_000
+_PORT_BLOCK = 2_000
+_PORT_BLOCKS = 6
+
+
+def _worker_ports() -> Iterator[int]:
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw")
+    start = _PORT_BASE + (int(worker) if worker.isdigit() else 0) % _PORT_BLOCKS * _PORT_BLOCK
+    return iter(range(start, start + _PORT_BLOCK))
+
+
+# This process's draw, shared by every caller in it.
+_PORTS = _worker_ports()
+
+
 def free_port() -> int:
-    """A port free right now on 127.0.0.1 (for services that need a fixed one)."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
+    """A port free right now on 127.0.0.1 and not given before in this process (for services
+    that need a fixed one)."""
+    for port in _PORTS:
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError(f"every port of this process's block of {_PORT_BLOCK} was given")
 
 
 def child_environment(changes: Mapping[str, str | None]) -> dict[str, str]:
