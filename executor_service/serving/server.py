@@ -17,7 +17,6 @@ import grpc
 from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
-from prometheus_client import start_http_server
 
 from executor_service.runner.late_bitmasks import LateBitmasks
 from executor_service.serving.access import ExecutorAccess
@@ -29,6 +28,7 @@ from executor_service.serving.settings import DEFAULT_DRAIN_TIMEOUT_S
 from protos.limits import MAX_MESSAGE_BYTES
 from protos.splitserve.executor.v1 import executor_pb2, executor_pb2_grpc
 from service_support.health_port import start_health_port
+from service_support.metrics_port import serve_metrics
 from service_support.transport_security import (
     ClientTls,
     ServerTls,
@@ -451,9 +451,9 @@ async def serve(executor: ServedExecutor, options: ServeOptions, worker: ThreadP
     if options.health_port is not None:
         health_server, bound_health = await start_health_port(health_servicer, host, options.health_port)
         logger.info("event=health_port_listening address=%s:%d", host, bound_health)
-    if options.metrics_port is not None:
-        start_http_server(options.metrics_port, addr=host, registry=metrics.registry)
-        logger.info("event=metrics_listening address=%s:%d", host, options.metrics_port)
+    metrics_port = serve_metrics(options.metrics_port, host, metrics.registry)
+    if metrics_port is not None:
+        logger.info("event=metrics_listening address=%s:%d", host, metrics_port)
     for service in ("", SERVICE_NAME, KV_TRANSFER_SERVICE):
         await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
     stop = asyncio.Event()

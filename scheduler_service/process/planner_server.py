@@ -27,12 +27,12 @@ from scheduler_service.planner.executor_link import KEEPALIVE_OPTIONS, ExecutorL
 from scheduler_service.planner.metrics import SchedulerMetrics
 from scheduler_service.planner.step_trace import StepTrace
 from scheduler_service.process.heap_tuning import fix_mmap_threshold
-from scheduler_service.process.metrics_port import serve_metrics
 from scheduler_service.process.server import SHUTDOWN_GRACE_S, connect_then_run, drain
 from scheduler_service.process.server_settings import ServerSettings
 from scheduler_service.tier.planner_access import PlannerTokenInterceptor
 from scheduler_service.tier.planner_servicer import PlannerServicer
 from service_support.health_port import start_health_port
+from service_support.metrics_port import serve_metrics
 
 logger = logging.getLogger("scheduler_service.planner")
 

@@ -24,13 +24,13 @@ from scheduler_service.process.client_port import (
 )
 from scheduler_service.process.gc_tuning import tune_gc
 from scheduler_service.process.heap_tuning import fix_mmap_threshold
-from scheduler_service.process.metrics_port import serve_metrics
 from scheduler_service.process.server_settings import (
     DEFAULT_DRAIN_TIMEOUT_S,
     ServerSettings,
 )
 from scheduler_service.structured.grammars import Grammars
 from service_support.health_port import start_health_port
+from service_support.metrics_port import serve_metrics
 
 logger = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
-"""The scheduler's Prometheus endpoint, on the port asked for or, with 0, on one the system picks:
-the port it bound is what the ready line reports, so nobody has to pick a free port beforehand
-and race another process for it."""
+"""A service's Prometheus endpoint (the scheduler's, the executor's), on the port asked for or,
+with 0, on one the system picks: the port it bound is what its log reports, so nobody has to
+pick a free port beforehand and race another process for it."""
 
 from __future__ import annotations
 
