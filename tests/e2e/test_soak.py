@@ -385,11 +385,10 @@ class Measures:
     final: pb.ServerStatus | None = None
     # When the clients stop sending (monotonic seconds): the planned end, or later.
     load_until: float = 0.0
-    # Whether the killed executor is back; the clients send on until it is.
-    readmitted: bool = False
 
     def loading(self) -> bool:
-        return not self.readmitted or time.monotonic() < self.load_until
+        """Until the killed executor is back (steps_at_readmission is set then) and load_until."""
+        return not self.steps_at_readmission or time.monotonic() < self.load_until
 
 
 class Soak:
@@ -442,7 +441,6 @@ class Soak:
         status = await _wait_for_status(self.address, readmitted, READMIT_BOUND_S, "readmission")
         measures.steps_at_readmission = {e.address: e.num_steps for e in status.executors}
         measures.load_until = max(measures.load_until, time.monotonic() + LOAD_AFTER_READMISSION_S)
-        measures.readmitted = True
 
     async def sample_rss(self, at_s: float, measures: Measures) -> None:
         await asyncio.sleep(at_s)
