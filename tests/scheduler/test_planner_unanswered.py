@@ -3,23 +3,17 @@ answer (lost, and not yet replaced), the client gets the planner's code, UNAVAIL
 may retry, and a message naming the planner, not gRPC's UNKNOWN for a handler's exception."""
 
 import asyncio
-import socket
 
 import pytest
 
 from scheduler_service.core.errors import ErrorKind, RequestRejected
 from scheduler_service.tier.planner_client import PlannerClient
-
-
-def _closed_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
+from tests.helpers.service_process import free_port
 
 
 @pytest.mark.parametrize("call", ["server_status", "abort_request"])
 def test_a_planner_that_does_not_answer_is_unavailable(call: str) -> None:
-    address = f"127.0.0.1:{_closed_port()}"
+    address = f"127.0.0.1:{free_port()}"
 
     async def ask() -> RequestRejected:
         client = PlannerClient([address], None, None, "frontend-1")

@@ -7,12 +7,11 @@ import socket
 import pytest
 
 from service_support.port_check import PortUnavailable, check_listen_ports, port_taken
+from tests.helpers.service_process import free_port
 
 
 def test_free_ports_zero_and_off_pass() -> None:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        free = probe.getsockname()[1]
+    free = free_port()
     check_listen_ports("127.0.0.1", {"--port": free, "--health-port": 0, "--metrics-port": None})
     assert not port_taken("127.0.0.1", free)
 
