@@ -1,11 +1,12 @@
 """One-shot certificates and API key for the secured setup (docker-compose.secure.yml).
 
     python deploy/make_certs.py OUT_DIR [--executor-name NAME ...] [--scheduler-name NAME ...]
-                                [--days N] [--service-owner UID:GID]
+                                [--planner-name NAME ...] [--days N] [--service-owner UID:GID]
 
 Writes into OUT_DIR a private CA (ca.pem, ca-key.pem); the scheduler's client-API server
-certificate (scheduler.pem, scheduler-key.pem) and the executors' server certificate
-(executor.pem, executor-key.pem), each for its given names plus localhost and 127.0.0.1; the client
+certificate (scheduler.pem, scheduler-key.pem), the planners' Planner API server certificate
+(planner.pem, planner-key.pem) and the executors' server certificate (executor.pem,
+executor-key.pem), each for its given names plus localhost and 127.0.0.1; the client
 certificate the scheduler presents to executors (scheduler-client.pem, scheduler-client-key.pem,
 CN splitserve-scheduler, clientAuth); the client certificate executors present to each other
 when they fetch K/V (executor-peer.pem, executor-peer-key.pem, CN splitserve-executor-peer,
@@ -90,7 +91,9 @@ class KeyPair:
     key: ec.EllipticCurvePrivateKey
 
 
-def leaf_specs(executor_names: Sequence[str], scheduler_names: Sequence[str]) -> list[LeafSpec]:
+def leaf_specs(
+    executor_names: Sequence[str], scheduler_names: Sequence[str], planner_names: Sequence[str] = ()
+) -> list[LeafSpec]:
     def with_local(names: Sequence[str]) -> tuple[str, ...]:
         return tuple(dict.fromkeys([*names, *LOCAL_NAMES]))
 
@@ -99,6 +102,12 @@ def leaf_specs(executor_names: Sequence[str], scheduler_names: Sequence[str]) ->
             "scheduler",
             "splitserve-scheduler-api",
             with_local(scheduler_names),
+            ExtendedKeyUsageOID.SERVER_AUTH,
+        ),
+        LeafSpec(
+            "planner",
+            "splitserve-planner",
+            with_local(planner_names),
             ExtendedKeyUsageOID.SERVER_AUTH,
         ),
         LeafSpec(
@@ -395,10 +404,11 @@ def make_certs(
     scheduler_names: Sequence[str],
     days: int,
     service_owner: tuple[int, int] | None = None,
+    planner_names: Sequence[str] = (),
 ) -> int:
     """Brings OUT_DIR up to date; returns how many certificates and keys it (re)issued."""
     out.mkdir(parents=True, exist_ok=True)
-    specs = leaf_specs(executor_names, scheduler_names)
+    specs = leaf_specs(executor_names, scheduler_names, planner_names)
     ca, new_ca = ensure_ca(out, days)
     issued = int(new_ca)
     for spec in specs:
@@ -446,6 +456,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         "are always included",
     )
     parser.add_argument(
+        "--planner-name",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="DNS name or IP front-ends dial the planners by, or check them as "
+        "(--planner-tls-server-name) (repeat); localhost and 127.0.0.1 are always included",
+    )
+    parser.add_argument(
         "--days", type=lifetime_days, default=365, help="validity of new certificates"
     )
     parser.add_argument(
@@ -462,7 +480,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         format="%(asctime)s level=%(levelname)s logger=%(name)s %(message)s",
     )
     try:
-        make_certs(args.out, args.executor_name, args.scheduler_name, args.days, args.service_owner)
+        make_certs(args.out, args.executor_name, args.scheduler_name, args.days, args.service_owner, args.planner_name)
     except OSError as error:
         logger.error("event=certs_failed out=%s error=%r", args.out, error)
         return 1

@@ -471,9 +471,11 @@ def main(argv: list[str] | None = None, prog: str = "python -m scheduler_service
         roles.role, args.port, ",".join(args.executor), args.tokenizer, defaults,
     )
     if roles.role == "frontend":
-        return run(serve_frontend(settings, FrontendOptions(roles.planners, roles.planner_token, roles.reuse_port)))
+        return run(
+            serve_frontend(settings, FrontendOptions(roles.planners, roles.planner_token, roles.reuse_port, roles.planner_tls))
+        )
     if roles.role == "planner":
-        return run(serve_planner(settings, PlannerOptions(roles.planner_token, roles.insecure_planner)))
+        return run(serve_planner(settings, PlannerOptions(roles.planner_token, roles.insecure_planner, tls=security.tls)))
     if roles.frontends > 1:
         return run_all_in_one(settings, roles.frontends, sys.argv[1:] if argv is None else argv, run)
     return run(serve(settings))

@@ -34,7 +34,7 @@ class SecurityOptions:
 
 def add_security_flags(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("security")
-    group.add_argument("--tls-cert", type=Path, help="PEM certificate (chain) of the client API; serves TLS")
+    group.add_argument("--tls-cert", type=Path, help="PEM certificate (chain) of the client API (with --role planner: of the Planner API); serves TLS")
     group.add_argument("--tls-key", type=Path, help="PEM private key of --tls-cert")
     group.add_argument(
         "--api-key-file",

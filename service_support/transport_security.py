@@ -7,8 +7,10 @@ on what a flag pair means (a certificate needs its key; a client CA means mutual
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import grpc
 
@@ -107,6 +109,14 @@ def client_tls(
         read_pem(key, "client key") if key is not None else None,
         server_name,
     )
+
+
+def aio_channel(address: str, options: Sequence[tuple[str, Any]], tls: ClientTls | None) -> grpc.aio.Channel:
+    """An asyncio channel to address: TLS as tls says (its server-name override added to
+    options), plaintext without it."""
+    if tls is None:
+        return grpc.aio.insecure_channel(address, options)
+    return grpc.aio.secure_channel(address, tls.credentials(), [*options, *tls.channel_options()])
 
 
 def allows_client_auth(cert_pem: bytes) -> bool | None:

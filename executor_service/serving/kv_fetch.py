@@ -17,7 +17,12 @@ import grpc
 from protos.executor_access import EXECUTOR_TOKEN_METADATA
 from protos.limits import MAX_MESSAGE_BYTES
 from protos.splitserve.executor.v1 import executor_pb2, executor_pb2_grpc
-from service_support.transport_security import ClientTls, ServerTls, allows_client_auth
+from service_support.transport_security import (
+    ClientTls,
+    ServerTls,
+    aio_channel,
+    allows_client_auth,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -117,12 +122,7 @@ class KvFetcher:
                 ("grpc.keepalive_timeout_ms", 10_000),
                 ("grpc.http2.ping_timeout_ms", 10_000),
             ]
-            if self._tls is None:
-                channel = grpc.aio.insecure_channel(address, options=options)
-            else:
-                options += self._tls.channel_options()
-                channel = grpc.aio.secure_channel(address, self._tls.credentials(), options=options)
-            self._channels[address] = channel
+            channel = self._channels[address] = aio_channel(address, options, self._tls)
         return executor_pb2_grpc.KvTransferStub(channel)
 
     async def fetch(self, entry: executor_pb2.KvImport) -> FetchedBlocks:

@@ -17,7 +17,7 @@ from protos.executor_access import EXECUTOR_TOKEN_METADATA
 from protos.limits import MAX_MESSAGE_BYTES
 from protos.splitserve.executor.v1 import executor_pb2 as pb
 from protos.splitserve.executor.v1 import executor_pb2_grpc
-from service_support.transport_security import ClientTls
+from service_support.transport_security import ClientTls, aio_channel
 
 logger = logging.getLogger(__name__)
 
@@ -76,10 +76,7 @@ class ExecutorLink:
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
             *KEEPALIVE_OPTIONS,
         ]
-        if tls is None:
-            self._channel = grpc.aio.insecure_channel(address, options)
-        else:
-            self._channel = grpc.aio.secure_channel(address, tls.credentials(), options + tls.channel_options())
+        self._channel = aio_channel(address, options, tls)
         self._stub = executor_pb2_grpc.ExecutorStub(self._channel)
         self._call: grpc.aio.StreamStreamCall | None = None
 

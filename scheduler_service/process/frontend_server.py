@@ -24,6 +24,7 @@ from scheduler_service.process.server_settings import ServerSettings
 from scheduler_service.tier.admin_forwarder import AdminForwarder
 from scheduler_service.tier.planner_client import PlannerClient
 from service_support.health_port import start_health_port
+from service_support.transport_security import ClientTls
 
 logger = logging.getLogger("scheduler_service.frontend")
 
@@ -35,6 +36,8 @@ class FrontendOptions:
     token: str | None
     # Share the client port with other front-ends (SO_REUSEPORT); its owner checked it.
     reuse_port: bool = False
+    # How it verifies planners that serve TLS; None: plaintext.
+    planner_tls: ClientTls | None = None
 
 
 def frontend_id() -> str:
@@ -63,6 +66,7 @@ async def serve_frontend(settings: ServerSettings, options: FrontendOptions) -> 
         options_.stream_backlog,
         options_.no_executor_timeout_s,
         report_serving,
+        options.planner_tls,
     )
     intake = Intake(settings.text, settings.limits, settings.sampling_defaults)
     server = client_server(settings, client, intake, AdminForwarder(client), health_reporter, options.reuse_port)
@@ -79,8 +83,9 @@ async def serve_frontend(settings: ServerSettings, options: FrontendOptions) -> 
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
     logger.info(
-        "event=frontend_listening address=%s:%d port=%d frontend=%s planners=%s tls=%s",
+        "event=frontend_listening address=%s:%d port=%d frontend=%s planners=%s tls=%s planner_tls=%s",
         settings.host, port, port, client.frontend_id, ",".join(options.planners), "on" if settings.tls else "off",
+        "on" if options.planner_tls else "off",
     )
     runner = asyncio.create_task(client.run())
 

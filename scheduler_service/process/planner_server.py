@@ -8,6 +8,7 @@ planner covers the tier.
 
 import asyncio
 import functools
+import ipaddress
 import logging
 import signal
 import socket
@@ -33,6 +34,7 @@ from scheduler_service.tier.planner_access import PlannerTokenInterceptor
 from scheduler_service.tier.planner_servicer import PlannerServicer
 from service_support.health_port import start_health_port
 from service_support.metrics_port import serve_metrics
+from service_support.transport_security import ServerTls
 
 logger = logging.getLogger("scheduler_service.planner")
 
@@ -53,6 +55,9 @@ class PlannerOptions:
     # the executors' are closed, so a standby planner takes the executors and the front-ends
     # re-submit their requests to it (or to this planner restarted) with the tokens they have.
     drain_on_stop: bool = False
+    # TLS of the Planner API (--tls-cert/--tls-key of --role planner); None: plaintext, as the
+    # all-in-one scheduler's loopback planner is.
+    tls: ServerTls | None = None
 
 
 @dataclass(slots=True)
@@ -115,7 +120,8 @@ async def serve_planner(settings: ServerSettings, options: PlannerOptions, hooks
     for name in ("", PLANNER_SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
     api_host = options.api_host or settings.host
-    port = server.add_insecure_port(f"{api_host}:{settings.port}")
+    address = f"{api_host}:{settings.port}"
+    port = server.add_secure_port(address, options.tls.credentials()) if options.tls else server.add_insecure_port(address)
     await server.start()
     health_server = None
     if settings.health_port is not None:
@@ -129,9 +135,17 @@ async def serve_planner(settings: ServerSettings, options: PlannerOptions, hooks
     engine.scheduler_id = settings.scheduler_id or f"{socket.gethostname()}:{port}"
     executors = ",".join(settings.executors)
     logger.info(
-        "event=planner_listening address=%s:%d port=%d executors=%s scheduler_id=%s access=%s",
+        "event=planner_listening address=%s:%d port=%d executors=%s scheduler_id=%s access=%s tls=%s",
         api_host, port, port, executors, engine.scheduler_id, "insecure" if options.insecure else "token",
+        "on" if options.tls else "off",
     )
+    if options.tls is None and not options.insecure and not _is_loopback(api_host):
+        logger.warning(
+            "event=planner_token_in_clear address=%s:%d advice='front-ends send the planner token in "
+            "plaintext, readable by anyone on the network between them: give the planner --tls-cert "
+            "and --tls-key, and its front-ends --planner-tls-ca'",
+            api_host, port,
+        )
     if options.insecure:
         logger.warning(
             "event=planner_insecure advice='anyone who reaches this port can submit requests, read "
@@ -171,3 +185,12 @@ async def serve_planner(settings: ServerSettings, options: PlannerOptions, hooks
         step_trace.close()
     logger.info("event=planner_stopped")
     return 1 if failed else 0
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from protos.executor_access import read_token_file
+from service_support.transport_security import ClientTls, client_tls
 
 ROLES = ("all", "planner", "frontend")
 # Front-ends the all-in-one scheduler runs by default: one (this very process, no planner link)
@@ -23,6 +24,8 @@ class RoleOptions:
     planner_token: str | None
     insecure_planner: bool
     reuse_port: bool
+    # Role frontend: how it verifies planners that serve TLS (None: plaintext).
+    planner_tls: ClientTls | None = None
 
 
 def add_role_flags(parser: argparse.ArgumentParser) -> None:
@@ -62,6 +65,17 @@ def add_role_flags(parser: argparse.ArgumentParser) -> None:
         "requests and drain executors); logged as a warning",
     )
     group.add_argument(
+        "--planner-tls-ca",
+        type=Path,
+        help="role frontend: PEM CA that signed the planners' certificates; connects to planners "
+        "over TLS (a planner serves TLS on its Planner API with --tls-cert and --tls-key)",
+    )
+    group.add_argument(
+        "--planner-tls-server-name",
+        help="role frontend: the name the planners' certificates carry, when it is not the host "
+        "dialled",
+    )
+    group.add_argument(
         "--reuse-port",
         action="store_true",
         help="role frontend: share --port with other front-ends (SO_REUSEPORT); the all-in-one "
@@ -80,7 +94,17 @@ def role_options(args: argparse.Namespace) -> RoleOptions:
             "a planner is closed by default: give it --planner-token-file FILE (and its front-ends "
             "the same file), or --insecure-planner where nothing else reaches its port"
         )
-    return RoleOptions(args.role, frontends, tuple(args.planner), token, args.insecure_planner, args.reuse_port)
+    planner_tls = None
+    if args.planner_tls_ca is not None or args.planner_tls_server_name is not None:
+        if args.role != "frontend":
+            # The all-in-one scheduler's own planner listens on loopback only, in plaintext.
+            raise ValueError("--planner-tls-ca and --planner-tls-server-name are for --role frontend")
+        if args.planner_tls_ca is None:
+            raise ValueError("--planner-tls-server-name needs --planner-tls-ca")
+        planner_tls = client_tls(args.planner_tls_ca, server_name=args.planner_tls_server_name)
+    return RoleOptions(
+        args.role, frontends, tuple(args.planner), token, args.insecure_planner, args.reuse_port, planner_tls
+    )
 
 
 def auto_frontends() -> int:

@@ -28,6 +28,7 @@ from scheduler_service.planner.engine import MAX_EXECUTOR_LOSSES
 from scheduler_service.text.tokenizer import TextProcessor
 from scheduler_service.tier.planner_link import PlannerLink
 from scheduler_service.tier.request_codec import submitted
+from service_support.transport_security import ClientTls
 
 logger = logging.getLogger(__name__)
 
@@ -63,10 +64,11 @@ class PlannerClient:
         backlog: BacklogLimits = BacklogLimits(),
         no_planner_timeout_s: float = 30.0,
         on_serving: Callable[[bool], None] = lambda serving: None,
+        tls: ClientTls | None = None,
     ) -> None:
         self.text = text
         self.frontend_id = frontend_id
-        self.links = [PlannerLink(a, token, frontend_id, self._on_batch, self._on_lost) for a in addresses]
+        self.links = [PlannerLink(a, token, frontend_id, self._on_batch, self._on_lost, tls) for a in addresses]
         self.current: PlannerLink | None = None
         self._in_flight: dict[int, _InFlight] = {}
         self._handles_by_id: dict[str, int] = {}

@@ -12,6 +12,7 @@ from protos.splitserve.planner.v1 import planner_pb2, planner_pb2_grpc
 from protos.splitserve.v1 import generation_pb2 as pb
 from scheduler_service.planner.executor_link import KEEPALIVE_OPTIONS
 from scheduler_service.tier.planner_access import PLANNER_TOKEN_METADATA
+from service_support.transport_security import ClientTls, aio_channel
 
 logger = logging.getLogger(__name__)
 
@@ -27,21 +28,20 @@ class PlannerLink:
         frontend_id: str,
         on_batch: Callable[["PlannerLink", planner_pb2.PlannerBatch], None],
         on_lost: Callable[["PlannerLink", str], None],
+        tls: ClientTls | None = None,
     ) -> None:
         self.address = address
         self.frontend_id = frontend_id
         self._on_batch = on_batch
         self._on_lost = on_lost
         self.metadata: tuple[tuple[str, str], ...] = ((PLANNER_TOKEN_METADATA, token),) if token else ()
-        self.channel = grpc.aio.insecure_channel(
-            address,
-            [
-                ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-                ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-                # A frozen planner is found in 10-20 s, as a frozen executor is.
-                *KEEPALIVE_OPTIONS,
-            ],
-        )
+        options = [
+            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+            # A frozen planner is found in 10-20 s, as a frozen executor is.
+            *KEEPALIVE_OPTIONS,
+        ]
+        self.channel = aio_channel(address, options, tls)
         self._stub = planner_pb2_grpc.PlannerStub(self.channel)
         # The planner's status once its stream is up (None while it is not).
         self.status: planner_pb2.PlannerStatus | None = None

@@ -64,9 +64,10 @@ CERTS_SOURCE = "./certs"
 HEALTH_PORTS = (50062,)
 # What the image runs as (Dockerfile: useradd --uid 10001).
 IMAGE_USER = "10001:10001"
-CERT_FILES = {"ca.pem", "scheduler.pem", "executor.pem", "scheduler-client.pem", "executor-peer.pem"}
+CERT_FILES = {"ca.pem", "scheduler.pem", "planner.pem", "executor.pem", "scheduler-client.pem", "executor-peer.pem"}
 KEY_FILES = {
-    "ca-key.pem", "scheduler-key.pem", "executor-key.pem", "scheduler-client-key.pem", "executor-peer-key.pem",
+    "ca-key.pem", "scheduler-key.pem", "planner-key.pem", "executor-key.pem", "scheduler-client-key.pem",
+    "executor-peer-key.pem",
 }  # fmt: skip
 API_KEY_FILES = {"api-keys", "client-api-key"}
 ALL_FILES = CERT_FILES | KEY_FILES | API_KEY_FILES
@@ -76,8 +77,8 @@ SCHEDULER_IDENTITY = "splitserve-scheduler"
 EXECUTOR_PEER_IDENTITY = "splitserve-executor-peer"
 # Flags that name a file in the certs folder, on each server.
 EXECUTOR_FILE_FLAGS = ("--tls-cert", "--tls-key", "--tls-client-ca", "--tls-peer-cert", "--tls-peer-key")
-PLANNER_FILE_FLAGS = ("--executor-tls-ca", "--executor-tls-cert", "--executor-tls-key")
-FRONTEND_FILE_FLAGS = ("--tls-cert", "--tls-key", "--api-key-file")
+PLANNER_FILE_FLAGS = ("--executor-tls-ca", "--executor-tls-cert", "--executor-tls-key", "--tls-cert", "--tls-key")
+FRONTEND_FILE_FLAGS = ("--tls-cert", "--tls-key", "--api-key-file", "--planner-tls-ca")
 FILE_FLAGS = {
     "executor": EXECUTOR_FILE_FLAGS,
     "planner": PLANNER_FILE_FLAGS,
@@ -219,8 +220,8 @@ def test_front_end_serves_tls_with_api_keys(base: dict[str, Any], secure: dict[s
     services = secure["services"]
     for name in FRONTEND_FILE_FLAGS:
         flag(services["frontend"]["command"], name)
-    # The Planner API stays plaintext (its token is the base file's): no client-API flags there.
-    assert not set(FRONTEND_FILE_FLAGS) & set(services["planner"]["command"])
+    # The planner takes no client keys: its callers are front-ends, with the base file's token.
+    assert "--api-key-file" not in services["planner"]["command"]
     # Published ports unchanged.
     for name in ("frontend", "planner"):
         assert sorted(services[name]["ports"]) == sorted(base["services"][name]["ports"]), name
@@ -239,15 +240,19 @@ def test_healthchecks_probe_each_server_as_it_serves(
     assert executor["healthcheck"]["test"] == [*probe, f"127.0.0.1:{health_port}"]
     assert health_port not in published
     assert {health_port} == {str(port) for port in HEALTH_PORTS}
-    # The planner's port stays plaintext, as in the base file.
-    assert services["planner"]["healthcheck"] == base["services"]["planner"]["healthcheck"]
+    # The planner's port is TLS too, checked against the CA its front-end trusts.
+    planner = services["planner"]
+    assert planner["healthcheck"]["test"] == [
+        *probe, f"127.0.0.1:{flag(planner['command'], '--port')}",
+        "--tls-ca", flag(services["frontend"]["command"], "--planner-tls-ca"),
+    ]  # fmt: skip
     # The front-end's is TLS, checked against the CA the gateway trusts too.
     frontend = services["frontend"]
     assert frontend["healthcheck"]["test"] == [
         *probe, f"127.0.0.1:{flag(frontend['command'], '--port')}",
         "--tls-ca", flag(services["gateway"]["command"], "--tls-ca"),
     ]  # fmt: skip
-    for name in ("executor", "frontend"):
+    for name in ("executor", "planner", "frontend"):
         # Timing still comes from the base file.
         for key in ("interval", "timeout", "start_period", "retries"):
             assert services[name]["healthcheck"][key] == base["services"][name]["healthcheck"][key]
@@ -291,6 +296,8 @@ def test_every_file_a_command_names_lies_in_the_certs_mount(
     assert flag(frontend, "--tls-key").endswith("/scheduler-key.pem")
     assert flag(planner, "--executor-tls-cert").endswith("/scheduler-client.pem")
     assert flag(planner, "--executor-tls-key").endswith("/scheduler-client-key.pem")
+    assert flag(planner, "--tls-cert").endswith("/planner.pem")
+    assert flag(planner, "--tls-key").endswith("/planner-key.pem")
     # Executors fetch K/V from each other with a client certificate of their own.
     assert flag(executor, "--tls-peer-cert").endswith("/executor-peer.pem")
     assert flag(executor, "--tls-peer-key").endswith("/executor-peer-key.pem")
@@ -301,11 +308,14 @@ def test_certificates_name_the_hosts_dialled(secure: dict[str, Any]) -> None:
     make_certs = services["make-certs"]["command"]
     names = {
         option: {make_certs[i + 1] for i, arg in enumerate(make_certs) if arg == option}
-        for option in ("--executor-name", "--scheduler-name")
+        for option in ("--executor-name", "--scheduler-name", "--planner-name")
     }
     match = HOST_PORT.fullmatch(flag(services["planner"]["command"], "--executor"))
     assert match, "the planner dials one executor by HOST:PORT"
     assert match.group(1) in names["--executor-name"]
+    match = HOST_PORT.fullmatch(flag(services["frontend"]["command"], "--planner"))
+    assert match, "the front-end dials one planner by HOST:PORT"
+    assert match.group(1) in names["--planner-name"]
     match = HOST_PORT.fullmatch(flag(services["gateway"]["command"], "--server"))
     assert match, "the gateway dials the front-end by HOST:PORT"
     assert match.group(1) in names["--scheduler-name"]
@@ -358,6 +368,7 @@ def made(tmp_path_factory: pytest.TempPathFactory) -> Path:
         "--executor-name", "executor",
         "--executor-name", "10.1.2.3",
         "--scheduler-name", "api.example.org",
+        "--planner-name", "planner.example.org",
         "--days", "30",
     )  # fmt: skip
     return out
@@ -372,9 +383,11 @@ def test_make_certs_writes_the_set_with_private_modes(made: Path) -> None:
 
 def test_make_certs_server_names_and_purposes(made: Path) -> None:
     scheduler, executor = load_cert(made, "scheduler.pem"), load_cert(made, "executor.pem")
+    planner = load_cert(made, "planner.pem")
     assert san_names(scheduler) == {"api.example.org"} | LOCAL_NAMES
     assert san_names(executor) == {"executor", "10.1.2.3"} | LOCAL_NAMES
-    for cert in (scheduler, executor):
+    assert san_names(planner) == {"planner.example.org"} | LOCAL_NAMES
+    for cert in (scheduler, executor, planner):
         assert usages(cert) == {ExtendedKeyUsageOID.SERVER_AUTH}
     client = load_cert(made, "scheduler-client.pem")
     assert usages(client) == {ExtendedKeyUsageOID.CLIENT_AUTH}
@@ -473,6 +486,7 @@ def test_make_certs_service_owner_splits_files_between_services_and_folder_owner
     run_make_certs(out, "--service-owner", "12345:12345")
     service_files = {
         "scheduler-key.pem",
+        "planner-key.pem",
         "executor-key.pem",
         "scheduler-client-key.pem",
         "executor-peer-key.pem",
@@ -610,6 +624,15 @@ def test_secured_services_come_up_and_demand_credentials(
         with pytest.raises(grpc.RpcError) as refused_plain:
             health_check(channel)
         assert refused_plain.value.code() == grpc.StatusCode.UNAVAILABLE
+
+    # The Planner API: TLS only, so the planner token its front-end sends is read by no one else.
+    planner = f"127.0.0.1:{stand_ins.ports[50053]}"
+    with grpc.insecure_channel(planner) as channel:
+        with pytest.raises(grpc.RpcError) as refused_plain_planner:
+            health_check(channel)
+        assert refused_plain_planner.value.code() == grpc.StatusCode.UNAVAILABLE
+    with grpc.secure_channel(planner, tls) as channel:
+        assert health_check(channel) == serving
 
     # The executor: the scheduler's client certificate gets in, TLS alone does not.
     executor = f"127.0.0.1:{stand_ins.ports[50052]}"

@@ -276,9 +276,10 @@ def test_every_container_runs_splitserve_with_arguments_its_parser_accepts(
     planner = process(rendered, certs, "planner").parsed
     security = security_options(planner)
     assert security.executor_tls is not None and security.executor_tls.mutual
-    # The Planner API is plaintext: a client-API certificate or key there would go unused.
-    assert security.tls is None and security.api_keys is None
+    # The Planner API serves TLS; client API keys there would go unused (its callers send the token).
+    assert security.tls is not None and security.api_keys is None
     planner_access, frontend_access = role_options(planner), role_options(frontend)
+    assert frontend_access.planner_tls is not None
     assert not planner_access.insecure_planner
     assert planner_access.planner_token and frontend_access.planner_token == planner_access.planner_token
     executor = process(rendered, certs, "executor").parsed
@@ -553,6 +554,13 @@ def test_certificates_name_what_the_pods_dial(rendered: Rendered, certs: Certs) 
 
     planner = process(rendered, certs, "planner").parsed
     assert planner.executor_tls_server_name in names("executor.pem")
+    # The Planner API is TLS, and every front-end checks the planners' certificate by its name
+    # (each planner pod is dialled by a name of its own).
+    assert (planner.tls_cert, planner.tls_key) == (certs.folder / "planner.pem", certs.folder / "planner-key.pem")
+    frontend = role_options(process(rendered, certs, "frontend").parsed)
+    assert frontend.planner_tls is not None
+    assert frontend.planner_tls.server_name in names("planner.pem")
+    assert frontend.planner_tls.ca_pem == (certs.folder / "ca.pem").read_bytes()
     # Executors dial each other by pod IP too, to fetch K/V.
     executor = process(rendered, certs, "executor").parsed
     assert executor.peer_tls.channel_options() == [("grpc.ssl_target_name_override", planner.executor_tls_server_name)]

@@ -86,3 +86,25 @@ def test_verbose_adds_the_traceback(tmp_path: Path) -> None:
     first, *rest = result.stderr.strip().splitlines()
     assert "event=scheduler_refused" in first and "no such folder" in first
     assert rest[0] == "Traceback (most recent call last):"
+
+
+@pytest.mark.parametrize(
+    ("flags", "problem"),
+    [
+        # The all-in-one scheduler's planner listens on loopback in plaintext: its own front-ends
+        # could not reach it with TLS.
+        (["--planner-tls-ca", "ca.pem"], "--planner-tls-ca and --planner-tls-server-name are for --role frontend"),
+        (
+            ["--role", "frontend", "--planner", "127.0.0.1:1", "--planner-tls-server-name", "planner"],
+            "--planner-tls-server-name needs --planner-tls-ca",
+        ),
+    ],
+)
+def test_planner_tls_flags_where_they_cannot_work_are_refused(flags: list[str], problem: str) -> None:
+    assert refused([*SCHEDULER, "--port", "0", *flags]).reason == problem
+
+
+def test_a_planner_tls_ca_that_is_not_there_is_refused(tmp_path: Path) -> None:
+    missing = tmp_path / "ca.pem"
+    flags = ["--role", "frontend", "--planner", "127.0.0.1:1", "--planner-tls-ca", str(missing)]
+    assert refused([*SCHEDULER, "--port", "0", *flags]).reason.startswith(f"cannot read the CA certificate {str(missing)!r}")
