@@ -89,6 +89,12 @@ def role_options(args: argparse.Namespace) -> RoleOptions:
     token = read_token_file(args.planner_token_file) if args.planner_token_file else None
     if args.role == "frontend" and not args.planner:
         raise ValueError("--role frontend needs --planner HOST:PORT (repeat for a standby)")
+    if args.role == "planner" and (args.api_key_file or args.admin_key_file):
+        # Taking them silently would leave whoever set them believing the planner's port checks them.
+        raise ValueError(
+            "a planner serves no client API: give --api-key-file and --admin-key-file to its "
+            "front-ends (the planner's own port, Admin included, takes only the planner token)"
+        )
     if args.role == "planner" and token is None and not args.insecure_planner:
         raise ValueError(
             "a planner is closed by default: give it --planner-token-file FILE (and its front-ends "

@@ -104,6 +104,14 @@ def test_planner_tls_flags_where_they_cannot_work_are_refused(flags: list[str], 
     assert refused([*SCHEDULER, "--port", "0", *flags]).reason == problem
 
 
+@pytest.mark.parametrize("flag", ["--api-key-file", "--admin-key-file"])
+def test_client_api_keys_given_to_a_planner_are_refused(flag: str, tmp_path: Path) -> None:
+    keys = tmp_path / "keys"
+    keys.write_text("a-key-long-enough-for-the-check\n")
+    refusal = refused([*SCHEDULER, "--port", "0", "--role", "planner", "--insecure-planner", flag, str(keys)])
+    assert refusal.reason.startswith("a planner serves no client API: give --api-key-file and --admin-key-file")
+
+
 def test_a_planner_tls_ca_that_is_not_there_is_refused(tmp_path: Path) -> None:
     missing = tmp_path / "ca.pem"
     flags = ["--role", "frontend", "--planner", "127.0.0.1:1", "--planner-tls-ca", str(missing)]
