@@ -61,7 +61,7 @@ from bench.disaggregation_services import (
     transfer_between,
 )
 from executor_service.prepare_model import MODEL_NAME, prepare_model
-from scheduler_service.planner.engine import DEFAULT_PREFILL_MIN_TOKENS
+from scheduler_service.planner.engine_options import DEFAULT_PREFILL_MIN_TOKENS
 from tests.helpers.model_factory import build_model
 
 logger = logging.getLogger("bench.disaggregation")

@@ -28,7 +28,7 @@ from scheduler_service.planner.discovery import (
     DNS_PREFIX,
     split_target,
 )
-from scheduler_service.planner.engine import (
+from scheduler_service.planner.engine_options import (
     DEFAULT_NO_EXECUTOR_TIMEOUT_S,
     DEFAULT_PREFILL_MIN_TOKENS,
     DEFAULT_REBALANCE_MIN_TOKENS_LEFT,

@@ -10,7 +10,7 @@ from scheduler_service.core.tenants import TenantTable
 from scheduler_service.frontend.intake_limits import IntakeLimits
 from scheduler_service.frontend.tracing import NO_TRACING, Tracing
 from scheduler_service.planner.discovery import DEFAULT_RESOLVE_INTERVAL_S
-from scheduler_service.planner.engine import EngineOptions
+from scheduler_service.planner.engine_options import EngineOptions
 from scheduler_service.text.tokenizer import TextProcessor
 from service_support.transport_security import ClientTls, ServerTls
 

@@ -24,7 +24,7 @@ from scheduler_service.frontend.draining import refuse_when_draining
 from scheduler_service.frontend.output_stream import OutputStream
 from scheduler_service.frontend.status_codes import KINDS_BY_CODE
 from scheduler_service.frontend.stream_backlog import BacklogLimits
-from scheduler_service.planner.engine import MAX_EXECUTOR_LOSSES
+from scheduler_service.planner.lane_events import MAX_EXECUTOR_LOSSES
 from scheduler_service.text.tokenizer import TextProcessor
 from scheduler_service.tier.planner_link import PlannerLink
 from scheduler_service.tier.request_codec import submitted

@@ -8,7 +8,8 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import TypeVar
 
-from scheduler_service.planner.engine import Engine, EngineOptions
+from scheduler_service.planner.engine import Engine
+from scheduler_service.planner.engine_options import EngineOptions
 from scheduler_service.planner.executor_link import ExecutorLink
 from scheduler_service.planner.metrics import SchedulerMetrics
 from tests.helpers.executor_token import token

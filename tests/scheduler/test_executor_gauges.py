@@ -5,7 +5,8 @@ every executor are read when scraped."""
 from prometheus_client import generate_latest
 
 from scheduler_service.core.request import Request
-from scheduler_service.planner.engine import Engine, EngineOptions
+from scheduler_service.planner.engine import Engine
+from scheduler_service.planner.engine_options import EngineOptions
 from scheduler_service.planner.metrics import SchedulerMetrics
 
 

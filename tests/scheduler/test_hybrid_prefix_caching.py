@@ -31,7 +31,8 @@ from scheduler_service.core.step_plan import (
     StepOutput,
     StepPlan,
 )
-from scheduler_service.planner.engine import Engine, EngineOptions
+from scheduler_service.planner.engine import Engine
+from scheduler_service.planner.engine_options import EngineOptions
 from scheduler_service.planner.executor_link import ExecutorLink
 from scheduler_service.planner.executor_status import executor_status
 from scheduler_service.planner.lane import ExecutorLane, LaneHooks, LaneOptions

@@ -18,7 +18,7 @@ from scheduler_service.core.sampling_params import SamplingParams
 from scheduler_service.core.scheduler import Scheduler
 from scheduler_service.core.sim_executor import SimulatedExecutor
 from scheduler_service.core.step_timer import MIN_STEPS, StepTimer
-from scheduler_service.planner.engine import EngineOptions
+from scheduler_service.planner.engine_options import EngineOptions
 from scheduler_service.planner.executor_link import ExecutorLink
 from scheduler_service.planner.lane import LaneOptions
 from scheduler_service.planner.step_trace import StepTrace
