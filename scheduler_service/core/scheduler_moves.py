@@ -49,11 +49,9 @@ class RequestMoves:
     _unplace: Callable[[Request], None]
     _forget_on_executor: Callable[[str], None]
     prefix_hashes: Callable[[Request], list[bytes]]
-    _allocate: Callable[..., list[int] | None]
     # Waiting requests in admission order (a property of the Scheduler).
     queued: list[Request]
     _in_flight: dict[int, dict[str, InFlight]]
-
 
     def begin_move(self, request: Request) -> None:
         """Plans no more work for a running request, which is to leave with its K/V once the
