@@ -60,8 +60,11 @@ class Intake:
         self.text = text
         self.limits = limits
         self.defaults = defaults
-        # Shared with the planner when both roles run in one process: a grammar compiles once.
-        self.grammars = grammars if grammars is not None else Grammars(text)
+        # Shared with the planner when both roles run in one process: a grammar compiles once,
+        # and one that cannot is refused before the request is queued. A tier's front-end has
+        # none: its planner compiles (tier/planner_servicer.py) and refuses the request the same
+        # way, so the front-end needs neither xgrammar nor the torch it imports.
+        self.grammars = grammars
         self._pool = TokenizerPool(limits.tokenizer_threads)
 
     async def generate_request(
@@ -70,7 +73,7 @@ class Intake:
         request = await self._generate_request(message, info)
         # A grammar that cannot compile is the client's error, answered before the request runs.
         spec = request.sampling.structured_output
-        if spec is not None:
+        if spec is not None and self.grammars is not None:
             await self.grammars.compile(spec, info.vocab_size)
         return request
 

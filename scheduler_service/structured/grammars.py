@@ -3,8 +3,9 @@ them.
 
 xgrammar (and the torch it imports) loads on the first constrained request, not at start: a
 scheduler that never sees one never pays for it. Compiling a JSON schema against a 49k-token
-vocabulary takes ~0.1 s, so compile() runs off the event loop; the front-end calls it while it
-validates a request, and the planner before it takes one, so state() finds the grammar cached.
+vocabulary takes ~0.1 s, so compile() runs off the event loop: the all-in-one scheduler's intake
+calls it while it validates a request, and a tier's planner before it takes one (a tier's
+front-ends compile nothing), so state() finds the grammar cached.
 """
 
 import asyncio
