@@ -50,6 +50,7 @@ from scheduler_service.process.server import (
     ServerSettings,
     serve,
 )
+from scheduler_service.process.torch_free import forbid_torch
 from scheduler_service.security_options import add_security_flags, security_options
 from scheduler_service.text.generation_config import load_sampling_defaults
 from scheduler_service.text.tokenizer import TextProcessor
@@ -415,6 +416,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m scheduler_service
             if args.metrics_port is not None and not roles.reuse_port:
                 logger.warning("event=metrics_port_ignored advice='a front-end has no metrics: scrape its planner'")
         check_listen_ports(args.host, ports)
+        if roles.role == "frontend":
+            forbid_torch()
         defaults = sampling_defaults(args.generation_config, args.tokenizer)
         tenants = load_tenants_file(args.tenants_file) if args.tenants_file else TenantTable()
         text = text_processor(args.tokenizer)

@@ -14,8 +14,10 @@ import inspect
 import math
 import re
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
-from transformers import PreTrainedTokenizerBase
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 TemplateValue = bool | int | float | str
 

@@ -13,9 +13,10 @@ token that holds whole characters.
 from __future__ import annotations
 
 import re
+from typing import TYPE_CHECKING
 
-from transformers import PreTrainedTokenizerBase
-from transformers.convert_slow_tokenizer import bytes_to_unicode
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
@@ -24,6 +25,10 @@ class TokenBytes:
     """token id -> bytes, remembered per id (a vocabulary is bounded)."""
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
+        # Imported here: a front-end rules torch out before transformers first loads
+        # (process/torch_free.py).
+        from transformers.convert_slow_tokenizer import bytes_to_unicode
+
         self._tokenizer = tokenizer
         self._special = {i: t.content for i, t in tokenizer.added_tokens_decoder.items()}
         decoder = repr(getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None))

@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tokenizers import Tokenizer, models
-from transformers import PreTrainedTokenizerBase
-from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 # Normalizers that keep every ASCII character one byte and drop none: an ASCII character is left
 # as it is, or lowercased, or composed with the marks after it into a character of two bytes or
@@ -49,6 +50,10 @@ class TokenCountBound:
 
 def token_count_bound(tokenizer: PreTrainedTokenizerBase) -> TokenCountBound | None:
     """The bound for this tokenizer, or None where none is certain."""
+    # Imported here: a front-end rules torch out before transformers first loads
+    # (process/torch_free.py).
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if not isinstance(backend, Tokenizer) or not isinstance(backend.model, models.BPE):
         return None

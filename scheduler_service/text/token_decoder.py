@@ -9,9 +9,13 @@ tokenizer, 6 tokens: 3.3 µs through decode(), 1.1 µs direct; a streamed token 
 detokenizer (1,000 tokens of README text, three times over): 8.9 -> 4.6-4.9 µs.
 """
 
-from collections.abc import Callable
+from __future__ import annotations
 
-from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 Decode = Callable[[list[int]], str]
 
@@ -27,6 +31,10 @@ def token_decoder(tokenizer: PreTrainedTokenizerBase, skip_special_tokens: bool)
 
 def backend_decode_is_exact(tokenizer: PreTrainedTokenizerBase) -> bool:
     """Whether the tokenizers backend's decode gives what the tokenizer's decode() gives."""
+    # Imported here, as in every text module: a front-end must be able to rule torch out before
+    # transformers first loads (process/torch_free.py).
+    from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
+
     kind = type(tokenizer)
     return (
         isinstance(tokenizer, PreTrainedTokenizerFast)

@@ -13,10 +13,9 @@ import re
 import secrets
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tokenizers import AddedToken, Tokenizer
-from transformers import PreTrainedTokenizerBase
 
 from scheduler_service.text.template_kwargs import (
     TemplateValue,
@@ -30,6 +29,9 @@ from scheduler_service.text.tool_prompt import (
     hermes_conversation,
     template_renders_tools,
 )
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 logger = logging.getLogger(__name__)
 
@@ -80,8 +82,10 @@ class TextProcessor:
         EOS ids also come from the folder's generation_config.json when it has one: chat models
         often end turns with a token the tokenizer does not call EOS (Qwen's <|im_end|>).
         """
-        # Imported here, as a scheduler without a tokenizer never needs it: transformers' auto
-        # classes import torch (its configuration module does), a second or more of start-up.
+        # Imported here, as every transformers import of the text modules: transformers' auto
+        # classes import torch where it is installed and transformers has not been told it is
+        # absent, a second or more of start-up and ~240 MB; a scheduler without a tokenizer
+        # never pays it, and a front-end rules torch out first (process/torch_free.py).
         from transformers import AutoTokenizer
 
         folder = Path(tokenizer_dir)
