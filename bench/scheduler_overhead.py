@@ -53,7 +53,7 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def measure(num_running: int, steps: int, policy: Policy = Policy.FCFS, tenants: int = 1) -> Row:
-    blocks_per_request = (PROMPT_LEN + steps) // BLOCK_SIZE + 2
+    blocks_per_request = (PROMPT_LEN + BLOCK_SIZE + steps) // BLOCK_SIZE + 2
     config = SchedulerConfig(
         num_kv_blocks=blocks_per_request * num_running + 64,
         block_size=BLOCK_SIZE,
@@ -69,7 +69,10 @@ def measure(num_running: int, steps: int, policy: Policy = Policy.FCFS, tenants:
     executor = SimulatedExecutor(config.num_kv_blocks, BLOCK_SIZE, verify_kv=False)
     sampling = SamplingParams(max_tokens=100_000, ignore_eos=True)
     for i in range(num_running + WAITING):
-        prompt = [(i * 7 + j) % 30_000 + 1 for j in range(PROMPT_LEN)]
+        # Prompts of PROMPT_LEN to PROMPT_LEN + BLOCK_SIZE - 1 tokens: as in a server whose
+        # requests started at different times, a sixteenth of the running requests fill a block
+        # at each step (and enter it into the prefix cache), not all of them every sixteenth step.
+        prompt = [(i * 7 + j) % 30_000 + 1 for j in range(PROMPT_LEN + i % BLOCK_SIZE)]
         scheduler.add_request(Request(f"req-{i}", prompt, sampling, tenant=f"t{i % tenants}"))
     while len(scheduler.running) < num_running or any(r.in_prefill for r in scheduler.running):
         scheduler.update(executor.execute(scheduler.schedule()))
@@ -123,7 +126,10 @@ def main() -> None:
     # The collector settings the scheduler service runs with.
     tune_gc()
     rows = [measure(n, args.steps, Policy(policy), args.tenants) for policy in args.policy for n in args.running]
-    print(f"{WAITING} waiting, prompts of {PROMPT_LEN} tokens, block size {BLOCK_SIZE}, {args.steps} decode steps each")
+    print(
+        f"{WAITING} waiting, prompts of {PROMPT_LEN}-{PROMPT_LEN + BLOCK_SIZE - 1} tokens, block size {BLOCK_SIZE}, "
+        f"{args.steps} decode steps each"
+    )
     print(format_table(rows))
 
 
