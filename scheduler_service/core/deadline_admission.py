@@ -64,12 +64,18 @@ class DeadlineAdmission:
             self.mean_output = float(request.sampling.max_tokens or tokens)
         self.mean_output += _OUTPUT_SMOOTHING * (tokens - self.mean_output)
 
+    @staticmethod
+    def judges(request: Request) -> bool:
+        """Whether the request has targets to judge (choose() returns `preferred` for one that
+        has none): callers build candidates, a step-time forecast per executor, only then."""
+        return bool(request.ttft_deadline_s or request.tpot_target_s)
+
     def choose(self, request: Request, candidates: Sequence[Candidate], preferred: int, now: float) -> int:
         """The candidate to queue the request on: `preferred` (the router's) when it meets the
         request's targets there, else the one predicted to give its first token soonest among
         those that meet them. AdmissionRefused (OVERLOADED, with retry_after_s) when none does.
         Requests without targets, and executors with too few steps seen, are not judged."""
-        if not (request.ttft_deadline_s or request.tpot_target_s):
+        if not self.judges(request):
             return preferred
         order = [preferred, *(i for i in range(len(candidates)) if i != preferred)]
         best: tuple[float, int, Forecast] | None = None

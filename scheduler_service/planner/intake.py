@@ -160,7 +160,7 @@ class Intake:
         seat under its tenant's max_running. AdmissionRefused past its tenant's quotas or its
         deadline; nothing is booked then."""
         routed = (self._route(request, intake) or 0) if intake else 0
-        if intake and not resumed:
+        if intake and not resumed and self.deadlines.judges(request):
             candidates = [Candidate.of_lane(lane.scheduler, lane.step_timer, lane.options.target_itl_s) for lane in intake]
             routed = self.deadlines.choose(request, candidates, routed, time.monotonic())
         if self.quotas.admit(request, self.info.max_model_len if self.info is not None else None, not resumed):

@@ -116,12 +116,14 @@ def replay_requests(
             if kind == "add":
                 request.arrival_time = clock
                 choice = route(request, [lane.scheduler for lane in lanes], tokens_per_request)
-                candidates = [Candidate.of_lane(lane.scheduler, lane.step_timer, target_itl_s) for lane in lanes]
-                try:
-                    index = admission.choose(request, candidates, choice.index if choice is not None else 0, clock)
-                except AdmissionRefused as refused:
-                    run.refused.append((request, refused))
-                    continue
+                index = choice.index if choice is not None else 0
+                if admission.judges(request):
+                    candidates = [Candidate.of_lane(lane.scheduler, lane.step_timer, target_itl_s) for lane in lanes]
+                    try:
+                        index = admission.choose(request, candidates, index, clock)
+                    except AdmissionRefused as refused:
+                        run.refused.append((request, refused))
+                        continue
                 lane = lanes[index]
                 lane.scheduler.add_request(request)
                 lane.replayed.arrival_s[request.request_id] = at
