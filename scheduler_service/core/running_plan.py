@@ -9,6 +9,7 @@ the waiting requests' admission (admission.py) and the plan made of them (plan_b
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 
 from kv_manager import KVCacheManager
 from scheduler_service.core.config import SchedulerConfig
@@ -71,12 +72,10 @@ class RunningPlan:
             if request not in self.decodes:
                 continue
             computed = request.num_computed_tokens
-            while (ids := self.kv.allocate_slots(request.request_id, request.token_ids, computed, 1)) is None:
-                victim = pick_victim(self.running, self.config.policy, self.share)
-                self._preempt(victim, swap=True)
-                plan.preempted = True
-                if victim is request:
-                    break
+            ids, victims = self._preempt_until_allocated(
+                request, partial(self.kv.allocate_slots, request.request_id, request.token_ids, computed, 1)
+            )
+            plan.preempted |= bool(victims)
             if ids is not None and request in self.decodes:
                 self.decodes.add_cover(request, len(ids) * block_size)
                 plan.block_handles.extend([request.handle] * len(ids))
@@ -85,6 +84,20 @@ class RunningPlan:
         if plan.step is not None:
             budget -= len(plan.step.handles)
         return plan, budget
+
+    def _preempt_until_allocated(
+        self, request: Request, allocate: Callable[[], list[int] | None]
+    ) -> tuple[list[int] | None, list[Request]]:
+        """allocate's blocks for the request, preempting (with swap) the policy's victims until
+        it succeeds or the request itself was the victim (None then); and who was preempted."""
+        victims: list[Request] = []
+        while (ids := allocate()) is None:
+            victim = pick_victim(self.running, self.config.policy, self.share)
+            self._preempt(victim, swap=True)
+            victims.append(victim)
+            if victim is request:
+                break
+        return ids, victims
 
     def _schedule_retry_alone(
         self,
@@ -146,14 +159,12 @@ class RunningPlan:
             ):
                 continue
             num_new = min(request.num_uncomputed_tokens, budget)
-            while (ids := self._allocate(request, num_new)) is None:
-                victim = pick_victim(self.running, self.config.policy, self.share)
+            ids, victims = self._preempt_until_allocated(request, partial(self._allocate, request, num_new))
+            for victim in victims:
+                # A victim planned earlier in this step gives back its tokens and blocks.
                 budget += scheduled.pop(victim, 0)
                 new_blocks.pop(victim.request_id, None)
-                self._preempt(victim, swap=True)
                 preempted = True
-                if victim is request:
-                    break
             if ids is not None:
                 scheduled[request] = num_new
                 new_blocks[request.request_id] = ids
