@@ -10,7 +10,9 @@ executor-key.pem), each for its given names plus localhost and 127.0.0.1; the cl
 certificate the scheduler presents to executors (scheduler-client.pem, scheduler-client-key.pem,
 CN splitserve-scheduler, clientAuth); the client certificate executors present to each other
 when they fetch K/V (executor-peer.pem, executor-peer-key.pem, CN splitserve-executor-peer,
-clientAuth: a name no executor allows to drive it); and one random API key, in api-keys (the
+clientAuth: a name no executor allows to drive it); the client certificate front-ends present to
+planners (frontend-client.pem, frontend-client-key.pem, CN splitserve-frontend, clientAuth: a
+planner started with --tls-client-ca ca.pem takes no front-end without it); and one random API key, in api-keys (the
 scheduler's --api-key-file) and client-api-key (the client's). Private keys and key files are
 mode 0600.
 
@@ -52,6 +54,9 @@ SCHEDULER_IDENTITY = DEFAULT_SCHEDULER_NAME
 # What executors present to each other (--tls-peer-cert): the CA signs it, so a peer's
 # KvTransfer lets it in, but it is no scheduler name, so no executor takes plans from it.
 EXECUTOR_PEER_NAME = "splitserve-executor-peer"
+# What front-ends present to planners (--planner-tls-cert), which the planners' --tls-client-ca
+# checks; the planner logs it with each front-end that connects.
+FRONTEND_IDENTITY = "splitserve-frontend"
 CA_NAME = "splitserve private CA"
 LOCAL_NAMES = ("localhost", "127.0.0.1")
 # Certificates this close to expiry are made again, so a restart never picks up one that lapses
@@ -118,6 +123,7 @@ def leaf_specs(
         ),
         LeafSpec("scheduler-client", SCHEDULER_IDENTITY, (), ExtendedKeyUsageOID.CLIENT_AUTH),
         LeafSpec("executor-peer", EXECUTOR_PEER_NAME, (), ExtendedKeyUsageOID.CLIENT_AUTH),
+        LeafSpec("frontend-client", FRONTEND_IDENTITY, (), ExtendedKeyUsageOID.CLIENT_AUTH),
     ]
 
 

@@ -37,6 +37,13 @@ def add_security_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--tls-cert", type=Path, help="PEM certificate (chain) of the client API (with --role planner: of the Planner API); serves TLS")
     group.add_argument("--tls-key", type=Path, help="PEM private key of --tls-cert")
     group.add_argument(
+        "--tls-client-ca",
+        type=Path,
+        help="with --role planner: PEM CA that front-ends' client certificates must chain to "
+        "(mutual TLS on the Planner API; they present one with --planner-tls-cert/-key), besides "
+        "the planner token",
+    )
+    group.add_argument(
         "--api-key-file",
         type=Path,
         help="bearer tokens, one per line: every call but grpc.health.v1 and Admin must send "
@@ -71,6 +78,10 @@ def add_security_flags(parser: argparse.ArgumentParser) -> None:
 def security_options(args: argparse.Namespace) -> SecurityOptions:
     """What the flags name, loaded; ValueError (TlsConfigError, ApiKeyFileError,
     TokenFileError) saying what is wrong."""
+    if args.tls_client_ca is not None and args.role != "planner":
+        # A client-API port takes API keys (--api-key-file): client certificates there would
+        # lock out the CLI, the gateway and every client that sends none.
+        raise TlsConfigError("--tls-client-ca is for --role planner (its front-ends' client certificates)")
     executor_tls = None
     wants_tls = args.executor_tls_cert or args.executor_tls_key or args.executor_tls_server_name
     if wants_tls and args.executor_tls_ca is None:
@@ -80,7 +91,7 @@ def security_options(args: argparse.Namespace) -> SecurityOptions:
             args.executor_tls_ca, args.executor_tls_cert, args.executor_tls_key, args.executor_tls_server_name
         )
     return SecurityOptions(
-        tls=server_tls(args.tls_cert, args.tls_key),
+        tls=server_tls(args.tls_cert, args.tls_key, args.tls_client_ca),
         api_keys=load_key_tenants(args.api_key_file) if args.api_key_file else None,
         admin_keys=load_api_keys(args.admin_key_file) if args.admin_key_file else None,
         executor_tls=executor_tls,

@@ -85,7 +85,7 @@ async def serve_frontend(settings: ServerSettings, options: FrontendOptions) -> 
     logger.info(
         "event=frontend_listening address=%s:%d port=%d frontend=%s planners=%s tls=%s planner_tls=%s",
         settings.host, port, port, client.frontend_id, ",".join(options.planners), "on" if settings.tls else "off",
-        "on" if options.planner_tls else "off",
+        ("mutual" if options.planner_tls.mutual else "on") if options.planner_tls else "off",
     )
     runner = asyncio.create_task(client.run())
 

@@ -137,7 +137,7 @@ async def serve_planner(settings: ServerSettings, options: PlannerOptions, hooks
     logger.info(
         "event=planner_listening address=%s:%d port=%d executors=%s scheduler_id=%s access=%s tls=%s",
         api_host, port, port, executors, engine.scheduler_id, "insecure" if options.insecure else "token",
-        "on" if options.tls else "off",
+        ("mutual" if options.tls.mutual else "on") if options.tls else "off",
     )
     if options.tls is None and not options.insecure and not _is_loopback(api_host):
         logger.warning(

@@ -76,6 +76,13 @@ def add_role_flags(parser: argparse.ArgumentParser) -> None:
         "dialled",
     )
     group.add_argument(
+        "--planner-tls-cert",
+        type=Path,
+        help="role frontend: PEM client certificate presented to planners (mutual TLS: a planner "
+        "started with --tls-client-ca takes only front-ends presenting one its CA signed)",
+    )
+    group.add_argument("--planner-tls-key", type=Path, help="role frontend: PEM private key of --planner-tls-cert")
+    group.add_argument(
         "--reuse-port",
         action="store_true",
         help="role frontend: share --port with other front-ends (SO_REUSEPORT); the all-in-one "
@@ -101,13 +108,18 @@ def role_options(args: argparse.Namespace) -> RoleOptions:
             "the same file), or --insecure-planner where nothing else reaches its port"
         )
     planner_tls = None
-    if args.planner_tls_ca is not None or args.planner_tls_server_name is not None:
+    planner_flags = (args.planner_tls_ca, args.planner_tls_server_name, args.planner_tls_cert, args.planner_tls_key)
+    if any(flag is not None for flag in planner_flags):
         if args.role != "frontend":
             # The all-in-one scheduler's own planner listens on loopback only, in plaintext.
-            raise ValueError("--planner-tls-ca and --planner-tls-server-name are for --role frontend")
+            raise ValueError("--planner-tls-ca, --planner-tls-server-name, --planner-tls-cert and --planner-tls-key are for --role frontend")
         if args.planner_tls_ca is None:
-            raise ValueError("--planner-tls-server-name needs --planner-tls-ca")
-        planner_tls = client_tls(args.planner_tls_ca, server_name=args.planner_tls_server_name)
+            raise ValueError("--planner-tls-server-name, --planner-tls-cert and --planner-tls-key need --planner-tls-ca")
+        if (args.planner_tls_cert is None) != (args.planner_tls_key is None):
+            raise ValueError("--planner-tls-cert and --planner-tls-key go together")
+        planner_tls = client_tls(
+            args.planner_tls_ca, args.planner_tls_cert, args.planner_tls_key, args.planner_tls_server_name
+        )
     return RoleOptions(
         args.role, frontends, tuple(args.planner), token, args.insecure_planner, args.reuse_port, planner_tls
     )

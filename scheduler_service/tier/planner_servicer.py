@@ -17,6 +17,7 @@ from scheduler_service.core.request import Request
 from scheduler_service.planner.engine import Engine
 from scheduler_service.tier.frontend_link import FrontendLink, RemoteSink
 from scheduler_service.tier.request_codec import request_of
+from service_support.transport_security import peer_certificate_name
 
 logger = logging.getLogger(__name__)
 
@@ -61,7 +62,10 @@ class PlannerServicer(planner_pb2_grpc.PlannerServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a Connect stream starts with a hello naming the front-end")
         link = FrontendLink(first.hello.frontend_id, context.peer(), next(self._indexes))
         self.links[link.index] = link
-        logger.info("event=frontend_connected frontend=%s peer=%s", link.frontend_id, link.peer)
+        logger.info(
+            "event=frontend_connected frontend=%s peer=%s certificate=%s",
+            link.frontend_id, link.peer, peer_certificate_name(context) or "none",
+        )
         link.status(self.status())
         await self._take(link, first)
         reader = asyncio.create_task(self._read(link, request_iterator))

@@ -60,14 +60,17 @@ from tests.helpers.compose_services import (
 SECURE_FILE = REPO_ROOT / "docker-compose.secure.yml"
 MAKE_CERTS = REPO_ROOT / "deploy" / "make_certs.py"
 CERTS_SOURCE = "./certs"
-# The port the override adds: the executor's plaintext health.
-HEALTH_PORTS = (50062,)
+# The ports the override adds: the executor's and the planner's plaintext health.
+HEALTH_PORTS = (50062, 50063)
 # What the image runs as (Dockerfile: useradd --uid 10001).
 IMAGE_USER = "10001:10001"
-CERT_FILES = {"ca.pem", "scheduler.pem", "planner.pem", "executor.pem", "scheduler-client.pem", "executor-peer.pem"}
+CERT_FILES = {
+    "ca.pem", "scheduler.pem", "planner.pem", "executor.pem", "scheduler-client.pem", "executor-peer.pem",
+    "frontend-client.pem",
+}  # fmt: skip
 KEY_FILES = {
     "ca-key.pem", "scheduler-key.pem", "planner-key.pem", "executor-key.pem", "scheduler-client-key.pem",
-    "executor-peer-key.pem",
+    "executor-peer-key.pem", "frontend-client-key.pem",
 }  # fmt: skip
 API_KEY_FILES = {"api-keys", "client-api-key"}
 ALL_FILES = CERT_FILES | KEY_FILES | API_KEY_FILES
@@ -77,8 +80,12 @@ SCHEDULER_IDENTITY = "splitserve-scheduler"
 EXECUTOR_PEER_IDENTITY = "splitserve-executor-peer"
 # Flags that name a file in the certs folder, on each server.
 EXECUTOR_FILE_FLAGS = ("--tls-cert", "--tls-key", "--tls-client-ca", "--tls-peer-cert", "--tls-peer-key")
-PLANNER_FILE_FLAGS = ("--executor-tls-ca", "--executor-tls-cert", "--executor-tls-key", "--tls-cert", "--tls-key")
-FRONTEND_FILE_FLAGS = ("--tls-cert", "--tls-key", "--api-key-file", "--planner-tls-ca")
+PLANNER_FILE_FLAGS = (
+    "--executor-tls-ca", "--executor-tls-cert", "--executor-tls-key", "--tls-cert", "--tls-key", "--tls-client-ca",
+)  # fmt: skip
+FRONTEND_FILE_FLAGS = (
+    "--tls-cert", "--tls-key", "--api-key-file", "--planner-tls-ca", "--planner-tls-cert", "--planner-tls-key",
+)  # fmt: skip
 FILE_FLAGS = {
     "executor": EXECUTOR_FILE_FLAGS,
     "planner": PLANNER_FILE_FLAGS,
@@ -234,18 +241,16 @@ def test_healthchecks_probe_each_server_as_it_serves(
     published = {port.split(":")[-1] for spec in services.values() for port in spec.get("ports", [])}
     probe = ["CMD", "python", "deploy/health_probe.py"]
     # The executor's port demands a client certificate: its plaintext health port, unpublished.
-    executor = services["executor"]
-    health_port = flag(executor["command"], "--health-port")
-    assert health_port != flag(executor["command"], "--port")
-    assert executor["healthcheck"]["test"] == [*probe, f"127.0.0.1:{health_port}"]
-    assert health_port not in published
-    assert {health_port} == {str(port) for port in HEALTH_PORTS}
-    # The planner's port is TLS too, checked against the CA its front-end trusts.
-    planner = services["planner"]
-    assert planner["healthcheck"]["test"] == [
-        *probe, f"127.0.0.1:{flag(planner['command'], '--port')}",
-        "--tls-ca", flag(services["frontend"]["command"], "--planner-tls-ca"),
-    ]  # fmt: skip
+    # So does the planner's (front-ends present theirs): its plaintext health port, unpublished.
+    health_ports = set()
+    for name in ("executor", "planner"):
+        server = services[name]
+        health_port = flag(server["command"], "--health-port")
+        assert health_port != flag(server["command"], "--port")
+        assert server["healthcheck"]["test"] == [*probe, f"127.0.0.1:{health_port}"]
+        assert health_port not in published
+        health_ports.add(health_port)
+    assert health_ports == {str(port) for port in HEALTH_PORTS}
     # The front-end's is TLS, checked against the CA the gateway trusts too.
     frontend = services["frontend"]
     assert frontend["healthcheck"]["test"] == [
@@ -298,6 +303,10 @@ def test_every_file_a_command_names_lies_in_the_certs_mount(
     assert flag(planner, "--executor-tls-key").endswith("/scheduler-client-key.pem")
     assert flag(planner, "--tls-cert").endswith("/planner.pem")
     assert flag(planner, "--tls-key").endswith("/planner-key.pem")
+    assert flag(frontend, "--planner-tls-cert").endswith("/frontend-client.pem")
+    assert flag(frontend, "--planner-tls-key").endswith("/frontend-client-key.pem")
+    # The planner checks front-ends' certificates against the CA that signs them.
+    assert flag(planner, "--tls-client-ca") == flag(frontend, "--planner-tls-ca")
     # Executors fetch K/V from each other with a client certificate of their own.
     assert flag(executor, "--tls-peer-cert").endswith("/executor-peer.pem")
     assert flag(executor, "--tls-peer-key").endswith("/executor-peer-key.pem")
@@ -401,6 +410,10 @@ def test_make_certs_server_names_and_purposes(made: Path) -> None:
     assert EXECUTOR_PEER_IDENTITY not in DEFAULT_SCHEDULER_NAME.split(",")
     with pytest.raises(x509.ExtensionNotFound):
         peer.extensions.get_extension_for_class(x509.SubjectAlternativeName)
+    # The front-ends' client certificate, which planners check (--tls-client-ca).
+    frontend = load_cert(made, "frontend-client.pem")
+    assert usages(frontend) == {ExtendedKeyUsageOID.CLIENT_AUTH}
+    assert frontend.subject.get_attributes_for_oid(NameOID.COMMON_NAME)[0].value == "splitserve-frontend"
     lifetime = client.not_valid_after_utc - datetime.datetime.now(datetime.timezone.utc)
     assert datetime.timedelta(days=29) < lifetime <= datetime.timedelta(days=30, hours=1)
 
@@ -490,6 +503,7 @@ def test_make_certs_service_owner_splits_files_between_services_and_folder_owner
         "executor-key.pem",
         "scheduler-client-key.pem",
         "executor-peer-key.pem",
+        "frontend-client-key.pem",
         "api-keys",
     }
     for path in out.iterdir():
@@ -502,7 +516,8 @@ def test_make_certs_service_owner_splits_files_between_services_and_folder_owner
 
 def test_grpc_accepts_the_certificates_for_mutual_tls(made: Path) -> None:
     """A server with executor.pem and the CA as client CA takes the scheduler's client
-    certificate and the executors' peer certificate, and turns away a client without one or
+    certificate, the executors' peer certificate and the front-ends' client certificate (as a
+    planner with --tls-client-ca does), and turns away a client without one or
     with executor.pem, which allows serverAuth only: what the executor's flags set up."""
 
     def read(name: str) -> bytes:
@@ -519,7 +534,7 @@ def test_grpc_accepts_the_certificates_for_mutual_tls(made: Path) -> None:
     server.start()
     try:
         request = health_pb2.HealthCheckRequest()
-        for client in ("scheduler-client", "executor-peer"):
+        for client in ("scheduler-client", "executor-peer", "frontend-client"):
             mutual = grpc.ssl_channel_credentials(
                 read("ca.pem"), read(f"{client}-key.pem"), read(f"{client}.pem")
             )
@@ -625,13 +640,21 @@ def test_secured_services_come_up_and_demand_credentials(
             health_check(channel)
         assert refused_plain.value.code() == grpc.StatusCode.UNAVAILABLE
 
-    # The Planner API: TLS only, so the planner token its front-end sends is read by no one else.
+    # The Planner API: mutual TLS, so the planner token its front-end sends is read by no one
+    # else, and only a front-end with the CA's client certificate gets to send one.
     planner = f"127.0.0.1:{stand_ins.ports[50053]}"
     with grpc.insecure_channel(planner) as channel:
         with pytest.raises(grpc.RpcError) as refused_plain_planner:
             health_check(channel)
         assert refused_plain_planner.value.code() == grpc.StatusCode.UNAVAILABLE
     with grpc.secure_channel(planner, tls) as channel:
+        with pytest.raises(grpc.RpcError) as refused_anonymous_planner:
+            health_check(channel)
+        assert refused_anonymous_planner.value.code() == grpc.StatusCode.UNAVAILABLE
+    frontend_client = grpc.ssl_channel_credentials(
+        read("ca.pem"), read("frontend-client-key.pem"), read("frontend-client.pem")
+    )
+    with grpc.secure_channel(planner, frontend_client) as channel:
         assert health_check(channel) == serving
 
     # The executor: the scheduler's client certificate gets in, TLS alone does not.

@@ -276,10 +276,14 @@ def test_every_container_runs_splitserve_with_arguments_its_parser_accepts(
     planner = process(rendered, certs, "planner").parsed
     security = security_options(planner)
     assert security.executor_tls is not None and security.executor_tls.mutual
-    # The Planner API serves TLS; client API keys there would go unused (its callers send the token).
-    assert security.tls is not None and security.api_keys is None
+    # The Planner API serves mutual TLS; client API keys there would go unused (its callers send
+    # the token).
+    assert security.tls is not None and security.tls.mutual and security.api_keys is None
     planner_access, frontend_access = role_options(planner), role_options(frontend)
-    assert frontend_access.planner_tls is not None
+    # Front-ends present the client certificate the planners' client CA signed.
+    assert frontend_access.planner_tls is not None and frontend_access.planner_tls.mutual
+    assert frontend_access.planner_tls.cert_pem == (certs.folder / "frontend-client.pem").read_bytes()
+    assert security.tls.client_ca_pem == frontend_access.planner_tls.ca_pem
     assert not planner_access.insecure_planner
     assert planner_access.planner_token and frontend_access.planner_token == planner_access.planner_token
     executor = process(rendered, certs, "executor").parsed

@@ -1,7 +1,9 @@
 """The Planner API over TLS (real processes): a planner given --tls-cert/--tls-key serves its
 front-ends over TLS, so the planner token never crosses the network in the clear; a front-end
 verifies it with --planner-tls-ca (and --planner-tls-server-name when it dials a name the
-certificate lacks), and one without the CA, or a plaintext caller, gets nothing from it."""
+certificate lacks), and one without the CA, or a plaintext caller, gets nothing from it. With
+--tls-client-ca the planner takes only front-ends presenting a client certificate that CA signed
+(--planner-tls-cert/--planner-tls-key)."""
 
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ from tests.helpers.executor_process import ExecutorProcess
 from tests.helpers.greedy_reference import Reference
 from tests.helpers.model_factory import build_model
 from tests.helpers.service_process import ServiceProcess
+from tests.helpers.sim_executor_process import start_sim_executor
 from tests.helpers.tier_processes import frontend, planner, wait_for
 
 torch.set_num_threads(1)
@@ -140,3 +143,87 @@ def test_a_plaintext_planner_beyond_loopback_says_its_token_travels_in_the_clear
         assert ("event=planner_token_in_clear" in served.log_text()) is warned
     finally:
         served.close()
+
+
+@dataclass(slots=True, frozen=True)
+class MutualPlanner:
+    address: str
+    folder: Path
+    token: Path
+    process: ServiceProcess
+
+
+@pytest.fixture(scope="module")
+def mutual_planner(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MutualPlanner]:
+    """A planner serving the Planner API over mutual TLS (--tls-client-ca), over a simulated
+    executor; in its folder, client certificates for front-ends from its CA (frontend.pem) and
+    from another (stranger.pem)."""
+    folder = tmp_path_factory.mktemp("planner-mtls")
+    ca, other = trustme.CA(), trustme.CA()
+    ca.cert_pem.write_to_path(str(folder / "ca.pem"))
+    issued = ca.issue_cert(PLANNER_NAME, common_name="splitserve-planner")
+    issued.cert_chain_pems[0].write_to_path(str(folder / "planner.pem"))
+    issued.private_key_pem.write_to_path(str(folder / "planner-key.pem"))
+    for name, issuer in (("frontend", ca), ("stranger", other)):
+        client = issuer.issue_cert(f"{name}.splitserve.test", common_name=f"splitserve-{name}")
+        client.cert_chain_pems[0].write_to_path(str(folder / f"{name}.pem"))
+        client.private_key_pem.write_to_path(str(folder / f"{name}-key.pem"))
+    token = folder / "planner-token"
+    write_token_file(token)
+    with ExitStack() as stack:
+        executor = stack.enter_context(start_sim_executor(step_ms=5))
+        served = planner(
+            [executor], token,
+            "--tls-cert", str(folder / "planner.pem"), "--tls-key", str(folder / "planner-key.pem"),
+            "--tls-client-ca", str(folder / "ca.pem"),
+        )  # fmt: skip
+        stack.callback(served.close)
+        address = served.wait_ready()
+        wait_for(lambda: "state=up" in served.log_text(), what="the planner holding its executor")
+        yield MutualPlanner(address, folder, token, served)
+
+
+def mutual_frontend(planner_: MutualPlanner, client_certificate: str | None, *flags: str) -> ServiceProcess:
+    certificate = (
+        ["--planner-tls-cert", str(planner_.folder / f"{client_certificate}.pem"),
+         "--planner-tls-key", str(planner_.folder / f"{client_certificate}-key.pem")]
+        if client_certificate else []
+    )  # fmt: skip
+    return frontend(
+        [planner_.address], planner_.token,
+        "--planner-tls-ca", str(planner_.folder / "ca.pem"), "--planner-tls-server-name", PLANNER_NAME,
+        *certificate, *flags,
+    )  # fmt: skip
+
+
+def test_a_front_end_presenting_the_cas_client_certificate_is_served_over_mutual_tls(
+    mutual_planner: MutualPlanner,
+) -> None:
+    front = mutual_frontend(mutual_planner, "frontend")
+    try:
+        with Client(front.wait_ready(timeout_s=120.0)) as client:
+            result = client.generate(prompt_token_ids=[5, 17, 42], max_tokens=4, ignore_eos=True)
+        assert len(result.token_ids) == 4
+        assert "planner_tls=mutual" in front.log_text()
+        log = mutual_planner.process.log_text()
+        assert "tls=mutual" in log
+        # The planner names each front-end by the certificate it proved it holds.
+        assert "certificate=splitserve-frontend" in log
+    finally:
+        front.close()
+
+
+@pytest.mark.parametrize("client_certificate", [None, "stranger"])
+def test_a_front_end_without_the_cas_client_certificate_is_never_served(
+    mutual_planner: MutualPlanner, client_certificate: str | None
+) -> None:
+    connected_before = mutual_planner.process.log_text().count("event=frontend_connected")
+    front = mutual_frontend(mutual_planner, client_certificate, "--no-executor-timeout", "2")
+    try:
+        with Client(wait_for_listening(front)) as client, pytest.raises(SplitserveError) as refused:
+            client.generate(prompt_token_ids=[5, 17, 42], max_tokens=4)
+        assert refused.value.code is grpc.StatusCode.UNAVAILABLE
+        # The handshake failed: no Connect stream, so its token never reached the planner.
+        assert mutual_planner.process.log_text().count("event=frontend_connected") == connected_before
+    finally:
+        front.close()

@@ -93,11 +93,20 @@ def test_verbose_adds_the_traceback(tmp_path: Path) -> None:
     [
         # The all-in-one scheduler's planner listens on loopback in plaintext: its own front-ends
         # could not reach it with TLS.
-        (["--planner-tls-ca", "ca.pem"], "--planner-tls-ca and --planner-tls-server-name are for --role frontend"),
+        (
+            ["--planner-tls-ca", "ca.pem"],
+            "--planner-tls-ca, --planner-tls-server-name, --planner-tls-cert and --planner-tls-key are for --role frontend",
+        ),
         (
             ["--role", "frontend", "--planner", "127.0.0.1:1", "--planner-tls-server-name", "planner"],
-            "--planner-tls-server-name needs --planner-tls-ca",
+            "--planner-tls-server-name, --planner-tls-cert and --planner-tls-key need --planner-tls-ca",
         ),
+        (
+            ["--role", "frontend", "--planner", "127.0.0.1:1", "--planner-tls-ca", "ca.pem", "--planner-tls-cert", "fe.pem"],
+            "--planner-tls-cert and --planner-tls-key go together",
+        ),
+        # Client certificates on the client API would lock out every client that sends none.
+        (["--tls-client-ca", "ca.pem"], "--tls-client-ca is for --role planner (its front-ends' client certificates)"),
     ],
 )
 def test_planner_tls_flags_where_they_cannot_work_are_refused(flags: list[str], problem: str) -> None:
