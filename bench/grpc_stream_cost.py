@@ -7,6 +7,10 @@ server's CPU (all its threads, from /proc) over the measured window, divided by 
 delivered, is the figure: no tokenizer, no planner, nothing but gRPC and the event loop.
 
     python -m bench.grpc_stream_cost [--streams 256] [--tick-ms 20] [--warmup-s 3] [--measure-s 8]
+        [--event-loop auto|uvloop|asyncio]
+
+The server runs on the loop a front-end runs on by default (auto: uvloop where installed, see
+scheduler_service/process/event_loop.py).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from multiprocessing.queues import Queue
 import grpc
 
 from bench.tier_cpu import cpu_seconds
+from scheduler_service.process.event_loop import EVENT_LOOPS, event_loop_runner
 
 logger = logging.getLogger("bench.grpc_stream_cost")
 SERVICE, METHOD = "bench.Stream", "Ticks"
@@ -56,8 +61,8 @@ async def _serve(tick_s: float, ports: Queue) -> None:
         previous.set()
 
 
-def _server_process(tick_s: float, ports: Queue) -> None:
-    asyncio.run(_serve(tick_s, ports))
+def _server_process(tick_s: float, ports: Queue, event_loop: str) -> None:
+    event_loop_runner(event_loop)(_serve(tick_s, ports))
 
 
 async def _measure(port: int, pid: int, streams: int, warmup_s: float, measure_s: float) -> StreamCost:
@@ -82,9 +87,11 @@ async def _measure(port: int, pid: int, streams: int, warmup_s: float, measure_s
     return StreamCost(streams, messages / window, used / window, used / messages * 1e6)
 
 
-def measure(streams: int, tick_s: float, warmup_s: float, measure_s: float) -> StreamCost:
+def measure(streams: int, tick_s: float, warmup_s: float, measure_s: float, event_loop: str = "auto") -> StreamCost:
     ports: Queue = multiprocessing.get_context("spawn").Queue()
-    server = multiprocessing.get_context("spawn").Process(target=_server_process, args=(tick_s, ports), daemon=True)
+    server = multiprocessing.get_context("spawn").Process(
+        target=_server_process, args=(tick_s, ports, event_loop), daemon=True
+    )
     server.start()
     try:
         port = ports.get(timeout=60)
@@ -101,12 +108,13 @@ def main() -> None:
     parser.add_argument("--tick-ms", type=float, default=20.0)
     parser.add_argument("--warmup-s", type=float, default=3.0)
     parser.add_argument("--measure-s", type=float, default=8.0)
+    parser.add_argument("--event-loop", choices=EVENT_LOOPS, default="auto", help="the server's loop (a front-end's --event-loop)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
-    cost = measure(args.streams, args.tick_ms / 1000, args.warmup_s, args.measure_s)
+    cost = measure(args.streams, args.tick_ms / 1000, args.warmup_s, args.measure_s, args.event_loop)
     logger.info(
-        "event=grpc_stream_cost streams=%d messages_per_s=%.0f server_cores=%.2f server_us_per_message=%.1f",
-        cost.streams, cost.messages_per_s, cost.server_cores, cost.server_us_per_message,
+        "event=grpc_stream_cost streams=%d event_loop=%s messages_per_s=%.0f server_cores=%.2f server_us_per_message=%.1f",
+        cost.streams, args.event_loop, cost.messages_per_s, cost.server_cores, cost.server_us_per_message,
     )
 
 
