@@ -582,6 +582,20 @@ def health_check(channel: grpc.Channel) -> int:
     return stub.Check(health_pb2.HealthCheckRequest(), timeout=10).status
 
 
+def demands_client_certificate(address: str, tls: grpc.ChannelCredentials, certs: Path, client: str) -> None:
+    """TLS alone gets nothing from the server at address; TLS with the client certificate
+    certs/{client}.pem (and its key) gets its health answered."""
+    with grpc.secure_channel(address, tls) as channel:
+        with pytest.raises(grpc.RpcError) as refused_anonymous:
+            health_check(channel)
+        assert refused_anonymous.value.code() == grpc.StatusCode.UNAVAILABLE
+    mutual = grpc.ssl_channel_credentials(
+        (certs / "ca.pem").read_bytes(), (certs / f"{client}-key.pem").read_bytes(), (certs / f"{client}.pem").read_bytes()
+    )
+    with grpc.secure_channel(address, mutual) as channel:
+        assert health_check(channel) == health_pb2.HealthCheckResponse.SERVING
+
+
 @pytest.mark.slow
 def test_secured_services_come_up_and_demand_credentials(
     secure: dict[str, Any], tmp_path: Path, running: RunningServices
@@ -647,27 +661,10 @@ def test_secured_services_come_up_and_demand_credentials(
         with pytest.raises(grpc.RpcError) as refused_plain_planner:
             health_check(channel)
         assert refused_plain_planner.value.code() == grpc.StatusCode.UNAVAILABLE
-    with grpc.secure_channel(planner, tls) as channel:
-        with pytest.raises(grpc.RpcError) as refused_anonymous_planner:
-            health_check(channel)
-        assert refused_anonymous_planner.value.code() == grpc.StatusCode.UNAVAILABLE
-    frontend_client = grpc.ssl_channel_credentials(
-        read("ca.pem"), read("frontend-client-key.pem"), read("frontend-client.pem")
-    )
-    with grpc.secure_channel(planner, frontend_client) as channel:
-        assert health_check(channel) == serving
+    demands_client_certificate(planner, tls, stand_ins.certs, "frontend-client")
 
     # The executor: the scheduler's client certificate gets in, TLS alone does not.
-    executor = f"127.0.0.1:{stand_ins.ports[50052]}"
-    with grpc.secure_channel(executor, tls) as channel:
-        with pytest.raises(grpc.RpcError) as refused_anonymous:
-            health_check(channel)
-        assert refused_anonymous.value.code() == grpc.StatusCode.UNAVAILABLE
-    mutual = grpc.ssl_channel_credentials(
-        read("ca.pem"), read("scheduler-client-key.pem"), read("scheduler-client.pem")
-    )
-    with grpc.secure_channel(executor, mutual) as channel:
-        assert health_check(channel) == serving
+    demands_client_certificate(f"127.0.0.1:{stand_ins.ports[50052]}", tls, stand_ins.certs, "scheduler-client")
 
     # The gateway passes the caller's key on: without it the scheduler refuses, with it answers.
     models = f"http://127.0.0.1:{stand_ins.ports[8000]}/v1/models"
