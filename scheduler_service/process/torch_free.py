@@ -18,8 +18,8 @@ logger = logging.getLogger(__name__)
 
 def forbid_torch() -> bool:
     """Makes every later `import torch` in this process fail and transformers see no torch;
-    False (and nothing changed) where transformers or torch is loaded already, as in a test that
-    runs a front-end in its own process: transformers decided then that torch is there."""
+    False (and nothing changed) where transformers or torch is loaded already (a test calling the
+    scheduler's main() in its own process): transformers has decided then that torch is there."""
     if "transformers" in sys.modules or "torch" in sys.modules:
         logger.info("event=torch_kept reason='transformers or torch was imported before the front-end started'")
         return False
