@@ -12,9 +12,9 @@ CN splitserve-scheduler, clientAuth); the client certificate executors present t
 when they fetch K/V (executor-peer.pem, executor-peer-key.pem, CN splitserve-executor-peer,
 clientAuth: a name no executor allows to drive it); the client certificate front-ends present to
 planners (frontend-client.pem, frontend-client-key.pem, CN splitserve-frontend, clientAuth: a
-planner started with --tls-client-ca ca.pem takes no front-end without it); and one random API key, in api-keys (the
-scheduler's --api-key-file) and client-api-key (the client's). Private keys and key files are
-mode 0600.
+planner started with --tls-client-ca ca.pem takes no front-end without it); and one random API
+key, in api-keys (the scheduler's --api-key-file) and client-api-key (the client's). Private
+keys and key files are mode 0600.
 
 Idempotent: whatever is present, signed by the CA, matching its key, naming what was asked for
 and valid for more than a day is kept; only the rest is made again (a new CA reissues every
