@@ -50,15 +50,20 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_model("llama", tmp_path_factory.mktemp("planner-tls") / "llama", seed=13)
 
 
+def write_leaf(issuer: trustme.CA, host: str, common_name: str, folder: Path, stem: str) -> None:
+    """A certificate issuer signs for host, as folder/{stem}.pem with its key in {stem}-key.pem."""
+    issued = issuer.issue_cert(host, common_name=common_name)
+    issued.cert_chain_pems[0].write_to_path(str(folder / f"{stem}.pem"))
+    issued.private_key_pem.write_to_path(str(folder / f"{stem}-key.pem"))
+
+
 @pytest.fixture(scope="module")
 def tls_planner(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> Iterator[TlsPlanner]:
     folder = tmp_path_factory.mktemp("planner-pki")
     ca, other = trustme.CA(), trustme.CA()
     ca.cert_pem.write_to_path(str(folder / "ca.pem"))
     other.cert_pem.write_to_path(str(folder / "other-ca.pem"))
-    issued = ca.issue_cert(PLANNER_NAME, common_name="splitserve-planner")
-    issued.cert_chain_pems[0].write_to_path(str(folder / "planner.pem"))
-    issued.private_key_pem.write_to_path(str(folder / "planner-key.pem"))
+    write_leaf(ca, PLANNER_NAME, "splitserve-planner", folder, "planner")
     token = folder / "planner-token"
     write_token_file(token)
     with ExitStack() as stack:
@@ -161,13 +166,9 @@ def mutual_planner(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MutualP
     folder = tmp_path_factory.mktemp("planner-mtls")
     ca, other = trustme.CA(), trustme.CA()
     ca.cert_pem.write_to_path(str(folder / "ca.pem"))
-    issued = ca.issue_cert(PLANNER_NAME, common_name="splitserve-planner")
-    issued.cert_chain_pems[0].write_to_path(str(folder / "planner.pem"))
-    issued.private_key_pem.write_to_path(str(folder / "planner-key.pem"))
+    write_leaf(ca, PLANNER_NAME, "splitserve-planner", folder, "planner")
     for name, issuer in (("frontend", ca), ("stranger", other)):
-        client = issuer.issue_cert(f"{name}.splitserve.test", common_name=f"splitserve-{name}")
-        client.cert_chain_pems[0].write_to_path(str(folder / f"{name}.pem"))
-        client.private_key_pem.write_to_path(str(folder / f"{name}-key.pem"))
+        write_leaf(issuer, f"{name}.splitserve.test", f"splitserve-{name}", folder, name)
     token = folder / "planner-token"
     write_token_file(token)
     with ExitStack() as stack:
