@@ -160,11 +160,11 @@ class RunningPlan:
                 continue
             num_new = min(request.num_uncomputed_tokens, budget)
             ids, victims = self._preempt_until_allocated(request, partial(self._allocate, request, num_new))
+            preempted |= bool(victims)
             for victim in victims:
                 # A victim planned earlier in this step gives back its tokens and blocks.
                 budget += scheduled.pop(victim, 0)
                 new_blocks.pop(victim.request_id, None)
-                preempted = True
             if ids is not None:
                 scheduled[request] = num_new
                 new_blocks[request.request_id] = ids
