@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from kv_manager import prefix_hash
 from kv_manager.block_pool import BlockPool, KVBlock
 from kv_manager.host_tier import HostTier, TierCopies
-from kv_manager.prefix_hash import BlockHash, extend_chain
+from kv_manager.prefix_hash import ROOT_HASH, BlockHash, extend_chain, hash_packed_block
 from kv_manager.state_checkpoints import StateCheckpoints
 from kv_manager.state_slots import StateSlotPool
 
@@ -263,6 +263,38 @@ class KVCacheManager:
             return
         num_full = min(len(token_ids), num_computed_tokens) // self.block_size
         self._register_full_blocks(entry, token_ids, min(num_full, len(entry.blocks)))
+
+    def cache_next_blocks(
+        self, request_ids: Sequence[str], num_computed: Sequence[int], packed_blocks: Sequence[bytes]
+    ) -> list[int]:
+        """cache_computed for requests whose computed tokens (num_computed) have just completed
+        a block, given that block's tokens packed (prefix_hash.pack_tokens; a caller that holds
+        them in an array packs them all at once), not the requests' token lists: a steady decode
+        completes a block every block_size steps, and reading its list and hashing it cost more
+        than the rest of its step. Returns the positions of requests whose registered blocks do
+        not end just before that block (the caller enters those with cache_computed)."""
+        unchained = []
+        block_size, caching = self.block_size, self.enable_prefix_caching
+        for position, request_id in enumerate(request_ids):
+            entry = self._requests.get(request_id)
+            if entry is None:
+                continue
+            computed = num_computed[position]
+            if computed > entry.num_written:
+                entry.num_written = computed
+            index = computed // block_size - 1
+            if not caching or entry.num_registered > index:
+                continue
+            hashes = entry.hashes
+            if entry.num_registered < index or len(hashes) < index or len(entry.blocks) <= index:
+                unchained.append(position)
+                continue
+            if len(hashes) == index:
+                parent = hashes[-1] if index else ROOT_HASH
+                hashes.append(hash_packed_block(parent, packed_blocks[position], entry.extra_key))
+            self.pool.register(entry.blocks[index], hashes[index])
+            entry.num_registered = index + 1
+        return unchained
 
     def num_written(self, request_id: str) -> int:
         """Leading tokens of the request whose K/V exists on the executor (0 if it holds none)."""

@@ -9,6 +9,16 @@ BlockHash = bytes
 ROOT_HASH: BlockHash = b""
 
 
+# How a block's tokens are laid out in what is hashed: C unsigned ints (4 bytes), as array's
+# typecode; numpy's dtype of the same name is the same layout, for callers holding tokens in
+# arrays (DecodeSet).
+TOKEN_FORMAT = "I"
+
+
+def pack_tokens(token_ids: Sequence[int]) -> bytes:
+    return array(TOKEN_FORMAT, token_ids).tobytes()
+
+
 def hash_block_tokens(
     parent: BlockHash, token_ids: Sequence[int], extra_key: bytes = b""
 ) -> BlockHash:
@@ -18,8 +28,13 @@ def hash_block_tokens(
     share KV and produce wrong text, and 64-bit tuple hashes collide often enough at scale. The
     extra key (a cache salt, say) keeps tenants from sharing blocks.
     """
+    return hash_packed_block(parent, pack_tokens(token_ids), extra_key)
+
+
+def hash_packed_block(parent: BlockHash, packed_tokens: bytes, extra_key: bytes = b"") -> BlockHash:
+    """hash_block_tokens of a block whose tokens are already packed (pack_tokens)."""
     # One buffer hashed in one call: a third less time than an update() per part, the same bytes.
-    message = parent + len(extra_key).to_bytes(4, "little") + extra_key + array("I", token_ids).tobytes()
+    message = parent + len(extra_key).to_bytes(4, "little") + extra_key + packed_tokens
     return hashlib.blake2b(message, digest_size=16).digest()
 
 

@@ -103,18 +103,19 @@ class CheckpointPolicy:
             self._pending[step_id] = pending
         return made
 
-    def made(self, step_id: int, request_id: str) -> None:
-        """The step computed the request and its blocks are cached: its checkpoints of that
-        step are ready, named by the hashes their blocks were cached under."""
+    def made(self, step_id: int, request_ids: Iterable[str]) -> None:
+        """The step computed the requests and their blocks are cached: their checkpoints of
+        that step are ready, named by the hashes their blocks were cached under."""
         pending = self._pending.get(step_id)
         if not pending:
             return
-        for point, slot in pending.pop(request_id, ()):
-            name = self.kv.registered_hash(request_id, point // self.kv.block_size - 1)
-            if name is None:
-                self.kv.checkpoints.cancel(slot)
-            else:
-                self.kv.fill_checkpoint(slot, name)
+        for request_id in request_ids:
+            for point, slot in pending.pop(request_id, ()):
+                name = self.kv.registered_hash(request_id, point // self.kv.block_size - 1)
+                if name is None:
+                    self.kv.checkpoints.cancel(slot)
+                else:
+                    self.kv.fill_checkpoint(slot, name)
 
     def step_done(self, step_id: int) -> None:
         """The step's result is applied: its checkpoints not made are dropped."""

@@ -13,9 +13,12 @@ finishes, is preempted or its executor goes. While it is here these arrays are t
 its progress (computed tokens, pending outputs, time of its last token): join and leave move it
 (Request.move_progress), and meanwhile the request reads and writes its slot, so no one needs to
 know where it decodes. Its newest tokens wait in its row of `recent` until its token list is
-read (which takes them in: Request.token_ids), the row fills, or it leaves: appending every
-request's token to its own list at every step touched each request's list, a cache miss apiece,
-and was the largest per-token cost of a step.
+read (which takes them in: Request.token_ids), the row fills (its list then takes all but the
+newest block's worth), or it leaves: appending every request's token to its own list at every
+step touched each request's list, a cache miss apiece, and was the largest per-token cost of a
+step. A block the step completes is read from the row too, packed for its hash in one array
+operation for all such requests (apply's FilledBlocks): reading each one's list for it cost more
+than the rest of the step.
 Its stops are stop_checker's rules for such requests, in vector form: the length limit it is
 given (stop_checker.length_limit) and the EOS ids.
 """
@@ -25,13 +28,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from kv_manager.prefix_hash import TOKEN_FORMAT
 from protos.limits import UNHELD_DECODE_TOKEN as UNHELD_TOKEN
 from scheduler_service.core.request import Request, token_list_of
 
 _GROWTH = 2
-# Tokens a slot holds before its request's list takes them, in blocks: a list is read (and so
-# takes them) whenever a block of it fills, so the row rarely fills first.
-_RECENT_BLOCKS = 2
+# Tokens a slot holds, in blocks. A full row hands its list all but its newest block's worth,
+# which the next completed block needs: a wider row does that more rarely.
+_RECENT_BLOCKS = 8
 
 
 @dataclass(slots=True)
@@ -57,12 +61,25 @@ class BulkResult:
     keys: np.ndarray
     # Requests whose token ends them (EOS or length): the scheduler finishes them.
     stopped: list[tuple[Request, int]]
-    # Requests whose computed blocks are now complete, with their computed-token count.
-    filled_blocks: list[tuple[Request, int]]
+    # Requests whose computed tokens now complete a block.
+    filled: "FilledBlocks"
     # Requests the executor answered for with UNHELD_TOKEN.
     unheld: list[Request]
     # Seconds since the previous token, for each request that got one and had had one before.
     gaps: np.ndarray
+
+
+@dataclass(slots=True)
+class FilledBlocks:
+    """Requests whose computed tokens the step brought to a multiple of the block size."""
+
+    # Those whose completed block the slot's row holds, its tokens packed for the prefix hash
+    # (prefix_hash.pack_tokens), with their computed-token counts, in the same order.
+    requests: list[Request]
+    num_computed: list[int]
+    packed_blocks: list[bytes]
+    # The others (part of the block is in the list already), with their computed-token counts.
+    others: list[tuple[Request, int]]
 
 
 class DecodeSet:
@@ -89,8 +106,10 @@ class DecodeSet:
         self.key = np.zeros(capacity, dtype=np.int64)
         # When the last token came back (NaN: none yet).
         self.last_token_at = np.full(capacity, np.nan)
-        # Tokens sampled that the request's token list has not taken yet, num_recent of them.
-        self.recent = np.zeros((capacity, _RECENT_BLOCKS * block_size), dtype=np.int64)
+        # Tokens sampled that the request's token list has not taken yet, num_recent of them,
+        # laid out as the prefix hash packs them, so that a completed block is hashed as it is.
+        self.recent = np.zeros((capacity, _RECENT_BLOCKS * block_size), dtype=TOKEN_FORMAT)
+        self._block_columns = np.arange(block_size)
         self.num_recent = np.zeros(capacity, dtype=np.int64)
 
     def __len__(self) -> int:
@@ -196,7 +215,7 @@ class DecodeSet:
         unheld_mask = live & (tokens == UNHELD_TOKEN)
         live &= ~unheld_mask
         unheld: list[Request] = [self._requests[s] for s in slots[unheld_mask].tolist()]  # type: ignore[misc]
-        result = BulkResult([], [], np.zeros(0, dtype=np.int64), [], [], unheld, np.zeros(0))
+        result = BulkResult([], [], np.zeros(0, dtype=np.int64), [], FilledBlocks([], [], [], []), unheld, np.zeros(0))
         if not live.any():
             return result
         slots, tokens, computed = slots[live], tokens[live], step.computed[live]
@@ -217,11 +236,11 @@ class DecodeSet:
         at = self.num_recent[slots]
         full = at >= self.recent.shape[1]
         if full.any():
-            for slot in slots[full].tolist():
-                self.flush_tokens(slot, token_list_of(requests[slot]))  # type: ignore[arg-type]
-            at[full] = 0
+            self._make_room(slots[full])
+            at[full] = self.block_size
         self.recent[slots, at] = tokens
-        self.num_recent[slots] = at + 1
+        at += 1
+        self.num_recent[slots] = at
         token_list = tokens.tolist()
         live_requests: list[Request] = [requests[s] for s in slots.tolist()]  # type: ignore[misc]
         if stops.any():
@@ -234,10 +253,47 @@ class DecodeSet:
         else:
             result.requests, result.token_ids, result.keys = live_requests, token_list, keys
         if filled.any():
-            result.filled_blocks = [
-                (live_requests[i], int(computed[i])) for i in np.flatnonzero(filled).tolist()
-            ]
+            result.filled = self._filled_blocks(np.flatnonzero(filled), slots, at, computed, live_requests)
         return result
+
+    def tokens_of(self, request: Request) -> list[int]:
+        """The request's tokens, its slot's included, leaving them in the slot (reading
+        Request.token_ids would move them into its list and empty the row that the blocks it
+        completes next are read from)."""
+        slot = self._slot_of[request]
+        return token_list_of(request) + self.recent[slot, : self.num_recent[slot]].tolist()
+
+    def _make_room(self, slots: np.ndarray) -> None:
+        """Full rows hand their lists all but their newest block's worth of tokens, which move
+        to the rows' start."""
+        keep = self.block_size
+        cut = self.recent.shape[1] - keep
+        for slot in slots.tolist():
+            token_list_of(self._requests[slot]).extend(self.recent[slot, :cut].tolist())  # type: ignore[arg-type]
+        self.recent[slots, :keep] = self.recent[slots, cut:]
+
+    def _filled_blocks(
+        self, indexes: np.ndarray, slots: np.ndarray, counts: np.ndarray, computed: np.ndarray, requests: list[Request]
+    ) -> FilledBlocks:
+        """The blocks completed at indexes (of the step's live slots, whose rows now hold
+        counts tokens and whose requests computed computed): a row ends with the token sampled
+        after the block, so it holds the whole block when it holds more than a block's worth."""
+        block_size = self.block_size
+        filled = FilledBlocks([], [], [], [])
+        counts = counts[indexes]
+        in_row = counts > block_size
+        kept = indexes
+        if not in_row.all():
+            kept, counts = indexes[in_row], counts[in_row]
+            filled.others = [(requests[i], int(computed[i])) for i in indexes[~in_row].tolist()]
+        if kept.size:
+            columns = (counts - (1 + block_size))[:, None] + self._block_columns
+            packed = self.recent[slots[kept][:, None], columns].tobytes()
+            width = block_size * self.recent.itemsize
+            filled.packed_blocks = [packed[i : i + width] for i in range(0, len(packed), width)]
+            filled.requests = [requests[i] for i in kept.tolist()]
+            filled.num_computed = computed[kept].tolist()
+        return filled
 
     def _grow(self) -> None:
         old = len(self._requests)

@@ -123,7 +123,7 @@ class StepResults:
                     tokens = [*tokens, *sampled[:-1]]
                     result.verified.append((request_id, len(sent.drafts), len(sampled) - 1))
                 self.kv.cache_computed(request_id, tokens, computed)
-                self._checkpoints.made(output.step_id, request_id)
+                self._checkpoints.made(output.step_id, (request_id,))
                 if computed >= request.prefill_target:
                     self._prefixes.computing.remove(request)
                 if sent.samples:
@@ -184,9 +184,13 @@ class StepResults:
                 )
             )
             result.updates.append(self._end_in_error(request, error))
-        for request, computed in applied.filled_blocks:
-            self.kv.cache_computed(request.request_id, request.token_ids, computed)
-            self._checkpoints.made(output.step_id, request.request_id)
+        filled = applied.filled
+        request_ids = [request.request_id for request in filled.requests]
+        unchained = self.kv.cache_next_blocks(request_ids, filled.num_computed, filled.packed_blocks)
+        others = [*((filled.requests[i], filled.num_computed[i]) for i in unchained), *filled.others]
+        for request, computed in others:
+            self.kv.cache_computed(request.request_id, self.decodes.tokens_of(request), computed)
+        self._checkpoints.made(output.step_id, [*request_ids, *(request.request_id for request, _ in filled.others)])
         for request, token in applied.stopped:
             self.finish(request, stop_reason_of_bulk_decode(request, token, self.eos_token_ids))
             result.updates.append(RequestUpdate(request, [token], [], True))

@@ -3,6 +3,7 @@
 import pytest
 
 from kv_manager import KVCacheManager, PoolExhausted
+from kv_manager.prefix_hash import pack_tokens
 
 
 def admit(kv: KVCacheManager, request_id: str, tokens: list[int], salt: bytes = b"") -> int:
@@ -81,6 +82,32 @@ def test_a_block_each_at_once_is_what_one_allocation_each_gives() -> None:
     assert at_once.block_ids("a") == one_by_one.block_ids("a") and at_once.block_ids("b") == one_by_one.block_ids("b")
     assert at_once.append_block_each(["a", "b"]) is None, "no block is free"
     assert at_once.block_ids("a") == one_by_one.block_ids("a") and at_once.stats() == one_by_one.stats()
+
+
+def test_a_completed_block_given_packed_is_cached_as_its_token_list_would_be() -> None:
+    """cache_next_blocks enters each request's block that its computed tokens just completed,
+    from that block's packed tokens, as cache_computed from its token list does; a request
+    whose earlier blocks are not all entered is handed back for cache_computed, untouched."""
+    packed, listed = KVCacheManager(num_blocks=8, block_size=4), KVCacheManager(num_blocks=8, block_size=4)
+    tokens = {"a": list(range(12)), "b": list(range(50, 62))}
+    for kv in (packed, listed):
+        for request_id, token_ids in tokens.items():
+            kv.allocate_slots(request_id, token_ids, 0, 12)
+            kv.cache_computed(request_id, token_ids, 4)
+    # b's second block (4-8) was never entered: its third cannot be chained on yet.
+    packed.cache_computed("a", tokens["a"], 8)
+    listed.cache_computed("a", tokens["a"], 8)
+    blocks = [pack_tokens(tokens["a"][8:12]), pack_tokens(tokens["b"][8:12])]
+    assert packed.cache_next_blocks(["a", "b", "gone"], [12, 12, 12], [*blocks, b""]) == [1]
+    assert packed.num_written("b") == 12 and packed.registered_hash("b", 1) is None
+    listed.cache_computed("a", tokens["a"], 12)
+    listed.cache_computed("b", tokens["b"], 4)
+    assert packed.pool.cached_hashes() == listed.pool.cached_hashes()
+    assert packed.num_written("a") == listed.num_written("a") == 12
+    packed.cache_computed("b", tokens["b"], 12)
+    listed.cache_computed("b", tokens["b"], 12)
+    assert packed.pool.cached_hashes() == listed.pool.cached_hashes()
+    assert admit(packed, "c", tokens["a"] + [7]) == 12
 
 
 def test_disabled_prefix_caching_never_hits() -> None:

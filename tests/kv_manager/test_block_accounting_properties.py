@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from kv_manager import KVCacheManager, PoolExhausted
+from kv_manager.prefix_hash import pack_tokens
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 12
@@ -111,8 +112,8 @@ class KVManagerMachine(RuleBasedStateMachine):
         assert self.kv.num_written(child_id) == num_tokens
 
     @precondition(lambda self: any(r.admitted for r in self.requests.values()))
-    @rule(data=st.data(), chunk=st.integers(1, 8), decoded=st.integers(0, 3), commit=st.booleans())
-    def step(self, data: st.DataObject, chunk: int, decoded: int, commit: bool) -> None:
+    @rule(data=st.data(), chunk=st.integers(1, 8), decoded=st.integers(0, 3), commit=st.booleans(), packed=st.booleans())
+    def step(self, data: st.DataObject, chunk: int, decoded: int, commit: bool, packed: bool) -> None:
         running = sorted(k for k, r in self.requests.items() if r.admitted)
         request_id = data.draw(st.sampled_from(running))
         req = self.requests[request_id]
@@ -125,7 +126,14 @@ class KVManagerMachine(RuleBasedStateMachine):
         req.computed += num_new
         # Results come back late, or (pipelined) after the next step was planned.
         if commit:
-            self.kv.cache_computed(request_id, req.tokens, req.computed)
+            if packed and req.computed % BLOCK_SIZE == 0:
+                # As a steady decode's completed block is entered (DecodeSet), with the
+                # general path for a request whose earlier blocks are not all entered yet.
+                block = pack_tokens(req.tokens[req.computed - BLOCK_SIZE : req.computed])
+                if self.kv.cache_next_blocks([request_id], [req.computed], [block]):
+                    self.kv.cache_computed(request_id, req.tokens, req.computed)
+            else:
+                self.kv.cache_computed(request_id, req.tokens, req.computed)
             req.committed = req.computed
 
     @precondition(lambda self: any(r.admitted and r.computed == len(r.tokens) for r in self.requests.values()))

@@ -2,6 +2,10 @@
 whoever reads its tokens, at any point, and whatever it does after it leaves, sees every token
 in order, as though each had been appended to its list as it came."""
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kv_manager.prefix_hash import pack_tokens
 from scheduler_service.core.decode_set import DecodeSet
 from scheduler_service.core.request import Request
 from scheduler_service.core.sampling_params import SamplingParams
@@ -66,3 +70,37 @@ def test_assigning_a_token_list_replaces_every_token() -> None:
     request.token_ids = [*PROMPT, 61]
     step(decodes, {request: 62})
     assert request.token_ids == [*PROMPT, 61, 62]
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    prompt_len=st.integers(1, 3 * BLOCK_SIZE),
+    reads=st.lists(st.booleans(), min_size=20 * BLOCK_SIZE, max_size=20 * BLOCK_SIZE),
+)
+def test_each_completed_block_comes_with_exactly_its_tokens(prompt_len: int, reads: list[bool]) -> None:
+    """Whatever reads of the request's tokens happen between steps (each moves the slot's tokens
+    into its list), every block its computed tokens complete is reported once, either packed
+    from its row as the prefix hash takes it or (when part of it is in the list already) for
+    the general path, and the packed tokens are the block's."""
+    decodes = DecodeSet(BLOCK_SIZE, eos_token_ids=())
+    prompt = list(range(1, prompt_len + 1))
+    request = Request("a", list(prompt), SamplingParams(max_tokens=1000, ignore_eos=True))
+    # Its prefill computed the prompt and sampled the token after it.
+    request.num_computed_tokens = prompt_len
+    request.token_ids.append(500)
+    decodes.join(request, handle=1, cover=10_000, limit=10_000)
+    completed = []
+    for index, read in enumerate(reads):
+        bulk = decodes.plan(budget=1)
+        assert bulk is not None
+        filled = decodes.apply(bulk, [1000 + index], now=0.0).filled
+        for packed, computed in zip(filled.packed_blocks, filled.num_computed, strict=True):
+            tokens = decodes.tokens_of(request)
+            assert packed == pack_tokens(tokens[computed - BLOCK_SIZE : computed])
+            completed.append(computed)
+        completed += [computed for _, computed in filled.others]
+        if read:
+            assert request.token_ids[-1] == 1000 + index
+    final = prompt_len + len(reads)
+    assert completed == list(range(BLOCK_SIZE * (prompt_len // BLOCK_SIZE + 1), final + 1, BLOCK_SIZE))
+    assert request.token_ids == [*prompt, 500, *range(1000, 1000 + len(reads))]

@@ -475,3 +475,26 @@ def test_a_bulk_decoding_request_reads_its_true_progress_mid_decode() -> None:
         bulk_steps += runs[0][2] in runs[0][0].decodes
     assert bulk_steps > 3, "the request decoded in bulk"
     assert runs[0][2].output_token_ids == runs[1][2].output_token_ids == expected_output([1, 2, 3], 9)
+
+
+def test_bulk_decodes_fill_the_prefix_cache_as_per_request_decodes_do() -> None:
+    """The blocks that steady decodes complete are entered into the prefix cache from their
+    decode set's rows; at every step the cache holds the same blocks, under the same hashes, as
+    when each decode is its own plan entry, across rows that fill and hand their tokens over."""
+    runs = []
+    for bulk in (True, False):
+        scheduler = Scheduler(config(bulk_decodes=bulk, num_kv_blocks=256))
+        for index, length in enumerate((3, 4, 5, 9)):
+            prompt = [index * 100 + position for position in range(length)]
+            scheduler.add_request(Request(f"r{index}", prompt, SamplingParams(max_tokens=90, ignore_eos=True)))
+        runs.append((scheduler, SimulatedExecutor(256, 4), []))
+    steps = 0
+    while runs[0][0].has_unfinished():
+        for scheduler, executor, in_flight in runs:
+            if scheduler.has_unfinished():
+                in_flight.append(executor.execute(scheduler.schedule()))
+            if len(in_flight) == 2 or not scheduler.has_unfinished():
+                scheduler.update(in_flight.pop(0))
+        assert runs[0][0].kv.pool.cached_hashes() == runs[1][0].kv.pool.cached_hashes()
+        steps += 1
+    assert steps > 90 and len(runs[0][0].kv.pool.cached_hashes()) > 4 * 90 // 4
