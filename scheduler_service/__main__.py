@@ -339,7 +339,10 @@ def _add_cap_flags(parser: argparse.ArgumentParser) -> None:
         type=positive_int,
         default=caps.max_message_bytes,
         help="bytes of one message gRPC takes in at all (RESOURCE_EXHAUSTED beyond); a request "
-        "over what the caps above allow but under this gets INVALID_ARGUMENT naming its field",
+        "over what the caps above allow but under this gets INVALID_ARGUMENT naming its field. "
+        "gRPC buffers each message whole before it can be judged, so this bounds the memory a "
+        "client's concurrent messages take (default: twice what the caps allow, 2.7 MiB at the "
+        "default caps)",
     )
     group.add_argument(
         "--chat-roles",

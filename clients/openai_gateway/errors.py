@@ -105,10 +105,22 @@ def unsupported(param: str, message: str) -> GatewayError:
     return GatewayError(400, message, param=param, code="unsupported_parameter")
 
 
+# What gRPC itself says, as RESOURCE_EXHAUSTED, of a message over the scheduler's
+# --max-message-bytes: it refused the message unread, and sending it again cannot help.
+TRANSPORT_REFUSAL = "Received message larger than max"
+
+
 def from_splitserve(error: SplitserveError) -> GatewayError:
     """The scheduler's status as HTTP; its message is passed on unchanged (it names the field),
     and its retry-after hint as the Retry-After header (whole seconds), which OpenAI's clients
-    wait out before they retry."""
+    wait out before they retry. A request too large for the scheduler to read at all is 413,
+    which they do not retry, rather than the 429 of overload."""
+    if error.code is grpc.StatusCode.RESOURCE_EXHAUSTED and TRANSPORT_REFUSAL in error.details:
+        message = (
+            f"the request is larger than the scheduler reads ({error.details}); its prompt caps are "
+            "the scheduler's --max-prompt-bytes and --max-prompt-tokens"
+        )
+        return GatewayError(413, message, code="request_too_large")
     status = HTTP_STATUS.get(error.code, 500)
     headers: dict[str, str] = {}
     if error.retry_after_s is not None:

@@ -6,7 +6,11 @@ Each cap is a flag (scheduler_service/__main__.py). The receive limit is derived
 message larger than any request the caps allow is refused from its length alone, before it is
 parsed (frontend/message_parsing.py), with INVALID_ARGUMENT naming its largest field. gRPC's
 own limit sits above that, at --max-message-bytes, as a ceiling on what is buffered at all:
-gRPC answers RESOURCE_EXHAUSTED there with no way to say which cap was broken.
+gRPC answers RESOURCE_EXHAUSTED there with no way to say which cap was broken. By default it is
+twice the receive limit: gRPC buffers every message whole (and copies it) before anyone can
+judge it, so the ceiling times the streams a client opens is memory the client can make the
+process take. At a 64 MiB ceiling, 20 messages of 64 MiB sent at once took a scheduler from
+86 MiB to 1.3 GiB resident, and 30 would take a front-end past its pod's 2 GiB limit.
 """
 
 from __future__ import annotations
@@ -32,6 +36,10 @@ CHAT_MESSAGE_OVERHEAD_BYTES = 64
 # prompt holds usefully (OpenAI allows 128 tools), and what bounds their framing on the wire.
 MAX_TOOLS = 128
 MAX_TOOL_CALLS = 512
+# gRPC's default ceiling on one message, in multiples of the largest request the caps allow: a
+# request up to this far over its caps still hears which field broke them (as TGI's 2 MB
+# --payload-limit, the default scales with the caps, so raising a cap raises it too).
+TRANSPORT_HEADROOM = 2
 
 
 @dataclass(slots=True, frozen=True)
@@ -49,8 +57,9 @@ class IntakeLimits:
     # Choices one request may ask for (SamplingParams.n and best_of): each is a sequence with
     # K/V of its own beyond the shared prompt.
     max_choices: int = 16
-    # Bytes gRPC takes in for one message before it refuses it (RESOURCE_EXHAUSTED) unread.
-    max_message_bytes: int = 64 << 20
+    # Bytes gRPC takes in for one message before it refuses it (RESOURCE_EXHAUSTED) unread;
+    # None: TRANSPORT_HEADROOM times what the caps allow (receive_limit_bytes).
+    max_message_bytes: int | None = None
     # Roles a chat message may have; the chat template renders any string it is given, so
     # an unknown role would be written into the prompt verbatim.
     chat_roles: frozenset[str] = frozenset({"system", "user", "assistant", "tool"})
@@ -69,6 +78,8 @@ class IntakeLimits:
 
     def transport_limit_bytes(self) -> int:
         """gRPC's receive limit: the ceiling, but never below what the caps allow."""
+        if self.max_message_bytes is None:
+            return TRANSPORT_HEADROOM * self.receive_limit_bytes()
         return max(self.max_message_bytes, self.receive_limit_bytes())
 
 

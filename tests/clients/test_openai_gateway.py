@@ -219,6 +219,14 @@ def test_grpc_statuses_become_http_statuses(code: grpc.StatusCode, status: int, 
     assert error.body()["error"]["code"] == expected_code
 
 
+def test_a_request_too_large_for_the_scheduler_to_read_is_413_not_a_retried_429() -> None:
+    details = "SERVER: Received message larger than max (4194330 vs. 2788864)"
+    error = from_splitserve(SplitserveError(grpc.StatusCode.RESOURCE_EXHAUSTED, details))
+    assert (error.status, error.body()["error"]["code"]) == (413, "request_too_large")
+    assert details in error.message and "--max-prompt-bytes" in error.message
+    assert not error.headers
+
+
 def test_openais_harmless_fields_are_taken_and_developer_is_system() -> None:
     body = ChatCompletionRequest(
         messages=[{"role": "developer", "content": "Be brief.", "name": "ops"}, {"role": "user", "content": "hi"}],
@@ -640,6 +648,20 @@ def test_bad_completion_requests_get_400(oai: openai.OpenAI, arguments: dict[str
             oai.completions.create(**request, stream=stream)
         assert error.value.status_code == 400 and message in error.value.body["message"]
         assert error.value.body["type"] == "invalid_request_error"
+
+
+def test_a_prompt_too_large_for_the_scheduler_is_413_and_one_over_its_cap_400(oai: openai.OpenAI) -> None:
+    """Past the scheduler's gRPC ceiling (twice what its caps allow, 2.7 MiB) the message is
+    refused unread, which OpenAI's clients must not take for overload and retry; over the caps
+    but under it, the scheduler names the cap."""
+    for stream in (False, True):
+        with pytest.raises(openai.APIStatusError) as error:
+            oai.completions.create(model=MODEL_NAME, prompt="x" * (4 << 20), max_tokens=2, stream=stream)
+        assert error.value.status_code == 413 and error.value.body["code"] == "request_too_large"
+        assert "larger than the scheduler reads" in error.value.body["message"]
+        with pytest.raises(openai.BadRequestError) as error:
+            oai.completions.create(model=MODEL_NAME, prompt="x" * (2 << 20), max_tokens=2, stream=stream)
+        assert "--max-prompt-bytes" in error.value.body["message"]
 
 
 @pytest.mark.parametrize(

@@ -116,9 +116,13 @@ GENERATE_CASES: list[tuple[str, Callable[[], bytes], grpc.StatusCode, str]] = [
     ("text over the byte cap", lambda: pb.GenerateRequest(text="a" * (MiB + 1), sampling=sampling()).SerializeToString(), INVALID, "--max-prompt-bytes"),
     ("multi-byte text over the byte cap", lambda: pb.GenerateRequest(text="é" * (MiB // 2 + 1), sampling=sampling()).SerializeToString(), INVALID, "--max-prompt-bytes"),
     ("text under the cap, too many tokens", lambda: pb.GenerateRequest(text="word " * 4000, sampling=sampling()).SerializeToString(), INVALID, "maximum model length"),
-    ("8 MB text", lambda: pb.GenerateRequest(text="x" * (8 * MiB), sampling=sampling()).SerializeToString(), INVALID, "its field text takes 8,388,613"),
-    ("16 M token ids", lambda: pb.GenerateRequest(token_ids=pb.TokenIds(ids=[7] * (16 << 20)), sampling=sampling()).SerializeToString(), INVALID, "its field token_ids takes"),
-    ("50 MB cache salt", lambda: pb.GenerateRequest(token_ids=OK_PROMPT, cache_salt="s" * (50 * MiB)).SerializeToString(), INVALID, "its field cache_salt takes"),
+    # Over what the caps allow, under twice that (gRPC's default ceiling): refused unparsed,
+    # naming the field.
+    ("2.5 MB text", lambda: pb.GenerateRequest(text="x" * (5 * MiB // 2), sampling=sampling()).SerializeToString(), INVALID, "its field text takes 2,621,445"),
+    ("2.5 M token ids", lambda: pb.GenerateRequest(token_ids=pb.TokenIds(ids=[7] * (5 * MiB // 2)), sampling=sampling()).SerializeToString(), INVALID, "its field token_ids takes"),
+    ("2.5 MB cache salt", lambda: pb.GenerateRequest(token_ids=OK_PROMPT, cache_salt="s" * (5 * MiB // 2)).SerializeToString(), INVALID, "its field cache_salt takes"),
+    # Over the ceiling: gRPC refuses them unread.
+    ("8 MB text, over the transport ceiling", lambda: pb.GenerateRequest(text="x" * (8 * MiB), sampling=sampling()).SerializeToString(), TOO_BIG, "larger than max"),
     ("70 MB, over the transport ceiling", lambda: pb.GenerateRequest(token_ids=OK_PROMPT, cache_salt="s" * (70 * MiB)).SerializeToString(), TOO_BIG, "larger than max"),
     ("long request id", lambda: pb.GenerateRequest(request_id="r" * 129, token_ids=OK_PROMPT, sampling=sampling()).SerializeToString(), INVALID, "request_id is longer"),
     ("request id with a newline", lambda: pb.GenerateRequest(request_id="a\nevent=forged", token_ids=OK_PROMPT, sampling=sampling()).SerializeToString(), INVALID, "printable ASCII"),
@@ -183,8 +187,9 @@ def test_tokenize_refuses_what_generate_refuses(channel: grpc.Channel, canary: C
 
 
 def test_big_requests_arriving_together_never_stall_a_neighbouring_stream(channel: grpc.Channel, canary: Canary) -> None:
-    big_text = pb.GenerateRequest(text="x" * (8 * MiB), sampling=sampling()).SerializeToString()
-    many_ids = pb.GenerateRequest(token_ids=pb.TokenIds(ids=[7] * (16 << 20)), sampling=sampling()).SerializeToString()
+    # Over the caps, under gRPC's ceiling: read whole, then refused from their length.
+    big_text = pb.GenerateRequest(text="x" * (5 * MiB // 2), sampling=sampling()).SerializeToString()
+    many_ids = pb.GenerateRequest(token_ids=pb.TokenIds(ids=[7] * (5 * MiB // 2)), sampling=sampling()).SerializeToString()
     # Within the receive limit, so parsed, capped and (the last kind) tokenized on the intake
     # thread before the model length refuses it.
     over_cap = pb.GenerateRequest(text="a" * (MiB + 10), sampling=sampling()).SerializeToString()
@@ -216,7 +221,8 @@ def rss_bytes(pid: int) -> int:
 def test_rejected_and_cancelled_big_requests_give_their_memory_back(
     service: Service, channel: grpc.Channel, canary: Canary
 ) -> None:
-    huge = pb.GenerateRequest(text="y" * (32 * MiB), sampling=sampling()).SerializeToString()
+    # Under gRPC's ceiling, over the caps: read whole and refused from its length.
+    huge = pb.GenerateRequest(text="y" * (5 * MiB // 2), sampling=sampling()).SerializeToString()
     # Under the caps' receive limit, so each is parsed before a cap refuses it: 300 MB in all, which
     # a reference kept past the refusal (until the tuned collector runs) would show.
     over_cap = pb.GenerateRequest(text="z" * (MiB + 10), sampling=sampling()).SerializeToString()
@@ -249,6 +255,41 @@ def test_rejected_and_cancelled_big_requests_give_their_memory_back(
         time.sleep(0.5)
         grown = min(grown, rss_bytes(service.pid) - start)
     assert grown < 100 * MiB, f"the scheduler holds {grown / MiB:.0f} MiB more than before"
+
+
+def peak_rss_bytes(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmHWM")
+
+
+def with_children(pid: int) -> list[int]:
+    """The scheduler and, where it runs front-ends (SPLITSERVE_TEST_FRONTENDS), its children:
+    the front-end that took the connection is the one that buffers."""
+    children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    return [pid, *map(int, children)]
+
+
+def test_many_huge_messages_at_once_are_refused_unbuffered(service: Service, channel: grpc.Channel, canary: Canary) -> None:
+    """gRPC buffers a message whole before anything can judge it: its ceiling times a client's
+    concurrent streams is memory the client can make the scheduler take. At the default ceiling
+    (twice what the caps allow) thirty 64 MB messages are refused unread; at the old 64 MiB one
+    the scheduler's peak grew by 1.2 GiB with twenty."""
+    body = pb.GenerateRequest(text="x" * (64 * MiB - 1024), sampling=sampling()).SerializeToString()
+    canary.wait_for_tokens(3)
+    pids = with_children(service.pid)
+    for pid in pids:
+        # Resets the process's peak resident size to its current one (proc(5), clear_refs).
+        Path(f"/proc/{pid}/clear_refs").write_text("5")
+    start = {pid: rss_bytes(pid) for pid in pids}
+    with concurrent.futures.ThreadPoolExecutor(max_workers=30) as pool:
+        errors = list(pool.map(lambda _: generate_raw(channel, body), range(30)))
+    assert all(isinstance(e, grpc.RpcError) and e.code() == TOO_BIG and "larger than max" in e.details() for e in errors), errors[0]
+    grown = max(peak_rss_bytes(pid) - start[pid] for pid in pids)
+    assert grown < 200 * MiB, f"a scheduler process's peak grew {grown / MiB:.0f} MiB"
+    stats = canary.wait_for_tokens(3)
+    assert not stats.errors and stats.mismatches == 0
 
 
 _text = st.text(max_size=40)
