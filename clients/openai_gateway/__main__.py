@@ -15,7 +15,7 @@ from pathlib import Path
 import uvicorn
 
 from clients.openai_gateway.app import GatewaySettings, create_app
-from clients.openai_gateway.body_limit import DEFAULT_MAX_BODY_BYTES
+from clients.openai_gateway.body_limit import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_BODY_BYTES_IN_FLIGHT, check_budget
 from service_support.cli_help import DefaultsHelpFormatter
 from service_support.default_ports import (
     DEFAULT_GATEWAY_PORT,
@@ -51,6 +51,14 @@ def parse_args(argv: Sequence[str] | None, prog: str = "python -m clients.openai
         type=positive_int,
         default=DEFAULT_MAX_BODY_BYTES,
         help="largest request body taken; a larger one is answered 413 before it is read",
+    )
+    parser.add_argument(
+        "--max-body-bytes-in-flight",
+        type=positive_int,
+        default=DEFAULT_MAX_BODY_BYTES_IN_FLIGHT,
+        help="request bodies held at once by the requests in progress, all together (the gateway's "
+        "memory peaks at five to six times this); a body past it is answered 503 with Retry-After, unread. "
+        "At least --max-body-bytes",
     )
     add_log_format_flag(parser)
     parser.add_argument(
@@ -110,9 +118,10 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m clients.opena
     end_with_parent()
     try:
         root_certificates = args.tls_ca.read_bytes() if args.tls_ca else None
+        check_budget(args.max_body_bytes, args.max_body_bytes_in_flight)
         check_listen_ports(args.host, {"--port": args.port})
         listener = listen(args.host, args.port)
-    except (OSError, PortUnavailable) as error:
+    except (OSError, PortUnavailable, ValueError) as error:
         logger.error("event=gateway_refused reason=%r", str(error))
         return 2
     settings = GatewaySettings(
@@ -121,6 +130,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m clients.opena
         root_certificates=root_certificates,
         tls=args.tls,
         max_body_bytes=args.max_body_bytes,
+        max_body_bytes_in_flight=args.max_body_bytes_in_flight,
     )
     config = uvicorn.Config(
         create_app(settings),

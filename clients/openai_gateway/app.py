@@ -85,7 +85,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
             yield
 
     app = FastAPI(title="splitserve OpenAI-compatible gateway", lifespan=lifespan)
-    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
+    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes, max_bytes_in_flight=settings.max_body_bytes_in_flight)
     install_error_handlers(app)
     app.include_router(router)
     app.include_router(tokenization_router)

@@ -1,13 +1,26 @@
-"""A cap on request bodies (--max-body-bytes), enforced before a body is held in memory.
+"""Caps on request bodies, enforced before a body is held in memory: one body's size
+(--max-body-bytes), and what the bodies of the requests in progress hold together
+(--max-body-bytes-in-flight).
 
 A declared Content-Length over the cap is refused from the headers alone, unread; a chunked body
 is counted as it arrives and refused at the first byte past the cap. Either way the answer is a
 413 in OpenAI's error shape and the connection is closed, so the rest of the body is never read.
 A body within the cap is read whole here and handed on as one message, as the JSON routes would
 read it anyway.
+
+A request's body counts against the budget from its first byte (its declared length, up front)
+until its response has been sent: the body, its JSON, the request built from it and that
+request's gRPC message live about that long, five to six times the body in all. Without the
+budget, thirty 15 MiB bodies at once took the gateway from 64 MiB to 1.5 GiB resident (and
+1.4 GiB stayed); with the default, a hundred at once peak at 312 MiB. A body that does
+not fit is read and dropped as it arrives, holding nothing, and answered 503, which OpenAI's
+clients retry after a pause (here Retry-After: 1); it is read so that the client, still
+sending it, hears the answer.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 from starlette.requests import Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -15,12 +28,46 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from clients.openai_gateway.errors import GatewayError
 
 DEFAULT_MAX_BODY_BYTES = 16 << 20
+# Three of the largest bodies at once, ~250 MiB more at the peak: within the 512 MiB the
+# Kubernetes gateway pod may use (deploy/kubernetes/base/gateway.yaml), with room to spare;
+# thousands of ordinary requests (kilobytes each) at once.
+DEFAULT_MAX_BODY_BYTES_IN_FLIGHT = 48 << 20
+
+
+@dataclass(slots=True)
+class BodyBudget:
+    """Bytes of request bodies held by the requests in progress, and how many may be."""
+
+    limit: int
+    held: int = 0
+
+    def take(self, size: int) -> bool:
+        if self.held + size > self.limit:
+            return False
+        self.held += size
+        return True
+
+    def give(self, size: int) -> None:
+        self.held -= size
+
+
+def check_budget(max_bytes: int, max_bytes_in_flight: int) -> None:
+    """ValueError when a body of the largest size allowed could never be taken."""
+    if max_bytes_in_flight < max_bytes:
+        raise ValueError(
+            f"--max-body-bytes-in-flight ({max_bytes_in_flight:,}) is below --max-body-bytes ({max_bytes:,}): "
+            "a body of the largest size allowed could never be taken"
+        )
 
 
 class BodyLimit:
-    def __init__(self, app: ASGIApp, max_bytes: int = DEFAULT_MAX_BODY_BYTES) -> None:
+    def __init__(
+        self, app: ASGIApp, max_bytes: int = DEFAULT_MAX_BODY_BYTES, max_bytes_in_flight: int = DEFAULT_MAX_BODY_BYTES_IN_FLIGHT
+    ) -> None:
+        check_budget(max_bytes, max_bytes_in_flight)
         self.app = app
         self.max_bytes = max_bytes
+        self.budget = BodyBudget(max_bytes_in_flight)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -30,24 +77,39 @@ class BodyLimit:
         if declared.isdigit() and int(declared) > self.max_bytes:
             await self._refuse(scope, receive, send, f"the request body is {int(declared):,} bytes")
             return
-        chunks: list[bytes] = []
-        size = 0
-        more = True
-        while more:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                # The client left before its body arrived: nobody to answer.
-                return
-            chunk = message.get("body", b"")
-            size += len(chunk)
-            if size > self.max_bytes:
-                await self._refuse(scope, receive, send, f"the request body is over {self.max_bytes:,} bytes")
-                return
-            chunks.append(chunk)
-            more = message.get("more_body", False)
-        body = b"".join(chunks)
-        chunks.clear()
-        await self.app(scope, _replay(body, receive), send)
+        held = 0
+        try:
+            if declared.isdigit():
+                if not self.budget.take(int(declared)):
+                    await self._busy(scope, receive, send, int(declared), True)
+                    return
+                held = int(declared)
+            chunks: list[bytes] = []
+            size = 0
+            more = True
+            while more:
+                message = await receive()
+                if message["type"] == "http.disconnect":
+                    # The client left before its body arrived: nobody to answer.
+                    return
+                chunk = message.get("body", b"")
+                more = message.get("more_body", False)
+                size += len(chunk)
+                if size > self.max_bytes:
+                    await self._refuse(scope, receive, send, f"the request body is over {self.max_bytes:,} bytes")
+                    return
+                if size > held:
+                    if not self.budget.take(size - held):
+                        chunks.clear()
+                        await self._busy(scope, receive, send, size, more)
+                        return
+                    held = size
+                chunks.append(chunk)
+            body = b"".join(chunks)
+            chunks.clear()
+            await self.app(scope, _replay(body, receive), send)
+        finally:
+            self.budget.give(held)
 
     async def _refuse(self, scope: Scope, receive: Receive, send: Send, what: str) -> None:
         error = GatewayError(
@@ -56,6 +118,23 @@ class BodyLimit:
             code="request_too_large",
             # The unread rest of the body would otherwise be parsed as the next request.
             headers={"Connection": "close"},
+        )
+        await error.response(Request(scope))(scope, receive, send)
+
+    async def _busy(self, scope: Scope, receive: Receive, send: Send, size: int, unread: bool) -> None:
+        """unread: whether more of the body is to come (it is read and dropped first)."""
+        held = self.budget.held
+        while unread:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            unread = message.get("more_body", False)
+        error = GatewayError(
+            503,
+            f"the gateway holds {held:,} bytes of request bodies in progress; with this one's "
+            f"{size:,} that would pass --max-body-bytes-in-flight ({self.budget.limit:,}). Retry shortly",
+            code="gateway_busy",
+            headers={"Retry-After": "1"},
         )
         await error.response(Request(scope))(scope, receive, send)
 

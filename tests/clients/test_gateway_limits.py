@@ -6,10 +6,13 @@ http.client would refuse to (non-ASCII headers, endless chunked bodies)."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import http.client
 import json
 import socket
 import threading
+import time
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +29,7 @@ BODY_BYTES = 100 * MiB
 # What the issue allows the gateway to grow by while a 100 MiB body is refused.
 RSS_ALLOWANCE_BYTES = 50 * 1000 * 1000
 SMALL_CAP = 4096
+BUDGET_CAP = 64 << 10
 COMPLETION = {"model": "tiny", "prompt": "hi", "max_tokens": 1}
 
 
@@ -44,6 +48,19 @@ class Answer:
 def gateway() -> Iterator[GatewayProcess]:
     """A gateway with the default body cap, in front of a port nobody listens on."""
     process = GatewayProcess(f"127.0.0.1:{free_port()}", served_model_name="tiny")
+    try:
+        process.wait_ready(timeout_s=60.0)
+        yield process
+    finally:
+        process.close()
+
+
+@pytest.fixture(scope="module")
+def budget_gateway() -> Iterator[GatewayProcess]:
+    process = GatewayProcess(
+        f"127.0.0.1:{free_port()}", served_model_name="tiny", max_body_bytes=BUDGET_CAP,
+        max_body_bytes_in_flight=2 * BUDGET_CAP,
+    )
     try:
         process.wait_ready(timeout_s=60.0)
         yield process
@@ -177,6 +194,64 @@ def test_the_cap_is_the_flags_and_a_body_within_it_goes_through(small_cap_gatewa
     # Within the cap the request reaches the scheduler, which is not there.
     within = post_json(address, "/v1/completions", {**COMPLETION, "user": "u" * (SMALL_CAP // 2)})
     assert (within.status, within.error["type"], within.error["code"]) == (503, "server_error", "unavailable")
+
+
+# --- bodies in flight, together ---------------------------------------------------------------
+
+
+def test_many_large_bodies_at_once_take_no_more_memory_than_the_budget(gateway: GatewayProcess) -> None:
+    """Thirty 15 MiB bodies at once, each within the body cap: without a budget of bodies in
+    flight they took the gateway from 64 MiB to 1.5 GiB resident (a Kubernetes gateway pod may
+    use 512 MiB); with the default one, those past it are answered 503 gateway_busy unheld."""
+    data = json.dumps({**COMPLETION, "prompt": "x" * (15 * MiB)}).encode()
+    request = head("POST", "/v1/completions", b"Content-Type: application/json", f"Content-Length: {len(data)}".encode())
+    answers: list[Answer] = []
+
+    def send() -> None:
+        with concurrent.futures.ThreadPoolExecutor(max_workers=30) as pool:
+            answers.extend(pool.map(lambda _: exchange(gateway.address, request, iter([data])), range(30)))
+
+    growth = peak_growth_bytes(gateway, send)
+    codes = Counter(answer.error["code"] for answer in answers)
+    # Those taken reach the scheduler, which is not there.
+    assert codes["gateway_busy"] > 0 and set(codes) <= {"gateway_busy", "unavailable"}, codes
+    busy = next(answer for answer in answers if answer.error["code"] == "gateway_busy")
+    assert busy.status == 503 and busy.headers.get("retry-after") == "1"
+    assert "--max-body-bytes-in-flight" in busy.error["message"]
+    assert growth < 400 * MiB, f"the gateway grew by {growth / MiB:.0f} MiB"
+
+
+def test_bodies_in_progress_hold_the_budget_until_they_end(budget_gateway: GatewayProcess) -> None:
+    """Two requests whose bodies are still arriving hold the whole budget: a third, however
+    small, declared or chunked, is 503 until they are gone."""
+    address = budget_gateway.address
+    host, port = address.rsplit(":", 1)
+    declared = head("POST", "/v1/completions", b"Content-Type: application/json", f"Content-Length: {BUDGET_CAP}".encode())
+    holders = [socket.create_connection((host, int(port)), timeout=60) for _ in range(2)]
+    try:
+        for holder in holders:
+            holder.sendall(declared + b'{"model": ')
+        busy = eventually(lambda: post_json(address, "/v1/completions", COMPLETION), "gateway_busy")
+        assert busy.status == 503 and f"({2 * BUDGET_CAP:,})" in busy.error["message"]
+        streamed = head("POST", "/v1/completions", b"Content-Type: application/json", b"Transfer-Encoding: chunked")
+        assert exchange(address, streamed, chunked(iter([json.dumps(COMPLETION).encode()]))).error["code"] == "gateway_busy"
+    finally:
+        for holder in holders:
+            holder.close()
+    # Gone, they hold nothing: the next request reaches the scheduler (which is not there).
+    eventually(lambda: post_json(address, "/v1/completions", COMPLETION), "unavailable")
+
+
+def eventually(ask: Any, code: str) -> Answer:
+    """ask()'s answer once its error code is code (the gateway takes its connections in its own
+    time), within ten seconds."""
+    deadline = time.monotonic() + 10
+    while True:
+        answer = ask()
+        if answer.error["code"] == code or time.monotonic() > deadline:
+            assert answer.error["code"] == code, answer
+            return answer
+        time.sleep(0.05)
 
 
 # --- credentials ------------------------------------------------------------------------------

@@ -52,3 +52,11 @@ def test_the_defaults_meet_the_scheduler_run_starts() -> None:
     text = " ".join(subprocess.run([SPLITSERVE, "gateway", "--help"], capture_output=True, text=True, timeout=60).stdout.split())
     assert "--port PORT HTTP port (0: any free one) (default: 8000)" in text
     assert "(default: 127.0.0.1:50051)" in text
+
+
+def test_a_budget_below_the_body_cap_is_one_line() -> None:
+    result = gateway("--port", "0", "--max-body-bytes", "2048", "--max-body-bytes-in-flight", "1024")
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
+    assert "--max-body-bytes-in-flight (1,024) is below --max-body-bytes (2,048)" in lines[0]
