@@ -461,11 +461,12 @@ async def serve(executor: ServedExecutor, options: ServeOptions, worker: ThreadP
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
     logger.info(
-        "event=executor_ready address=%s:%d port=%d model=%s device=%s dtype=%s blocks=%d "
-        "block_size=%d backend=%s incarnation=%s tls=%s access=%s",
+        "event=executor_ready address=%s:%d port=%d metrics_port=%s model=%s device=%s dtype=%s "
+        "blocks=%d block_size=%d backend=%s incarnation=%s tls=%s access=%s",
         host,
         bound_port,
         bound_port,
+        metrics_port if metrics_port is not None else "off",
         info.model_id,
         info.device,
         info.dtype,

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from clients import AsyncClient, Client
-from tests.helpers.executor_process import start_executor
+from tests.helpers.executor_process import ExecutorProcess
 from tests.helpers.greedy_client import stream_all
 from tests.helpers.metrics_scrape import Samples, scrape
 from tests.helpers.model_factory import build_model
@@ -37,6 +37,9 @@ LONG_PROMPT, LONG_TOKENS = [3] * 40, 900
 @dataclass(slots=True)
 class Scraped:
     executor_address: str
+    # The executor's event=executor_ready log line, and the metrics port it was given.
+    executor_ready_line: str
+    executor_metrics_port: int
     scheduler: Samples
     executor: Samples
     executor_during: Samples
@@ -47,9 +50,10 @@ class Scraped:
 def scraped(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Scraped]:
     model = build_model("llama", tmp_path_factory.mktemp("metrics") / "llama", seed=21)
     executor_metrics, scheduler_metrics = free_port(), free_port()
-    with start_executor(
-        model, num_kv_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, metrics_port=executor_metrics
-    ) as (executor, _):
+    executor_process = ExecutorProcess(model, num_kv_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, metrics_port=executor_metrics)
+    try:
+        executor = executor_process.wait_ready()
+        ready_line = next(line for line in executor_process.log_text().splitlines() if "event=executor_ready" in line)
         with start_scheduler(executor, max_num_batched_tokens=256, metrics_port=scheduler_metrics) as address:
             executor_during = asyncio.run(_scrape_while_running(address, executor_metrics))
             asyncio.run(stream_all(address, JOBS))
@@ -60,7 +64,11 @@ def scraped(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Scraped]:
                 client.generate(prompt_token_ids=[5, 6, 7], max_tokens=1)
             scheduler, scheduler_families = scrape(scheduler_metrics)
             executor_samples, executor_families = scrape(executor_metrics)
-            yield Scraped(executor, scheduler, executor_samples, executor_during, scheduler_families | executor_families)
+            yield Scraped(
+                executor, ready_line, executor_metrics, scheduler, executor_samples, executor_during, scheduler_families | executor_families
+            )
+    finally:
+        executor_process.close()
 
 
 async def _scrape_while_running(address: str, metrics_port: int) -> Samples:
@@ -104,6 +112,12 @@ def test_scheduler_counts_requests_tokens_and_latencies(scraped: Scraped) -> Non
     assert s[f'splitserve:executor_state{{executor="{executor}",state="down"}}'] == 0
     assert s[f'splitserve:executor_num_requests{{executor="{executor}"}}'] == 0
     assert s["splitserve:executors_up"] == 1
+
+
+def test_the_executor_names_its_metrics_port_when_it_is_ready(scraped: Scraped) -> None:
+    """As the scheduler's ready line does: whoever waits for the line knows where to scrape."""
+    port = scraped.executor_address.rsplit(":", 1)[1]
+    assert f"port={port} metrics_port={scraped.executor_metrics_port} " in scraped.executor_ready_line
 
 
 def test_executor_reports_its_steps_and_kv_blocks(scraped: Scraped) -> None:
