@@ -8,14 +8,16 @@ is counted as it arrives and refused at the first byte past the cap. Either way 
 A body within the cap is read whole here and handed on as one message, as the JSON routes would
 read it anyway.
 
-A request's body counts against the budget from its first byte (its declared length, up front)
-until its response has been sent: the body, its JSON, the request built from it and that
-request's gRPC message live about that long, five to six times the body in all. Without the
-budget, thirty 15 MiB bodies at once took the gateway from 64 MiB to 1.5 GiB resident (and
-1.4 GiB stayed); with the default, a hundred at once peak at 312 MiB. A body that does
-not fit is read and dropped as it arrives, holding nothing, and answered 503, which OpenAI's
-clients retry after a pause (here Retry-After: 1); it is read so that the client, still
-sending it, hears the answer.
+A request's body counts against the budget from its first byte (its declared length then, or
+what has arrived of a chunked one; a length stated and never sent holds nothing) until its
+response has been sent: the body, its JSON, the request built from it and that request's gRPC
+message live about that long, five to six times the body in all. Bodies of up to
+SMALL_BODY_BYTES are not counted, so that ordinary requests are never turned away because large
+ones are in progress (or stalled mid-body). Without the budget, thirty 15 MiB bodies at once
+took the gateway from 64 MiB to 1.5 GiB resident (and 1.4 GiB stayed); with the default, a
+hundred at once peak at 310-400 MiB. A body that does not fit is read and dropped as it arrives,
+holding nothing, and answered 503, which OpenAI's clients retry after a pause (here
+Retry-After: 1); it is read so that the client, still sending it, hears the answer.
 """
 
 from __future__ import annotations
@@ -28,10 +30,11 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from clients.openai_gateway.errors import GatewayError
 
 DEFAULT_MAX_BODY_BYTES = 16 << 20
-# Three of the largest bodies at once, ~250 MiB more at the peak: within the 512 MiB the
-# Kubernetes gateway pod may use (deploy/kubernetes/base/gateway.yaml), with room to spare;
-# thousands of ordinary requests (kilobytes each) at once.
+# Three of the largest bodies at once, 250-340 MiB more at the peak: within the 512 MiB the
+# Kubernetes gateway pod may use (deploy/kubernetes/base/gateway.yaml), with ~100 MiB to spare.
 DEFAULT_MAX_BODY_BYTES_IN_FLIGHT = 48 << 20
+# Chat and completion requests are a few kilobytes; a prompt of some thousands of tokens, tens.
+SMALL_BODY_BYTES = 64 << 10
 
 
 @dataclass(slots=True)
@@ -79,11 +82,6 @@ class BodyLimit:
             return
         held = 0
         try:
-            if declared.isdigit():
-                if not self.budget.take(int(declared)):
-                    await self._busy(scope, receive, send, int(declared), True)
-                    return
-                held = int(declared)
             chunks: list[bytes] = []
             size = 0
             more = True
@@ -98,12 +96,16 @@ class BodyLimit:
                 if size > self.max_bytes:
                     await self._refuse(scope, receive, send, f"the request body is over {self.max_bytes:,} bytes")
                     return
-                if size > held:
-                    if not self.budget.take(size - held):
+                # A declared body counts whole from its first byte, so that of a burst of large
+                # bodies the first few go through rather than each holding a share and none
+                # finishing; a chunked one as it arrives.
+                due = max(size, int(declared)) if declared.isdigit() else size
+                if due > max(held, SMALL_BODY_BYTES):
+                    if not self.budget.take(due - held):
                         chunks.clear()
-                        await self._busy(scope, receive, send, size, more)
+                        await self._busy(scope, receive, send, due, more)
                         return
-                    held = size
+                    held = due
                 chunks.append(chunk)
             body = b"".join(chunks)
             chunks.clear()
