@@ -15,13 +15,18 @@ from pathlib import Path
 import uvicorn
 
 from clients.openai_gateway.app import GatewaySettings, create_app
-from clients.openai_gateway.body_limit import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_BODY_BYTES_IN_FLIGHT, check_budget
+from clients.openai_gateway.body_limit import (
+    DEFAULT_BODY_READ_TIMEOUT_S,
+    DEFAULT_MAX_BODY_BYTES,
+    DEFAULT_MAX_BODY_BYTES_IN_FLIGHT,
+    check_budget,
+)
 from service_support.cli_help import DefaultsHelpFormatter
 from service_support.default_ports import (
     DEFAULT_GATEWAY_PORT,
     DEFAULT_SCHEDULER_ADDRESS,
 )
-from service_support.flag_types import non_negative_float, port_number, positive_int
+from service_support.flag_types import non_negative_float, port_number, positive_float, positive_int
 from service_support.log_format import add_log_format_flag, configure_logging
 from service_support.parent_death import end_with_parent
 from service_support.port_check import PortUnavailable, check_listen_ports
@@ -59,6 +64,13 @@ def parse_args(argv: Sequence[str] | None, prog: str = "python -m clients.openai
         help="request bodies held at once by the requests in progress, all together (the gateway's "
         "memory peaks at five to six times this); a body past it is answered 503 with Retry-After, unread. "
         "At least --max-body-bytes",
+    )
+    parser.add_argument(
+        "--body-read-timeout",
+        type=positive_float,
+        default=DEFAULT_BODY_READ_TIMEOUT_S,
+        help="seconds a request body may go without a byte arriving; past it, 408 and the connection "
+        "closed (a stalled body holds its share of --max-body-bytes-in-flight that long at most)",
     )
     add_log_format_flag(parser)
     parser.add_argument(
@@ -131,6 +143,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m clients.opena
         tls=args.tls,
         max_body_bytes=args.max_body_bytes,
         max_body_bytes_in_flight=args.max_body_bytes_in_flight,
+        body_read_timeout_s=args.body_read_timeout,
     )
     config = uvicorn.Config(
         create_app(settings),

@@ -85,7 +85,12 @@ def create_app(settings: GatewaySettings) -> FastAPI:
             yield
 
     app = FastAPI(title="splitserve OpenAI-compatible gateway", lifespan=lifespan)
-    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes, max_bytes_in_flight=settings.max_body_bytes_in_flight)
+    app.add_middleware(
+        BodyLimit,
+        max_bytes=settings.max_body_bytes,
+        max_bytes_in_flight=settings.max_body_bytes_in_flight,
+        read_timeout_s=settings.body_read_timeout_s,
+    )
     install_error_handlers(app)
     app.include_router(router)
     app.include_router(tokenization_router)

@@ -18,10 +18,16 @@ took the gateway from 64 MiB to 1.5 GiB resident (and 1.4 GiB stayed); with the 
 hundred at once peak at 310-400 MiB. A body that does not fit is read and dropped as it arrives,
 holding nothing, and answered 503, which OpenAI's clients retry after a pause (here
 Retry-After: 1); it is read so that the client, still sending it, hears the answer.
+
+A body that goes --body-read-timeout seconds without a byte arriving is answered 408 (which
+OpenAI's clients retry) and its connection closed, so a client that starts a large body and
+stalls holds its share of the budget that long at most (uvicorn has no timeout of its own for a
+body in progress; nginx's client_body_timeout is the same rule, at 60 s).
 """
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 
 from starlette.requests import Request
@@ -35,6 +41,8 @@ DEFAULT_MAX_BODY_BYTES = 16 << 20
 DEFAULT_MAX_BODY_BYTES_IN_FLIGHT = 48 << 20
 # Chat and completion requests are a few kilobytes; a prompt of some thousands of tokens, tens.
 SMALL_BODY_BYTES = 64 << 10
+# A client on a slow link still sends something every few seconds.
+DEFAULT_BODY_READ_TIMEOUT_S = 30.0
 
 
 @dataclass(slots=True)
@@ -65,12 +73,17 @@ def check_budget(max_bytes: int, max_bytes_in_flight: int) -> None:
 
 class BodyLimit:
     def __init__(
-        self, app: ASGIApp, max_bytes: int = DEFAULT_MAX_BODY_BYTES, max_bytes_in_flight: int = DEFAULT_MAX_BODY_BYTES_IN_FLIGHT
+        self,
+        app: ASGIApp,
+        max_bytes: int = DEFAULT_MAX_BODY_BYTES,
+        max_bytes_in_flight: int = DEFAULT_MAX_BODY_BYTES_IN_FLIGHT,
+        read_timeout_s: float = DEFAULT_BODY_READ_TIMEOUT_S,
     ) -> None:
         check_budget(max_bytes, max_bytes_in_flight)
         self.app = app
         self.max_bytes = max_bytes
         self.budget = BodyBudget(max_bytes_in_flight)
+        self.read_timeout_s = read_timeout_s
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -86,7 +99,12 @@ class BodyLimit:
             size = 0
             more = True
             while more:
-                message = await receive()
+                try:
+                    async with asyncio.timeout(self.read_timeout_s):
+                        message = await receive()
+                except TimeoutError:
+                    await self._timed_out(scope, receive, send, size)
+                    return
                 if message["type"] == "http.disconnect":
                     # The client left before its body arrived: nobody to answer.
                     return
@@ -118,6 +136,17 @@ class BodyLimit:
             413,
             f"{what}; this gateway takes at most {self.max_bytes:,} (--max-body-bytes)",
             code="request_too_large",
+            # The unread rest of the body would otherwise be parsed as the next request.
+            headers={"Connection": "close"},
+        )
+        await error.response(Request(scope))(scope, receive, send)
+
+    async def _timed_out(self, scope: Scope, receive: Receive, send: Send, size: int) -> None:
+        error = GatewayError(
+            408,
+            f"the request body stopped arriving: nothing for {self.read_timeout_s:g} s after {size:,} bytes "
+            "(--body-read-timeout)",
+            code="request_timeout",
             # The unread rest of the body would otherwise be parsed as the next request.
             headers={"Connection": "close"},
         )

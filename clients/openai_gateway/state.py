@@ -10,7 +10,11 @@ from fastapi import Depends, Request
 
 from clients.async_client import AsyncClient
 from clients.openai_gateway.auth import bearer_token, tenant_header
-from clients.openai_gateway.body_limit import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_BODY_BYTES_IN_FLIGHT
+from clients.openai_gateway.body_limit import (
+    DEFAULT_BODY_READ_TIMEOUT_S,
+    DEFAULT_MAX_BODY_BYTES,
+    DEFAULT_MAX_BODY_BYTES_IN_FLIGHT,
+)
 from clients.openai_gateway.served_model import ServedModel
 
 
@@ -23,6 +27,7 @@ class GatewaySettings:
     health_timeout_s: float = 5.0
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     max_body_bytes_in_flight: int = DEFAULT_MAX_BODY_BYTES_IN_FLIGHT
+    body_read_timeout_s: float = DEFAULT_BODY_READ_TIMEOUT_S
 
 
 @dataclass(slots=True, frozen=True)

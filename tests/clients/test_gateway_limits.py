@@ -70,6 +70,19 @@ def budget_gateway() -> Iterator[GatewayProcess]:
 
 
 @pytest.fixture(scope="module")
+def impatient_gateway() -> Iterator[GatewayProcess]:
+    process = GatewayProcess(
+        f"127.0.0.1:{free_port()}", served_model_name="tiny", max_body_bytes=BUDGET_CAP,
+        max_body_bytes_in_flight=2 * BUDGET_CAP, body_read_timeout=1,
+    )
+    try:
+        process.wait_ready(timeout_s=60.0)
+        yield process
+    finally:
+        process.close()
+
+
+@pytest.fixture(scope="module")
 def small_cap_gateway() -> Iterator[GatewayProcess]:
     process = GatewayProcess(f"127.0.0.1:{free_port()}", served_model_name="tiny", max_body_bytes=SMALL_CAP)
     try:
@@ -254,6 +267,30 @@ def test_bodies_in_progress_hold_the_budget_until_they_end(budget_gateway: Gatew
     finally:
         for connection in connections:
             connection.close()
+
+
+def test_a_body_that_stops_arriving_is_408_and_holds_nothing_after(impatient_gateway: GatewayProcess) -> None:
+    """Two clients that send most of a large body and stall hold the whole budget only until
+    --body-read-timeout (1 s here): each is answered 408 request_timeout and cut off, and a
+    large request goes through after them."""
+    address = impatient_gateway.address
+    host, port = address.rsplit(":", 1)
+    declared = head("POST", "/v1/completions", b"Content-Type: application/json", f"Content-Length: {BUDGET_CAP}".encode())
+    holders = [socket.create_connection((host, int(port)), timeout=30) for _ in range(2)]
+    try:
+        for holder in holders:
+            holder.sendall(declared + b'{"model": "' + b"m" * (BUDGET_CAP * 4 // 5))
+        for holder in holders:
+            response = http.client.HTTPResponse(holder)
+            response.begin()
+            body = json.loads(response.read())
+            assert response.status == 408 and body["error"]["code"] == "request_timeout"
+            assert "--body-read-timeout" in body["error"]["message"]
+    finally:
+        for holder in holders:
+            holder.close()
+    large = {**COMPLETION, "user": "u" * (BUDGET_CAP * 3 // 5)}
+    assert post_json(address, "/v1/completions", large).error["code"] == "unavailable"
 
 
 def eventually(ask: Any, code: str) -> Answer:
