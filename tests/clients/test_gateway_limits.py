@@ -45,51 +45,35 @@ class Answer:
         return self.body["error"]
 
 
-@pytest.fixture(scope="module")
-def gateway() -> Iterator[GatewayProcess]:
-    """A gateway with the default body cap, in front of a port nobody listens on."""
-    process = GatewayProcess(f"127.0.0.1:{free_port()}", served_model_name="tiny")
+def running_gateway(**flags: object) -> Iterator[GatewayProcess]:
+    """A gateway with these flags, in front of a port nobody listens on."""
+    process = GatewayProcess(f"127.0.0.1:{free_port()}", served_model_name="tiny", **flags)
     try:
         process.wait_ready(timeout_s=60.0)
         yield process
     finally:
         process.close()
+
+
+@pytest.fixture(scope="module")
+def gateway() -> Iterator[GatewayProcess]:
+    """The default body cap and budget."""
+    yield from running_gateway()
 
 
 @pytest.fixture(scope="module")
 def budget_gateway() -> Iterator[GatewayProcess]:
-    process = GatewayProcess(
-        f"127.0.0.1:{free_port()}", served_model_name="tiny", max_body_bytes=BUDGET_CAP,
-        max_body_bytes_in_flight=2 * BUDGET_CAP,
-    )
-    try:
-        process.wait_ready(timeout_s=60.0)
-        yield process
-    finally:
-        process.close()
+    yield from running_gateway(max_body_bytes=BUDGET_CAP, max_body_bytes_in_flight=2 * BUDGET_CAP)
 
 
 @pytest.fixture(scope="module")
 def impatient_gateway() -> Iterator[GatewayProcess]:
-    process = GatewayProcess(
-        f"127.0.0.1:{free_port()}", served_model_name="tiny", max_body_bytes=BUDGET_CAP,
-        max_body_bytes_in_flight=2 * BUDGET_CAP, body_read_timeout=1,
-    )
-    try:
-        process.wait_ready(timeout_s=60.0)
-        yield process
-    finally:
-        process.close()
+    yield from running_gateway(max_body_bytes=BUDGET_CAP, max_body_bytes_in_flight=2 * BUDGET_CAP, body_read_timeout=1)
 
 
 @pytest.fixture(scope="module")
 def small_cap_gateway() -> Iterator[GatewayProcess]:
-    process = GatewayProcess(f"127.0.0.1:{free_port()}", served_model_name="tiny", max_body_bytes=SMALL_CAP)
-    try:
-        process.wait_ready(timeout_s=60.0)
-        yield process
-    finally:
-        process.close()
+    yield from running_gateway(max_body_bytes=SMALL_CAP)
 
 
 def exchange(
