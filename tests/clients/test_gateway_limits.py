@@ -15,13 +15,13 @@ import time
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import pytest
 
 from service_support.log_format import message_fields
 from tests.helpers.gateway_process import GatewayProcess
+from tests.helpers.process_memory import peak_rss_bytes, reset_peak, rss_bytes
 from tests.helpers.service_process import free_port
 
 MiB = 1 << 20
@@ -130,21 +130,13 @@ def chunked(pieces: Iterator[bytes]) -> Iterator[bytes]:
     yield b"0\r\n\r\n"
 
 
-def status_kib(pid: int, field: str) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith(f"{field}:"):
-            return int(line.split()[1])
-    raise KeyError(field)
-
-
 def peak_growth_bytes(process: GatewayProcess, send: Any) -> int:
     """How far the gateway's resident memory rose above where it stood while send() ran."""
     pid = process.process.pid
-    # 5 resets the peak (VmHWM) to the current resident size.
-    Path(f"/proc/{pid}/clear_refs").write_text("5")
-    start = status_kib(pid, "VmRSS")
+    reset_peak(pid)
+    start = rss_bytes(pid)
     send()
-    return (status_kib(pid, "VmHWM") - start) * 1024
+    return peak_rss_bytes(pid) - start
 
 
 # --- the body cap -----------------------------------------------------------------------------

@@ -20,6 +20,7 @@ from protos.splitserve.v1 import generation_pb2 as pb
 from tests.helpers.canary import Canary
 from tests.helpers.executor_process import start_executor
 from tests.helpers.model_factory import build_model
+from tests.helpers.process_memory import peak_rss_bytes, reset_peak, rss_bytes
 from tests.helpers.scheduler_process import SchedulerProcess
 from tests.helpers.tokenizer_assets import qwen3_tokenizer_dir
 
@@ -211,13 +212,6 @@ def test_big_requests_arriving_together_never_stall_a_neighbouring_stream(channe
     assert not stats.errors and stats.mismatches == 0
 
 
-def rss_bytes(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    raise AssertionError("no VmRSS")
-
-
 def test_rejected_and_cancelled_big_requests_give_their_memory_back(
     service: Service, channel: grpc.Channel, canary: Canary
 ) -> None:
@@ -257,13 +251,6 @@ def test_rejected_and_cancelled_big_requests_give_their_memory_back(
     assert grown < 100 * MiB, f"the scheduler holds {grown / MiB:.0f} MiB more than before"
 
 
-def peak_rss_bytes(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) * 1024
-    raise AssertionError("no VmHWM")
-
-
 def with_children(pid: int) -> list[int]:
     """The scheduler and, where it runs front-ends (SPLITSERVE_TEST_FRONTENDS), its children:
     the front-end that took the connection is the one that buffers."""
@@ -280,8 +267,7 @@ def test_many_huge_messages_at_once_are_refused_unbuffered(service: Service, cha
     canary.wait_for_tokens(3)
     pids = with_children(service.pid)
     for pid in pids:
-        # Resets the process's peak resident size to its current one (proc(5), clear_refs).
-        Path(f"/proc/{pid}/clear_refs").write_text("5")
+        reset_peak(pid)
     start = {pid: rss_bytes(pid) for pid in pids}
     with concurrent.futures.ThreadPoolExecutor(max_workers=20) as pool:
         errors = list(pool.map(lambda _: generate_raw(channel, body), range(20)))
