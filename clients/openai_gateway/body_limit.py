@@ -89,9 +89,11 @@ class BodyLimit:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        declared = Request(scope).headers.get("content-length", "")
-        if declared.isdigit() and int(declared) > self.max_bytes:
-            await self._refuse(scope, receive, send, f"the request body is {int(declared):,} bytes")
+        length = Request(scope).headers.get("content-length", "")
+        # 0 for a chunked body, which declares none.
+        declared = int(length) if length.isdigit() else 0
+        if declared > self.max_bytes:
+            await self._refuse(scope, receive, send, f"the request body is {declared:,} bytes")
             return
         held = 0
         try:
@@ -103,7 +105,11 @@ class BodyLimit:
                     async with asyncio.timeout(self.read_timeout_s):
                         message = await receive()
                 except TimeoutError:
-                    await self._timed_out(scope, receive, send, size)
+                    why = (
+                        f"the request body stopped arriving: nothing for {self.read_timeout_s:g} s after "
+                        f"{size:,} bytes (--body-read-timeout)"
+                    )
+                    await self._close_with(scope, receive, send, 408, why, "request_timeout")
                     return
                 if message["type"] == "http.disconnect":
                     # The client left before its body arrived: nobody to answer.
@@ -117,7 +123,7 @@ class BodyLimit:
                 # A declared body counts whole from its first byte, so that of a burst of large
                 # bodies the first few go through rather than each holding a share and none
                 # finishing; a chunked one as it arrives.
-                due = max(size, int(declared)) if declared.isdigit() else size
+                due = max(size, declared)
                 if due > max(held, SMALL_BODY_BYTES):
                     if not self.budget.take(due - held):
                         chunks.clear()
@@ -132,24 +138,13 @@ class BodyLimit:
             self.budget.give(held)
 
     async def _refuse(self, scope: Scope, receive: Receive, send: Send, what: str) -> None:
-        error = GatewayError(
-            413,
-            f"{what}; this gateway takes at most {self.max_bytes:,} (--max-body-bytes)",
-            code="request_too_large",
-            # The unread rest of the body would otherwise be parsed as the next request.
-            headers={"Connection": "close"},
-        )
-        await error.response(Request(scope))(scope, receive, send)
+        message = f"{what}; this gateway takes at most {self.max_bytes:,} (--max-body-bytes)"
+        await self._close_with(scope, receive, send, 413, message, "request_too_large")
 
-    async def _timed_out(self, scope: Scope, receive: Receive, send: Send, size: int) -> None:
-        error = GatewayError(
-            408,
-            f"the request body stopped arriving: nothing for {self.read_timeout_s:g} s after {size:,} bytes "
-            "(--body-read-timeout)",
-            code="request_timeout",
-            # The unread rest of the body would otherwise be parsed as the next request.
-            headers={"Connection": "close"},
-        )
+    async def _close_with(self, scope: Scope, receive: Receive, send: Send, status: int, message: str, code: str) -> None:
+        """Answers a request whose body is left unread, and closes its connection: the unread rest
+        would otherwise be parsed as the next request."""
+        error = GatewayError(status, message, code=code, headers={"Connection": "close"})
         await error.response(Request(scope))(scope, receive, send)
 
     async def _busy(self, scope: Scope, receive: Receive, send: Send, size: int, unread: bool) -> None:
